@@ -1,0 +1,299 @@
+"""Artifacts and the manager summary (SPEC §5.8).
+
+Per iteration the manager gets a JSON-safe summary (per-worker scores and defect counts, top
+prescriptions, known patterns, repair history); the same facts land on disk under
+``<root>/runs/<run-id>/iterations/NNN/`` as ``critique.json``, ``CRITIQUE.md`` and
+``delegations/<worker-id>/{critique,repairs}.json``. Writes are atomic and the JSON is
+deterministic (sorted keys, indent 2, trailing newline) so reruns produce identical bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PathEscapeError, SubmissionError
+from pipeline.gates import mean_best_score
+from pipeline.models import SCHEMA_VERSION, CritiqueResult, Pattern, check_identifier
+
+TOP_PRESCRIPTIONS = 10
+_CELL_MAX = 200
+
+
+def _sorted_results(results: Sequence[CritiqueResult]) -> list[CritiqueResult]:
+    """Results by worker id; a worker listed twice is an error (its files would collide)."""
+    seen: set[str] = set()
+    for r in results:
+        if r.worker_id in seen:
+            raise SubmissionError(
+                f"worker {r.worker_id!r} appears twice in one iteration's results",
+                hint="pass one CritiqueResult per worker",
+            )
+        seen.add(r.worker_id)
+    return sorted(results, key=lambda r: r.worker_id)
+
+
+def _severity_counts(result: CritiqueResult) -> dict[str, int]:
+    counts = {"critical": 0, "warning": 0, "info": 0}
+    for d in result.envelope.defects:
+        counts[d.severity] += 1
+    return counts
+
+
+def _normal(text: str) -> str:
+    return " ".join(text.split())
+
+
+def manager_summary(
+    run_id: str,
+    iteration: int,
+    results: Sequence[CritiqueResult],
+    patterns: Sequence[Pattern],
+) -> dict[str, Any]:
+    """The manager's per-iteration view of the critiques, JSON-safe and deterministic."""
+    ordered = _sorted_results(results)
+    workers: list[dict[str, Any]] = []
+    totals = {"critical": 0, "warning": 0, "info": 0}
+    for r in ordered:
+        counts = _severity_counts(r)
+        for k, v in counts.items():
+            totals[k] += v
+        workers.append(
+            {
+                "worker_id": r.worker_id,
+                "status": r.status,
+                "stop_reason": r.stop_reason,
+                "original_score": r.original_score,
+                "best_score": r.best_score,
+                "band": r.envelope.band,
+                "defects": counts,
+                "false_positives": sum(1 for d in r.envelope.defects if d.false_positive),
+                "repair_attempts": len(r.attempts),
+                "critic": r.envelope.critic,
+            }
+        )
+
+    counter: Counter[str] = Counter()
+    for r in ordered:
+        for p in r.envelope.prescriptions:
+            key = _normal(p)
+            if key:
+                counter[key] += 1
+    top = sorted(counter.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_PRESCRIPTIONS]
+
+    known = sorted(patterns, key=lambda p: -p.frequency)
+    history = [a.model_dump(mode="json", exclude_none=True) for r in ordered for a in r.attempts]
+    mean = mean_best_score(ordered)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "iteration": iteration,
+        "mean_score": None if mean is None else round(mean, 6),
+        "workers": workers,
+        "totals": {
+            "workers": len(ordered),
+            "defects": totals,
+            "repaired": sum(1 for r in ordered if r.status == "repaired"),
+            "escalated": sum(1 for r in ordered if r.status == "escalated"),
+            "failed": sum(1 for r in ordered if r.status == "failed"),
+            "tokens_in": sum(r.usage.tokens_in for r in ordered),
+            "tokens_out": sum(r.usage.tokens_out for r in ordered),
+            "cost": round(sum(r.usage.cost for r in ordered), 6),
+        },
+        "top_prescriptions": [{"prescription": k, "count": n} for k, n in top],
+        "known_patterns": [p.model_dump(mode="json") for p in known],
+        "repair_history": history,
+    }
+
+
+def _cell(value: object) -> str:
+    """One Markdown table cell: single line, pipes escaped, long text cut."""
+    text = _normal(str(value)).replace("|", "\\|")
+    return text if len(text) <= _CELL_MAX else text[: _CELL_MAX - 1] + "…"
+
+
+def _score(value: object) -> str:
+    return f"{value:.2f}" if isinstance(value, int | float) else "—"
+
+
+def render_critique_md(summary: dict[str, Any], results: Sequence[CritiqueResult]) -> str:
+    """CRITIQUE.md: a table per worker, prescriptions, known pitfalls, repair history."""
+    ordered = _sorted_results(results)
+    totals = summary["totals"]
+    lines = [
+        f"# Critique — run `{summary['run_id']}`, iteration {summary['iteration']:03d}",
+        "",
+        f"Mean score **{_score(summary['mean_score'])}** over {totals['workers']} worker(s); "
+        f"{totals['repaired']} repaired, {totals['escalated']} escalated, "
+        f"{totals['failed']} failed. Defects: {totals['defects']['critical']} critical, "
+        f"{totals['defects']['warning']} warning, {totals['defects']['info']} info.",
+        "",
+    ]
+    by_id = {w["worker_id"]: w for w in summary["workers"]}
+    for r in ordered:
+        w = by_id.get(r.worker_id)
+        if w is None:
+            continue
+        d = w["defects"]
+        lines += [
+            f"## Worker `{r.worker_id}` — {r.status} (stop: {r.stop_reason})",
+            "",
+            "| metric | value |",
+            "|---|---|",
+            f"| original score | {_score(w['original_score'])} |",
+            f"| best score | {_score(w['best_score'])} |",
+            f"| band | {w['band']} |",
+            f"| defects | {d['critical']} critical, {d['warning']} warning, {d['info']} info |",
+            f"| repair attempts | {w['repair_attempts']} |",
+            f"| critic | {_cell(w['critic'])} |",
+            "",
+        ]
+        if r.envelope.defects:
+            lines += ["| severity | category | location | description |", "|---|---|---|---|"]
+            for defect in r.envelope.defects:
+                flag = " (false positive)" if defect.false_positive else ""
+                lines.append(
+                    f"| {defect.severity}{flag} | {_cell(defect.category)} | "
+                    f"{_cell(defect.location or '—')} | {_cell(defect.description)} |"
+                )
+            lines.append("")
+        if r.envelope.summary:
+            lines += [f"> {_cell(r.envelope.summary)}", ""]
+
+    lines += ["## Top prescriptions", ""]
+    if summary["top_prescriptions"]:
+        for i, p in enumerate(summary["top_prescriptions"], 1):
+            lines.append(f"{i}. [×{p['count']}] {_cell(p['prescription'])}")
+    else:
+        lines.append("None.")
+    lines += ["", "## Known pitfalls", ""]
+    if summary["known_patterns"]:
+        for p in summary["known_patterns"]:
+            rule = _cell(p["prevention_rule"] or p["description"])
+            lines.append(f"- [seen {p['frequency']}x] {_cell(p['category'])}: {rule}")
+    else:
+        lines.append("None recorded.")
+    lines += ["", "## Repair history", ""]
+    if summary["repair_history"]:
+        lines += [
+            "| worker | attempt | original | repaired | fixed | remaining | stop |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for a in summary["repair_history"]:
+            lines.append(
+                f"| `{a['worker_id']}` | {a['attempt']} | {_score(a['original_score'])} | "
+                f"{_score(a['repaired_score'])} | {a['defects_fixed']} | "
+                f"{a['defects_remaining']} | {a.get('stop_reason') or '—'} |"
+            )
+    else:
+        lines.append("No repairs.")
+    return "\n".join(lines) + "\n"
+
+
+def dumps(data: Any) -> str:
+    """Deterministic JSON: sorted keys, indent 2, UTF-8 kept, trailing newline."""
+    return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder and rename: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _ident(value: str, what: str) -> str:
+    try:
+        return check_identifier(value, what)
+    except ValueError as exc:
+        raise SubmissionError(str(exc)) from None
+
+
+def _confined(root: Path, path: Path) -> Path:
+    """Refuse a target whose real location (after symlinks) is outside ``root``."""
+    base = root.resolve()
+    real = path.resolve()
+    if not real.is_relative_to(base):
+        raise PathEscapeError(
+            f"artifact path {str(path)!r} resolves to {str(real)!r}, outside {str(base)!r}",
+            hint="a folder under the artifacts root is a symlink leading out of it",
+        )
+    return path
+
+
+def iteration_dir(root: Path, run_id: str, iteration: int) -> Path:
+    """``<root>/runs/<run-id>/iterations/NNN`` for a safe run id and iteration ≥ 1."""
+    _ident(run_id, "run_id")
+    if iteration < 1:
+        raise SubmissionError(f"iteration must be ≥ 1, got {iteration}")
+    return root / "runs" / run_id / "iterations" / f"{iteration:03d}"
+
+
+def write_delegation_artifacts(
+    root: Path, run_id: str, iteration: int, result: CritiqueResult
+) -> list[Path]:
+    """Write one worker's ``critique.json`` (and ``repairs.json`` when it was repaired).
+
+    Workers on a shared volume can call this for their own output; a stale ``repairs.json``
+    from an earlier write of the same worker is removed when there were no repairs.
+    """
+    worker = _ident(result.worker_id, "worker_id")
+    folder = _confined(root, iteration_dir(root, run_id, iteration) / "delegations" / worker)
+    written = [folder / "critique.json"]
+    _atomic_write(written[0], dumps(result.model_dump(mode="json")))
+    repairs = folder / "repairs.json"
+    if result.attempts:
+        attempts = [a.model_dump(mode="json", exclude_none=True) for a in result.attempts]
+        _atomic_write(repairs, dumps(attempts))
+        written.append(repairs)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            repairs.unlink()
+    return written
+
+
+def write_artifacts(
+    root: Path,
+    run_id: str,
+    iteration: int,
+    results: Sequence[CritiqueResult],
+    patterns: Sequence[Pattern],
+) -> list[Path]:
+    """Write the iteration's artifact tree under ``root``; returns the files written, in order."""
+    folder = _confined(root, iteration_dir(root, run_id, iteration))
+    ordered = _sorted_results(results)
+    for r in ordered:
+        _ident(r.worker_id, "worker_id")
+        if r.run_id != run_id:
+            raise SubmissionError(
+                f"result for worker {r.worker_id!r} belongs to run {r.run_id!r}, not {run_id!r}"
+            )
+    summary = manager_summary(run_id, iteration, ordered, patterns)
+    document = {
+        "schema_version": SCHEMA_VERSION,
+        "run_id": run_id,
+        "iteration": iteration,
+        "summary": summary,
+        "critiques": [r.model_dump(mode="json") for r in ordered],
+    }
+    written = [folder / "critique.json", folder / "CRITIQUE.md"]
+    _atomic_write(written[0], dumps(document))
+    _atomic_write(written[1], render_critique_md(summary, ordered))
+    for r in ordered:
+        written += write_delegation_artifacts(root, run_id, iteration, r)
+    return written

@@ -1,0 +1,304 @@
+"""Configuration (SPEC §3): the AWP workflow block → one typed, validated, frozen object.
+
+Sources, later ones win: defaults < ``workflow.awp.yaml``
+(``orchestration.delegation_loop.critique`` and ``observability.output_contract``)
+< environment (``CRITIQUE_<FIELD>``, nested fields with a double underscore:
+``CRITIQUE_RUBRIC__TARGET_SCORE``) < explicit overrides (the client's).
+
+An unknown key or a bad value raises :class:`~pipeline.errors.ConfigError` naming the key and
+what is allowed. Nothing here reads the network or imports heavy libraries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import ConfigError
+from pipeline.models import DEFAULT_DEFECT_CATEGORIES
+
+RUBRIC_DIMENSIONS: tuple[str, ...] = (
+    "clarity",
+    "novelty",
+    "evidence",
+    "methodology",
+    "related_work",
+)
+
+ENV_PREFIX = "CRITIQUE_"
+# Environment variables that share the prefix but are not configuration fields.
+ENV_NON_FIELDS: frozenset[str] = frozenset(
+    {
+        "CRITIQUE_CONFIG",  # path of the workflow.awp.yaml to read
+        "CRITIQUE_WORKSPACE",  # root folder for artifacts
+        "CRITIQUE_QUEUES",  # queues a `critique worker` consumes
+        "CRITIQUE_CONCURRENCY",  # worker concurrency
+        "CRITIQUE_LOG_LEVEL",
+        "CRITIQUE_KEY_PREFIX",  # Redis key prefix
+        "CRITIQUE_RUN_TTL_S",  # expiry of every run key
+        "CRITIQUE_LEASE_TTL_S",  # how long a dead repair's budget reservation is held
+        "CRITIQUE_INLINE_LIMIT",  # largest stage state carried inline in a broker message
+        "CRITIQUE_VISIBILITY_TIMEOUT_S",  # Celery: redelivery of unacked messages
+        "CRITIQUE_TASK_TIME_LIMIT_S",  # Celery: hard time limit of every task
+        "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
+        "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves
+        "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
+    }
+)
+
+
+class _Block(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class RubricConfig(_Block):
+    """The rubric critic's dimensions and convergence rules."""
+
+    dimensions: tuple[str, ...] = RUBRIC_DIMENSIONS
+    weights: dict[str, float] | None = None
+    target_score: float = Field(8.0, ge=0.0, le=10.0)
+    plateau_epsilon: float = Field(0.1, ge=0.0)
+    plateau_window: int = Field(2, ge=1)
+    max_rounds: int = Field(5, ge=1)
+
+    @model_validator(mode="after")
+    def _weights_match(self) -> RubricConfig:
+        if not self.dimensions:
+            raise ValueError("rubric.dimensions must name at least one dimension")
+        if self.weights is not None:
+            unknown = sorted(set(self.weights) - set(self.dimensions))
+            if unknown:
+                raise ValueError(
+                    f"rubric.weights names unknown dimension(s) {unknown}; "
+                    f"allowed: {list(self.dimensions)}"
+                )
+            if any(w < 0 for w in self.weights.values()):
+                raise ValueError("rubric.weights must be ≥ 0")
+            if sum(self.weights.get(d, 1.0) for d in self.dimensions) <= 0:
+                raise ValueError("rubric.weights must not all be zero")
+        return self
+
+    def weight(self, dimension: str) -> float:
+        """Weight of a dimension (1.0 when no weights are configured or it is not listed)."""
+        if self.weights is None:
+            return 1.0
+        return self.weights.get(dimension, 1.0)
+
+
+class BudgetConfig(_Block):
+    """The run's total token budget; repairs may spend ``repair_budget_fraction`` of it."""
+
+    total_tokens: int | None = Field(None, ge=1)
+
+
+class ExtraCheck(_Block):
+    """A workflow-specific Layer-0 check: ``{name, implementation: "module:Callable"}``."""
+
+    name: str = Field(min_length=1)
+    implementation: str
+
+    @field_validator("implementation")
+    @classmethod
+    def _module_callable(cls, v: str) -> str:
+        module, sep, attr = v.partition(":")
+        if not sep or not module or not attr:
+            raise ValueError(f"implementation {v!r} must look like 'package.module:Callable'")
+        return v
+
+
+class OutputContractConfig(_Block):
+    """``observability.output_contract``: which Layer-0 checks run."""
+
+    checks: tuple[str, ...] = ("default",)
+    extra: tuple[ExtraCheck, ...] = ()
+
+
+class CritiqueConfig(_Block):
+    """``orchestration.delegation_loop.critique`` plus the output contract (SPEC §3)."""
+
+    enabled: bool = False
+    mode: Literal["inline", "dedicated"] = "inline"
+    model: str | None = None
+    max_repair_attempts: int = Field(2, ge=0)
+    repair_budget_fraction: float = Field(0.15, ge=0.0, le=1.0)
+    min_score_to_complete: float = Field(0.6, ge=0.0, le=1.0)
+    pattern_memory: bool = True
+    defect_categories: tuple[str, ...] = DEFAULT_DEFECT_CATEGORIES
+    critic: Literal["auto", "llm", "heuristic", "rubric", "command"] = "auto"
+    repairer: str = "auto"
+    """``auto`` | ``llm`` | ``deterministic`` | ``package.module:function``."""
+    rubric: RubricConfig = Field(default_factory=RubricConfig)
+    command: tuple[str, ...] = ()
+    """argv of a test/lint command for code outputs (command critic)."""
+    command_timeout_s: float = Field(60.0, gt=0)
+    budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    max_output_bytes: int = Field(16 * 1024 * 1024, ge=1)
+    max_rejected_completions: int = Field(3, ge=1)
+    output_contract: OutputContractConfig = Field(default_factory=OutputContractConfig)
+
+    @field_validator("repairer")
+    @classmethod
+    def _repairer(cls, v: str) -> str:
+        if v in ("auto", "llm", "deterministic"):
+            return v
+        module, sep, attr = v.partition(":")
+        if sep and module and attr:
+            return v
+        raise ValueError(
+            f"repairer {v!r} is not allowed; use 'auto', 'llm', 'deterministic' or "
+            "'package.module:function'"
+        )
+
+    @field_validator("defect_categories")
+    @classmethod
+    def _categories(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        if not v:
+            raise ValueError("defect_categories must not be empty")
+        return v
+
+    @property
+    def repair_token_cap(self) -> int | None:
+        """Tokens the whole run may spend on repairs, or None when no total budget is set."""
+        if self.budget.total_tokens is None:
+            return None
+        return int(self.budget.total_tokens * self.repair_budget_fraction)
+
+
+def _fields_help(model: type[BaseModel]) -> str:
+    return ", ".join(sorted(model.model_fields))
+
+
+def _explain(err: ValidationError, prefix: str) -> ConfigError:
+    """Turn pydantic's error into one ConfigError naming the first bad key and what is allowed."""
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"] if p != "__root__")
+    key = f"{prefix}.{loc}" if loc else prefix
+    if first["type"] == "extra_forbidden":
+        parent: type[BaseModel] = CritiqueConfig
+        for part in first["loc"][:-1]:
+            field = parent.model_fields.get(str(part))
+            ann = field.annotation if field else None
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                parent = ann
+        return ConfigError(
+            f"unknown configuration key {key!r}; allowed here: {_fields_help(parent)}",
+            key=key,
+        )
+    return ConfigError(f"bad value for {key!r}: {first['msg']}", key=key)
+
+
+def _dig(doc: Mapping[str, Any], path: tuple[str, ...], source: str) -> dict[str, Any]:
+    node: Any = doc
+    for part in path:
+        if not isinstance(node, Mapping):
+            raise ConfigError(f"{source}: {'.'.join(path)} must be a mapping", key=".".join(path))
+        node = node.get(part)
+        if node is None:
+            return {}
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{source}: {'.'.join(path)} must be a mapping", key=".".join(path))
+    return dict(node)
+
+
+def read_workflow(path: str | Path) -> dict[str, Any]:
+    """Read the two configuration blocks of an AWP workflow file into one flat mapping."""
+    p = Path(path)
+    try:
+        doc = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read workflow file {str(p)!r}: {exc.strerror}", hint="check the path"
+        ) from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"workflow file {str(p)!r} is not valid YAML: {exc}") from exc
+    if not isinstance(doc, Mapping):
+        raise ConfigError(f"workflow file {str(p)!r} must hold a mapping at the top level")
+    critique = _dig(doc, ("orchestration", "delegation_loop", "critique"), str(p))
+    contract = _dig(doc, ("observability", "output_contract"), str(p))
+    if contract:
+        if "output_contract" in critique:
+            raise ConfigError(
+                "output_contract is set twice (critique block and observability block)",
+                key="observability.output_contract",
+            )
+        critique["output_contract"] = contract
+    return critique
+
+
+def _parse_env_value(name: str, raw: str) -> Any:
+    """Env values: JSON when it parses (numbers, booleans, lists, null), else the raw string."""
+    if name in ("command",):
+        return shlex.split(raw)
+    if name == "defect_categories" and not raw.lstrip().startswith("["):
+        return [c.strip() for c in raw.split(",") if c.strip()]
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def read_env(env: Mapping[str, str]) -> dict[str, Any]:
+    """Collect ``CRITIQUE_*`` variables into a nested mapping; unknown names are errors."""
+    out: dict[str, Any] = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX) or name in ENV_NON_FIELDS:
+            continue
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
+        top = parts[0]
+        if top not in CritiqueConfig.model_fields:
+            raise ConfigError(
+                f"unknown environment variable {name}; configuration fields are "
+                f"{_fields_help(CritiqueConfig)} (as CRITIQUE_<FIELD>)",
+                key=name,
+            )
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = _parse_env_value(parts[-1], raw)
+    return out
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(merged.get(k), Mapping):
+            merged[k] = _merge(dict(merged[k]), v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> CritiqueConfig:
+    """Build the configuration from a workflow file, the environment and overrides.
+
+    ``path`` defaults to ``$CRITIQUE_CONFIG`` when set. ``env`` defaults to ``os.environ``.
+    """
+    environ = os.environ if env is None else env
+    if path is None:
+        path = environ.get("CRITIQUE_CONFIG") or None
+    data: dict[str, Any] = read_workflow(path) if path else {}
+    source = "orchestration.delegation_loop.critique"
+    try:
+        if data:
+            CritiqueConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _explain(exc, source) from None
+    data = _merge(data, read_env(environ))
+    if overrides:
+        data = _merge(data, overrides)
+    try:
+        return CritiqueConfig.model_validate(data)
+    except ValidationError as exc:
+        raise _explain(exc, "critique") from None

@@ -1,0 +1,72 @@
+"""One error tree for the whole product.
+
+Outcomes (a failed check, a rejected gate, a low score) are *data*, never exceptions.
+An exception means "could not evaluate", and its branch says whether trying again can help::
+
+    CritiqueError                      base; carries ``hint`` (what the user should do)
+    ├── PermanentError                 never retried: the input or the setup is wrong
+    │   ├── ConfigError                bad workflow / env configuration (names the key)
+    │   ├── SubmissionError            a malformed submission (names the field)
+    │   ├── PathEscapeError            a file reference leaves the workspace
+    │   ├── ExtensionLoadError         a configured extension (check, callable) cannot load
+    │   └── LLMPermanentError          authentication / bad request: retrying cannot help
+    └── TransientError                 retried with backoff (Celery ``autoretry_for``)
+        ├── LLMTransientError          timeout, 429, 5xx, connection reset
+        └── StoreUnavailableError      Redis unreachable or timing out
+"""
+
+from __future__ import annotations
+
+
+class CritiqueError(Exception):
+    """Base of every error this product raises on purpose."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint:
+            return f"{self.message} (hint: {self.hint})"
+        return self.message
+
+
+class PermanentError(CritiqueError):
+    """Retrying cannot help: the input or the configuration has to change."""
+
+
+class TransientError(CritiqueError):
+    """A retry with backoff may succeed."""
+
+
+class ConfigError(PermanentError):
+    """Configuration is invalid; ``key`` names the offending field (dotted path)."""
+
+    def __init__(self, message: str, *, key: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.key = key
+
+
+class SubmissionError(PermanentError):
+    """A submission is malformed; nothing else in the run is affected."""
+
+
+class PathEscapeError(PermanentError):
+    """A file reference resolves outside the submission's workspace."""
+
+
+class ExtensionLoadError(PermanentError):
+    """A configured ``module:Callable`` extension could not be imported or is not callable."""
+
+
+class LLMPermanentError(PermanentError):
+    """The LLM provider refused the request for a reason retrying will not fix."""
+
+
+class LLMTransientError(TransientError):
+    """The LLM call failed in a way that may succeed later (timeout, 429, 5xx)."""
+
+
+class StoreUnavailableError(TransientError):
+    """The Redis store could not be reached."""

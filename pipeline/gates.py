@@ -1,0 +1,657 @@
+"""Completion gates (SPEC §5.6): may the manager COMPLETE, or DELEGATE this subtask again?
+
+``evaluate_completion`` runs the chain in order — L0 → critique score → deliverable presence →
+placeholder scan → file validator → evaluation — and returns a :class:`CompletionDecision`.
+Every gate emits a :class:`~pipeline.models.GateEvent` (pass / reject / bypass / skip); a
+rejection is data, never an exception. Exceptions mean a gate could not evaluate (e.g. a
+broken evaluation hook). After ``max_rejected_completions`` the answer is ``partial``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import struct
+from collections.abc import Callable, Collection, Sequence
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+from pipeline.config import CritiqueConfig, OutputContractConfig
+from pipeline.models import ClaimedFormat, CritiqueResult, FileRef, Frozen, GateEvent
+
+DELIVERABLE_MIN_BYTES = 512
+# A mean exactly at the threshold passes even when float arithmetic lands a hair below it.
+_SCORE_EPSILON = 1e-9
+_MAX_LISTED = 10
+
+DELIVERABLE_KEYWORDS: tuple[str, ...] = (
+    "image",
+    "chart",
+    "plot",
+    "pdf",
+    "csv",
+    "tsv",
+    "dataset",
+    "report",
+    "spreadsheet",
+    "figure",
+    "diagram",
+    "png",
+    "jpg",
+    "jpeg",
+    "svg",
+    "gif",
+    "xlsx",
+    "excel",
+    "docx",
+    "pptx",
+    "slide",
+    "presentation",
+    "infographic",
+    "histogram",
+    "heatmap",
+    "visualization",
+    "visualisation",
+    "screenshot",
+    "photo",
+    "picture",
+)
+_KEYWORD_RE = re.compile(
+    r"\b(" + "|".join(re.escape(k) for k in DELIVERABLE_KEYWORDS) + r")(?:s|es)?\b",
+    re.IGNORECASE,
+)
+# Verb uses of keywords that ask for no file ("figure out", "report back").
+_NOT_A_FILE: dict[str, re.Pattern[str]] = {
+    "figure": re.compile(r"\s+out\b", re.IGNORECASE),
+    "report": re.compile(r"\s+back\b", re.IGNORECASE),
+}
+
+GATE_L0 = "l0"
+GATE_CRITIQUE = "critique_score"
+GATE_DELIVERABLE = "deliverable_presence"
+GATE_PLACEHOLDER = "placeholder"
+GATE_FILE = "file_validator"
+GATE_EVALUATION = "evaluation"
+GATE_REDUNDANCY = "redundancy"
+GATE_ORDER: tuple[str, ...] = (
+    GATE_L0,
+    GATE_CRITIQUE,
+    GATE_DELIVERABLE,
+    GATE_PLACEHOLDER,
+    GATE_FILE,
+    GATE_EVALUATION,
+)
+
+_FORMAT_BY_SUFFIX: dict[str, ClaimedFormat] = {
+    ".json": "json",
+    ".md": "markdown",
+    ".markdown": "markdown",
+    ".tex": "latex",
+    ".py": "python",
+    ".txt": "text",
+}
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class TextItem(Frozen):
+    """One text the Layer-0 contract should check (the final result or a text output file)."""
+
+    text: str
+    path: str | None = None
+    claimed_format: ClaimedFormat | None = None
+
+
+class L0Finding(Frozen):
+    """One Layer-0 failure, as the gates need it (mirrors ``pipeline.contract.ContractFailure``)."""
+
+    check: str
+    severity: str
+    reason: str
+    path: str | None = None
+    offset: int | None = None
+
+
+L0Runner = Callable[[OutputContractConfig, Sequence[TextItem]], Sequence[L0Finding]]
+"""Runs the configured Layer-0 checks over texts; injectable so the gates stay testable."""
+
+
+class PlaceholderHit(Frozen):
+    """A stub the manager must replace: where it is, which pattern, the text matched."""
+
+    where: str
+    pattern: str
+    match: str
+    offset: int | None = None
+
+
+class GateContext(Frozen):
+    """What an evaluation hook gets to judge a completion."""
+
+    run_id: str
+    iteration: int
+    task: str
+    final_result: str | dict[str, Any]
+    files: tuple[FileRef, ...] = ()
+    mean_score: float | None = None
+
+
+EvaluationHook = Callable[[GateContext], GateEvent]
+BytesReader = Callable[[FileRef], bytes | None]
+
+
+class CompletionDecision(Frozen):
+    """The gate chain's answer to a manager COMPLETE."""
+
+    verdict: Literal["complete", "rejected", "partial"]
+    events: tuple[GateEvent, ...]
+    reasons: tuple[str, ...] = ()
+    """Why it was not ``complete`` (one line per rejecting gate); empty when complete."""
+    rejected_count: int = 0
+    """Rejected completions so far, this one included: pass it back as ``previous_rejections``."""
+    mean_score: float | None = None
+    placeholder_hits: tuple[PlaceholderHit, ...] = ()
+    """Exactly which stubs to replace, for the manager's next iteration."""
+
+
+def contract_runner(contract: OutputContractConfig, items: Sequence[TextItem]) -> list[L0Finding]:
+    """The default L0 runner: ``pipeline.contract``'s suite built from ``contract``."""
+    from pipeline.contract import ContractInput, build_suite, run_contract
+
+    suite = build_suite(contract)
+    inputs = [
+        ContractInput(text=i.text, path=i.path, claimed_format=i.claimed_format) for i in items
+    ]
+    report = run_contract(suite, inputs)
+    return [
+        L0Finding(
+            check=str(f.check),
+            severity=str(f.severity),
+            reason=str(f.reason),
+            path=f.path,
+            offset=f.offset,
+        )
+        for f in report.failures
+    ]
+
+
+def deliverable_keywords(task: str) -> tuple[str, ...]:
+    """The file-deliverable keywords ``task`` uses as whole words, lower-cased, in order."""
+    seen: dict[str, None] = {}
+    for m in _KEYWORD_RE.finditer(task):
+        word = m.group(1).lower()
+        if _NOT_A_FILE.get(word) and _NOT_A_FILE[word].match(task, m.end()):
+            continue
+        seen.setdefault(word, None)
+    return tuple(seen)
+
+
+def implies_deliverable(task: str, deliverable_expected: bool | None) -> bool:
+    """Does the task ask for a file? An explicit flag wins over the keyword inference."""
+    if deliverable_expected is not None:
+        return deliverable_expected
+    return bool(deliverable_keywords(task))
+
+
+def _png_size(content: bytes) -> tuple[int, int] | None:
+    """(width, height) from the IHDR chunk, or None when the bytes are not a PNG header."""
+    if len(content) < 24 or not content.startswith(_PNG_SIGNATURE) or content[12:16] != b"IHDR":
+        return None
+    width, height = struct.unpack(">II", content[16:24])
+    return int(width), int(height)
+
+
+def _pdf_problem(content: bytes, *, whole: bool) -> str | None:
+    """Why a PDF has nothing to show, or None when it looks like it has pages."""
+    if not content.lstrip().startswith(b"%PDF-"):
+        return "is not a PDF (no %PDF- header)"
+    if re.search(rb"/Type\s*/Pages\b.{0,200}?/Count\s+0\b", content, re.DOTALL) or re.search(
+        rb"/Count\s+0\b.{0,200}?/Type\s*/Pages\b", content, re.DOTALL
+    ):
+        return "is an empty PDF (its page tree counts 0 pages)"
+    has_page = re.search(rb"/Type\s*/Page(?![a-zA-Z])", content) is not None
+    # Page objects may sit compressed inside object streams, where we cannot see them.
+    if whole and not has_page and b"/ObjStm" not in content:
+        return "is an empty PDF (no page objects)"
+    return None
+
+
+def validate_deliverable(file: FileRef, content: bytes | None) -> str | None:
+    """Why ``file`` is a placeholder rather than a deliverable, or None when it looks real.
+
+    Any file under 512 B is rejected; with the bytes known, also 1×1 PNGs, empty PDFs and
+    blank files.
+    """
+    size = file.size if content is None else max(file.size, len(content))
+    if size < DELIVERABLE_MIN_BYTES:
+        return (
+            f"{file.path!r} is {size} B; a deliverable must be at least "
+            f"{DELIVERABLE_MIN_BYTES} B (this looks like a placeholder)"
+        )
+    if content is None:
+        return None
+    # Readers may load only a prefix of a large file: judge only what a prefix can show.
+    whole = len(content) >= file.size
+    suffix = PurePosixPath(file.path).suffix.lower()
+    if suffix == ".png" or content.startswith(_PNG_SIGNATURE):
+        dims = _png_size(content)
+        if dims is None:
+            return f"{file.path!r} is not a valid PNG (bad signature or missing IHDR)"
+        if dims[0] <= 1 and dims[1] <= 1:
+            return f"{file.path!r} is a {dims[0]}×{dims[1]} PNG: a placeholder image"
+    if suffix == ".pdf" or content.startswith(b"%PDF-"):
+        problem = _pdf_problem(content, whole=whole)
+        if problem is not None:
+            return f"{file.path!r} {problem}"
+    if whole and not content.strip(b" \t\r\n\x00"):
+        return f"{file.path!r} is blank (only whitespace or NUL bytes)"
+    return None
+
+
+DELIVERABLE_SUFFIXES: frozenset[str] = frozenset(
+    {
+        ".png",
+        ".jpg",
+        ".jpeg",
+        ".gif",
+        ".bmp",
+        ".tif",
+        ".tiff",
+        ".webp",
+        ".svg",
+        ".pdf",
+        ".csv",
+        ".tsv",
+        ".xlsx",
+        ".xls",
+        ".ods",
+        ".docx",
+        ".doc",
+        ".odt",
+        ".pptx",
+        ".ppt",
+        ".odp",
+        ".parquet",
+        ".feather",
+        ".html",
+        ".mp4",
+        ".wav",
+        ".mp3",
+    }
+)
+
+
+def is_deliverable_file(file: FileRef, *, task_wants_file: bool) -> bool:
+    """Files the validator judges: every output when the task asks for a file, otherwise
+    only files of a deliverable type (images, PDFs, tables, documents); never hidden files,
+    logs or lock files.
+    """
+    name = PurePosixPath(file.path).name
+    if name.startswith(".") or name.endswith((".log", ".lock")):
+        return False
+    return task_wants_file or PurePosixPath(name).suffix.lower() in DELIVERABLE_SUFFIXES
+
+
+# The gate's own stub patterns. Each runs over a lower-cased copy of the text (same offsets)
+# and starts with a literal, so a 10 MB output scans in well under a second; the context a
+# regex lookbehind would need is checked in Python on the (few) candidate matches.
+_OUTPUT_HERE = re.compile(
+    r"(?:final|your)\s+(?:output|answer|result|response|text|content|summary)"
+    r"\s+(?:goes\s+)?here\b"
+)
+_INSERT_HERE = re.compile(r"insert\s+[\w ,'-]{1,40}?\s+here\b")
+_PERCENT = re.compile(r"xx+(?:\.x+)?\s?%")
+_ANGLE = re.compile(r"<\s*(?:your|insert|placeholder)[-_ ][^<>\n]{0,60}>")
+_STUB_KEY_JSON = re.compile(r"\"(?:your|your_[\w-]+|field_name|fieldname)\"\s*:")
+_STUB_KEY_LINE = re.compile(r"(?:your|your_[\w-]+|field_name)[ \t]*[:=]")
+_ELLIPSIS = re.compile(r":\s*\"(?:\.\.\.|…)\"")
+
+
+def _lowered(text: str) -> str:
+    """``text.lower()`` with the offsets of ``text`` (characters that lower to two are kept)."""
+    low = text.lower()
+    if len(low) == len(text):
+        return low
+    return "".join(lc if len(lc := c.lower()) == 1 else c for c in text)
+
+
+def _line_prefix(low: str, start: int) -> str:
+    """The text between the start of the line and ``start``."""
+    return low[low.rfind("\n", 0, start) + 1 : start]
+
+
+def scan_placeholders(text: str, where: str) -> list[PlaceholderHit]:
+    """The completion gate's own stub patterns (on top of L0's ``no_placeholder``).
+
+    "final output here" / "your answer here", "[insert … here]", "XX%", "<your-…>", stub keys
+    (``"your":``, ``field_name:``) and ``"..."`` values.
+    """
+    low = _lowered(text)
+    found: list[tuple[str, int, int]] = []
+
+    def word_before(i: int, *, dot: bool = False) -> bool:
+        prev = low[i - 1] if i > 0 else " "
+        return prev.isalnum() or prev == "_" or (dot and prev == ".")
+
+    for m in _OUTPUT_HERE.finditer(low):
+        if not word_before(m.start()):
+            found.append(("output_here", m.start(), m.end()))
+    for m in _INSERT_HERE.finditer(low):
+        lead = _line_prefix(low, m.start()).rstrip(" \t")
+        if not lead or lead[-1] in "[(<{":
+            found.append(("insert_here", m.start(), m.end()))
+    for m in _PERCENT.finditer(low):
+        if not word_before(m.start(), dot=True):
+            found.append(("percent_stub", m.start(), m.end()))
+    found += [("angle_stub", m.start(), m.end()) for m in _ANGLE.finditer(low)]
+    # Stub keys are case-sensitive: "Your:" opening a line of prose is not a key.
+    found += [("stub_key", m.start(), m.end()) for m in _STUB_KEY_JSON.finditer(text)]
+    for m in _STUB_KEY_LINE.finditer(text):
+        if not _line_prefix(text, m.start()).strip(" \t-"):
+            found.append(("stub_key", m.start(), m.end()))
+    found += [("ellipsis_value", m.start(), m.end()) for m in _ELLIPSIS.finditer(text)]
+    found.sort(key=lambda h: (h[1], h[0]))
+    return [
+        PlaceholderHit(where=where, pattern=name, match=text[a:b], offset=a) for name, a, b in found
+    ]
+
+
+def mean_best_score(results: Sequence[CritiqueResult]) -> float | None:
+    """Mean ``best_score`` over the run's workers (each worker's latest iteration), or None."""
+    latest: dict[str, CritiqueResult] = {}
+    for r in results:
+        seen = latest.get(r.worker_id)
+        if seen is None or r.iteration >= seen.iteration:
+            latest[r.worker_id] = r
+    if not latest:
+        return None
+    return math.fsum(r.best_score for r in latest.values()) / len(latest)
+
+
+def _final_text(final_result: str | dict[str, Any]) -> TextItem:
+    if isinstance(final_result, dict):
+        text = json.dumps(final_result, indent=2, sort_keys=True, ensure_ascii=False)
+        return TextItem(text=text, path=None, claimed_format="json")
+    return TextItem(text=final_result, path=None, claimed_format=None)
+
+
+def _text_items(final_result: str | dict[str, Any], files: Sequence[FileRef]) -> list[TextItem]:
+    items = [_final_text(final_result)]
+    for f in files:
+        if f.content is not None:
+            fmt = _FORMAT_BY_SUFFIX.get(PurePosixPath(f.path).suffix.lower())
+            items.append(TextItem(text=f.content, path=f.path, claimed_format=fmt))
+    return items
+
+
+def _listing(items: Sequence[str]) -> str:
+    shown = "; ".join(items[:_MAX_LISTED])
+    more = len(items) - _MAX_LISTED
+    return f"{shown}; … and {more} more" if more > 0 else shown
+
+
+def _default_reader(file: FileRef) -> bytes | None:
+    return None if file.content is None else file.content.encode("utf-8")
+
+
+def _l0_events(findings: Sequence[L0Finding], iteration: int, n_items: int) -> list[GateEvent]:
+    errors = [f for f in findings if f.severity == "error"]
+    if not errors:
+        warned = len(findings)
+        note = f" ({warned} warning(s))" if warned else ""
+        return [
+            GateEvent(
+                gate=GATE_L0,
+                verdict="pass",
+                reason=f"Layer-0 contract passed on {n_items} text(s){note}",
+                iteration=iteration,
+            )
+        ]
+    return [
+        GateEvent(
+            gate=GATE_L0,
+            verdict="reject",
+            reason=f"L0 {f.check} failed on {f.path or 'the final result'}: {f.reason}",
+            iteration=iteration,
+            l0_check=f.check,
+            l0_reason=f.reason,
+            violating_path=f.path,
+        )
+        for f in errors
+    ]
+
+
+def evaluate_completion(
+    *,
+    run_id: str,
+    iteration: int,
+    final_result: str | dict[str, Any],
+    results: Sequence[CritiqueResult],
+    files: Sequence[FileRef],
+    task: str,
+    deliverable_expected: bool | None,
+    config: CritiqueConfig,
+    previous_rejections: int = 0,
+    evaluate: EvaluationHook | None = None,
+    l0: L0Runner | None = None,
+    read_bytes: BytesReader | None = None,
+) -> CompletionDecision:
+    """Run the completion gate chain in order and decide: complete, rejected or partial.
+
+    ``files`` are the run's output files (``content`` set for small text files);
+    ``read_bytes`` loads a file's bytes for the validator (default: its inline content).
+    ``l0`` runs Layer-0 checks (default: :func:`contract_runner`).
+    """
+    run_l0 = l0 or contract_runner
+    reader = read_bytes or _default_reader
+    events: list[GateEvent] = []
+
+    # 1. Layer-0 contract on the final result and every text output.
+    items = _text_items(final_result, files)
+    events += _l0_events(run_l0(config.output_contract, items), iteration, len(items))
+
+    # Facts several gates share: is a file expected, and does a real one exist?
+    wants_file = implies_deliverable(task, deliverable_expected)
+    keywords = deliverable_keywords(task)
+    why_file = (
+        f"the task mentions {', '.join(repr(k) for k in keywords)}"
+        if deliverable_expected is None
+        else f"deliverable_expected={deliverable_expected}"
+    )
+    content = {f.path: reader(f) for f in files}
+    # Logs, lock files and hidden files never count as the deliverable.
+    big = [
+        f
+        for f in files
+        if f.size >= DELIVERABLE_MIN_BYTES and is_deliverable_file(f, task_wants_file=True)
+    ]
+    valid = [f for f in big if validate_deliverable(f, content[f.path]) is None]
+
+    # 2. Critique score (mean best score over the run's workers), with the ground-truth bypass.
+    mean = mean_best_score(results)
+    threshold = config.min_score_to_complete
+    if threshold <= 0.0:
+        events.append(_event(GATE_CRITIQUE, "skip", "min_score_to_complete is 0.0", iteration))
+    elif mean is None:
+        events.append(_event(GATE_CRITIQUE, "skip", "no worker critiques to average", iteration))
+    elif mean + _SCORE_EPSILON >= threshold:
+        reason = f"mean critique score {mean:.3f} ≥ {threshold:.2f} over {_n_workers(results)}"
+        events.append(_event(GATE_CRITIQUE, "pass", reason, iteration))
+    elif wants_file and valid:
+        reason = (
+            f"mean critique score {mean:.3f} < {threshold:.2f} overruled: the deliverable "
+            f"{valid[0].path!r} ({valid[0].size} B) exists on disk (filesystem ground truth; "
+            "advisory — placeholder and file gates still apply)"
+        )
+        events.append(_event(GATE_CRITIQUE, "bypass", reason, iteration))
+    else:
+        reason = (
+            f"mean critique score {mean:.3f} < min_score_to_complete {threshold:.2f} over "
+            f"{_n_workers(results)}: repair or re-delegate before completing"
+        )
+        events.append(_event(GATE_CRITIQUE, "reject", reason, iteration))
+
+    # 3. Deliverable presence.
+    if not wants_file:
+        events.append(
+            _event(GATE_DELIVERABLE, "skip", "the task implies no file deliverable", iteration)
+        )
+    elif big:
+        names = _listing([f"{f.path} ({f.size} B)" for f in big])
+        reason = f"{why_file}; output file(s) ≥ {DELIVERABLE_MIN_BYTES} B exist: {names}"
+        events.append(_event(GATE_DELIVERABLE, "pass", reason, iteration))
+    else:
+        have = _listing([f"{f.path} ({f.size} B)" for f in files]) or "no output files"
+        reason = (
+            f"{why_file}, but no output file of at least {DELIVERABLE_MIN_BYTES} B exists "
+            f"(have: {have}); produce the deliverable before completing"
+        )
+        events.append(_event(GATE_DELIVERABLE, "reject", reason, iteration))
+
+    # 4. Placeholder scan: L0's no_placeholder plus the gate's own stub patterns.
+    hits = _placeholder_hits(final_result, items, run_l0)
+    if hits:
+        listed = _listing([f"{h.where}: {h.match!r} ({h.pattern})" for h in hits])
+        reason = f"{len(hits)} placeholder(s) to replace: {listed}"
+        events.append(_event(GATE_PLACEHOLDER, "reject", reason, iteration))
+    else:
+        reason = f"no placeholders in the final result or {len(items) - 1} text output(s)"
+        events.append(_event(GATE_PLACEHOLDER, "pass", reason, iteration))
+
+    # 5. File validator.
+    judged = [f for f in files if is_deliverable_file(f, task_wants_file=wants_file)]
+    problems = [p for f in judged if (p := validate_deliverable(f, content[f.path])) is not None]
+    if not judged:
+        events.append(_event(GATE_FILE, "skip", "no output files to validate", iteration))
+    elif problems:
+        events.append(_event(GATE_FILE, "reject", _listing(problems), iteration))
+    else:
+        reason = f"{len(judged)} output file(s) look like real deliverables"
+        events.append(_event(GATE_FILE, "pass", reason, iteration))
+
+    # 6. Evaluation hook.
+    if evaluate is None:
+        events.append(_event(GATE_EVALUATION, "skip", "no evaluation configured", iteration))
+    else:
+        ctx = GateContext(
+            run_id=run_id,
+            iteration=iteration,
+            task=task,
+            final_result=final_result,
+            files=tuple(files),
+            mean_score=mean,
+        )
+        events.append(evaluate(ctx).model_copy(update={"iteration": iteration}))
+
+    return _decide(events, hits, mean, previous_rejections, config)
+
+
+def _n_workers(results: Sequence[CritiqueResult]) -> str:
+    n = len({r.worker_id for r in results})
+    return f"{n} worker{'s' if n != 1 else ''}"
+
+
+def _event(
+    gate: str, verdict: Literal["pass", "reject", "bypass", "skip"], reason: str, iteration: int
+) -> GateEvent:
+    return GateEvent(gate=gate, verdict=verdict, reason=reason, iteration=iteration)
+
+
+def _placeholder_hits(
+    final_result: str | dict[str, Any], items: Sequence[TextItem], run_l0: L0Runner
+) -> list[PlaceholderHit]:
+    hits: list[PlaceholderHit] = []
+    if (isinstance(final_result, dict) and not final_result) or (
+        isinstance(final_result, str) and not final_result.strip()
+    ):
+        hits.append(PlaceholderHit(where="final_result", pattern="empty", match=""))
+    for item in items:
+        hits += scan_placeholders(item.text, item.path or "final_result")
+    only_placeholder = OutputContractConfig(checks=("no_placeholder",))
+    for f in run_l0(only_placeholder, items):
+        if f.severity == "error" and f.check == "no_placeholder":
+            where = f.path or "final_result"
+            hits.append(
+                PlaceholderHit(where=where, pattern=f.check, match=f.reason, offset=f.offset)
+            )
+    return hits
+
+
+def _decide(
+    events: Sequence[GateEvent],
+    hits: Sequence[PlaceholderHit],
+    mean: float | None,
+    previous_rejections: int,
+    config: CritiqueConfig,
+) -> CompletionDecision:
+    reasons = [f"{e.gate}: {e.reason}" for e in events if e.verdict == "reject"]
+    if not reasons:
+        return CompletionDecision(
+            verdict="complete",
+            events=tuple(events),
+            rejected_count=previous_rejections,
+            mean_score=mean,
+            placeholder_hits=tuple(hits),
+        )
+    count = previous_rejections + 1
+    verdict: Literal["rejected", "partial"] = "rejected"
+    if count >= config.max_rejected_completions:
+        verdict = "partial"
+        reasons.append(
+            f"partial: {count} rejected completion(s) reached max_rejected_completions="
+            f"{config.max_rejected_completions}; the best result so far is returned as partial"
+        )
+    return CompletionDecision(
+        verdict=verdict,
+        events=tuple(events),
+        reasons=tuple(reasons),
+        rejected_count=count,
+        mean_score=mean,
+        placeholder_hits=tuple(hits),
+    )
+
+
+def redundancy_guard(
+    signature: str,
+    dispatched: Collection[str],
+    mean_score: float | None,
+    config: CritiqueConfig,
+    *,
+    iteration: int = 1,
+    worker_id: str | None = None,
+) -> GateEvent:
+    """Refuse a DELEGATE that re-issues a dispatched subtask while the mean score is low.
+
+    The manager should diagnose or repair instead of re-running the same subtask.
+    """
+
+    def out(verdict: Literal["pass", "reject", "skip"], reason: str) -> GateEvent:
+        return GateEvent(
+            gate=GATE_REDUNDANCY,
+            verdict=verdict,
+            reason=reason,
+            iteration=iteration,
+            worker_id=worker_id,
+        )
+
+    threshold = config.min_score_to_complete
+    if threshold <= 0.0:
+        return out("skip", "min_score_to_complete is 0.0: the redundancy guard is off")
+    if not signature:
+        return out("skip", "no subtask_signature to compare")
+    if signature not in dispatched:
+        return out("pass", f"subtask {signature!r} has not been dispatched before")
+    if mean_score is None:
+        return out("pass", f"subtask {signature!r} re-issued, but no critique scores exist yet")
+    if mean_score + _SCORE_EPSILON >= threshold:
+        return out(
+            "pass",
+            f"subtask {signature!r} re-issued with mean score {mean_score:.3f} ≥ {threshold:.2f}",
+        )
+    return out(
+        "reject",
+        f"subtask {signature!r} was already dispatched and the mean critique score "
+        f"{mean_score:.3f} is under {threshold:.2f}: diagnose or repair the existing output "
+        "instead of re-delegating it",
+    )

@@ -1,0 +1,322 @@
+"""The data model (SPEC §2): frozen, JSON-safe pydantic v2 values.
+
+Every value that crosses the broker is one of these models dumped with ``model_dump(mode="json")``.
+Field names follow the AWP seed where it names them. ``SCHEMA_VERSION`` is stamped on the
+top-level documents (``Submission``, ``CritiqueResult``) so readers can refuse what they
+do not understand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SCHEMA_VERSION = 1
+
+Severity = Literal["critical", "warning", "info"]
+DefectSource = Literal["l0", "heuristic", "llm", "rubric", "command"]
+ClaimedFormat = Literal["json", "markdown", "latex", "text", "python"]
+Status = Literal["accepted", "accepted_with_warnings", "repaired", "escalated", "failed"]
+StopReason = Literal[
+    "accepted",
+    "target",
+    "plateau",
+    "budget",
+    "attempts_exhausted",
+    "no_improvement",
+    "repair_fixpoint_detected",
+    "repair_budget_exhausted",
+    "escalate_band",
+]
+Verdict = Literal[
+    "continue",
+    "target",
+    "plateau",
+    "budget",
+    "accepted",
+    "fixpoint",
+    "no_improvement",
+    "escalated",
+]
+Band = Literal["accept", "accept_with_warnings", "repair", "escalate"]
+Effort = Literal["trivial", "moderate", "major"]
+GateVerdict = Literal["pass", "reject", "bypass", "skip"]
+
+DEFAULT_DEFECT_CATEGORIES: tuple[str, ...] = (
+    "missing_data",
+    "wrong_format",
+    "incomplete",
+    "hallucinated",
+    "stale",
+    "policy_violation",
+)
+
+# Identifiers end up in Redis keys and in artifact paths: keep them boring.
+_IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def check_identifier(value: str, what: str) -> str:
+    """Return ``value`` if it is a safe identifier (letters, digits, ``._-``, ≤128), else raise."""
+    if not _IDENT.match(value) or ".." in value:
+        raise ValueError(
+            f"{what} {value!r} is not a valid identifier: use 1-128 letters, digits, '.', '_' "
+            "or '-', starting with a letter or digit"
+        )
+    return value
+
+
+class Frozen(BaseModel):
+    """Base for every value: immutable, unknown fields rejected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Usage(Frozen):
+    """Token usage and cost of one or more LLM calls."""
+
+    tokens_in: int = Field(0, ge=0)
+    tokens_out: int = Field(0, ge=0)
+    cost: float = Field(0.0, ge=0.0)
+    calls: int = Field(0, ge=0)
+
+    @property
+    def tokens(self) -> int:
+        return self.tokens_in + self.tokens_out
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            tokens_in=self.tokens_in + other.tokens_in,
+            tokens_out=self.tokens_out + other.tokens_out,
+            cost=self.cost + other.cost,
+            calls=self.calls + other.calls,
+        )
+
+
+class FileRef(Frozen):
+    """A file the worker produced: relative ``path`` inside its workspace, size, sha256.
+
+    The content travels inline (``content``, text) when small, or by reference (``blob``,
+    a content-addressed store key) when large. Both may be absent when only the metadata
+    matters (e.g. a binary deliverable checked by size).
+    """
+
+    path: str
+    size: int = Field(ge=0)
+    sha256: str = ""
+    content: str | None = None
+    blob: str | None = None
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        if not v or v.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", v):
+            raise ValueError(f"file path {v!r} must be relative to the workspace")
+        parts = re.split(r"[\\/]", v)
+        if ".." in parts:
+            raise ValueError(f"file path {v!r} must not contain '..'")
+        return v
+
+
+class Submission(Frozen):
+    """One worker output to critique."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    iteration: int = Field(1, ge=1)
+    worker_id: str
+    subtask_signature: str = ""
+    task: str = Field(description="the original instructions the worker got")
+    output: str | dict[str, Any]
+    claimed_format: ClaimedFormat | None = None
+    files: tuple[FileRef, ...] = ()
+    required_fields: tuple[str, ...] = ()
+    model: str | None = None
+    deliverable_expected: bool | None = None
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, v: str) -> str:
+        return check_identifier(v, "run_id")
+
+    @field_validator("worker_id")
+    @classmethod
+    def _worker_id(cls, v: str) -> str:
+        return check_identifier(v, "worker_id")
+
+    @model_validator(mode="after")
+    def _unique_files(self) -> Submission:
+        seen: set[str] = set()
+        for f in self.files:
+            if f.path in seen:
+                raise ValueError(f"file {f.path!r} is listed twice")
+            seen.add(f.path)
+        return self
+
+
+def defect_id(category: str, location: str | None, description: str) -> str:
+    """Stable id within a critique: category + location + short hash of the description."""
+    digest = hashlib.sha1(description.encode("utf-8")).hexdigest()[:8]
+    return f"{category}:{location or '-'}:{digest}"
+
+
+class Defect(Frozen):
+    """One thing wrong with an output."""
+
+    id: str = ""
+    category: str
+    severity: Severity
+    location: str | None = None
+    description: str
+    source: DefectSource
+    false_positive: bool = False
+    """Set by grounding when the critic claimed something the filesystem contradicts."""
+
+    @model_validator(mode="after")
+    def _fill_id(self) -> Defect:
+        if not self.id:
+            object.__setattr__(
+                self, "id", defect_id(self.category, self.location, self.description)
+            )
+        return self
+
+
+class ReusablePattern(Frozen):
+    """A lesson a critique offers to the rest of the run."""
+
+    category: str
+    description: str
+    prevention_rule: str
+
+
+class Suggestion(Frozen):
+    """A rubric critic's structured edit: which dimension it raises, where, and how."""
+
+    dimension: str
+    target_section: str | None = None
+    edit: str
+
+
+def band_for(score: float) -> Band:
+    """Score band (SPEC §5.2): ≥0.9 accept, ≥0.6 with warnings, ≥0.3 repair, else escalate."""
+    if score >= 0.9:
+        return "accept"
+    if score >= 0.6:
+        return "accept_with_warnings"
+    if score >= 0.3:
+        return "repair"
+    return "escalate"
+
+
+def effort_for(defect_count: int) -> Effort:
+    """``trivial`` for ≤1 defect, ``moderate`` for ≤3, ``major`` otherwise."""
+    if defect_count <= 1:
+        return "trivial"
+    if defect_count <= 3:
+        return "moderate"
+    return "major"
+
+
+class CritiqueEnvelope(Frozen):
+    """What a critic says about one output."""
+
+    worker_id: str
+    score: float = Field(ge=0.0, le=1.0)
+    scores: dict[str, float] = Field(default_factory=dict)
+    defects: tuple[Defect, ...] = ()
+    prescriptions: tuple[str, ...] = ()
+    reusable_patterns: tuple[ReusablePattern, ...] = ()
+    effort_estimate: Effort = "trivial"
+    summary: str = ""
+    band: Band = "accept"
+    usage: Usage = Field(default_factory=Usage)
+    suggestions: tuple[Suggestion, ...] = ()
+    critic: str = "heuristic"
+    """Which critic produced this envelope (``heuristic``, ``rubric``, ``llm:<model>``, …)."""
+    fallback_reason: str | None = None
+    """Why a fallback critic answered instead of the configured one, if it did."""
+    truncation: str | None = None
+    """How the output was cut for the critic, if it was (e.g. ``head 6000 + tail 2000 chars``)."""
+
+    @property
+    def critical(self) -> tuple[Defect, ...]:
+        return tuple(d for d in self.defects if d.severity == "critical")
+
+    @property
+    def actionable(self) -> tuple[Defect, ...]:
+        """Critical and warning defects: the ones a repair is asked to fix."""
+        return tuple(d for d in self.defects if d.severity in ("critical", "warning"))
+
+
+class RepairAttempt(Frozen):
+    """Exactly the seed's repair artifact, plus ``stop_reason`` on the last attempt."""
+
+    worker_id: str
+    attempt: int = Field(ge=1)
+    original_score: float
+    repaired_score: float
+    defects_fixed: int = Field(ge=0)
+    defects_remaining: int = Field(ge=0)
+    stop_reason: StopReason | None = None
+
+
+class Pattern(Frozen):
+    """A failure pattern accumulated across a run's workers."""
+
+    category: str
+    frequency: int = Field(ge=1)
+    description: str
+    prevention_rule: str
+    first_seen_iteration: int = Field(ge=1)
+    last_seen_iteration: int = Field(ge=1)
+
+
+class GateEvent(Frozen):
+    """One gate's decision, written to the run's trace stream."""
+
+    gate: str
+    verdict: GateVerdict
+    reason: str
+    iteration: int = Field(1, ge=1)
+    worker_id: str | None = None
+    l0_check: str | None = None
+    l0_reason: str | None = None
+    violating_path: str | None = None
+
+
+class RoundTrace(Frozen):
+    """One round of the critique loop (SPEC §5.4)."""
+
+    round: int = Field(ge=0)
+    score: float
+    scores: dict[str, float] = Field(default_factory=dict)
+    mean: float
+    defects: int = Field(ge=0)
+    suggestions_applied: int = Field(0, ge=0)
+    verdict: Verdict
+
+
+class CritiqueResult(Frozen):
+    """The per-output final answer."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_id: str
+    iteration: int = 1
+    worker_id: str
+    status: Status
+    stop_reason: StopReason
+    output: str | dict[str, Any]
+    """The best output seen (keep-best: never a worse attempt)."""
+    original_score: float
+    best_score: float
+    envelope: CritiqueEnvelope
+    """The envelope of the best output."""
+    attempts: tuple[RepairAttempt, ...] = ()
+    trace: tuple[RoundTrace, ...] = ()
+    usage: Usage = Field(default_factory=Usage)
+    repair_usage: Usage = Field(default_factory=Usage)
+    """The repair-phase share of ``usage`` (repair calls and re-critiques)."""
+    notes: tuple[str, ...] = ()
+    """Things the user should know (e.g. no total budget configured; fallback critic used)."""

@@ -1,0 +1,94 @@
+"""Pattern memory as text (SPEC §5.7): the "Known Pitfalls" block and ``lessons.md``.
+
+The pitfalls block is injected into the next worker's and the repairer's prompts, so its format
+is fixed byte for byte (the seed's ``- [seen Nx] category: prevention_rule`` lines).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pipeline.models import CritiqueEnvelope, Pattern, ReusablePattern
+from pipeline.store.memory import pattern_key
+
+PITFALLS_HEADER = (
+    "## Known Pitfalls\n"
+    "\n"
+    "The following issues have occurred in prior workers during this run.\n"
+    "Avoid repeating them:\n"
+    "\n"
+)
+
+
+def render_pitfalls(patterns: Sequence[Pattern]) -> str:
+    """The Known Pitfalls block, one line per pattern in the given order; "" when none."""
+    if not patterns:
+        return ""
+    lines = "".join(
+        f"- [seen {p.frequency}x] {p.category}: {_one_line(p.prevention_rule)}\n" for p in patterns
+    )
+    return PITFALLS_HEADER + lines
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def prevention_rule_for(description: str) -> str:
+    """A prevention rule derived from a defect description (when the critic gave none)."""
+    desc = _one_line(description).rstrip(".")
+    return f"Check your output for this before returning it: {desc}"
+
+
+def patterns_from_envelope(envelope: CritiqueEnvelope) -> list[ReusablePattern]:
+    """What a critique teaches the run: its reusable patterns, plus uncovered defects.
+
+    Every critical or warning defect (not a grounding false positive) that no reusable pattern
+    of the same category and description covers adds a pattern with a derived rule; the result
+    is de-duplicated by (category, normalized prevention rule), first occurrence kept.
+    """
+    out: dict[str, ReusablePattern] = {}
+    covered: set[tuple[str, str]] = set()
+    for p in envelope.reusable_patterns:
+        out.setdefault(pattern_key(p.category, p.prevention_rule), p)
+        covered.add((p.category, _one_line(p.description).casefold()))
+    for d in envelope.defects:
+        if d.severity == "info" or d.false_positive:
+            continue
+        if (d.category, _one_line(d.description).casefold()) in covered:
+            continue
+        p = ReusablePattern(
+            category=d.category,
+            description=d.description,
+            prevention_rule=prevention_rule_for(d.description),
+        )
+        out.setdefault(pattern_key(p.category, p.prevention_rule), p)
+    return list(out.values())
+
+
+def render_lessons(patterns: Sequence[Pattern]) -> str:
+    """``lessons.md``: patterns that recurred across runs, most frequent first as given."""
+    lines = [
+        "# Lessons",
+        "",
+        "Failure patterns that recurred across runs, most frequent first.",
+        "",
+    ]
+    if not patterns:
+        lines.append("No recurring failure patterns recorded yet.")
+        return "\n".join(lines) + "\n"
+    for i, p in enumerate(patterns, 1):
+        seen = (
+            f"iteration {p.first_seen_iteration}"
+            if p.first_seen_iteration == p.last_seen_iteration
+            else f"iterations {p.first_seen_iteration}–{p.last_seen_iteration}"
+        )
+        lines += [
+            f"## {i}. {p.category} (seen {p.frequency}x)",
+            "",
+            f"- **Rule:** {_one_line(p.prevention_rule)}",
+            f"- **What happened:** {_one_line(p.description)}",
+            f"- **Seen in:** {seen}",
+            "",
+        ]
+    return "\n".join(lines)

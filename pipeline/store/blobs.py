@@ -1,0 +1,117 @@
+"""Content-addressed blobs: large outputs and files travel as ``sha256:<hex>`` references.
+
+Messages carry references, not megabytes (SPEC §4). A blob's key is its content hash, so the
+same bytes stored by two runs share one key (``<prefix>:blob:<hex>``, no run hash tag); every
+``put`` (re)sets the blob's expiry to the store's TTL, so a blob lives as long as its last writer
+needs it. ``get`` re-hashes what it reads, so a reference always yields the bytes it names.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+import redis
+
+from pipeline.errors import ConfigError, PermanentError
+from pipeline.store import keys
+from pipeline.store.base import BlobStore
+from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors
+
+REF_PREFIX = "sha256:"
+DEFAULT_INLINE_LIMIT = 32 * 1024
+_REF = re.compile(r"^sha256:([0-9a-f]{64})$")
+
+
+class BlobMissingError(PermanentError, KeyError):
+    """A blob reference names no stored bytes: malformed, never stored, or expired."""
+
+    def __init__(self, ref: str, message: str | None = None) -> None:
+        super().__init__(
+            message or f"blob {ref!r} is missing or expired",
+            hint="blobs expire with their run (CRITIQUE_RUN_TTL_S); resubmit the content",
+        )
+        self.ref = ref
+
+
+class BlobCorruptError(BlobMissingError):
+    """The bytes stored under a reference do not hash to it."""
+
+
+def blob_ref(data: bytes) -> str:
+    """The reference of ``data``: ``sha256:<hex digest>``."""
+    return REF_PREFIX + hashlib.sha256(data).hexdigest()
+
+
+def parse_ref(ref: str) -> str:
+    """The hex digest inside ``ref``; raises ``BlobMissingError`` for a malformed reference."""
+    match = _REF.match(ref)
+    if match is None:
+        raise BlobMissingError(ref, f"{ref!r} is not a blob reference (sha256:<64 hex digits>)")
+    return match.group(1)
+
+
+def verified(ref: str, data: bytes) -> bytes:
+    """``data`` if it hashes to ``ref``, else raise ``BlobCorruptError``."""
+    if blob_ref(data) != ref:
+        raise BlobCorruptError(ref, f"blob {ref!r} failed its hash check ({len(data)} bytes)")
+    return data
+
+
+def externalize(
+    text: str, store: BlobStore, inline_limit: int = DEFAULT_INLINE_LIMIT
+) -> tuple[str | None, str | None]:
+    """``(text, None)`` when its UTF-8 size is within ``inline_limit``, else ``(None, ref)``."""
+    data = text.encode("utf-8")
+    if len(data) <= inline_limit:
+        return text, None
+    return None, store.put(data)
+
+
+def materialize(inline: str | None, ref: str | None, store: BlobStore) -> str | None:
+    """The text that ``externalize`` split: ``inline``, else the referenced blob, else None."""
+    if inline is not None:
+        return inline
+    if ref is None:
+        return None
+    return store.get(ref).decode("utf-8")
+
+
+class RedisBlobStore:
+    """Blobs as plain Redis strings under their content hash, with a TTL refreshed on ``put``.
+
+    Needs a client with ``decode_responses=False`` (blobs are bytes).
+    """
+
+    def __init__(
+        self, client: redis.Redis, prefix: str | None = None, ttl_s: float | None = None
+    ) -> None:
+        if client.connection_pool.connection_kwargs.get("decode_responses"):
+            raise ConfigError(
+                "RedisBlobStore needs a Redis client with decode_responses=False",
+                hint="blobs are bytes; create a separate client for them",
+            )
+        self._client = client
+        self._prefix = resolve_prefix(prefix)
+        self._ttl_ms = resolve_ttl_ms(ttl_s)
+
+    def put(self, data: bytes) -> str:
+        """Store ``data`` (once per content) and return its reference; refreshes the TTL."""
+        ref = blob_ref(data)
+        key = keys.blob_key(parse_ref(ref), self._prefix)
+        with store_errors(self._client):
+            # Refresh first: a blob already there costs one round trip and no upload.
+            if not self._client.pexpire(key, self._ttl_ms):
+                self._client.set(key, data, px=self._ttl_ms, nx=True)
+        return ref
+
+    def get(self, ref: str) -> bytes:
+        """The bytes ``ref`` names; BlobMissingError if absent, BlobCorruptError if altered."""
+        key = keys.blob_key(parse_ref(ref), self._prefix)
+        with store_errors(self._client):
+            data = self._client.get(key)
+        if data is None:
+            raise BlobMissingError(ref)
+        if not isinstance(data, bytes):
+            raise BlobCorruptError(ref, f"blob {ref!r} came back as text, not bytes")
+        return verified(ref, data)

@@ -1,0 +1,116 @@
+"""Every Redis key, queue and task name the product uses, in one place (DESIGN habit 7).
+
+Run keys are ``<prefix>:{<run_id>}:<suffix>``: the ``{run_id}`` hash tag puts a whole run in one
+Redis Cluster slot, so the Lua scripts may touch several of its keys atomically. Every run key
+expires ``CRITIQUE_RUN_TTL_S`` seconds after its last write. Blob keys are content-addressed and
+shared by every run (``<prefix>:blob:<sha256 hex>``); they expire too.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipeline.errors import ConfigError
+from pipeline.models import check_identifier
+
+# --- environment -----------------------------------------------------------------------------
+
+PREFIX_ENV = "CRITIQUE_KEY_PREFIX"  # env var that overrides the key prefix
+DEFAULT_PREFIX = "critique"  # key prefix when the env var is unset
+RUN_TTL_ENV = "CRITIQUE_RUN_TTL_S"  # env var that overrides the run TTL (seconds)
+DEFAULT_RUN_TTL_S = 7 * 24 * 3600  # a run's keys live 7 days after their last write
+
+# --- queues and tasks (SPEC §4; the Celery app routes by these names) --------------------------
+
+QUEUE_CPU = "critique.cpu"  # queue for CPU-bound stages: L0, heuristic/rubric critics, gates
+QUEUE_LLM = "critique.llm"  # queue for LLM-bound stages: LLM critic, repair
+
+TASK_L0 = "critique.l0"  # task: the Layer-0 output contract
+TASK_CRITIC = "critique.critic"  # task: run the configured critic
+TASK_DECIDE = "critique.decide"  # task: convergence decision (continue, stop, escalate)
+TASK_REPAIR = "critique.repair"  # task: one targeted repair attempt
+TASK_GATE = "critique.gate"  # task: the per-submission gate at the end of the chain
+TASK_COMPLETE_GATE = "critique.complete_gate"  # task: the manager's completion gate
+
+# --- run key suffixes (under ``<prefix>:{<run_id>}:``) -----------------------------------------
+
+PATTERNS_FREQ = "patterns:freq"  # sorted set: pattern key -> frequency in the run
+PATTERNS_DETAIL = "patterns:detail"  # hash: pattern key -> JSON details (category, rule, order…)
+PATTERNS_SEEN = "patterns:seen"  # set: critique keys already recorded (exactly-once recording)
+BUDGET = "budget"  # hash: "spent" -> repair tokens committed in the run
+BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:done" (every lease ever)
+BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> expiry (µs); expired ones reclaimed
+TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
+SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, at}
+RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> CritiqueResult JSON (the final answers)
+COMPLETIONS = "completions"  # hash: "rejected" -> completion-gate rejections so far
+STEPS = "steps"  # hash: "<iteration>:<worker>:<round>:<attempt>:<stage>" -> the step's output msg
+
+RUN_KEY_SUFFIXES: tuple[str, ...] = (
+    PATTERNS_FREQ,
+    PATTERNS_DETAIL,
+    PATTERNS_SEEN,
+    BUDGET,
+    BUDGET_LEASES,
+    BUDGET_LIVE,
+    TRACE,
+    SUBMITTED,
+    RESULTS,
+    COMPLETIONS,
+    STEPS,
+)  # every run key suffix, for scans, reports and tests
+
+# --- shared (not per-run) keys ---------------------------------------------------------------
+
+BLOB = "blob"  # string under ``<prefix>:blob:<sha256 hex>``: content-addressed bytes, all runs
+
+
+def key_prefix() -> str:
+    """The key prefix: ``$CRITIQUE_KEY_PREFIX`` or ``critique``."""
+    return check_prefix(os.environ.get(PREFIX_ENV) or DEFAULT_PREFIX)
+
+
+def check_prefix(prefix: str) -> str:
+    """Return ``prefix`` if it can head a key (non-empty; no braces, glob characters, spaces)."""
+    if not prefix or any(c in prefix for c in "{}*?[]\\ \t\r\n"):
+        raise ConfigError(
+            f"Redis key prefix {prefix!r} must be non-empty, without braces, glob characters "
+            "or whitespace",
+            key=PREFIX_ENV,
+        )
+    return prefix
+
+
+def run_ttl_s() -> int:
+    """The run TTL in seconds: ``$CRITIQUE_RUN_TTL_S`` (a positive integer) or 7 days."""
+    raw = os.environ.get(RUN_TTL_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_RUN_TTL_S
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(
+            f"{RUN_TTL_ENV}={raw!r} is not a positive number of seconds",
+            key=RUN_TTL_ENV,
+            hint="unset it for the 7-day default",
+        )
+    return value
+
+
+def run_key(run_id: str, suffix: str, prefix: str | None = None) -> str:
+    """The key ``<prefix>:{<run_id>}:<suffix>``; ``run_id`` must be a safe identifier."""
+    check_identifier(run_id, "run_id")
+    return f"{prefix or key_prefix()}:{{{run_id}}}:{suffix}"
+
+
+def run_key_pattern(run_id: str, prefix: str | None = None) -> str:
+    """A SCAN ``MATCH`` pattern for every key of one run."""
+    check_identifier(run_id, "run_id")
+    return f"{prefix or key_prefix()}:{{{run_id}}}:*"
+
+
+def blob_key(sha256_hex: str, prefix: str | None = None) -> str:
+    """The key of a content-addressed blob (no hash tag: blobs are shared across runs)."""
+    return f"{prefix or key_prefix()}:{BLOB}:{sha256_hex}"

@@ -1,0 +1,187 @@
+"""In-process store implementations for the broker-free runner and unit tests.
+
+They follow the protocols of :mod:`pipeline.store.base` exactly, including idempotency and
+lease expiry, so the same tests can run against them and against the Redis implementations.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipeline.models import Pattern, ReusablePattern
+from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
+
+
+def pattern_key(category: str, prevention_rule: str) -> str:
+    """Identity of a pattern: its category and its whitespace/case-folded prevention rule."""
+    return f"{category}|{' '.join(prevention_rule.lower().split())}"
+
+
+@dataclass
+class _PatternRow:
+    pattern: Pattern
+    order: int
+
+
+class MemoryPatternStore:
+    """Pattern memory in a dict, guarded by a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows: dict[str, dict[str, _PatternRow]] = {}
+        self._seen: set[tuple[str, str]] = set()
+        self._order = 0
+
+    def record(
+        self,
+        run_id: str,
+        critique_key: str,
+        iteration: int,
+        patterns: Sequence[ReusablePattern],
+    ) -> bool:
+        with self._lock:
+            if (run_id, critique_key) in self._seen:
+                return False
+            self._seen.add((run_id, critique_key))
+            rows = self._rows.setdefault(run_id, {})
+            for key in dict.fromkeys(pattern_key(p.category, p.prevention_rule) for p in patterns):
+                p = next(q for q in patterns if pattern_key(q.category, q.prevention_rule) == key)
+                row = rows.get(key)
+                if row is None:
+                    self._order += 1
+                    rows[key] = _PatternRow(
+                        Pattern(
+                            category=p.category,
+                            frequency=1,
+                            description=p.description,
+                            prevention_rule=p.prevention_rule,
+                            first_seen_iteration=iteration,
+                            last_seen_iteration=iteration,
+                        ),
+                        self._order,
+                    )
+                else:
+                    old = row.pattern
+                    row.pattern = old.model_copy(
+                        update={
+                            "frequency": old.frequency + 1,
+                            "first_seen_iteration": min(old.first_seen_iteration, iteration),
+                            "last_seen_iteration": max(old.last_seen_iteration, iteration),
+                        }
+                    )
+            return True
+
+    def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
+        with self._lock:
+            rows = list(self._rows.get(run_id, {}).values())
+        rows.sort(key=lambda r: (-r.pattern.frequency, r.order))
+        return [r.pattern for r in rows[:limit]]
+
+
+@dataclass
+class _Lease:
+    tokens: int
+    expires: float
+    done: bool = False
+
+
+@dataclass
+class _Run:
+    spent: int = 0
+    leases: dict[str, _Lease] = field(default_factory=dict)
+
+
+class MemoryBudgetLedger:
+    """The budget semaphore in memory, with the same lease semantics as the Redis one."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._runs: dict[str, _Run] = {}
+
+    def _held(self, run: _Run, now: float) -> int:
+        return sum(le.tokens for le in run.leases.values() if not le.done and le.expires > now)
+
+    def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
+        with self._lock:
+            now = self._clock()
+            run = self._runs.setdefault(run_id, _Run())
+            lease = run.leases.get(lease_id)
+            if lease is not None:
+                if lease.done:
+                    return False
+                if lease.expires > now:
+                    return True
+                # Expired unsettled: the holder died and the work was redelivered; reserve afresh.
+            if run.spent + self._held(run, now) + tokens > cap:
+                return False
+            run.leases[lease_id] = _Lease(tokens=tokens, expires=now + ttl_s)
+            return True
+
+    def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
+        with self._lock:
+            run = self._runs.setdefault(run_id, _Run())
+            lease = run.leases.get(lease_id)
+            if lease is None or lease.done:
+                return 0
+            charge = min(max(actual_tokens, 0), lease.tokens)
+            lease.done = True
+            run.spent += charge
+            return charge
+
+    def refund(self, run_id: str, lease_id: str) -> None:
+        with self._lock:
+            run = self._runs.setdefault(run_id, _Run())
+            lease = run.leases.get(lease_id)
+            if lease is not None:
+                lease.done = True
+
+    def spent(self, run_id: str) -> int:
+        with self._lock:
+            return self._runs.get(run_id, _Run()).spent
+
+
+class MemoryTraceSink:
+    """The trace as a list per run."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: dict[str, list[str]] = {}
+
+    def emit(self, run_id: str, event: Mapping[str, Any]) -> None:
+        with self._lock:
+            # A JSON round trip: the stored event is a snapshot and non-JSON values are refused,
+            # exactly as the Redis stream behaves.
+            self._events.setdefault(run_id, []).append(json.dumps(dict(event), allow_nan=False))
+
+    def read(self, run_id: str) -> list[dict[str, Any]]:
+        with self._lock:
+            encoded = list(self._events.get(run_id, []))
+        return [json.loads(e) for e in encoded]
+
+
+class MemoryBlobStore:
+    """Content-addressed blobs in a dict; same references and errors as the Redis store."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._blobs: dict[str, bytes] = {}
+
+    def put(self, data: bytes) -> str:
+        ref = blob_ref(data)
+        with self._lock:
+            self._blobs.setdefault(ref, bytes(data))
+        return ref
+
+    def get(self, ref: str) -> bytes:
+        parse_ref(ref)
+        with self._lock:
+            data = self._blobs.get(ref)
+        if data is None:
+            raise BlobMissingError(ref)
+        return verified(ref, data)

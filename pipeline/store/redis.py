@@ -1,0 +1,426 @@
+"""Redis implementations of the run stores (SPEC §4), behind the protocols of ``base``.
+
+Each store takes an injected ``redis.Redis`` client (``decode_responses`` False or True: both
+work), a key prefix and a run TTL (defaults from :mod:`pipeline.store.keys`). Multi-key updates
+are single Lua scripts (``register_script``: EVALSHA with a NOSCRIPT fallback), so a run's
+state is changed atomically and every write path refreshes the run keys' expiry. Connection
+failures surface as :class:`~pipeline.errors.StoreUnavailableError` (transient, retried).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import redis
+
+from pipeline.models import Pattern, ReusablePattern
+from pipeline.store import keys
+from pipeline.store.memory import pattern_key
+from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
+
+# --- pattern memory --------------------------------------------------------------------------
+
+# KEYS: seen, freq, detail. ARGV: critique key, iteration, run TTL (ms), then per pattern
+# (deduplicated by the caller): pattern key, category, description, prevention rule.
+_RECORD_PATTERNS = """
+if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
+  return 0
+end
+local iteration = tonumber(ARGV[2])
+for i = 4, #ARGV, 4 do
+  local pkey = ARGV[i]
+  redis.call('ZINCRBY', KEYS[2], 1, pkey)
+  local raw = redis.call('HGET', KEYS[3], pkey)
+  local row
+  if raw then
+    row = cjson.decode(raw)
+    if iteration < row.first_seen_iteration then row.first_seen_iteration = iteration end
+    if iteration > row.last_seen_iteration then row.last_seen_iteration = iteration end
+  else
+    row = {category = ARGV[i + 1], description = ARGV[i + 2], prevention_rule = ARGV[i + 3],
+           first_seen_iteration = iteration, last_seen_iteration = iteration,
+           order = redis.call('HLEN', KEYS[3]) + 1}
+  end
+  redis.call('HSET', KEYS[3], pkey, cjson.encode(row))
+end
+for i = 1, 3 do
+  redis.call('PEXPIRE', KEYS[i], ARGV[3])
+end
+return 1
+"""
+
+# KEYS: freq, detail. ARGV: limit (≥ 1). Returns [pattern key, frequency, detail JSON]* for
+# every pattern at least as frequent as the limit-th one (ties are ordered by the caller).
+_TOP_PATTERNS = """
+local limit = tonumber(ARGV[1])
+local cut = redis.call('ZREVRANGE', KEYS[1], limit - 1, limit - 1, 'WITHSCORES')
+local rows
+if #cut == 0 then
+  rows = redis.call('ZREVRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+else
+  rows = redis.call('ZREVRANGEBYSCORE', KEYS[1], '+inf', cut[2], 'WITHSCORES')
+end
+local out = {}
+for i = 1, #rows, 2 do
+  local detail = redis.call('HGET', KEYS[2], rows[i])
+  if detail then
+    out[#out + 1] = rows[i]
+    out[#out + 1] = rows[i + 1]
+    out[#out + 1] = detail
+  end
+end
+return out
+"""
+
+
+class RedisPatternStore:
+    """Pattern memory: frequencies in a sorted set, details in a hash, exactly once per critique.
+
+    The "seen" set of critique keys and the counts are updated in one Lua script, so a task
+    delivered twice (or run concurrently) counts its patterns once.
+    """
+
+    def __init__(
+        self, client: redis.Redis, prefix: str | None = None, ttl_s: float | None = None
+    ) -> None:
+        self._client = client
+        self._prefix = resolve_prefix(prefix)
+        self._ttl_ms = resolve_ttl_ms(ttl_s)
+        self._record = client.register_script(_RECORD_PATTERNS)
+        self._top = client.register_script(_TOP_PATTERNS)
+
+    def _keys(self, run_id: str, *suffixes: str) -> list[str]:
+        return [keys.run_key(run_id, s, self._prefix) for s in suffixes]
+
+    def record(
+        self,
+        run_id: str,
+        critique_key: str,
+        iteration: int,
+        patterns: Sequence[ReusablePattern],
+    ) -> bool:
+        """Count ``patterns`` once for ``critique_key``; False when the key was already recorded."""
+        if iteration < 1:
+            raise ValueError(f"iteration must be ≥ 1, got {iteration}")
+        args: list[str | int] = [critique_key, iteration, self._ttl_ms]
+        seen: set[str] = set()
+        for p in patterns:
+            key = pattern_key(p.category, p.prevention_rule)
+            if key not in seen:
+                seen.add(key)
+                args += [key, p.category, p.description, p.prevention_rule]
+        script_keys = self._keys(
+            run_id, keys.PATTERNS_SEEN, keys.PATTERNS_FREQ, keys.PATTERNS_DETAIL
+        )
+        with store_errors(self._client):
+            return int(self._record(keys=script_keys, args=args)) == 1
+
+    def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
+        """The run's patterns, most frequent first, ties in first-recorded order."""
+        if limit <= 0:
+            return []
+        script_keys = self._keys(run_id, keys.PATTERNS_FREQ, keys.PATTERNS_DETAIL)
+        with store_errors(self._client):
+            flat = self._top(keys=script_keys, args=[limit])
+        rows: list[tuple[int, int, Pattern]] = []
+        for i in range(0, len(flat), 3):
+            frequency = round(float(text(flat[i + 1])))
+            detail = json.loads(text(flat[i + 2]))
+            pattern = Pattern(
+                category=detail["category"],
+                frequency=frequency,
+                description=detail["description"],
+                prevention_rule=detail["prevention_rule"],
+                first_seen_iteration=int(detail["first_seen_iteration"]),
+                last_seen_iteration=int(detail["last_seen_iteration"]),
+            )
+            rows.append((-frequency, int(detail["order"]), pattern))
+        rows.sort(key=lambda r: (r[0], r[1]))
+        return [r[2] for r in rows[:limit]]
+
+
+# --- repair-budget semaphore -----------------------------------------------------------------
+
+# One script for the whole lease protocol. KEYS: budget hash, leases hash, live sorted set.
+# ARGV[1] = op ("reserve" | "commit" | "refund" | "holds"), ARGV[2] = run TTL (ms),
+# ARGV[3] = now in µs, or "" to use the server's TIME (the default: one clock for every host).
+#   reserve: ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs) → 1 | 0
+#   commit:  ARGV[4] lease id, ARGV[5] actual tokens → the charge
+#   refund:  ARGV[4] lease id → 0
+#   holds:   → [lease id, tokens, expiry (µs), now (µs)]* of live, unexpired leases
+# A lease record is "tokens:expires_us:done"; records stay until the run expires so that a
+# repeated reserve, commit or refund of the same lease id changes nothing. Reserving a lease
+# that expired unsettled (its holder died; the work was redelivered) reserves it afresh.
+_BUDGET = """
+local op = ARGV[1]
+local function now_us()
+  if ARGV[3] ~= '' then return tonumber(ARGV[3]) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function parse(rec)
+  local tokens, expires, done = string.match(rec, '^(%d+):(%-?%d+):(%d)$')
+  return tonumber(tokens), tonumber(expires), done == '1'
+end
+local function touch()
+  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+end
+local function release(lease, rec)
+  local tokens, expires = parse(rec)
+  redis.call('HSET', KEYS[2], lease, string.format('%.0f:%.0f:1', tokens, expires))
+  redis.call('ZREM', KEYS[3], lease)
+  return tokens
+end
+
+if op == 'reserve' then
+  local lease, tokens, cap = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+  local now = now_us()
+  local rec = redis.call('HGET', KEYS[2], lease)
+  if rec then
+    local _, expires, done = parse(rec)
+    if done then return 0 end
+    if expires > now then return 1 end
+    -- An expired, unsettled lease: its holder died and the work was redelivered. Reserve
+    -- afresh below, against the cap, as if the lease were new.
+  end
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('%.0f', now))
+  local held = 0
+  for _, live in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
+    local live_tokens = parse(redis.call('HGET', KEYS[2], live))
+    held = held + live_tokens
+  end
+  local spent = tonumber(redis.call('HGET', KEYS[1], 'spent') or '0')
+  if spent + held + tokens > cap then return 0 end
+  local expires = now + tonumber(ARGV[7])
+  redis.call('HSET', KEYS[2], lease, string.format('%.0f:%.0f:0', tokens, expires))
+  redis.call('ZADD', KEYS[3], string.format('%.0f', expires), lease)
+  redis.call('HSETNX', KEYS[1], 'spent', '0')
+  touch()
+  return 1
+elseif op == 'commit' then
+  local lease = ARGV[4]
+  local rec = redis.call('HGET', KEYS[2], lease)
+  if not rec then return 0 end
+  local _, _, done = parse(rec)
+  if done then return 0 end
+  local actual = math.max(tonumber(ARGV[5]), 0)
+  local charge = math.min(actual, release(lease, rec))
+  redis.call('HINCRBY', KEYS[1], 'spent', string.format('%.0f', charge))
+  touch()
+  return charge
+elseif op == 'refund' then
+  local lease = ARGV[4]
+  local rec = redis.call('HGET', KEYS[2], lease)
+  if rec then
+    local _, _, done = parse(rec)
+    if not done then
+      release(lease, rec)
+      touch()
+    end
+  end
+  return 0
+elseif op == 'holds' then
+  local now = now_us()
+  local out = {}
+  local live = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. string.format('%.0f', now), '+inf')
+  for _, lease in ipairs(live) do
+    local tokens, expires = parse(redis.call('HGET', KEYS[2], lease))
+    out[#out + 1] = lease
+    out[#out + 1] = string.format('%.0f', tokens)
+    out[#out + 1] = string.format('%.0f', expires)
+    out[#out + 1] = string.format('%.0f', now)
+  end
+  return out
+end
+return redis.error_reply('unknown budget op ' .. tostring(op))
+"""
+
+
+class RedisBudgetLedger:
+    """The run-wide repair-budget semaphore as one Lua script over three run keys.
+
+    Time comes from the Redis server (``TIME`` inside the script) so every host agrees on lease
+    expiry; pass ``clock`` (seconds, any epoch) only for deterministic tests. A commit charges
+    ``min(actual, reserved)`` when the lease exists and is not yet committed or refunded, even
+    after it expired (as :class:`~pipeline.store.memory.MemoryBudgetLedger` does): the tokens were
+    really spent, so the ledger says so. Keep lease TTLs above the task time limit so that only
+    dead holders expire.
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._client = client
+        self._prefix = resolve_prefix(prefix)
+        self._ttl_ms = resolve_ttl_ms(ttl_s)
+        self._clock = clock
+        self._script = client.register_script(_BUDGET)
+
+    def _call(self, run_id: str, op: str, *args: str | int) -> Any:
+        script_keys = [
+            keys.run_key(run_id, s, self._prefix)
+            for s in (keys.BUDGET, keys.BUDGET_LEASES, keys.BUDGET_LIVE)
+        ]
+        now = "" if self._clock is None else str(int(self._clock() * 1_000_000))
+        with store_errors(self._client):
+            return self._script(keys=script_keys, args=[op, self._ttl_ms, now, *args])
+
+    def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
+        """Hold ``tokens`` against ``cap`` (spent + live holds + tokens ≤ cap), or refuse.
+
+        Reserving a lease id again answers whether that lease is still held, holding nothing new.
+        """
+        if tokens < 0:
+            raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
+        ttl_us = int(ttl_s * 1_000_000)
+        return int(self._call(run_id, "reserve", lease_id, tokens, cap, ttl_us)) == 1
+
+    def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
+        """Charge ``min(actual, reserved)`` and release the hold; 0 for an unknown or done lease."""
+        return int(self._call(run_id, "commit", lease_id, int(actual_tokens)))
+
+    def refund(self, run_id: str, lease_id: str) -> None:
+        """Release the lease's hold without charging anything (once; later calls do nothing)."""
+        self._call(run_id, "refund", lease_id)
+
+    def spent(self, run_id: str) -> int:
+        """Tokens committed so far in the run."""
+        key = keys.run_key(run_id, keys.BUDGET, self._prefix)
+        with store_errors(self._client):
+            value = self._client.hget(key, "spent")
+        return 0 if value is None else int(value)
+
+    def holds(self, run_id: str) -> dict[str, int]:
+        """Live (uncommitted, unexpired) leases and the tokens each holds — for tests and status."""
+        flat = self._call(run_id, "holds")
+        return {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 4)}
+
+    def lease_ttl_remaining(self, run_id: str, lease_id: str) -> float | None:
+        """Seconds until a live lease expires, or None when it is not live."""
+        flat = self._call(run_id, "holds")
+        for i in range(0, len(flat), 4):
+            if text(flat[i]) == lease_id:
+                return (int(flat[i + 2]) - int(flat[i + 3])) / 1_000_000
+        return None
+
+
+# --- trace stream ----------------------------------------------------------------------------
+
+TraceEntry = tuple[str, dict[str, Any]]
+"""One trace stream entry: its stream id (resume point for ``iterate``) and the event."""
+
+_EVENT_FIELD = "event"
+_PAGE = 1000
+
+
+class RedisTraceSink:
+    """The run's single trace channel: one Redis stream per run, one JSON event per entry.
+
+    ``emit`` appends with an approximate ``MAXLEN`` trim and refreshes the run TTL in the same
+    MULTI/EXEC; ``read`` returns the whole trace; ``iterate`` follows it live (``XREAD BLOCK``).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+        maxlen: int = 100_000,
+    ) -> None:
+        if maxlen < 1:
+            raise ValueError(f"maxlen must be ≥ 1, got {maxlen}")
+        self._client = client
+        self._prefix = resolve_prefix(prefix)
+        self._ttl_ms = resolve_ttl_ms(ttl_s)
+        self._maxlen = maxlen
+
+    def _key(self, run_id: str) -> str:
+        return keys.run_key(run_id, keys.TRACE, self._prefix)
+
+    def emit(self, run_id: str, event: Mapping[str, Any]) -> None:
+        """Append one JSON-safe event; NaN or a non-JSON value raises ValueError or TypeError."""
+        payload = json.dumps(
+            dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+        key = self._key(run_id)
+        with store_errors(self._client):
+            pipe = self._client.pipeline(transaction=True)
+            pipe.xadd(key, {_EVENT_FIELD: payload}, maxlen=self._maxlen, approximate=True)
+            pipe.pexpire(key, self._ttl_ms)
+            pipe.execute()
+
+    def read(self, run_id: str) -> list[dict[str, Any]]:
+        """Every event of the run still in the stream, oldest first."""
+        key = self._key(run_id)
+        events: list[dict[str, Any]] = []
+        start = "-"
+        while True:
+            with store_errors(self._client):
+                page: list[Any] = self._client.xrange(key, min=start, max="+", count=_PAGE) or []
+            events.extend(_decode_event(fields) for _, fields in page if fields is not None)
+            if len(page) < _PAGE:
+                return events
+            start = "(" + text(page[-1][0])
+
+    def iterate(
+        self,
+        run_id: str,
+        block_ms: int = 1000,
+        last_id: str = "0-0",
+        idle_limit: int | None = None,
+    ) -> Iterator[TraceEntry]:
+        """Yield ``(entry id, event)`` after ``last_id`` as they arrive ("$": only new ones).
+
+        Each wait blocks up to ``block_ms`` (keep it below the client's socket timeout); the
+        generator ends after ``idle_limit`` consecutive empty waits, never when it is None.
+        """
+        if block_ms < 1:
+            raise ValueError("block_ms must be ≥ 1 (0 would block forever)")
+        timeout = self._client.connection_pool.connection_kwargs.get("socket_timeout")
+        if timeout is not None and block_ms >= timeout * 1000:
+            raise ValueError(
+                f"block_ms={block_ms} must be below the client's socket_timeout ({timeout} s)"
+            )
+        key = self._key(run_id)
+        idle = 0
+        while True:
+            with store_errors(self._client):
+                reply = self._client.xread({key: last_id}, count=_PAGE, block=block_ms)
+            entries = _stream_entries(reply)
+            if not entries:
+                idle += 1
+                if idle_limit is not None and idle >= idle_limit:
+                    return
+                continue
+            idle = 0
+            for entry_id, fields in entries:
+                last_id = text(entry_id)
+                yield last_id, _decode_event(fields)
+
+
+def _stream_entries(reply: Any) -> list[Any]:
+    """The entries of a one-stream XREAD reply, whichever shape redis-py parsed it into.
+
+    RESP2 gives ``[[stream, entries]]``; RESP3 ``{stream: [entries]}``; the unified parser
+    ``{stream: entries}``. Entries are ``(id, fields)`` tuples.
+    """
+    if not reply:
+        return []
+    value = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+    if value and isinstance(value[0], list):
+        value = value[0]
+    return [entry for entry in value if entry is not None]
+
+
+def _decode_event(fields: Mapping[Any, Any]) -> dict[str, Any]:
+    raw = fields.get(_EVENT_FIELD, fields.get(_EVENT_FIELD.encode()))
+    event = json.loads(text(raw))
+    if not isinstance(event, dict):
+        raise ValueError(f"trace entry is not a JSON object: {raw!r}")
+    return event

@@ -1,0 +1,115 @@
+"""The run registry in Redis: what was submitted, and the final result of each submission.
+
+``submitted`` and ``results`` are hashes keyed ``"<iteration>:<worker_id>"``; writes are
+idempotent (a redelivered gate task rewrites the same field with the same value). Every write
+refreshes the run TTL.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import redis
+
+from pipeline.models import CritiqueResult
+from pipeline.store import keys
+from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
+
+
+def member(iteration: int, worker_id: str) -> str:
+    """The hash field of one submission."""
+    return f"{iteration}:{worker_id}"
+
+
+class RedisRunStore:
+    """Submissions and results of runs."""
+
+    def __init__(
+        self, client: redis.Redis, *, prefix: str | None = None, ttl_s: float | None = None
+    ) -> None:
+        self._r = client
+        self._prefix = resolve_prefix(prefix)
+        self._ttl_ms = resolve_ttl_ms(ttl_s)
+
+    def _key(self, run_id: str, suffix: str) -> str:
+        return keys.run_key(run_id, suffix, self._prefix)
+
+    def _hset(self, run_id: str, suffix: str, field: str, value: str) -> None:
+        key = self._key(run_id, suffix)
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hset(key, field, value)
+            pipe.pexpire(key, self._ttl_ms)
+            pipe.execute()
+
+    def mark_submitted(
+        self, run_id: str, iteration: int, worker_id: str, task_id: str, signature: str
+    ) -> None:
+        """Record that a submission entered the pipeline (for status and the redundancy guard)."""
+        doc = {"task_id": task_id, "signature": signature, "at": time.time()}
+        self._hset(run_id, keys.SUBMITTED, member(iteration, worker_id), json.dumps(doc))
+
+    def submitted(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """Every submission of the run: field -> {task_id, signature, at}."""
+        with store_errors(self._r):
+            raw = self._r.hgetall(self._key(run_id, keys.SUBMITTED))
+        return {text(k): json.loads(text(v)) for k, v in raw.items()}
+
+    def put_result(self, result: CritiqueResult) -> None:
+        """Store a submission's final result (idempotent)."""
+        self._hset(
+            result.run_id,
+            keys.RESULTS,
+            member(result.iteration, result.worker_id),
+            result.model_dump_json(),
+        )
+
+    def result(self, run_id: str, iteration: int, worker_id: str) -> CritiqueResult | None:
+        """One result, or None while it is not there yet."""
+        with store_errors(self._r):
+            raw = self._r.hget(self._key(run_id, keys.RESULTS), member(iteration, worker_id))
+        return None if raw is None else CritiqueResult.model_validate_json(raw)
+
+    def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:
+        """The run's results (of one iteration when given), ordered by iteration and worker."""
+        with store_errors(self._r):
+            raw = self._r.hgetall(self._key(run_id, keys.RESULTS))
+        out = [CritiqueResult.model_validate_json(v) for v in raw.values()]
+        if iteration is not None:
+            out = [r for r in out if r.iteration == iteration]
+        return sorted(out, key=lambda r: (r.iteration, r.worker_id))
+
+    def step_output(self, run_id: str, step: str) -> str | None:
+        """The recorded output of a chain step, if the step already completed once."""
+        with store_errors(self._r):
+            raw = self._r.hget(self._key(run_id, keys.STEPS), step)
+        return None if raw is None else text(raw)
+
+    def record_step(self, run_id: str, step: str, output: str) -> str:
+        """Record a step's output unless one is there already; returns the recorded one."""
+        key = self._key(run_id, keys.STEPS)
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hsetnx(key, step, output)
+            pipe.hget(key, step)
+            pipe.pexpire(key, self._ttl_ms)
+            _, stored, _ = pipe.execute()
+        return text(stored)
+
+    def count_rejection(self, run_id: str) -> int:
+        """Add one completion-gate rejection; returns the count before this one."""
+        key = self._key(run_id, keys.COMPLETIONS)
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hincrby(key, "rejected", 1)
+            pipe.pexpire(key, self._ttl_ms)
+            after, _ = pipe.execute()
+        return int(after) - 1
+
+    def rejections(self, run_id: str) -> int:
+        """Completion-gate rejections so far."""
+        with store_errors(self._r):
+            raw = self._r.hget(self._key(run_id, keys.COMPLETIONS), "rejected")
+        return 0 if raw is None else int(raw)

@@ -1,0 +1,319 @@
+"""The chain on a real Redis and real Celery worker processes (no eager mode, no mocks)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pipeline.config import load_config
+from pipeline.models import CritiqueResult, Submission
+from pipeline.runner import make_context, run_submission, start
+from pipeline.store.memory import MemoryPatternStore
+from tests.integration.workers import WorkerProcess, worker_env
+
+pytestmark = pytest.mark.integration
+
+REQUIRED = ("summary", "findings")
+
+
+def _db14(url: str) -> str:
+    base, _, _db = url.rpartition("/")
+    return f"{base}/14"
+
+
+@pytest.fixture(scope="module")
+def dist_url(redis_url: str) -> str:
+    """A database of its own for the distributed tests (flushed once, before workers start)."""
+    url = _db14(redis_url)
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+@pytest.fixture(scope="module")
+def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Point this process's client at the test Redis, as the workers are."""
+    saved = dict(os.environ)
+    e = worker_env(
+        dist_url,
+        CRITIQUE_VISIBILITY_TIMEOUT_S="4",
+        CRITIQUE_LEASE_TTL_S="2",
+        RECORD_PITFALLS_TO=str(tmp_path_factory.mktemp("rec") / "pitfalls.txt"),
+        SLOW_REVISE_S="0.4",
+    )
+    os.environ.update(e)
+    from workers import runtime
+
+    runtime.client.cache_clear()
+    runtime.stores.cache_clear()
+    from workers.app import app
+
+    app.conf.broker_url = dist_url
+    app.conf.result_backend = dist_url
+    app.conf.broker_transport_options = {"visibility_timeout": 4}
+    yield e
+    os.environ.clear()
+    os.environ.update(saved)
+    runtime.client.cache_clear()
+    runtime.stores.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def worker(
+    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """One worker process (threads pool, 4 threads) for the module."""
+    log = tmp_path_factory.mktemp("logs") / "worker.log"
+    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="main", env=env, log=log).start()
+    yield w
+    w.stop()
+
+
+def make_sub(run_id: str, worker_id: str, iteration: int, kind: str) -> Submission:
+    """A worker output of a given kind: clean, missing, broken or garbage."""
+    output: dict[str, Any]
+    if kind == "clean":
+        output = {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9}
+    elif kind == "missing":
+        output = {"summary": "Sales rose 4%.", "confidence": 0.8}
+    elif kind == "broken":
+        output = {"summary": "Sales rose.", "findings": "x", "error": "tool timed out"}
+    else:
+        output = {}
+    return Submission(
+        run_id=run_id,
+        iteration=iteration,
+        worker_id=worker_id,
+        subtask_signature=f"sig-{worker_id}",
+        task="Summarise the quarterly sales report with findings.",
+        output=output,
+        required_fields=REQUIRED,
+    )
+
+
+KINDS = ("clean", "missing", "broken", "garbage")
+CONFIG = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
+
+
+def reference(
+    subs: list[Submission], config: dict[str, Any]
+) -> tuple[dict[str, CritiqueResult], MemoryPatternStore]:
+    """The same submissions through the broker-free runner, for comparison."""
+    patterns = MemoryPatternStore()
+    ctx = make_context(load_config(env={}, overrides=config), patterns=patterns)
+    out = {f"{s.iteration}:{s.worker_id}": run_submission(s, ctx) for s in subs}
+    return out, patterns
+
+
+def test_200_submissions_from_20_workers(worker: WorkerProcess) -> None:
+    """200 mixed submissions end with the right status, exact pattern counts, spend ≤ cap."""
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    run_id = f"run-{uuid.uuid4().hex[:8]}"
+    subs = [
+        make_sub(run_id, f"w{w:02d}", it, KINDS[(w + it) % len(KINDS)])
+        for w in range(20)
+        for it in range(1, 11)
+    ]
+    client = CritiqueClient(CONFIG)
+    handles = client.submit_many(subs)
+    results = {f"{r.iteration}:{r.worker_id}": r for r in client.wait_many(handles, timeout=240)}
+
+    ref, ref_patterns = reference(subs, CONFIG)
+    for key, want in ref.items():
+        got = results[key]
+        assert (got.status, got.stop_reason) == (want.status, want.stop_reason), key
+        assert got.best_score == pytest.approx(want.best_score)
+    statuses = Counter(r.status for r in results.values())
+    assert set(statuses) == {"accepted", "repaired", "escalated"}
+
+    got_freq = {(p.category, p.prevention_rule): p.frequency for p in client_patterns(run_id)}
+    want_freq = {
+        (p.category, p.prevention_rule): p.frequency for p in ref_patterns.top(run_id, 1000)
+    }
+    assert got_freq == want_freq
+
+    cfg = runtime.config_for(CONFIG)
+    spent = runtime.stores().budget.spent(run_id)
+    assert cfg.repair_token_cap is not None and spent <= cfg.repair_token_cap
+    assert spent == sum(r.repair_usage.tokens for r in results.values())
+
+
+def client_patterns(run_id: str) -> list[Any]:
+    from workers import runtime
+
+    return runtime.stores().patterns.top(run_id, 1000)
+
+
+def test_tiny_budget_ends_repairs_and_keeps_the_best(worker: WorkerProcess) -> None:
+    """With a tiny repair budget, repairs stop with repair_budget_exhausted; the original stays."""
+    from workers.client import CritiqueClient
+
+    run_id = f"tiny-{uuid.uuid4().hex[:8]}"
+    config = {"enabled": True, "budget": {"total_tokens": 10}}
+    client = CritiqueClient(config)
+    subs = [make_sub(run_id, f"w{i}", 1, "missing") for i in range(5)]
+    results = client.wait_many(client.submit_many(subs), timeout=60)
+    for sub, res in zip(subs, results, strict=True):
+        assert res.stop_reason == "repair_budget_exhausted"
+        assert res.output == sub.output
+        assert res.attempts == ()
+
+
+def test_redelivered_task_bodies_change_no_count_or_charge(worker: WorkerProcess) -> None:
+    """Running each stage body twice with the same message counts patterns and charges once."""
+    from workers import runtime, tasks
+
+    run_id = f"redo-{uuid.uuid4().hex[:8]}"
+    sub = make_sub(run_id, "w1", 1, "missing")
+    msg = runtime.encode(start(sub), CONFIG)
+    s = runtime.stores()
+    m = msg
+    for stage in (tasks.l0, tasks.critic):
+        first = stage.apply(args=[m], task_id=f"fixed-{stage.name}").get()
+        before = (s.patterns.top(run_id, 100), s.budget.spent(run_id))
+        again = stage.apply(args=[m], task_id=f"fixed-{stage.name}").get()
+        assert (s.patterns.top(run_id, 100), s.budget.spent(run_id)) == before
+        assert again == first
+        m = first
+    assert s.patterns.top(run_id, 100)[0].frequency == 1
+    # decide's own body (its Task.replace needs a worker): the stage twice, the same answer.
+    m = tasks._stage(tasks.decide, m, "decide")
+    assert tasks._stage(tasks.decide, m, "decide") == m
+    state, _ = runtime.decode(m)
+    assert state.next == "repair"
+    repaired = tasks.repair.apply(args=[m], task_id="fixed-repair").get()
+    critic_msg = tasks.critic.apply(args=[tasks.l0.apply(args=[repaired]).get()]).get()
+    spent_once = s.budget.spent(run_id)
+    patterns_once = s.patterns.top(run_id, 100)
+    # Redeliver the repair and its re-critique: the same lease, so no second charge.
+    tasks.repair.apply(args=[m], task_id="fixed-repair").get()
+    tasks.critic.apply(args=[tasks.l0.apply(args=[repaired]).get()]).get()
+    assert s.budget.spent(run_id) == spent_once > 0
+    assert s.patterns.top(run_id, 100) == patterns_once
+    assert runtime.decode(critic_msg)[0].next == "decide"
+
+
+def test_killed_worker_loses_nothing(
+    env: dict[str, str], worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """SIGKILL a worker mid-run: all submissions finish, counts stay exact, the lease returns."""
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    worker.stop()  # only the killable worker consumes during this test
+    run_id = f"kill-{uuid.uuid4().hex[:8]}"
+    config = {
+        "enabled": True,
+        "budget": {"total_tokens": 2_000_000},
+        "repairer": "tests.integration.helpers:slow_revise",
+    }
+    subs = [make_sub(run_id, f"w{i:02d}", 1, KINDS[i % 4]) for i in range(16)]
+    victim = WorkerProcess(
+        env["REDIS_URL"], concurrency=4, name="victim", env=env, log=tmp_path / "victim.log"
+    ).start()
+    client = CritiqueClient(config)
+    handles = client.submit_many(subs)
+    s = runtime.stores()
+    deadline = time.monotonic() + 30
+    while not s.budget.holds(run_id) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert s.budget.holds(run_id), "no repair was in flight to kill"
+    victim.kill()
+    held = dict(s.budget.holds(run_id))
+    assert held
+    time.sleep(2.5)  # the lease TTL (CRITIQUE_LEASE_TTL_S=2) passes
+    assert s.budget.holds(run_id) == {}
+    rescuer = WorkerProcess(
+        env["REDIS_URL"], concurrency=4, name="rescuer", env=env, log=tmp_path / "rescuer.log"
+    ).start()
+    try:
+        results = client.wait_many(handles, timeout=120)
+    finally:
+        rescuer.stop()
+        worker.start()
+    ref, ref_patterns = reference(subs, config)
+    for r in results:
+        want = ref[f"{r.iteration}:{r.worker_id}"]
+        assert (r.status, r.stop_reason) == (want.status, want.stop_reason)
+    got = {(p.category, p.prevention_rule): p.frequency for p in s.patterns.top(run_id, 1000)}
+    want_f = {(p.category, p.prevention_rule): p.frequency for p in ref_patterns.top(run_id, 1000)}
+    assert got == want_f
+
+
+def test_large_output_travels_by_reference(worker: WorkerProcess, dist_url: str) -> None:
+    """A 5 MB output is carried as a blob reference: every broker message stays under 64 KiB."""
+    from workers.client import CritiqueClient
+
+    sizes: list[int] = []
+    stop = threading.Event()
+    mon_client = redis.Redis.from_url(dist_url)
+
+    def watch() -> None:
+        with mon_client.monitor() as m:
+            for cmd in m.listen():
+                if stop.is_set():
+                    return
+                c = cmd.get("command", "")
+                if c.upper().startswith("LPUSH") and "critique." in c:
+                    sizes.append(len(c))
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    time.sleep(0.3)
+    run_id = f"big-{uuid.uuid4().hex[:8]}"
+    para = " ".join(f"word{i} measured value {i * 7} grows" for i in range(60))
+    body = "\n\n".join(f"## Section {i}\n\n{para} section {i} tail." for i in range(5000))
+    big = "# Report\n\n" + body
+    assert len(big.encode()) > 5_000_000
+    sub = Submission(
+        run_id=run_id,
+        worker_id="big",
+        task="Write the report.",
+        output=big,
+        claimed_format="markdown",
+    )
+    client = CritiqueClient({"enabled": True})
+    res = client.wait(client.submit(sub), timeout=120)
+    stop.set()
+    redis.Redis.from_url(dist_url).ping()  # wake the monitor loop
+    t.join(timeout=5)
+    assert res.output == big
+    assert sizes, "no broker message was observed"
+    assert max(sizes) < 64 * 1024
+
+
+def test_trace_holds_every_stage_and_pitfalls_reach_later_repairs(
+    worker: WorkerProcess, env: dict[str, str]
+) -> None:
+    """Every stage and gate event is in the stream in order; later repairs see Known Pitfalls."""
+    from workers.client import CritiqueClient
+
+    run_id = f"trace-{uuid.uuid4().hex[:8]}"
+    config = {"enabled": True, "repairer": "tests.integration.helpers:recording_revise"}
+    client = CritiqueClient(config)
+    early = [make_sub(run_id, f"early{i}", 1, "missing") for i in range(3)]
+    client.wait_many(client.submit_many(early), timeout=60)
+    late = make_sub(run_id, "late", 2, "missing")
+    res = client.wait(client.submit(late), timeout=60)
+    assert res.status == "repaired", (res.stop_reason, res.notes, res.trace)
+
+    events = [e for e in client.trace(run_id) if e.get("worker_id") == "late"]
+    stages = [e["stage"] for e in events if e["type"] in ("stage", "result")]
+    assert stages[0] == "l0" and stages[-1] == "gate"
+    assert stages.index("critic") < stages.index("decide") < stages.index("repair")
+    assert events[-1]["type"] == "result" and events[-1]["status"] == "repaired"
+
+    recorded = Path(env["RECORD_PITFALLS_TO"]).read_text(encoding="utf-8")
+    late_part = recorded.split("=== late\n", 1)[1]
+    assert "## Known Pitfalls" in late_part
+    assert "[seen 3x] missing_data" in late_part

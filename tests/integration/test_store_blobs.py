@@ -1,0 +1,103 @@
+"""Content-addressed blobs in Redis: TTLs, hash verification, and the inline/reference split."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from pipeline.errors import ConfigError
+from pipeline.store import keys
+from pipeline.store.blobs import (
+    BlobCorruptError,
+    BlobMissingError,
+    RedisBlobStore,
+    blob_ref,
+    externalize,
+    materialize,
+)
+from pipeline.store.memory import MemoryBlobStore
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "critique-test"
+TTL_S = 3600
+
+
+@pytest.fixture
+def store(redis_client: redis.Redis) -> RedisBlobStore:
+    return RedisBlobStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+
+
+def key_of(ref: str) -> str:
+    return keys.blob_key(ref.removeprefix("sha256:"), PREFIX)
+
+
+def test_blob_key_is_shared_across_runs(store: RedisBlobStore, redis_client: redis.Redis) -> None:
+    """A blob lives at <prefix>:blob:<sha256>, outside any run's hash tag, with the store TTL."""
+    ref = store.put(b"payload")
+    assert redis_client.get(key_of(ref)) == b"payload"
+    assert 0 < redis_client.pttl(key_of(ref)) <= TTL_S * 1000
+
+
+def test_put_refreshes_an_existing_blobs_ttl(
+    store: RedisBlobStore, redis_client: redis.Redis
+) -> None:
+    """Storing bytes that are already there pushes their expiry back to the full TTL."""
+    ref = store.put(b"payload")
+    redis_client.pexpire(key_of(ref), 2_000)
+    assert store.put(b"payload") == ref
+    assert redis_client.pttl(key_of(ref)) > 2_000
+
+
+def test_tampered_blob_fails_its_hash_check(
+    store: RedisBlobStore, redis_client: redis.Redis
+) -> None:
+    """Bytes under a ref that do not hash to it raise BlobCorruptError, never come back."""
+    ref = store.put(b"the real content")
+    redis_client.set(key_of(ref), b"something else")
+    with pytest.raises(BlobCorruptError) as err:
+        store.get(ref)
+    assert isinstance(err.value, BlobMissingError)
+    assert err.value.ref == ref
+
+
+def test_expired_blob_is_missing(store: RedisBlobStore, redis_client: redis.Redis) -> None:
+    """Once a blob's TTL has passed, get raises BlobMissingError with a hint about the TTL."""
+    ref = store.put(b"short-lived")
+    redis_client.pexpire(key_of(ref), 1)
+    time.sleep(0.05)
+    with pytest.raises(BlobMissingError) as err:
+        store.get(ref)
+    assert err.value.hint is not None and keys.RUN_TTL_ENV in err.value.hint
+
+
+def test_blob_store_requires_a_bytes_client(redis_text_client: redis.Redis) -> None:
+    """A decode_responses=True client would mangle binary blobs, so it is refused up front."""
+    with pytest.raises(ConfigError):
+        RedisBlobStore(redis_text_client, prefix=PREFIX, ttl_s=TTL_S)
+
+
+@pytest.mark.parametrize("impl", ["memory", "redis"])
+def test_externalize_splits_at_the_inline_limit_in_bytes(
+    impl: str, request: pytest.FixtureRequest
+) -> None:
+    """Text within the limit (UTF-8 bytes) stays inline; longer text becomes a readable ref."""
+    blobs = MemoryBlobStore() if impl == "memory" else request.getfixturevalue("store")
+    assert externalize("a" * 8, blobs, inline_limit=8) == ("a" * 8, None)
+    inline, ref = externalize("é" * 5, blobs, inline_limit=8)
+    assert inline is None
+    assert ref == blob_ref(("é" * 5).encode("utf-8"))
+    assert materialize(inline, ref, blobs) == "é" * 5
+    big = "x" * (40 * 1024)
+    inline, ref = externalize(big, blobs)
+    assert (inline, materialize(inline, ref, blobs)) == (None, big)
+    assert materialize(None, None, blobs) is None
+    assert materialize("inline wins", ref, blobs) == "inline wins"
+
+
+def test_materialize_of_a_missing_ref_raises(store: RedisBlobStore) -> None:
+    """A reference to bytes that are gone is an error, not an empty text."""
+    with pytest.raises(BlobMissingError):
+        materialize(None, blob_ref(b"gone"), store)

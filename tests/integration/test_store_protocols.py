@@ -1,0 +1,374 @@
+"""One behaviour suite for both store implementations: in-memory and Redis (DESIGN habit 8).
+
+Every test here runs twice, against ``pipeline.store.memory`` and ``pipeline.store.redis``, so the
+fake used by unit tests and the broker-free runner cannot drift from the real store.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from pipeline.errors import PermanentError
+from pipeline.models import ReusablePattern
+from pipeline.store.base import BlobStore, BudgetLedger, PatternStore, TraceSink
+from pipeline.store.blobs import BlobCorruptError, BlobMissingError, RedisBlobStore, blob_ref
+from pipeline.store.memory import (
+    MemoryBlobStore,
+    MemoryBudgetLedger,
+    MemoryPatternStore,
+    MemoryTraceSink,
+)
+from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
+
+pytestmark = pytest.mark.integration
+
+IMPLS = ["memory", "redis"]
+PREFIX = "critique-test"
+TTL_S = 3600
+CAP = 100
+
+
+class FakeClock:
+    """A settable clock in seconds, shared by a ledger and its test."""
+
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture(params=IMPLS)
+def patterns(request: pytest.FixtureRequest) -> PatternStore:
+    if request.param == "memory":
+        return MemoryPatternStore()
+    return RedisPatternStore(request.getfixturevalue("redis_client"), prefix=PREFIX, ttl_s=TTL_S)
+
+
+@pytest.fixture(params=IMPLS)
+def ledger(request: pytest.FixtureRequest, clock: FakeClock) -> BudgetLedger:
+    if request.param == "memory":
+        return MemoryBudgetLedger(clock=clock)
+    client = request.getfixturevalue("redis_client")
+    return RedisBudgetLedger(client, prefix=PREFIX, ttl_s=TTL_S, clock=clock)
+
+
+@pytest.fixture(params=IMPLS)
+def trace(request: pytest.FixtureRequest) -> TraceSink:
+    if request.param == "memory":
+        return MemoryTraceSink()
+    return RedisTraceSink(request.getfixturevalue("redis_client"), prefix=PREFIX, ttl_s=TTL_S)
+
+
+@pytest.fixture(params=IMPLS)
+def blobs(request: pytest.FixtureRequest) -> BlobStore:
+    if request.param == "memory":
+        return MemoryBlobStore()
+    return RedisBlobStore(request.getfixturevalue("redis_client"), prefix=PREFIX, ttl_s=TTL_S)
+
+
+def rp(category: str, rule: str, description: str = "d") -> ReusablePattern:
+    return ReusablePattern(category=category, description=description, prevention_rule=rule)
+
+
+# --- pattern memory --------------------------------------------------------------------------
+
+
+def test_pattern_recorded_once_per_critique_key(patterns: PatternStore) -> None:
+    """A critique key delivered twice counts its patterns once and the second call says so."""
+    assert patterns.record("run1", "c1", 1, [rp("missing_data", "Include summary")]) is True
+    assert patterns.record("run1", "c1", 1, [rp("missing_data", "Include summary")]) is False
+    [top] = patterns.top("run1")
+    assert top.frequency == 1
+
+
+def test_empty_critique_still_marks_key_seen(patterns: PatternStore) -> None:
+    """Recording no patterns still consumes the critique key, so a redelivery adds nothing."""
+    assert patterns.record("run1", "c1", 1, []) is True
+    assert patterns.record("run1", "c1", 2, [rp("stale", "Check dates")]) is False
+    assert patterns.top("run1") == []
+
+
+def test_top_orders_by_frequency_then_first_recorded(patterns: PatternStore) -> None:
+    """Most frequent first; equal frequencies keep the order in which patterns were first seen."""
+    patterns.record("run1", "c1", 1, [rp("b", "rule b"), rp("a", "rule a")])
+    patterns.record("run1", "c2", 2, [rp("c", "rule c"), rp("a", "rule a")])
+    patterns.record("run1", "c3", 3, [rp("z", "rule z")])
+    top = patterns.top("run1")
+    assert [(p.category, p.frequency) for p in top] == [("a", 2), ("b", 1), ("c", 1), ("z", 1)]
+    assert [p.category for p in patterns.top("run1", limit=2)] == ["a", "b"]
+    assert patterns.top("run1", limit=0) == []
+
+
+def test_pattern_identity_folds_case_and_whitespace(patterns: PatternStore) -> None:
+    """Rules differing only in case/spacing are one pattern, counted once per critique."""
+    patterns.record(
+        "run1",
+        "c1",
+        2,
+        [rp("fmt", "Use  JSON", "first words"), rp("fmt", "use json", "second words")],
+    )
+    patterns.record("run1", "c2", 1, [rp("fmt", "USE JSON ", "third words")])
+    [top] = patterns.top("run1")
+    assert top.frequency == 2
+    assert (top.description, top.prevention_rule) == ("first words", "Use  JSON")
+    assert (top.first_seen_iteration, top.last_seen_iteration) == (1, 2)
+
+
+def test_patterns_are_per_run(patterns: PatternStore) -> None:
+    """Two runs never see each other's patterns, even for the same critique key."""
+    assert patterns.record("run1", "c1", 1, [rp("a", "rule a")]) is True
+    assert patterns.record("run2", "c1", 1, [rp("b", "rule b")]) is True
+    assert [p.category for p in patterns.top("run1")] == ["a"]
+    assert [p.category for p in patterns.top("run2")] == ["b"]
+
+
+def test_unicode_pattern_text_round_trips(patterns: PatternStore) -> None:
+    """Non-ASCII and JSON-special characters survive storage unchanged."""
+    text = 'Évitez les "guillemets" / \\ 表 \n'
+    patterns.record("run1", "c1", 1, [rp("fmt", text, text)])
+    [top] = patterns.top("run1")
+    assert (top.description, top.prevention_rule) == (text, text)
+
+
+def test_concurrent_redelivery_records_once(patterns: PatternStore) -> None:
+    """Eight threads delivering the same critique at once count it exactly once."""
+    barrier = threading.Barrier(8)
+    results: list[bool] = []
+
+    def deliver() -> None:
+        barrier.wait()
+        results.append(patterns.record("run1", "same", 1, [rp("a", "rule a"), rp("b", "rule b")]))
+
+    threads = [threading.Thread(target=deliver) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] * 7 + [True]
+    assert [p.frequency for p in patterns.top("run1")] == [1, 1]
+
+
+def test_frequencies_sum_across_fifty_critiques(patterns: PatternStore) -> None:
+    """Fifty distinct critiques, each with a random subset of patterns, add up exactly."""
+    rng = random.Random(7)
+    pool = [rp(f"cat{i}", f"rule {i}") for i in range(6)]
+    expected: dict[str, int] = {}
+    for n in range(50):
+        chosen = rng.sample(pool, rng.randint(1, len(pool)))
+        patterns.record("run1", f"critique-{n}", n % 5 + 1, chosen)
+        for p in chosen:
+            expected[p.category] = expected.get(p.category, 0) + 1
+    top = patterns.top("run1", limit=100)
+    assert {p.category: p.frequency for p in top} == expected
+    assert [p.frequency for p in top] == sorted(expected.values(), reverse=True)
+
+
+# --- budget semaphore ------------------------------------------------------------------------
+
+
+def test_reserve_refuses_past_cap(ledger: BudgetLedger) -> None:
+    """Holds count against the cap: spent + held + new ≤ cap, else the reserve is refused."""
+    assert ledger.reserve("run1", "a:1", 60, CAP, 30) is True
+    assert ledger.reserve("run1", "b:1", 41, CAP, 30) is False
+    assert ledger.reserve("run1", "b:2", 40, CAP, 30) is True
+    assert ledger.commit("run1", "a:1", 60) == 60
+    assert ledger.reserve("run1", "c:1", 1, CAP, 30) is False
+    assert ledger.spent("run1") == 60
+
+
+def test_reserve_is_idempotent_per_lease(ledger: BudgetLedger) -> None:
+    """Reserving the same lease twice holds its tokens once."""
+    assert ledger.reserve("run1", "t:1", 60, CAP, 30) is True
+    assert ledger.reserve("run1", "t:1", 60, CAP, 30) is True
+    assert ledger.reserve("run1", "u:1", 40, CAP, 30) is True
+    assert ledger.reserve("run1", "v:1", 1, CAP, 30) is False
+
+
+def test_commit_charges_min_of_actual_and_reserved_once(ledger: BudgetLedger) -> None:
+    """A commit charges min(actual, reserved), releases the hold, and a repeat charges nothing."""
+    ledger.reserve("run1", "t:1", 50, CAP, 30)
+    assert ledger.commit("run1", "t:1", 80) == 50
+    assert ledger.commit("run1", "t:1", 80) == 0
+    ledger.reserve("run1", "t:2", 30, CAP, 30)
+    assert ledger.commit("run1", "t:2", 10) == 10
+    ledger.reserve("run1", "t:3", 5, CAP, 30)
+    assert ledger.commit("run1", "t:3", -4) == 0
+    assert ledger.spent("run1") == 60
+    assert ledger.reserve("run1", "t:4", 40, CAP, 30) is True
+
+
+def test_committed_lease_cannot_be_reserved_again(ledger: BudgetLedger) -> None:
+    """A redelivered reserve after its commit is refused rather than holding anew."""
+    ledger.reserve("run1", "t:1", 10, CAP, 30)
+    ledger.commit("run1", "t:1", 10)
+    assert ledger.reserve("run1", "t:1", 10, CAP, 30) is False
+    assert ledger.spent("run1") == 10
+
+
+def test_refund_releases_once_and_charges_nothing(ledger: BudgetLedger) -> None:
+    """Refund frees the hold without charging; repeats and a later commit change nothing."""
+    ledger.reserve("run1", "t:1", 70, CAP, 30)
+    ledger.refund("run1", "t:1")
+    ledger.refund("run1", "t:1")
+    assert ledger.commit("run1", "t:1", 70) == 0
+    assert ledger.spent("run1") == 0
+    assert ledger.reserve("run1", "t:1", 70, CAP, 30) is False
+    assert ledger.reserve("run1", "u:1", 100, CAP, 30) is True
+
+
+def test_unknown_lease_commit_and_refund_do_nothing(ledger: BudgetLedger) -> None:
+    """Commit or refund of a lease never reserved charges nothing and leaves the id usable."""
+    assert ledger.commit("run1", "ghost:1", 50) == 0
+    ledger.refund("run1", "ghost:1")
+    assert ledger.spent("run1") == 0
+    assert ledger.reserve("run1", "ghost:1", 50, CAP, 30) is True
+
+
+def test_expired_lease_tokens_come_back(ledger: BudgetLedger, clock: FakeClock) -> None:
+    """A holder that dies stops holding after its TTL; its tokens serve others."""
+    assert ledger.reserve("run1", "dead:1", 100, CAP, 5) is True
+    assert ledger.reserve("run1", "live:1", 1, CAP, 5) is False
+    clock.advance(5)
+    assert ledger.reserve("run1", "live:1", 100, CAP, 5) is True
+    # The redelivered work asks for the dead lease again: a fresh reservation, against the cap.
+    assert ledger.reserve("run1", "dead:1", 100, CAP, 5) is False
+    ledger.refund("run1", "live:1")
+    assert ledger.reserve("run1", "dead:1", 100, CAP, 5) is True
+    assert ledger.commit("run1", "dead:1", 60) == 60
+    assert ledger.spent("run1") == 60
+
+
+def test_commit_after_expiry_charges_min_of_actual_and_reserved(
+    ledger: BudgetLedger, clock: FakeClock
+) -> None:
+    """A late commit of an expired, unreleased lease still charges what it really spent, once."""
+    ledger.reserve("run1", "slow:1", 40, CAP, 5)
+    clock.advance(10)
+    assert ledger.commit("run1", "slow:1", 25) == 25
+    assert ledger.commit("run1", "slow:1", 25) == 0
+    assert ledger.spent("run1") == 25
+
+
+def test_budgets_are_per_run(ledger: BudgetLedger) -> None:
+    """One run's holds and spending never count against another's cap."""
+    ledger.reserve("run1", "t:1", 100, CAP, 30)
+    ledger.commit("run1", "t:1", 100)
+    assert ledger.reserve("run2", "t:1", 100, CAP, 30) is True
+    assert (ledger.spent("run1"), ledger.spent("run2")) == (100, 0)
+
+
+def test_budget_never_exceeds_cap_under_contention(ledger: BudgetLedger) -> None:
+    """16 threads × 50 random reserve/commit/refund cycles: spent ≤ cap and equals the charges."""
+    cap = 5_000
+    charges: list[int] = []
+    refusals: list[str] = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        rng = random.Random(n)
+        for i in range(50):
+            lease = f"task{n}-{i}:1"
+            tokens = rng.randint(1, 400)
+            if not ledger.reserve("run1", lease, tokens, cap, 60):
+                with lock:
+                    refusals.append(lease)
+                continue
+            if rng.random() < 0.2:
+                ledger.refund("run1", lease)
+                continue
+            charge = ledger.commit("run1", lease, rng.randint(0, 500))
+            with lock:
+                charges.append(charge)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ledger.spent("run1") == sum(charges)
+    assert 0 < ledger.spent("run1") <= cap
+    assert refusals, "the cap was never contested"
+
+
+def test_concurrent_reserve_of_one_lease_holds_once(ledger: BudgetLedger) -> None:
+    """Eight redeliveries reserving one lease at once all succeed and hold its tokens once."""
+    barrier = threading.Barrier(8)
+    results: list[bool] = []
+
+    def reserve() -> None:
+        barrier.wait()
+        results.append(ledger.reserve("run1", "dup:1", 60, CAP, 30))
+
+    threads = [threading.Thread(target=reserve) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [True] * 8
+    assert ledger.reserve("run1", "other:1", 41, CAP, 30) is False
+    assert ledger.reserve("run1", "other:2", 40, CAP, 30) is True
+
+
+# --- trace -----------------------------------------------------------------------------------
+
+
+def test_trace_preserves_order(trace: TraceSink) -> None:
+    """Events come back in emission order, one run at a time."""
+    for i in range(25):
+        trace.emit("run1", {"stage": "critic", "i": i, "nested": {"ok": True, "xs": [1, 2]}})
+    trace.emit("run2", {"stage": "other"})
+    events = trace.read("run1")
+    assert [e["i"] for e in events] == list(range(25))
+    assert events[0]["nested"] == {"ok": True, "xs": [1, 2]}
+    assert trace.read("run2") == [{"stage": "other"}]
+    assert trace.read("nobody") == []
+
+
+def test_trace_read_is_a_snapshot(trace: TraceSink) -> None:
+    """Mutating what read() returned does not change the stored trace."""
+    trace.emit("run1", {"i": 1})
+    trace.read("run1")[0]["i"] = 99
+    assert trace.read("run1") == [{"i": 1}]
+
+
+# --- blobs -----------------------------------------------------------------------------------
+
+
+def test_blob_round_trip_and_content_addressing(blobs: BlobStore) -> None:
+    """put returns sha256:<hex> of the bytes; the same bytes give the same ref; get returns them."""
+    data = bytes(range(256)) * 4
+    ref = blobs.put(data)
+    assert ref == blob_ref(data)
+    assert ref.startswith("sha256:")
+    assert blobs.put(data) == ref
+    assert blobs.get(ref) == data
+
+
+def test_missing_blob_raises_a_permanent_key_error(blobs: BlobStore) -> None:
+    """An unknown or malformed ref raises BlobMissingError, a KeyError and a PermanentError."""
+    with pytest.raises(BlobMissingError) as missing:
+        blobs.get(blob_ref(b"never stored"))
+    assert isinstance(missing.value, KeyError)
+    assert isinstance(missing.value, PermanentError)
+    with pytest.raises(BlobMissingError):
+        blobs.get("md5:abc")
+    assert not issubclass(BlobMissingError, BlobCorruptError)
+
+
+@pytest.mark.parametrize("size", [0, 5 * 1024 * 1024])
+def test_blob_sizes(blobs: BlobStore, size: int) -> None:
+    """Empty and 5 MB blobs round-trip byte for byte."""
+    data = random.Random(size).randbytes(size)
+    assert blobs.get(blobs.put(data)) == data

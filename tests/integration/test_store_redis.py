@@ -1,0 +1,305 @@
+"""Redis-only store behaviour: server-time lease expiry, key layout, TTLs, streams, errors."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+import redis
+
+from pipeline.errors import StoreUnavailableError
+from pipeline.models import CritiqueEnvelope, CritiqueResult, ReusablePattern
+from pipeline.store import keys
+from pipeline.store.blobs import RedisBlobStore, blob_ref
+from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
+from pipeline.store.runs import RedisRunStore
+
+pytestmark = pytest.mark.integration
+
+PREFIX = "critique-test"
+TTL_S = 3600
+
+
+def rp(category: str, rule: str) -> ReusablePattern:
+    return ReusablePattern(category=category, description=f"about {rule}", prevention_rule=rule)
+
+
+def test_expired_lease_comes_back_by_server_time(redis_client: redis.Redis) -> None:
+    """With the server clock, a 0.2 s lease stops holding once it has passed."""
+    ledger = RedisBudgetLedger(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    assert ledger.reserve("run1", "dead:1", 100, 100, 0.2) is True
+    assert ledger.reserve("run1", "other:1", 1, 100, 30) is False
+    time.sleep(0.3)
+    assert ledger.holds("run1") == {}
+    assert ledger.reserve("run1", "other:1", 100, 100, 30) is True
+    assert ledger.holds("run1") == {"other:1": 100}
+
+
+def test_holds_and_lease_ttl_remaining(redis_client: redis.Redis) -> None:
+    """Introspection lists live leases, their tokens and time left, and forgets released ones."""
+    ledger = RedisBudgetLedger(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    ledger.reserve("run1", "a:1", 10, 100, 30)
+    ledger.reserve("run1", "b:1", 20, 100, 30)
+    assert ledger.holds("run1") == {"a:1": 10, "b:1": 20}
+    remaining = ledger.lease_ttl_remaining("run1", "a:1")
+    assert remaining is not None and 0 < remaining <= 30
+    ledger.commit("run1", "a:1", 5)
+    ledger.refund("run1", "b:1")
+    assert ledger.holds("run1") == {}
+    assert ledger.lease_ttl_remaining("run1", "a:1") is None
+
+
+def test_budget_rejects_negative_reservation(redis_client: redis.Redis) -> None:
+    """A negative reservation is a caller bug, refused before it can inflate the cap."""
+    ledger = RedisBudgetLedger(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    with pytest.raises(ValueError):
+        ledger.reserve("run1", "neg:1", -5, 100, 30)
+
+
+def exercise_every_store(
+    client: redis.Redis, prefix: str | None = None, ttl_s: float | None = None
+) -> None:
+    """Write through every write path of every store for run ``run1``."""
+    run_id = "run1"
+    patterns = RedisPatternStore(client, prefix=prefix, ttl_s=ttl_s)
+    patterns.record(run_id, "c1", 1, [rp("a", "rule a")])
+    ledger = RedisBudgetLedger(client, prefix=prefix, ttl_s=ttl_s)
+    ledger.reserve(run_id, "t:1", 10, 100, 60)
+    ledger.commit(run_id, "t:1", 5)
+    ledger.reserve(run_id, "t:2", 10, 100, 60)
+    ledger.refund(run_id, "t:2")
+    ledger.reserve(run_id, "t:3", 10, 100, 60)
+    RedisTraceSink(client, prefix=prefix, ttl_s=ttl_s).emit(run_id, {"stage": "l0"})
+    RedisBlobStore(client, prefix=prefix, ttl_s=ttl_s).put(b"blob bytes")
+    runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
+    runs.mark_submitted(run_id, 1, "w1", "task-1", "sig")
+    runs.put_result(
+        CritiqueResult(
+            run_id=run_id,
+            worker_id="w1",
+            status="accepted",
+            stop_reason="accepted",
+            output="ok",
+            original_score=1.0,
+            best_score=1.0,
+            envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
+        )
+    )
+    runs.count_rejection(run_id)
+
+
+def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
+    """Every key written lives under the prefix, run keys with the {run_id} tag, all with a TTL."""
+    exercise_every_store(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    found = sorted(k.decode() for k in redis_client.scan_iter(match="*"))
+    run_keys = {keys.run_key("run1", s, PREFIX) for s in keys.RUN_KEY_SUFFIXES}
+    blob = keys.blob_key(blob_ref(b"blob bytes").removeprefix("sha256:"), PREFIX)
+    assert set(found) - run_keys == {blob}
+    assert run_keys <= set(found)
+    for key in found:
+        assert 0 < redis_client.pttl(key) <= TTL_S * 1000, key
+
+
+def test_environment_sets_prefix_and_ttl(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRITIQUE_KEY_PREFIX and CRITIQUE_RUN_TTL_S apply when no prefix or TTL is passed."""
+    monkeypatch.setenv(keys.PREFIX_ENV, "envpfx")
+    monkeypatch.setenv(keys.RUN_TTL_ENV, "120")
+    exercise_every_store(redis_client)
+    found = [k.decode() for k in redis_client.scan_iter(match="*")]
+    assert found and all(k.startswith("envpfx:") for k in found)
+    assert all(0 < redis_client.pttl(k) <= 120_000 for k in found)
+
+
+@pytest.mark.parametrize(
+    ("suffix", "write"),
+    [
+        (
+            keys.PATTERNS_FREQ,
+            lambda c: RedisPatternStore(c, prefix=PREFIX, ttl_s=TTL_S).record(
+                "run1", "c2", 1, [rp("b", "rule b")]
+            ),
+        ),
+        (
+            keys.BUDGET_LEASES,
+            lambda c: RedisBudgetLedger(c, prefix=PREFIX, ttl_s=TTL_S).reserve(
+                "run1", "t:9", 1, 100, 60
+            ),
+        ),
+        (
+            keys.TRACE,
+            lambda c: RedisTraceSink(c, prefix=PREFIX, ttl_s=TTL_S).emit("run1", {"x": 1}),
+        ),
+    ],
+)
+def test_writes_refresh_run_ttl(
+    redis_client: redis.Redis, suffix: str, write: Callable[[redis.Redis], object]
+) -> None:
+    """A write pushes the run keys' expiry back out to the full run TTL."""
+    exercise_every_store(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    key = keys.run_key("run1", suffix, PREFIX)
+    redis_client.pexpire(key, 5_000)
+    write(redis_client)
+    assert redis_client.pttl(key) > 5_000
+
+
+def test_pattern_storage_layout(redis_client: redis.Redis) -> None:
+    """Frequencies live in a sorted set and details in a hash of JSON, keyed by pattern identity."""
+    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    store.record("run1", "c1", 2, [rp("fmt", "Use JSON")])
+    store.record("run1", "c2", 3, [rp("fmt", "use  json")])
+    member = "fmt|use json"
+    assert redis_client.zscore(keys.run_key("run1", keys.PATTERNS_FREQ, PREFIX), member) == 2
+    raw = redis_client.hget(keys.run_key("run1", keys.PATTERNS_DETAIL, PREFIX), member)
+    assert raw is not None
+    assert json.loads(raw) == {
+        "category": "fmt",
+        "description": "about Use JSON",
+        "prevention_rule": "Use JSON",
+        "first_seen_iteration": 2,
+        "last_seen_iteration": 3,
+        "order": 1,
+    }
+
+
+def test_pattern_store_rejects_iteration_zero(redis_client: redis.Redis) -> None:
+    """Iterations count from 1; a zero would store a pattern that cannot be read back."""
+    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    with pytest.raises(ValueError):
+        store.record("run1", "c1", 0, [rp("a", "rule a")])
+
+
+def test_scripts_reload_after_script_flush(redis_client: redis.Redis) -> None:
+    """A server that lost its script cache (restart, failover) still runs the stores."""
+    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    ledger = RedisBudgetLedger(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    store.record("run1", "c1", 1, [rp("a", "rule a")])
+    redis_client.script_flush()
+    assert store.record("run1", "c2", 1, [rp("a", "rule a")]) is True
+    assert store.top("run1")[0].frequency == 2
+    assert ledger.reserve("run1", "t:1", 5, 10, 30) is True
+
+
+def test_text_clients_work_too(redis_text_client: redis.Redis) -> None:
+    """Stores give the same answers through a decode_responses=True client."""
+    store = RedisPatternStore(redis_text_client, prefix=PREFIX, ttl_s=TTL_S)
+    assert store.record("run1", "c1", 1, [rp("a", "règle")]) is True
+    assert store.top("run1")[0].prevention_rule == "règle"
+    ledger = RedisBudgetLedger(redis_text_client, prefix=PREFIX, ttl_s=TTL_S)
+    assert ledger.reserve("run1", "t:1", 10, 100, 30) is True
+    assert ledger.holds("run1") == {"t:1": 10}
+    assert ledger.commit("run1", "t:1", 7) == 7
+    assert ledger.spent("run1") == 7
+    sink = RedisTraceSink(redis_text_client, prefix=PREFIX, ttl_s=TTL_S)
+    sink.emit("run1", {"é": "ü"})
+    assert sink.read("run1") == [{"é": "ü"}]
+    assert [e for _, e in sink.iterate("run1", block_ms=20, idle_limit=1)] == [{"é": "ü"}]
+
+
+def test_trace_read_pages_through_long_streams(redis_client: redis.Redis) -> None:
+    """A trace longer than one XRANGE page comes back whole and in order."""
+    sink = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    for i in range(2_345):
+        sink.emit("run1", {"i": i})
+    assert [e["i"] for e in sink.read("run1")] == list(range(2_345))
+
+
+def test_trace_trims_to_approximate_maxlen(redis_client: redis.Redis) -> None:
+    """With a small maxlen the stream keeps the newest events and drops old ones."""
+    sink = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S, maxlen=10)
+    for i in range(1_000):
+        sink.emit("run1", {"i": i})
+    events = sink.read("run1")
+    assert 10 <= len(events) < 1_000
+    assert events[-1] == {"i": 999}
+
+
+def test_trace_refuses_non_json_events(redis_client: redis.Redis) -> None:
+    """Only JSON-safe events enter the stream (NaN and arbitrary objects are refused)."""
+    sink = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    with pytest.raises(ValueError):
+        sink.emit("run1", {"score": float("nan")})
+    with pytest.raises(TypeError):
+        sink.emit("run1", {"obj": object()})
+    assert sink.read("run1") == []
+
+
+def test_iterate_resumes_after_last_id(redis_client: redis.Redis) -> None:
+    """iterate yields what follows last_id, and its ids resume exactly where it stopped."""
+    sink = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    for i in range(3):
+        sink.emit("run1", {"i": i})
+    first = list(sink.iterate("run1", block_ms=20, idle_limit=1))
+    assert [e["i"] for _, e in first] == [0, 1, 2]
+    sink.emit("run1", {"i": 3})
+    rest = list(sink.iterate("run1", block_ms=20, last_id=first[-1][0], idle_limit=1))
+    assert [e["i"] for _, e in rest] == [3]
+
+
+def test_iterate_follows_live_events(redis_client: redis.Redis) -> None:
+    """A watcher started before the events sees each one as another thread emits it."""
+    sink = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    started = threading.Event()
+
+    def produce() -> None:
+        started.wait()
+        for i in range(5):
+            sink.emit("run1", {"i": i})
+            time.sleep(0.01)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    seen: list[int] = []
+    stream = sink.iterate("run1", block_ms=200, last_id="$", idle_limit=10)
+    started.set()
+    for _, event in stream:
+        seen.append(event["i"])
+        if len(seen) == 5:
+            break
+    producer.join()
+    assert seen == [0, 1, 2, 3, 4]
+
+
+def test_iterate_rejects_block_beyond_socket_timeout(redis_url: str) -> None:
+    """A block longer than the socket timeout would surface as a bogus outage; refuse it early."""
+    client = redis.Redis.from_url(redis_url, socket_timeout=1)
+    sink = RedisTraceSink(client, prefix=PREFIX, ttl_s=TTL_S)
+    with pytest.raises(ValueError):
+        next(sink.iterate("run1", block_ms=5_000))
+
+
+def _dead_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"redis://127.0.0.1:{port}/0"
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: RedisPatternStore(c, prefix=PREFIX, ttl_s=TTL_S).record("r", "c", 1, []),
+        lambda c: RedisPatternStore(c, prefix=PREFIX, ttl_s=TTL_S).top("r"),
+        lambda c: RedisBudgetLedger(c, prefix=PREFIX, ttl_s=TTL_S).reserve("r", "l", 1, 9, 9),
+        lambda c: RedisBudgetLedger(c, prefix=PREFIX, ttl_s=TTL_S).spent("r"),
+        lambda c: RedisTraceSink(c, prefix=PREFIX, ttl_s=TTL_S).emit("r", {}),
+        lambda c: RedisTraceSink(c, prefix=PREFIX, ttl_s=TTL_S).read("r"),
+        lambda c: next(RedisTraceSink(c, prefix=PREFIX, ttl_s=TTL_S).iterate("r", block_ms=10)),
+        lambda c: RedisBlobStore(c, prefix=PREFIX, ttl_s=TTL_S).put(b"x"),
+    ],
+)
+def test_unreachable_redis_is_a_transient_store_error(
+    call: Callable[[redis.Redis], object],
+) -> None:
+    """A dead server surfaces as StoreUnavailableError naming the URL and REDIS_URL."""
+    url = _dead_url()
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, retry=None)
+    with pytest.raises(StoreUnavailableError) as err:
+        call(client)
+    assert url in str(err.value)
+    assert err.value.hint is not None and "REDIS_URL" in err.value.hint

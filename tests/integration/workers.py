@@ -1,0 +1,93 @@
+"""A real Celery worker in a subprocess, against the test Redis (never eager mode)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
+    """Environment for a worker and for the in-test client: same Redis, fast retries."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "CELERY_BROKER_URL": redis_url,
+            "CELERY_RESULT_BACKEND": redis_url,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "PYTHONPATH": str(ROOT),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """``celery -A workers.app worker`` as a child process."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        pool: str = "threads",
+        concurrency: int = 4,
+        queues: str = "critique.cpu,critique.llm",
+        name: str = "w1",
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ) -> None:
+        self.redis_url = redis_url
+        self.args = [
+            sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+            "-Q", queues, "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
+            "--without-gossip", "--without-mingle", "-l", "WARNING",
+        ]  # fmt: skip
+        self.env = worker_env(redis_url, **(env or {}))
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> WorkerProcess:
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+        )
+        self._wait_ready(timeout)
+        return self
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Ready when the worker has registered a consumer on the CPU queue's binding."""
+        r = redis.Redis.from_url(self.redis_url)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early with code {self.proc.returncode}")
+            # kombu's Redis transport registers queue bindings in _kombu.binding.<queue>.
+            if r.exists("_kombu.binding.critique.cpu"):
+                time.sleep(0.5)
+                return
+            time.sleep(0.1)
+        raise RuntimeError("worker did not become ready")
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and pool children)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)

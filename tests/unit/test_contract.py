@@ -1,0 +1,440 @@
+"""Layer-0 contract: the six default checks, the suite, extensions, and the conversions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+
+from pipeline.config import ExtraCheck, OutputContractConfig
+from pipeline.contract import (
+    DEFAULT_CHECKS,
+    ContractFailure,
+    ContractInput,
+    ContractSuite,
+    build_suite,
+    check_submission,
+    compiled_available,
+    output_text,
+    run_contract,
+)
+from pipeline.errors import ConfigError, ExtensionLoadError
+from pipeline.models import FileRef, Submission
+
+ENGINES = ["python", pytest.param("c", marks=pytest.mark.skipif(not compiled_available(), reason="compiled scanner not built"))]
+
+LONG = (
+    "The survey team walked the length of the eastern embankment twice, measuring the height of "
+    "the water against painted marks on the bridge piers, photographing every crack in the stone "
+    "facing, and interviewing the lock keeper about how quickly the river had risen during the "
+    "storms of the previous autumn and what the council had promised to repair afterwards."
+)
+
+
+def run(text: str, engine: str = "python", **kw: object) -> list[ContractFailure]:
+    suite = build_suite(engine=engine)
+    return list(suite.run([ContractInput(text=text, **kw)]).failures)  # type: ignore[arg-type]
+
+
+def of(failures: Iterable[ContractFailure], check: str) -> list[ContractFailure]:
+    return [f for f in failures if f.check == check]
+
+
+# ---- no_placeholder --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("Fix this TODO later.", ["TODO"]),
+        ("Budget: TBD.", ["TBD"]),
+        ("TODOS are listed below.", []),
+        ("MASTODON is a network.", []),
+        ("todo list and tbd-ish", []),
+        ("my_TODO_marker stays", []),
+        ("(TODO) and TODO: done", ["TODO", "TODO"]),
+        ("Why??? Because.", ["???"]),
+        ("Really?? no", []),
+        ("What?????", ["?????"]),
+        ("FIXME: XXX here", ["FIXME", "XXX"]),
+        ("XXXX is not XXX-rated", ["XXX"]),
+        ("lorem IPSUM dolor", ["lorem IPSUM"]),
+        ("Lorem\n  ipsum", ["Lorem\n  ipsum"]),
+        ("# Title goes here", ["Title goes here"]),
+        ("by Author Name, 2024", ["Author Name"]),
+        ("the author name field", []),
+        ("Details: To be   filled.", ["To be   filled"]),
+        ("a sentence to be filledin", []),
+        ("naïveTODO résuméTBD", []),
+        ("—TODO—", ["TODO"]),
+    ],
+)
+def test_placeholder_whole_word_rules(engine: str, text: str, found: list[str]) -> None:
+    """Placeholders match as whole words with the documented case rules, nothing else."""
+    failures = of(run(text, engine), "no_placeholder")
+    assert [text[f.offset : f.offset + len(w)] for f, w in zip(failures, found, strict=False)] == found
+    assert len(failures) == len(found)
+
+
+def test_placeholder_reports_context_and_offset() -> None:
+    """A placeholder failure names the match, shows its surroundings and its character offset."""
+    text = "é" * 5 + " the function body is TODO for now"
+    [f] = of(run(text), "no_placeholder")
+    assert f.offset == text.index("TODO")
+    assert "'TODO'" in f.reason and "function body is TODO for now" in f.reason
+    assert f.severity == "error"
+
+
+def test_placeholder_failures_are_capped_with_a_summary() -> None:
+    """Hundreds of placeholders give 20 failures plus one saying how many were left out."""
+    failures = of(run("TODO " * 300), "no_placeholder")
+    assert len(failures) == 21
+    assert failures[-1].reason.startswith("280 more")
+
+
+# ---- no_duplicate_headings -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_duplicate_markdown_headings_case_and_whitespace_insensitive(engine: str) -> None:
+    """'# Results' and '##   results ' are the same heading; the second one is reported."""
+    text = "# Results\n\nbody\n\n##   results  \n\nmore\n\n### Other\n"
+    [f] = of(run(text, engine), "no_duplicate_headings")
+    assert f.offset == text.index("##")
+    assert "2 times" in f.reason and "first at offset 0" in f.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_duplicate_latex_sections(engine: str) -> None:
+    """\\section{Method} and \\subsection*{ method } duplicate; \\section{Methods} does not."""
+    text = "\\section{Method}\ntext\n\\subsection*{ method }\n\\section[short]{Methods}\n"
+    [f] = of(run(text, engine, claimed_format="latex"), "no_duplicate_headings")
+    assert f.offset == text.index("\\subsection")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_headings_inside_code_fences_do_not_count(engine: str) -> None:
+    """A '# comment' line inside a fenced block is code, not a heading."""
+    text = "# Setup\n\n```bash\n# Setup\necho hi\n```\n\n~~~\n# Setup\n~~~\n"
+    assert of(run(text, engine), "no_duplicate_headings") == []
+
+
+def test_heading_closing_sequence_and_sharp_titles() -> None:
+    """'## C# ##' has title 'C#' (closing run stripped) and duplicates '# c#'; '#hashtag' is text."""
+    text = "## C# ##\n\n# c#\n\n#hashtag\n\n#hashtag\n"
+    [f] = of(run(text), "no_duplicate_headings")
+    assert "'C#'" in f.reason
+
+
+def test_headings_not_checked_in_python() -> None:
+    """Repeated '# comment' lines in a Python file are not headings."""
+    text = "# setup\nx = 1\n# setup\n"
+    assert of(run(text, path="a.py"), "no_duplicate_headings") == []
+
+
+# ---- balanced_delimiters ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_delimiters_in_fences_and_inline_code_do_not_count(engine: str) -> None:
+    """Unbalanced brackets inside ``` fences and `code` spans are ignored in prose."""
+    text = "Call `f(` then ``g[`` as shown:\n\n```\nif (x {\n```\n\nAll (balanced) here.\n"
+    assert of(run(text, engine), "balanced_delimiters") == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_apostrophes_are_not_strings_in_prose(engine: str) -> None:
+    """In prose, quotes do not hide brackets: "it's (x" is an unclosed '(' warning."""
+    text = "It's a \"quote (with\" a paren and don't (forget)."
+    [f] = of(run(text, engine), "balanced_delimiters")
+    assert f.severity == "warning"
+    assert f.offset == text.index("(with")
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_delimiters_in_code_strings_do_not_count(engine: str) -> None:
+    """Python strings/comments and JSON strings hide their brackets; the rest must balance."""
+    py = "s = 'a(' + \"]\" + '''\n{{\n'''  # ) comment\nf(s)\n"
+    assert of(run(py, engine, path="m.py"), "balanced_delimiters") == []
+    js = '{"a": "[(", "b": [1, 2]}'
+    assert of(run(js, engine, path="d.json"), "balanced_delimiters") == []
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_delimiter_severity_by_format(engine: str) -> None:
+    """An unclosed '(' is an error for Python/JSON (by path or claim) and a warning in prose."""
+    text = "print((1)\n"
+    assert of(run(text, engine, path="a.py"), "balanced_delimiters")[0].severity == "error"
+    assert of(run(text, engine, claimed_format="python"), "balanced_delimiters")[0].severity == "error"
+    assert of(run(text, engine, claimed_format="markdown"), "balanced_delimiters")[0].severity == "warning"
+    [f] = of(run("[1, 2]]", engine, claimed_format="json"), "balanced_delimiters")
+    assert f.severity == "error" and f.offset == 6 and "first unmatched ']'" in f.reason
+
+
+def test_report_ok_ignores_warnings() -> None:
+    """Warnings are reported but the report stays ok; an error makes it not ok."""
+    suite = build_suite()
+    warn = suite.run([ContractInput(text="a (b")])
+    assert warn.warnings and warn.ok
+    err = suite.run([ContractInput(text="a (b", path="x.py")])
+    assert err.errors and not err.ok
+
+
+# ---- json_valid_if_claimed -------------------------------------------------------------------
+
+
+def test_invalid_json_claimed_reports_position() -> None:
+    """Claimed JSON that does not parse fails with the parser's message and offset."""
+    text = '{"a": 1,\n "b": }'
+    [f] = of(run(text, claimed_format="json"), "json_valid_if_claimed")
+    assert f.offset == text.index("}")
+    assert "line 2 column 7" in f.reason
+
+
+def test_json_paths_must_parse_and_valid_json_passes() -> None:
+    """A .json file is checked even unclaimed; valid JSON and non-JSON prose pass."""
+    assert of(run("nope", path="data/out.JSON"), "json_valid_if_claimed")
+    assert of(run('{"ok": [1, 2]}', path="a.json"), "json_valid_if_claimed") == []
+    assert of(run("{not json} but prose"), "json_valid_if_claimed") == []
+
+
+# ---- file_size_delta -------------------------------------------------------------------------
+
+
+def test_size_delta_boundary_is_two_and_a_half() -> None:
+    """Exactly 2.5× the previous size passes; one byte more fails; no previous size, no check."""
+    assert of(run("x" * 250, previous_size=100), "file_size_delta") == []
+    [f] = of(run("x" * 251, previous_size=100), "file_size_delta")
+    assert "2.51×" in f.reason and f.offset is None
+    assert of(run("x" * 10_000), "file_size_delta") == []
+
+
+def test_size_delta_counts_utf8_bytes() -> None:
+    """Sizes are UTF-8 bytes: 126 two-byte characters (252 bytes) exceed 2.5 × 100."""
+    assert of(run("é" * 126, previous_size=100), "file_size_delta")
+    assert of(run("é" * 125, previous_size=100), "file_size_delta") == []
+
+
+# ---- no_text_loop ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_verbatim_repeat_is_a_loop(engine: str) -> None:
+    """A paragraph repeated word for word is flagged at the repeat's offset."""
+    text = f"{LONG}\n\nSomething else entirely, short.\n\n{LONG}\n"
+    [f] = of(run(text, engine), "no_text_loop")
+    assert f.offset == text.rindex("The survey team")
+    assert "offset 0" in f.reason and f.severity == "error"
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_one_word_changed_repeat_is_a_loop(engine: str) -> None:
+    """A repeat with one word changed is still within the simhash distance and flagged."""
+    changed = LONG.replace("photographing", "sketching")
+    text = f"{LONG}\n\n{changed}\n"
+    [f] = of(run(text, engine), "no_text_loop")
+    assert f.offset == len(LONG) + 2
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_short_repeats_are_ignored(engine: str) -> None:
+    """Paragraphs under 20 words may repeat (signatures, list items)."""
+    short = "Thanks again for reading, and see you next week with more notes from the field."
+    assert len(short.split()) < 20
+    assert of(run(f"{short}\n\n{short}\n\n{short}", engine), "no_text_loop") == []
+
+
+def test_text_loop_skips_code_and_fenced_blocks() -> None:
+    """Similar blocks in Python files or inside fences are not prose loops."""
+    assert of(run(f"{LONG}\n\n{LONG}", path="gen.py"), "no_text_loop") == []
+    fenced = f"{LONG}\n\n```\n{LONG}\n```\n"
+    assert of(run(fenced), "no_text_loop") == []
+
+
+def test_many_repeats_are_capped() -> None:
+    """An output that loops 50 times reports 20 repeats and a summary of the rest."""
+    failures = of(run("\n\n".join([LONG] * 50)), "no_text_loop")
+    assert len(failures) == 21 and failures[-1].reason.startswith("29 more")
+
+
+# ---- suite and configuration -----------------------------------------------------------------
+
+
+def test_default_suite_has_the_six_checks() -> None:
+    """`checks: [default]` expands to the six SPEC checks in a fixed order."""
+    assert build_suite().names == DEFAULT_CHECKS
+    assert set(DEFAULT_CHECKS) == {
+        "no_placeholder",
+        "no_text_loop",
+        "file_size_delta",
+        "no_duplicate_headings",
+        "balanced_delimiters",
+        "json_valid_if_claimed",
+    }
+
+
+def test_checks_can_be_named_individually() -> None:
+    """Naming checks selects just those, once each."""
+    suite = build_suite(OutputContractConfig(checks=("no_placeholder", "no_placeholder")))
+    assert suite.names == ("no_placeholder",)
+    assert run_contract(suite, [ContractInput(text="a (TODO")]).failures[0].check == "no_placeholder"
+    assert len(run_contract(suite, [ContractInput(text="a (TODO")]).failures) == 1
+
+
+def test_unknown_check_is_a_config_error_listing_allowed_names() -> None:
+    """An unknown check name raises ConfigError naming it and the allowed ones."""
+    with pytest.raises(ConfigError) as err:
+        build_suite(OutputContractConfig(checks=("default", "no_typos")))
+    assert "no_typos" in str(err.value) and "no_placeholder" in str(err.value)
+
+
+class ShoutCheck:
+    """An extension check (a class, instantiated with no arguments)."""
+
+    name = "ignored-own-name"
+
+    def __call__(self, doc: ContractInput) -> Iterable[ContractFailure]:
+        if doc.text.isupper():
+            yield ContractFailure(
+                check="no_shouting", severity="warning", reason="all caps", path=doc.path, offset=0
+            )
+
+
+def exploding_check(doc: ContractInput) -> list[ContractFailure]:
+    """An extension check (a function) that is broken."""
+    raise RuntimeError("boom")
+
+
+def returns_a_string(doc: ContractInput) -> str:
+    """An extension check returning the wrong type."""
+    return "fine"
+
+
+NOT_CALLABLE = 42
+
+
+def extra(name: str, attr: str) -> OutputContractConfig:
+    return OutputContractConfig(
+        checks=("no_placeholder",),
+        extra=(ExtraCheck(name=name, implementation=f"{__name__}:{attr}"),),
+    )
+
+
+def test_extension_checks_load_from_configuration() -> None:
+    """`extra` entries import module:Callable; classes are instantiated, functions called."""
+    suite = build_suite(extra("no_shouting", "ShoutCheck"))
+    assert suite.names == ("no_placeholder", "no_shouting")
+    report = suite.run([ContractInput(text="STOP", path="a.txt")])
+    assert [(f.check, f.severity, f.path) for f in report.failures] == [
+        ("no_shouting", "warning", "a.txt")
+    ]
+
+
+@pytest.mark.parametrize("attr", ["exploding_check", "returns_a_string"])
+def test_a_broken_check_fails_closed(attr: str) -> None:
+    """A check that raises or returns garbage becomes an error naming it, never a pass."""
+    suite = build_suite(extra("fragile", attr))
+    report = suite.run([ContractInput(text="fine text", path="f.md")])
+    [f] = report.failures
+    assert (f.check, f.severity, f.path) == ("fragile", "error", "f.md")
+    assert "failing closed" in f.reason
+    assert not report.ok
+
+
+@pytest.mark.parametrize(
+    ("implementation", "message"),
+    [
+        ("no_such_module_xyz:Check", "cannot import module 'no_such_module_xyz'"),
+        (f"{__name__}:Missing", "has no attribute 'Missing'"),
+        (f"{__name__}:NOT_CALLABLE", "is not callable"),
+    ],
+)
+def test_bad_implementation_is_an_extension_load_error(implementation: str, message: str) -> None:
+    """An extension that cannot be imported or called stops suite construction, naming it."""
+    config = OutputContractConfig(extra=(ExtraCheck(name="x", implementation=implementation),))
+    with pytest.raises(ExtensionLoadError) as err:
+        build_suite(config)
+    assert message in str(err.value) and "'x'" in str(err.value)
+
+
+def test_duplicate_extension_names_are_rejected() -> None:
+    """Two checks may not share a name (their failures would be indistinguishable)."""
+    with pytest.raises(ConfigError):
+        build_suite(
+            OutputContractConfig(
+                extra=(ExtraCheck(name="no_placeholder", implementation=f"{__name__}:ShoutCheck"),)
+            )
+        )
+
+
+def test_engines_agree_on_a_mixed_document() -> None:
+    """The compiled and pure-Python scanners give the same failures for every check."""
+    if not compiled_available():
+        pytest.skip("compiled scanner not built")
+    text = (
+        f"# Intro\n\nTODO: {LONG}\n\n## intro\n\n```py\n# Intro\nx = (\n```\n\n"
+        f"Unclosed (paren and `code [` span.\n\n{LONG}\n\n\\section{{Intro}}\n"
+    )
+    docs = [ContractInput(text=text), ContractInput(text=text, path="x.tex")]
+    a = ContractSuite(build_suite().checks, engine="c").run(docs).failures
+    b = ContractSuite(build_suite().checks, engine="python").run(docs).failures
+    assert a == b and len(a) >= 4
+
+
+# ---- conversions and submissions -------------------------------------------------------------
+
+
+def test_failure_to_defect_and_gate_event() -> None:
+    """Errors become critical defects (source l0) and reject gate events with L0 fields."""
+    f = ContractFailure(
+        check="no_placeholder", severity="error", reason="placeholder 'TODO'", path="r.md", offset=7
+    )
+    d = f.to_defect()
+    assert (d.source, d.severity, d.category, d.location) == ("l0", "critical", "incomplete", "r.md:7")
+    w = ContractFailure(check="balanced_delimiters", severity="warning", reason="x").to_defect()
+    assert (w.severity, w.category, w.location) == ("warning", "wrong_format", "output")
+    assert ContractFailure(check="no_text_loop", severity="error", reason="x", offset=3).to_defect().location == "output:3"
+    ev = f.to_gate_event(iteration=2, worker_id="w1")
+    assert (ev.gate, ev.verdict, ev.l0_check, ev.l0_reason, ev.violating_path) == (
+        "l0",
+        "reject",
+        "no_placeholder",
+        "placeholder 'TODO'",
+        "r.md",
+    )
+    assert (ev.iteration, ev.worker_id) == (2, "w1")
+
+
+def submission(**kw: object) -> Submission:
+    base: dict[str, object] = {"run_id": "r1", "worker_id": "w1", "task": "write", "output": "ok"}
+    base.update(kw)
+    return Submission.model_validate(base)
+
+
+def test_check_submission_covers_output_and_inline_files() -> None:
+    """The output and each file with inline content are checked under their own paths."""
+    sub = submission(
+        output="Draft with TODO",
+        files=[
+            FileRef(path="notes.md", size=4, content="TBD."),
+            FileRef(path="big.bin", size=10_000, blob="sha256:abc"),
+            FileRef(path="cfg.json", size=3, content="{x}"),
+        ],
+    )
+    report = check_submission(build_suite(), sub)
+    got = {(f.path, f.check) for f in report.failures}
+    assert got == {
+        (None, "no_placeholder"),
+        ("notes.md", "no_placeholder"),
+        ("cfg.json", "json_valid_if_claimed"),
+    }
+
+
+def test_check_submission_dict_output_is_json_and_override_and_previous_size() -> None:
+    """A dict output is checked as indented JSON; `output` overrides; previous_size is output-only."""
+    sub = submission(output={"items": ["a (", "b"]}, files=[FileRef(path="f.txt", size=400, content="y" * 400)])
+    assert check_submission(build_suite(), sub).failures == ()
+    assert output_text({"é": 1}) == '{\n  "é": 1\n}'
+    report = check_submission(build_suite(), sub, output="z" * 300, previous_size=100)
+    assert [(f.path, f.check) for f in report.failures] == [(None, "file_size_delta")]

@@ -1,0 +1,112 @@
+"""The Known Pitfalls text, patterns drawn from a critique, and lessons.md."""
+
+from __future__ import annotations
+
+from pipeline.models import CritiqueEnvelope, Defect, Pattern, ReusablePattern
+from pipeline.pitfalls import patterns_from_envelope, render_lessons, render_pitfalls
+
+
+def _pattern(category: str, rule: str, frequency: int, first: int = 1, last: int = 1) -> Pattern:
+    return Pattern(
+        category=category,
+        frequency=frequency,
+        description=f"{category} happened",
+        prevention_rule=rule,
+        first_seen_iteration=first,
+        last_seen_iteration=last,
+    )
+
+
+def test_pitfalls_text_byte_for_byte() -> None:
+    """The rendered block matches SPEC §5.7 exactly, one line per pattern in the given order."""
+    patterns = [
+        _pattern("missing_data", "Always include the 'summary' field in your output", 3),
+        _pattern("wrong_format", "Always give 'confidence' as a number", 1),
+    ]
+    assert render_pitfalls(patterns) == (
+        "## Known Pitfalls\n"
+        "\n"
+        "The following issues have occurred in prior workers during this run.\n"
+        "Avoid repeating them:\n"
+        "\n"
+        "- [seen 3x] missing_data: Always include the 'summary' field in your output\n"
+        "- [seen 1x] wrong_format: Always give 'confidence' as a number\n"
+    )
+
+
+def test_single_pattern_matches_the_spec_example() -> None:
+    """The SPEC's own example renders exactly."""
+    text = render_pitfalls(
+        [_pattern("missing_data", "Always include the 'summary' field in your output", 3)]
+    )
+    assert text == (
+        "## Known Pitfalls\n\nThe following issues have occurred in prior workers during this "
+        "run.\nAvoid repeating them:\n\n- [seen 3x] missing_data: Always include the 'summary' "
+        "field in your output\n"
+    )
+
+
+def test_no_patterns_render_empty() -> None:
+    """With no patterns the block is the empty string, not a header alone."""
+    assert render_pitfalls([]) == ""
+
+
+def test_multiline_rule_stays_on_one_line() -> None:
+    """A rule with newlines cannot break the one-line-per-pattern format."""
+    text = render_pitfalls([_pattern("stale", "Refresh\n  the data", 2)])
+    assert text.endswith("- [seen 2x] stale: Refresh the data\n")
+
+
+def _defect(category: str, severity: str, description: str, **kw: object) -> Defect:
+    return Defect.model_validate(
+        {
+            "category": category,
+            "severity": severity,
+            "description": description,
+            "source": "llm",
+            **kw,
+        }
+    )
+
+
+def test_patterns_from_envelope_adds_uncovered_defects_and_dedupes() -> None:
+    """Reusable patterns first, then one per uncovered critical/warning defect, no duplicates."""
+    covered = _defect("missing_data", "critical", "required field 'summary' is missing")
+    env = CritiqueEnvelope(
+        worker_id="w1",
+        score=0.5,
+        defects=(
+            covered,
+            _defect("stale", "warning", "uses 2019 prices"),
+            _defect("stale", "warning", "uses 2019 prices"),
+            _defect("hallucinated", "info", "minor style note"),
+            _defect("missing_data", "critical", "chart.png missing", false_positive=True),
+        ),
+        reusable_patterns=(
+            ReusablePattern(
+                category="missing_data",
+                description="required field 'summary' is missing",
+                prevention_rule="Always include the 'summary' field in your output",
+            ),
+            ReusablePattern(
+                category="missing_data",
+                description="another wording",
+                prevention_rule="always include the 'summary'  field in your output",
+            ),
+        ),
+    )
+    patterns = patterns_from_envelope(env)
+    assert [(p.category, p.prevention_rule) for p in patterns] == [
+        ("missing_data", "Always include the 'summary' field in your output"),
+        ("stale", "Check your output for this before returning it: uses 2019 prices"),
+    ]
+
+
+def test_lessons_markdown_lists_patterns_with_frequencies() -> None:
+    """lessons.md has a heading, one section per pattern with rule and iterations seen."""
+    text = render_lessons([_pattern("missing_data", "Always include 'summary'", 4, 1, 3)])
+    assert text.startswith("# Lessons\n")
+    assert "## 1. missing_data (seen 4x)" in text
+    assert "- **Rule:** Always include 'summary'" in text
+    assert "iterations 1–3" in text
+    assert "No recurring" in render_lessons([])

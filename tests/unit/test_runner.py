@@ -1,0 +1,411 @@
+"""The broker-free runner: stage sequencing, Layer-0 handling, trace, patterns, the CLI."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.config import CritiqueConfig
+from pipeline.critics.base import RevisionResult
+from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
+from pipeline.critics.rubric import DeterministicReviser, RubricCritic
+from pipeline.errors import ConfigError, ExtensionLoadError, SubmissionError
+from pipeline.models import (
+    CritiqueEnvelope,
+    CritiqueResult,
+    Defect,
+    GateEvent,
+    RepairAttempt,
+    Submission,
+    Usage,
+)
+from pipeline.runner import (
+    DISABLED_NOTE,
+    STAGES,
+    L0Outcome,
+    LoopState,
+    finish,
+    make_context,
+    run_submission,
+    start,
+)
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "paper_draft.json"
+TASK = "Report the quarterly sales summary as JSON with a confidence."
+
+
+def _no_l0(sub: Submission, output: Any, previous_size: int | None) -> L0Outcome:
+    return L0Outcome()
+
+
+def _never(previous: str, current: str) -> bool:
+    return False
+
+
+def _sub(output: Any, required: tuple[str, ...] = ("summary",), **kw: Any) -> Submission:
+    return Submission(
+        run_id="run-1",
+        worker_id="w1",
+        task=TASK,
+        output=output,
+        required_fields=required,
+        **kw,
+    )
+
+
+def _placeholder_l0(calls: list[int | None]) -> Any:
+    """A fake L0 that flags the word TODO as an error and records previous sizes."""
+
+    def l0(sub: Submission, output: Any, previous_size: int | None) -> L0Outcome:
+        calls.append(previous_size)
+        text = output if isinstance(output, str) else json.dumps(output)
+        if "TODO" not in text:
+            return L0Outcome()
+        defect = Defect(
+            category="incomplete",
+            severity="critical",
+            location="output",
+            description="placeholder 'TODO' found",
+            source="l0",
+        )
+        gate = GateEvent(
+            gate="l0",
+            verdict="reject",
+            reason="placeholder 'TODO' found",
+            worker_id=sub.worker_id,
+            l0_check="no_placeholder",
+            l0_reason="placeholder 'TODO' found",
+            violating_path="output",
+        )
+        return L0Outcome(defects=(defect,), gate_events=(gate,))
+
+    return l0
+
+
+class SpendingCritic:
+    """A token-spending critic (no token_free attribute) that must not run when L0 fails."""
+
+    name = "llm:fake"
+
+    def __init__(self) -> None:
+        self.rounds: list[int] = []
+
+    def critique(
+        self, submission: Submission, output: Any, *, pitfalls: str, round: int
+    ) -> CritiqueEnvelope:
+        self.rounds.append(round)
+        env = HeuristicCritic().critique(submission, output, pitfalls=pitfalls, round=round)
+        return env.model_copy(
+            update={"usage": Usage(tokens_in=100, tokens_out=20, calls=1), "critic": self.name}
+        )
+
+
+def test_stages_are_keyed_by_next_and_state_is_json_safe() -> None:
+    """Stepping through STAGES by state.next reaches done; each state round-trips via JSON."""
+    ctx = make_context(CritiqueConfig(enabled=True), l0=_no_l0, fixpoint=_never)
+    state = start(_sub({"confidence": 0.9}))
+    seen = []
+    while state.next != "done":
+        seen.append(state.next)
+        state = STAGES[state.next](state, ctx)
+        again = LoopState.model_validate_json(state.model_dump_json())
+        assert again == state
+    assert seen == ["l0", "critic", "decide", "repair", "l0", "critic", "decide"]
+    result = finish(state)
+    assert (result.status, result.stop_reason) == ("repaired", "accepted")
+    assert isinstance(result.output, dict)
+    assert set(result.output) == {"confidence", "summary"}
+    assert TASK in result.output["summary"]
+    assert CritiqueResult.model_validate_json(result.model_dump_json()) == result
+
+
+def test_finish_refuses_an_unfinished_loop() -> None:
+    """finish() on a state that is not done is an error, not a half result."""
+    with pytest.raises(ValueError, match="not finished"):
+        finish(start(_sub({"confidence": 0.9})))
+
+
+def test_l0_error_skips_a_token_spending_critic() -> None:
+    """When L0 fails the configured LLM critic is not called; the score is heuristic − 0.2."""
+    critic = SpendingCritic()
+    sizes: list[int | None] = []
+    ctx = make_context(
+        CritiqueConfig(enabled=True),
+        critic=critic,
+        reviser=HeuristicReviser(),
+        l0=_placeholder_l0(sizes),
+        fixpoint=_never,
+    )
+    output = {"summary": "Sales TODO", "confidence": 0.9}
+    result = run_submission(_sub(output), ctx)
+    assert critic.rounds == [2]  # round 1 was token-free
+    first = result.trace[0]
+    assert first.score == pytest.approx(0.8)
+    assert result.attempts[0].original_score == pytest.approx(0.8)
+    assert (result.status, result.stop_reason) == ("repaired", "accepted")
+    assert result.output == {"summary": "Sales ", "confidence": 0.9}
+    assert result.usage.calls == 1  # only the re-critique called the critic
+    assert result.usage == result.repair_usage  # round 1 spent nothing
+    assert sizes[0] is None
+    assert sizes[1] == len(json.dumps(output, indent=2).encode())
+
+
+def test_l0_gate_events_and_stage_events_reach_the_trace() -> None:
+    """Every stage writes an event; L0 failures also write their GateEvent (type gate)."""
+    ctx = make_context(CritiqueConfig(enabled=True), l0=_placeholder_l0([]), fixpoint=_never)
+    run_submission(_sub({"summary": "TODO", "confidence": 0.9}), ctx)
+    events = ctx.trace.read("run-1")
+    kinds = [(e["type"], e["stage"]) for e in events]
+    assert kinds[:3] == [("stage", "l0"), ("gate", "l0"), ("stage", "critic")]
+    assert ("stage", "repair") in kinds
+    assert kinds[-1] == ("result", "result")
+    gate = events[1]
+    assert gate["l0_check"] == "no_placeholder" and gate["verdict"] == "reject"
+    rounds = [e for e in events if e["type"] == "round"]
+    assert [e["round"] for e in rounds] == [1, 2]
+    assert all({"worker_id", "iteration", "round"} <= set(e) for e in events)
+
+
+def test_token_free_rubric_critic_runs_even_when_l0_fails() -> None:
+    """A token-free critic keeps its dimension scores on an L0 failure, minus the penalty."""
+    draft = json.loads(FIXTURE.read_text())
+    draft["abstract"] = "TODO"
+    ctx = make_context(
+        CritiqueConfig(enabled=True, critic="rubric"),
+        l0=_placeholder_l0([]),
+        fixpoint=_never,
+    )
+    result = run_submission(_sub(draft, ()), ctx)
+    first = result.trace[0]
+    assert set(first.scores) == {"clarity", "novelty", "evidence", "methodology", "related_work"}
+    assert first.score == pytest.approx(first.mean / 10 - 0.2, abs=1e-6)
+    assert result.stop_reason != "target"  # the L0 error is critical: target is not met
+
+
+def test_patterns_are_recorded_per_critique_and_feed_pitfalls() -> None:
+    """Each critique records its patterns once under worker:iteration:round; pitfalls follow."""
+    seen_pitfalls: list[str] = []
+
+    class Peeking(HeuristicCritic):
+        def critique(self, submission: Submission, output: Any, **kw: Any) -> CritiqueEnvelope:
+            seen_pitfalls.append(kw["pitfalls"])
+            return super().critique(submission, output, **kw)
+
+    ctx = make_context(CritiqueConfig(enabled=True), critic=Peeking(), l0=_no_l0, fixpoint=_never)
+    run_submission(_sub({"confidence": 0.9}), ctx)
+    top = ctx.patterns.top("run-1")
+    assert [(p.category, p.prevention_rule) for p in top] == [
+        ("missing_data", "Always include the 'summary' field in your output")
+    ]
+    assert seen_pitfalls[0] == ""
+    assert "- [seen 1x] missing_data: Always include the 'summary' field" in seen_pitfalls[1]
+    # a second worker in the same run starts with the pitfalls of the first
+    run_submission(_sub({"confidence": 0.9}).model_copy(update={"worker_id": "w2"}), ctx)
+    assert ctx.patterns.top("run-1")[0].frequency == 2
+
+
+def test_pattern_memory_off_records_nothing() -> None:
+    """pattern_memory: false records no patterns and passes empty pitfalls."""
+    ctx = make_context(
+        CritiqueConfig(enabled=True, pattern_memory=False), l0=_no_l0, fixpoint=_never
+    )
+    run_submission(_sub({"confidence": 0.9}), ctx)
+    assert ctx.patterns.top("run-1") == []
+
+
+def test_disabled_passes_through_untouched() -> None:
+    """enabled: false returns the output unchanged, accepted, with no critique and no usage."""
+
+    def explode(*_: Any) -> L0Outcome:
+        raise AssertionError("no stage may run when critique is disabled")
+
+    ctx = make_context(CritiqueConfig(), l0=explode, fixpoint=_never)
+    result = run_submission(_sub("anything TODO"), ctx)
+    assert (result.status, result.stop_reason) == ("accepted", "accepted")
+    assert result.output == "anything TODO"
+    assert result.usage == Usage() and result.trace == () and result.attempts == ()
+    assert DISABLED_NOTE in result.notes
+    assert ctx.trace.read("run-1") == []
+
+
+def test_make_context_picks_critic_and_reviser_from_config() -> None:
+    """auto/heuristic → heuristic pair; rubric → rubric pair; unavailable choices are errors."""
+    ctx = make_context(CritiqueConfig())
+    assert isinstance(ctx.critic, HeuristicCritic) and isinstance(ctx.reviser, HeuristicReviser)
+    ctx = make_context(CritiqueConfig(critic="rubric"))
+    assert isinstance(ctx.critic, RubricCritic) and isinstance(ctx.reviser, DeterministicReviser)
+    with pytest.raises(ConfigError, match="critic"):
+        make_context(CritiqueConfig(critic="command"))
+    with pytest.raises(ConfigError, match="repairer"):
+        make_context(CritiqueConfig(repairer="llm"))
+    with pytest.raises(ExtensionLoadError):
+        make_context(CritiqueConfig(repairer="no_such_module_xyz:fix"))
+
+
+def _function_repairer(
+    submission: Submission,
+    output: Any,
+    envelope: CritiqueEnvelope,
+    *,
+    pitfalls: str,
+    attempts: Sequence[RepairAttempt],
+) -> dict[str, Any]:
+    return {**output, "summary": "fixed by a function"}
+
+
+def test_configured_function_repairer_is_loaded() -> None:
+    """repairer 'module:function' loads a plain function; its usage is estimated."""
+    config = CritiqueConfig(enabled=True, repairer="tests.unit.test_runner:_function_repairer")
+    ctx = make_context(config, l0=_no_l0, fixpoint=_never)
+    result = run_submission(_sub({"confidence": 0.9}), ctx)
+    assert result.output == {"confidence": 0.9, "summary": "fixed by a function"}
+    assert result.repair_usage.tokens > 0 and result.repair_usage.calls == 0
+
+
+def test_reviser_failure_refunds_the_reservation() -> None:
+    """A reviser that raises gives its reserved tokens back and the error propagates."""
+
+    class Broken:
+        name = "broken"
+
+        def revise(self, *a: Any, **kw: Any) -> RevisionResult:
+            raise RuntimeError("reviser crashed")
+
+    ctx = make_context(
+        CritiqueConfig(enabled=True, budget={"total_tokens": 1_000_000}),
+        reviser=Broken(),
+        l0=_no_l0,
+        fixpoint=_never,
+    )
+    with pytest.raises(RuntimeError, match="crashed"):
+        run_submission(_sub({"confidence": 0.9}), ctx)
+    cap = ctx.config.repair_token_cap
+    assert cap is not None
+    assert ctx.budget.reserve("run-1", "probe", cap, cap, 60.0)  # the whole cap is free again
+
+
+def test_not_a_paper_raises_submission_error() -> None:
+    """The rubric loop on a non-paper output raises SubmissionError (could not evaluate)."""
+    ctx = make_context(CritiqueConfig(enabled=True, critic="rubric"), l0=_no_l0, fixpoint=_never)
+    with pytest.raises(SubmissionError, match="not a paper"):
+        run_submission(_sub({"confidence": 0.9}), ctx)
+
+
+def _fixture_run(**fakes: Any) -> CritiqueResult:
+    draft = json.loads(FIXTURE.read_text())
+    ctx = make_context(CritiqueConfig(enabled=True, critic="rubric"), **fakes)
+    sub = _sub(draft, (), claimed_format="json")
+    return run_submission(sub, ctx)
+
+
+def _assert_climbs_to_target(result: CritiqueResult) -> None:
+    means = [t.mean for t in result.trace]
+    assert all(b > a for a, b in pairwise(means)), means
+    assert [t.verdict for t in result.trace][-1] == "target"
+    assert all(v == "continue" for v in [t.verdict for t in result.trace][:-1])
+    assert (result.status, result.stop_reason) == ("repaired", "target")
+    assert all(v >= 8.0 for v in result.envelope.scores.values())
+    assert result.trace[0].suggestions_applied == 0
+    assert all(t.suggestions_applied > 0 for t in result.trace[1:])
+    assert result.usage.calls == 0 and result.repair_usage.tokens > 0
+
+
+def test_deterministic_pair_climbs_to_target_on_the_draft() -> None:
+    """The rubric pair on the weak fixture draft rises every round and ends in target."""
+    result = _fixture_run(l0=_no_l0, fixpoint=_never)
+    _assert_climbs_to_target(result)
+    assert result.original_score < 0.5
+
+
+def _real_modules_available() -> bool:
+    try:
+        from pipeline.contract import build_suite, check_submission  # noqa: F401
+        from pipeline.simhash import is_fixpoint  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+real_modules = pytest.mark.skipif(
+    not _real_modules_available(), reason="pipeline.contract / pipeline.simhash not present yet"
+)
+
+
+@real_modules
+def test_deterministic_pair_with_real_l0_and_fixpoint() -> None:
+    """With the real Layer-0 suite and simhash fixpoint the draft still climbs to target."""
+    _assert_climbs_to_target(_fixture_run())
+
+
+@real_modules
+def test_real_l0_placeholder_goes_to_repair_token_free() -> None:
+    """A real L0 placeholder failure is repaired without any critic tokens on round 1."""
+    critic = SpendingCritic()
+    ctx = make_context(CritiqueConfig(enabled=True), critic=critic)
+    output = {"summary": "Sales grew TODO.", "confidence": 0.9}
+    result = run_submission(_sub(output), ctx)
+    assert critic.rounds == [2]
+    assert result.status == "repaired"
+    assert "TODO" not in json.dumps(result.output)
+    assert any(e["type"] == "gate" for e in ctx.trace.read("run-1"))
+
+
+# --- the CLI -----------------------------------------------------------------------------------
+
+
+def _cli(argv: list[str]) -> int:
+    import argparse
+
+    from workers.commands import loop
+
+    parser = argparse.ArgumentParser()
+    loop.add_arguments(parser)
+    return loop.run(parser.parse_args(argv))
+
+
+@real_modules
+def test_cli_rubric_prints_the_round_table(capsys: pytest.CaptureFixture[str]) -> None:
+    """`critique loop draft.json` prints one row per round and exits 0 on target."""
+    code = _cli([str(FIXTURE)])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "clarity" in out and "related_work" in out
+    assert "stop reason: target" in out and "status: repaired" in out
+
+
+@real_modules
+def test_cli_json_and_exit_code_on_budget(capsys: pytest.CaptureFixture[str]) -> None:
+    """--json prints the CritiqueResult; a round cap that stops early exits 1."""
+    code = _cli([str(FIXTURE), "--max-rounds", "1", "--json"])
+    result = CritiqueResult.model_validate_json(capsys.readouterr().out)
+    assert code == 1
+    assert (result.stop_reason, result.status) == ("budget", "escalated")
+
+
+@real_modules
+def test_cli_heuristic_with_required_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--critic heuristic --required repairs a worker result and exits 0."""
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"confidence": 0.9}))
+    code = _cli([str(path), "--critic", "heuristic", "--required", "summary", "sources"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "status: repaired" in out
+
+
+def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Unreadable files and non-papers exit 2 with a message on stderr."""
+    assert _cli([str(tmp_path / "missing.json")]) == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"title": "no sections"}')
+    assert _cli([str(bad)]) == 2
+    bad.write_text("not json")
+    assert _cli([str(bad)]) == 2
+    assert "not a paper" in capsys.readouterr().err

@@ -1,0 +1,1 @@
+"""critique-pipeline: the Celery side — app, thin tasks, routing, the manager client, the CLI."""

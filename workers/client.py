@@ -1,0 +1,154 @@
+"""The manager's client (SPEC §6): submit outputs, wait for results, read the run.
+
+Usage::
+
+    from workers.client import CritiqueClient
+    client = CritiqueClient()                       # REDIS_URL, or redis://127.0.0.1:6379/0
+    handle = client.submit(submission)              # a pipeline.models.Submission (or a dict)
+    result = client.wait(handle, timeout=60)        # a pipeline.models.CritiqueResult
+    print(client.pitfalls(submission.run_id))       # Known Pitfalls for the next workers
+
+Any Celery client can do the same with plain messages: see ``workers.tasks`` for the task names.
+The broker is the same Redis unless ``CELERY_BROKER_URL`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.errors import StoreUnavailableError, SubmissionError
+from pipeline.models import CritiqueResult, Submission
+from pipeline.pitfalls import render_pitfalls
+from pipeline.runner import start
+from workers import runtime
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What ``submit`` returns: enough to find the submission's result again."""
+
+    run_id: str
+    iteration: int
+    worker_id: str
+    task_id: str
+
+
+class CritiqueTimeout(TimeoutError):
+    """``wait`` gave up before the result arrived (the submission keeps running)."""
+
+
+class CritiqueClient:
+    """Submit worker outputs to the pipeline and read their results and the run's trace."""
+
+    def __init__(self, config: Mapping[str, Any] | None = None) -> None:
+        self.config = dict(config or {})
+        runtime.config_for(self.config)  # fail fast on a bad configuration
+
+    # -- submitting -----------------------------------------------------------------------------
+    def submit(self, submission: Submission | Mapping[str, Any]) -> Handle:
+        """Enqueue one submission's chain; returns at once."""
+        from workers.tasks import submission_chain
+
+        sub = _as_submission(submission)
+        msg = runtime.encode(start(sub), self.config)
+        try:
+            res = submission_chain(msg).apply_async()
+            runtime.stores().runs.mark_submitted(
+                sub.run_id, sub.iteration, sub.worker_id, res.id, sub.subtask_signature
+            )
+        except StoreUnavailableError:
+            raise
+        except Exception as exc:  # kombu/redis connection errors
+            if "connect" in str(exc).lower() or "refused" in str(exc).lower():
+                raise StoreUnavailableError(
+                    f"cannot reach the broker: {exc}",
+                    hint=f"is Redis running at {runtime.redis_url()}? set REDIS_URL",
+                ) from exc
+            raise
+        return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id)
+
+    def submit_many(self, submissions: Sequence[Submission | Mapping[str, Any]]) -> list[Handle]:
+        """Enqueue many submissions (validated all first: one bad one enqueues none)."""
+        subs = [_as_submission(s) for s in submissions]
+        return [self.submit(s) for s in subs]
+
+    # -- reading --------------------------------------------------------------------------------
+    def result(self, handle: Handle) -> CritiqueResult | None:
+        """The result if it is there, else None."""
+        return runtime.stores().runs.result(handle.run_id, handle.iteration, handle.worker_id)
+
+    def wait(self, handle: Handle, timeout: float | None = 60.0) -> CritiqueResult:
+        """Block until the submission's result is stored (polling Redis), or time out."""
+        from celery.result import AsyncResult
+
+        from workers.app import app
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            got = self.result(handle)
+            if got is not None:
+                return got
+            ar = AsyncResult(handle.task_id, app=app)
+            if ar.state == "FAILURE":
+                raise SubmissionError(
+                    f"submission {handle.worker_id} of run {handle.run_id} failed: {ar.result!r}"
+                )
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CritiqueTimeout(
+                    f"no result for {handle.worker_id} of run {handle.run_id} after {timeout} s "
+                    "(is a worker consuming critique.cpu and critique.llm?)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
+
+    def wait_many(
+        self, handles: Sequence[Handle], timeout: float | None = 300.0
+    ) -> list[CritiqueResult]:
+        """Wait for every handle (one shared deadline), in order."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        out = []
+        for h in handles:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            out.append(self.wait(h, left))
+        return out
+
+    def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:
+        """Every stored result of the run (or of one iteration)."""
+        return runtime.stores().runs.results(run_id, iteration)
+
+    def summary(self, run_id: str, iteration: int = 1) -> dict[str, Any]:
+        """The manager summary of one iteration (SPEC §5.8)."""
+        from pipeline.artifacts import manager_summary
+
+        s = runtime.stores()
+        return manager_summary(
+            run_id, iteration, s.runs.results(run_id, iteration), s.patterns.top(run_id, 50)
+        )
+
+    def pitfalls(self, run_id: str, limit: int = 10) -> str:
+        """The Known Pitfalls text for the workers the manager dispatches next."""
+        return render_pitfalls(runtime.stores().patterns.top(run_id, limit))
+
+    def trace(
+        self, run_id: str, *, follow: bool = False, block_ms: int = 1000
+    ) -> Iterator[dict[str, Any]]:
+        """The run's trace events, oldest first; with ``follow`` keep waiting for new ones."""
+        sink = runtime.stores().trace
+        if not follow:
+            yield from sink.read(run_id)
+            return
+        for _entry_id, event in sink.iterate(run_id, block_ms=block_ms):
+            yield event
+
+
+def _as_submission(value: Submission | Mapping[str, Any]) -> Submission:
+    if isinstance(value, Submission):
+        return value
+    try:
+        return Submission.model_validate(dict(value))
+    except Exception as exc:
+        raise SubmissionError(f"malformed submission: {exc}") from exc

@@ -1,0 +1,113 @@
+"""``critique l0 PATH…``: run the Layer-0 output contract on files (``-`` reads stdin).
+
+Exit 0 when every check passes (warnings are printed but pass, unless ``--strict``), 1 when one
+fails, 2 on bad usage, unreadable input or a broken configuration. ``--json`` prints exactly
+``{"ok", "elapsed_ms", "failures": [{"check", "severity", "reason", "path", "offset"}]}``.
+Offsets are character offsets into the file's text. Checks come from ``--config`` (a
+``workflow.awp.yaml``; default: ``$CRITIQUE_CONFIG`` and the environment), else the six defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+HELP = "run the Layer-0 output contract (deterministic checks) on files"
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+FORMATS = ("json", "markdown", "latex", "text", "python")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("paths", nargs="+", metavar="PATH", help="files to check; - reads stdin")
+    parser.add_argument(
+        "--previous-size",
+        type=int,
+        metavar="N",
+        help="size in bytes of the previous attempt (enables the 2.5× growth check)",
+    )
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        help="claimed format of every PATH (default: from the file extension)",
+    )
+    parser.add_argument("--strict", action="store_true", help="warnings fail too")
+    parser.add_argument("--config", help="workflow.awp.yaml whose output_contract to use")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def _read(path: str) -> str:
+    """The text of ``path`` (``-`` = stdin); raises OSError/UnicodeDecodeError with context."""
+    if path == "-":
+        return sys.stdin.read()
+    with open(path, encoding="utf-8") as fh:
+        return fh.read()
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.previous_size is not None and args.previous_size < 0:
+        print("critique l0: --previous-size must be ≥ 0", file=sys.stderr)
+        return EXIT_USAGE
+    from pipeline.config import load_config
+    from pipeline.contract import ContractInput, build_suite
+    from pipeline.errors import CritiqueError
+
+    try:
+        suite = build_suite(load_config(args.config).output_contract)
+    except CritiqueError as exc:
+        print(f"critique l0: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    items = []
+    for path in args.paths:
+        label = "<stdin>" if path == "-" else path
+        try:
+            text = _read(path)
+        except UnicodeDecodeError as exc:
+            print(f"critique l0: {label}: not UTF-8 text ({exc.reason})", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as exc:
+            print(f"critique l0: cannot read {label}: {exc.strerror or exc}", file=sys.stderr)
+            return EXIT_USAGE
+        items.append(
+            ContractInput(
+                text=text,
+                path=label,
+                claimed_format=args.format,
+                previous_size=args.previous_size,
+            )
+        )
+    t0 = time.perf_counter()
+    report = suite.run(items)
+    elapsed = 1000 * (time.perf_counter() - t0)
+    errors, warnings = len(report.errors), len(report.warnings)
+    ok = errors == 0 and not (args.strict and warnings)
+    if args.json:
+        doc: dict[str, Any] = {
+            "ok": ok,
+            "elapsed_ms": round(elapsed, 3),
+            "failures": [
+                {
+                    "check": f.check,
+                    "severity": f.severity,
+                    "reason": f.reason,
+                    "path": f.path,
+                    "offset": f.offset,
+                }
+                for f in report.failures
+            ],
+        }
+        print(json.dumps(doc, ensure_ascii=False))
+    else:
+        for f in report.failures:
+            where = f.path or "output"
+            offset = "" if f.offset is None else f"{f.offset}:"
+            print(f"{where}:{offset} {f.severity} {f.check}: {f.reason}")
+        verdict = "ok" if ok else "FAILED"
+        print(
+            f"l0 {verdict}: {errors} error(s), {warnings} warning(s) in {len(items)} file(s), "
+            f"{len(suite.checks)} check(s), {elapsed:.1f} ms"
+        )
+    return EXIT_OK if ok else EXIT_FAILED

@@ -1,0 +1,172 @@
+"""``critique loop FILE``: run the critique loop on one file, broker-free, and show every round.
+
+With ``--critic rubric`` (the default) FILE is a paper draft (JSON) and the deterministic rubric
+critic/reviser pair revises it until the target, a plateau or the round cap; with
+``--critic heuristic`` FILE is a worker result (a JSON object, or text) checked against
+``--required`` fields and repaired by the deterministic reviser. Exit 0 when the result is
+accepted, accepted with warnings or repaired; 1 otherwise; 2 on unreadable or invalid input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+HELP = "run the critique loop on one file (deterministic rubric or heuristic pair)"
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+_OK_STATUSES = ("accepted", "accepted_with_warnings", "repaired")
+_FORMATS = {".json": "json", ".md": "markdown", ".tex": "latex", ".py": "python"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="paper draft (rubric) or worker result")
+    parser.add_argument(
+        "--critic",
+        choices=("rubric", "heuristic"),
+        default="rubric",
+        help="rubric: paper drafts (default); heuristic: worker results with --required",
+    )
+    parser.add_argument("--target", type=float, help="rubric target score per dimension (8.0)")
+    parser.add_argument("--epsilon", type=float, help="plateau epsilon on the mean (0.1)")
+    parser.add_argument("--window", type=int, help="plateau window in rounds (2)")
+    parser.add_argument("--max-rounds", type=int, help="rubric round cap (5)")
+    parser.add_argument(
+        "--required",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="FIELD",
+        help="required output fields (heuristic critic); read as headings for text outputs",
+    )
+    parser.add_argument("--max-attempts", type=int, help="max repair attempts (heuristic: 2)")
+    parser.add_argument("--task", help="the original task text (repairs derive content from it)")
+    parser.add_argument("--config", help="workflow.awp.yaml to read settings from")
+    parser.add_argument("--json", action="store_true", help="print the CritiqueResult as JSON")
+
+
+def _worker_id(path: Path) -> str:
+    ident = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-.")
+    return (ident or "worker")[:128]
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    rubric = {
+        key: value
+        for key, value in (
+            ("target_score", args.target),
+            ("plateau_epsilon", args.epsilon),
+            ("plateau_window", args.window),
+            ("max_rounds", args.max_rounds),
+        )
+        if value is not None
+    }
+    overrides: dict[str, Any] = {"enabled": True, "critic": args.critic}
+    if rubric:
+        overrides["rubric"] = rubric
+    if args.max_attempts is not None:
+        overrides["max_repair_attempts"] = args.max_attempts
+    return overrides
+
+
+def _read_output(args: argparse.Namespace, path: Path) -> tuple[str | dict[str, Any], str | None]:
+    """The output and its claimed format; raises ValueError with a message on bad input."""
+    text = path.read_text(encoding="utf-8")
+    if args.critic == "rubric":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{path} is not a paper: not valid JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path} is not a paper: expected a JSON object")
+        return data, "json"
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text, _FORMATS.get(path.suffix.lower(), "text")
+    if isinstance(data, dict):
+        return data, "json"
+    return text, "json"
+
+
+def _table(result: Any, dimensions: tuple[str, ...], rubric: bool) -> str:
+    if rubric:
+        header = ["round", *dimensions, "mean", "applied", "verdict"]
+        rows = [
+            [
+                str(t.round),
+                *(f"{t.scores[d]:.2f}" if d in t.scores else "-" for d in dimensions),
+                f"{t.mean:.2f}",
+                str(t.suggestions_applied),
+                t.verdict,
+            ]
+            for t in result.trace
+        ]
+    else:
+        header = ["round", "score", "defects", "applied", "verdict"]
+        rows = [
+            [str(t.round), f"{t.score:.2f}", str(t.defects), str(t.suggestions_applied), t.verdict]
+            for t in result.trace
+        ]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    head = "  ".join(c.rjust(w) for c, w in zip(header, widths, strict=True))
+    return "\n".join([head, *lines])
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.config import load_config
+    from pipeline.convergence import STOP_TEXT
+    from pipeline.critics.rubric import parse_paper
+    from pipeline.errors import CritiqueError
+    from pipeline.models import Submission
+    from pipeline.runner import make_context, run_submission
+
+    path = Path(args.file)
+    try:
+        output, claimed = _read_output(args, path)
+        if args.critic == "rubric":
+            parse_paper(output)
+    except OSError as exc:
+        print(f"critique loop: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, CritiqueError) as exc:
+        print(f"critique loop: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = load_config(args.config, overrides=_overrides(args))
+        task = args.task or (
+            f"Write the paper '{output.get('title', path.stem)}'."
+            if args.critic == "rubric" and isinstance(output, dict)
+            else f"Produce the result in {path.name}."
+        )
+        submission = Submission(
+            run_id="cli",
+            worker_id=_worker_id(path),
+            task=task,
+            output=output,
+            claimed_format=claimed,
+            required_fields=tuple(args.required),
+        )
+        result = run_submission(submission, make_context(config))
+    except (CritiqueError, ValueError) as exc:
+        print(f"critique loop: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(result.model_dump(mode="json"), ensure_ascii=False, indent=2))
+    else:
+        print(_table(result, config.rubric.dimensions, args.critic == "rubric"))
+        print()
+        print(f"status: {result.status}")
+        print(f"stop reason: {result.stop_reason} ({STOP_TEXT[result.stop_reason]})")
+        print(
+            f"score: {result.original_score:.2f} -> {result.best_score:.2f} "
+            f"after {len(result.attempts)} repair(s); tokens (estimated): {result.usage.tokens}"
+        )
+        for note in result.notes:
+            print(f"note: {note}")
+    return EXIT_OK if result.status in _OK_STATUSES else EXIT_FAILED

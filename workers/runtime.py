@@ -1,0 +1,114 @@
+"""What a worker process needs around the pure stages: the Redis client, the stores, the stage
+context for a message's configuration, and the message codec.
+
+A stage message is a small JSON dict::
+
+    {"v": 1, "config": {...overrides...}, "state": "<LoopState JSON>"}        # inline
+    {"v": 1, "config": {...overrides...}, "state_ref": "sha256:<hex>"}        # by reference
+
+The state goes by reference (a content-addressed blob) once its JSON passes ``INLINE_LIMIT``,
+so a 5 MB output never rides in a broker message.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+from typing import Any
+
+import redis
+
+from pipeline.config import CritiqueConfig, load_config
+from pipeline.errors import SubmissionError
+from pipeline.runner import LoopState, StageContext, make_context
+from pipeline.store.blobs import RedisBlobStore
+from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
+from pipeline.store.runs import RedisRunStore
+
+MESSAGE_VERSION = 1
+INLINE_LIMIT = int(os.environ.get("CRITIQUE_INLINE_LIMIT", str(16 * 1024)))
+"""Largest state JSON (bytes) carried inline in a message; larger goes to a blob."""
+
+
+def redis_url() -> str:
+    """The store's URL: ``$REDIS_URL`` or the local default."""
+    return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@functools.lru_cache(maxsize=1)
+def client() -> redis.Redis:
+    """The process's Redis client (bytes replies; safe to share between threads)."""
+    return redis.Redis.from_url(
+        redis_url(), socket_connect_timeout=5, socket_timeout=30, health_check_interval=30
+    )
+
+
+class Stores:
+    """The Redis stores of this process."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.patterns = RedisPatternStore(r)
+        self.budget = RedisBudgetLedger(r)
+        self.trace = RedisTraceSink(r)
+        self.blobs = RedisBlobStore(r)
+        self.runs = RedisRunStore(r)
+
+
+@functools.lru_cache(maxsize=1)
+def stores() -> Stores:
+    return Stores(client())
+
+
+_config_lock = threading.Lock()
+_configs: dict[str, CritiqueConfig] = {}
+
+
+def config_for(overrides: dict[str, Any] | None) -> CritiqueConfig:
+    """The configuration for a message: workflow file + environment + the message's overrides."""
+    key = json.dumps(overrides or {}, sort_keys=True)
+    with _config_lock:
+        cfg = _configs.get(key)
+        if cfg is None:
+            cfg = load_config(overrides=overrides or None)
+            _configs[key] = cfg
+        return cfg
+
+
+def context_for(overrides: dict[str, Any] | None) -> StageContext:
+    """A stage context wired to the Redis stores."""
+    s = stores()
+    return make_context(
+        config_for(overrides),
+        patterns=s.patterns,
+        budget=s.budget,
+        trace=s.trace,
+        lease_ttl_s=float(os.environ.get("CRITIQUE_LEASE_TTL_S", "900")),
+    )
+
+
+def encode(state: LoopState, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """A message carrying ``state``: inline when small, else by blob reference."""
+    raw = state.model_dump_json()
+    msg: dict[str, Any] = {"v": MESSAGE_VERSION, "config": overrides or {}}
+    if len(raw) <= INLINE_LIMIT:
+        msg["state"] = raw
+    else:
+        msg["state_ref"] = stores().blobs.put(raw.encode("utf-8"))
+    return msg
+
+
+def decode(msg: Any) -> tuple[LoopState, dict[str, Any]]:
+    """The state and configuration overrides a message carries."""
+    if not isinstance(msg, dict) or msg.get("v") != MESSAGE_VERSION:
+        raise SubmissionError(
+            f"not a critique stage message (expected a dict with v={MESSAGE_VERSION})"
+        )
+    if "state" in msg:
+        raw: str | bytes = msg["state"]
+    elif "state_ref" in msg:
+        raw = stores().blobs.get(msg["state_ref"])
+    else:
+        raise SubmissionError("stage message carries neither 'state' nor 'state_ref'")
+    return LoopState.model_validate_json(raw), dict(msg.get("config") or {})

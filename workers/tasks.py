@@ -1,0 +1,138 @@
+"""Thin Celery tasks over the pure stages (DESIGN habit 1).
+
+Per submission one chain: ``critique.l0 → critique.critic → critique.decide → critique.gate``.
+When ``decide`` chooses a repair, it replaces itself (``Task.replace``) with
+``critique.repair → critique.l0 → critique.critic → critique.decide``; the replacement inherits
+the rest of the chain, so the loop stays one chain and no task ever waits on another.
+
+Every task: decode the message, run one stage function, encode the new state. A task whose
+stage is not the state's next one passes the state through (e.g. critique disabled). Stages
+are idempotent under redelivery: pattern recording is keyed by critique, budget leases by
+(submission, attempt), results by (iteration, worker). Transient errors (Redis, LLM) are retried
+with exponential backoff and jitter; permanent ones fail the task at once.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from celery import Task, chain
+
+from pipeline.errors import TransientError
+from pipeline.runner import STAGES, LoopState, finish
+from pipeline.store import keys
+from workers import runtime
+from workers.app import app
+
+RETRY = {
+    "autoretry_for": (TransientError,),
+    "retry_backoff": True,
+    "retry_backoff_max": 60,
+    "retry_jitter": True,
+    "max_retries": 5,
+}
+
+
+def _step_id(state: LoopState, stage: str) -> str:
+    sub = state.submission
+    return f"{sub.iteration}:{sub.worker_id}:{state.round}:{state.attempt}:{stage}"
+
+
+def _stage(task: Task, msg: dict[str, Any], stage: str) -> dict[str, Any]:
+    """Run one stage exactly once in effect: a redelivered step replays its recorded output.
+
+    At-least-once delivery can hand a step to a second worker after the first one ran it
+    (e.g. killed between finishing and acknowledging). The first completed output of each
+    step is recorded in the run's ``steps`` hash; a repeat returns that output unchanged, so
+    every duplicate downstream of it replays too and the result is the same.
+    """
+    state, overrides = runtime.decode(msg)
+    if state.next != stage:
+        return msg
+    runs = runtime.stores().runs
+    step = _step_id(state, stage)
+    recorded = runs.step_output(state.submission.run_id, step)
+    if recorded is not None:
+        return dict(json.loads(recorded))
+    ctx = runtime.context_for(overrides)
+    new = STAGES[stage](state, ctx)
+    if stage == "repair":
+        task.send_event(
+            "task-progress",
+            run_id=state.submission.run_id,
+            worker_id=state.submission.worker_id,
+            attempt=new.attempt,
+        )
+    out = runtime.encode(new, overrides)
+    return dict(json.loads(runs.record_step(state.submission.run_id, step, json.dumps(out))))
+
+
+@app.task(name=keys.TASK_L0, bind=True, **RETRY)
+def l0(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """Layer-0 contract checks (token-free)."""
+    return _stage(self, msg, "l0")
+
+
+@app.task(name=keys.TASK_CRITIC, bind=True, **RETRY)
+def critic(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """The configured critic (heuristic, rubric, LLM)."""
+    return _stage(self, msg, "critic")
+
+
+@app.task(name=keys.TASK_REPAIR, bind=True, **RETRY)
+def repair(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """One targeted repair attempt, charged to the run's budget."""
+    return _stage(self, msg, "repair")
+
+
+@app.task(name=keys.TASK_DECIDE, bind=True, **RETRY)
+def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``)."""
+    out = _stage(self, msg, "decide")
+    state, _ = runtime.decode(out)
+    if state.next == "repair":
+        # Raises Ignore under a worker (the replacement inherits the rest of the chain).
+        replaced: dict[str, Any] = self.replace(
+            chain(repair.s(out), l0.s(), critic.s(), decide.s())
+        )
+        return replaced
+    return out
+
+
+@app.task(name=keys.TASK_GATE, bind=True, **RETRY)
+def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """Finish the submission: store its result, write the result event, return a summary."""
+    state, _ = runtime.decode(msg)
+    result = finish(state)
+    s = runtime.stores()
+    s.runs.put_result(result)
+    if state.status is not None:
+        s.trace.emit(
+            result.run_id,
+            {
+                "type": "result",
+                "stage": "gate",
+                "worker_id": result.worker_id,
+                "iteration": result.iteration,
+                "round": state.round,
+                "status": result.status,
+                "stop_reason": result.stop_reason,
+                "best_score": result.best_score,
+                "original_score": result.original_score,
+                "attempts": len(result.attempts),
+            },
+        )
+    return {
+        "run_id": result.run_id,
+        "iteration": result.iteration,
+        "worker_id": result.worker_id,
+        "status": result.status,
+        "stop_reason": result.stop_reason,
+        "best_score": result.best_score,
+    }
+
+
+def submission_chain(msg: dict[str, Any]) -> Any:
+    """The chain for one submission message."""
+    return chain(l0.s(msg), critic.s(), decide.s(), gate.s())
