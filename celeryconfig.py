@@ -1,8 +1,9 @@
 """Every Celery setting of critique-pipeline, documented, overridable from the environment.
 
 Loaded by ``workers.app`` with ``app.config_from_object("celeryconfig")``. Environment variables:
-``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``) is the store and, unless ``CELERY_BROKER_URL`` /
-``CELERY_RESULT_BACKEND`` say otherwise, also the broker and the result backend.
+``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``) is the store and, unless
+``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` say otherwise, also the broker and the result
+backend.
 ``CRITIQUE_TASK_TIME_LIMIT_S`` bounds the longest task (an LLM call with its retries).
 """
 

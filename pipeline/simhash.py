@@ -259,6 +259,7 @@ def _near_py(fps: Sequence[int], k: int, all_pairs: bool) -> list[Any]:
                         best[j] = i
                         break
                     pairs.append((i, j))
+        pairs.sort()
         return pairs if all_pairs else best
     r, blocks = 2, near_blocks(n, k)
     bmask = _block_masks(blocks)

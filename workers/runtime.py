@@ -76,16 +76,29 @@ def config_for(overrides: dict[str, Any] | None) -> CritiqueConfig:
         return cfg
 
 
+_contexts: dict[str, StageContext] = {}
+
+
 def context_for(overrides: dict[str, Any] | None) -> StageContext:
-    """A stage context wired to the Redis stores."""
-    s = stores()
-    return make_context(
-        config_for(overrides),
-        patterns=s.patterns,
-        budget=s.budget,
-        trace=s.trace,
-        lease_ttl_s=float(os.environ.get("CRITIQUE_LEASE_TTL_S", "900")),
-    )
+    """The stage context for a configuration, wired to the Redis stores (one per configuration
+    per process: the critic, reviser and Layer-0 suite are built once)."""
+    key = json.dumps(overrides or {}, sort_keys=True)
+    with _config_lock:
+        ctx = _contexts.get(key)
+    if ctx is None:
+        s = stores()
+        ctx = make_context(
+            config_for(overrides),
+            patterns=s.patterns,
+            budget=s.budget,
+            trace=s.trace,
+            lease_ttl_s=float(os.environ.get("CRITIQUE_LEASE_TTL_S", "900")),
+        )
+        ctx.l0_fn()
+        ctx.fixpoint_fn()
+        with _config_lock:
+            ctx = _contexts.setdefault(key, ctx)
+    return ctx
 
 
 def encode(state: LoopState, overrides: dict[str, Any] | None) -> dict[str, Any]:

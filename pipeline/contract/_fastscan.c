@@ -143,7 +143,7 @@ typedef struct {
     Acc acc;
     Vec paras; /* start, end, nwords, fp */
     /* lines */
-    int line_nonspace, excl;
+    int excl;
     /* markdown */
     int in_fence;
     Py_UCS4 fch;
@@ -386,7 +386,6 @@ INLINE Py_ssize_t code_span_end(S *s, const void *data, int kind, Py_ssize_t i, 
 }
 
 INLINE void line_begin(S *s, const void *data, int kind, Py_ssize_t i) {
-    s->line_nonspace = 0;
     s->excl = 0;
     if (s->mode != M_MD) return;
     if (s->in_fence) {

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from pipeline import simhash
 from pipeline.contract import _scan
@@ -147,13 +148,14 @@ class NoTextLoop(BuiltinCheck):
             union = len(sa | sb)
             return union > 0 and len(sa & sb) / union >= LOOP_CONFIRM_MIN_JACCARD
 
+        others = _Candidates(fps)
         out: list[ContractFailure] = []
         total = 0
         next_offset: int | None = None
         for j, i in enumerate(nearest):
             if i < 0:
                 continue
-            match = i if confirmed(i, j) else self._other_match(fps, j, confirmed)
+            match = i if confirmed(i, j) else others.next_match(j, confirmed)
             if match is None:
                 continue
             total += 1
@@ -174,14 +176,24 @@ class NoTextLoop(BuiltinCheck):
             )
         return _capped(self, doc, out, total, "repeated paragraphs", next_offset)
 
-    @staticmethod
-    def _other_match(fps: list[int], j: int, confirmed: Callable[[int, int], bool]) -> int | None:
-        """After a chance collision: any other earlier candidate that does confirm (rare)."""
-        for i in range(j):
-            if simhash.hamming(fps[i], fps[j]) <= simhash.TEXT_LOOP_MAX_DISTANCE and confirmed(
-                i, j
-            ):
-                return i
+
+class _Candidates:
+    """After a chance collision, the other earlier paragraphs within distance 9 (rare: built
+    lazily, one vectorised comparison per unconfirmed paragraph)."""
+
+    def __init__(self, fps: list[int]) -> None:
+        self.fps = fps
+        self._arr: Any = None
+
+    def next_match(self, j: int, confirmed: Callable[[int, int], bool]) -> int | None:
+        import numpy as np
+
+        if self._arr is None:
+            self._arr = np.array(self.fps, dtype=np.uint64)
+        near = np.bitwise_count(self._arr[:j] ^ np.uint64(self.fps[j]))
+        for i in np.nonzero(near <= simhash.TEXT_LOOP_MAX_DISTANCE)[0].tolist():
+            if confirmed(i, j):
+                return int(i)
         return None
 
 

@@ -84,6 +84,8 @@ def make_sub(run_id: str, worker_id: str, iteration: int, kind: str) -> Submissi
         output = {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9}
     elif kind == "missing":
         output = {"summary": "Sales rose 4%.", "confidence": 0.8}
+    elif kind == "missing_long":  # big enough that adding a field stays under 2.5× its size
+        output = {"summary": "Sales rose 4% in Q3, led by the north. " * 4, "confidence": 0.8}
     elif kind == "broken":
         output = {"summary": "Sales rose.", "findings": "x", "error": "tool timed out"}
     else:
@@ -301,9 +303,9 @@ def test_trace_holds_every_stage_and_pitfalls_reach_later_repairs(
     run_id = f"trace-{uuid.uuid4().hex[:8]}"
     config = {"enabled": True, "repairer": "tests.integration.helpers:recording_revise"}
     client = CritiqueClient(config)
-    early = [make_sub(run_id, f"early{i}", 1, "missing") for i in range(3)]
+    early = [make_sub(run_id, f"early{i}", 1, "missing_long") for i in range(3)]
     client.wait_many(client.submit_many(early), timeout=60)
-    late = make_sub(run_id, "late", 2, "missing")
+    late = make_sub(run_id, "late", 2, "missing_long")
     res = client.wait(client.submit(late), timeout=60)
     assert res.status == "repaired", (res.stop_reason, res.notes, res.trace)
 
@@ -316,4 +318,5 @@ def test_trace_holds_every_stage_and_pitfalls_reach_later_repairs(
     recorded = Path(env["RECORD_PITFALLS_TO"]).read_text(encoding="utf-8")
     late_part = recorded.split("=== late\n", 1)[1]
     assert "## Known Pitfalls" in late_part
-    assert "[seen 3x] missing_data" in late_part
+    # three earlier workers and the late worker's own first critique
+    assert "[seen 4x] missing_data: Always include the 'findings' field" in late_part

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,12 @@ from pipeline.contract import (
 from pipeline.errors import ConfigError, ExtensionLoadError
 from pipeline.models import FileRef, Submission
 
-ENGINES = ["python", pytest.param("c", marks=pytest.mark.skipif(not compiled_available(), reason="compiled scanner not built"))]
+ENGINES = [
+    "python",
+    pytest.param(
+        "c", marks=pytest.mark.skipif(not compiled_available(), reason="compiled scanner not built")
+    ),
+]
 
 LONG = (
     "The survey team walked the length of the eastern embankment twice, measuring the height of "
@@ -31,9 +37,9 @@ LONG = (
 )
 
 
-def run(text: str, engine: str = "python", **kw: object) -> list[ContractFailure]:
+def run(text: str, engine: str = "python", **kw: Any) -> list[ContractFailure]:
     suite = build_suite(engine=engine)
-    return list(suite.run([ContractInput(text=text, **kw)]).failures)  # type: ignore[arg-type]
+    return list(suite.run([ContractInput(text=text, **kw)]).failures)
 
 
 def of(failures: Iterable[ContractFailure], check: str) -> list[ContractFailure]:
@@ -73,7 +79,9 @@ def of(failures: Iterable[ContractFailure], check: str) -> list[ContractFailure]
 def test_placeholder_whole_word_rules(engine: str, text: str, found: list[str]) -> None:
     """Placeholders match as whole words with the documented case rules, nothing else."""
     failures = of(run(text, engine), "no_placeholder")
-    assert [text[f.offset : f.offset + len(w)] for f, w in zip(failures, found, strict=False)] == found
+    assert [
+        text[f.offset : f.offset + len(w)] for f, w in zip(failures, found, strict=False)
+    ] == found
     assert len(failures) == len(found)
 
 
@@ -121,7 +129,7 @@ def test_headings_inside_code_fences_do_not_count(engine: str) -> None:
 
 
 def test_heading_closing_sequence_and_sharp_titles() -> None:
-    """'## C# ##' has title 'C#' (closing run stripped) and duplicates '# c#'; '#hashtag' is text."""
+    """'## C# ##' has title 'C#' (closing run stripped), same as '# c#'; '#hashtag' is text."""
     text = "## C# ##\n\n# c#\n\n#hashtag\n\n#hashtag\n"
     [f] = of(run(text), "no_duplicate_headings")
     assert "'C#'" in f.reason
@@ -166,8 +174,13 @@ def test_delimiter_severity_by_format(engine: str) -> None:
     """An unclosed '(' is an error for Python/JSON (by path or claim) and a warning in prose."""
     text = "print((1)\n"
     assert of(run(text, engine, path="a.py"), "balanced_delimiters")[0].severity == "error"
-    assert of(run(text, engine, claimed_format="python"), "balanced_delimiters")[0].severity == "error"
-    assert of(run(text, engine, claimed_format="markdown"), "balanced_delimiters")[0].severity == "warning"
+    assert (
+        of(run(text, engine, claimed_format="python"), "balanced_delimiters")[0].severity == "error"
+    )
+    assert (
+        of(run(text, engine, claimed_format="markdown"), "balanced_delimiters")[0].severity
+        == "warning"
+    )
     [f] = of(run("[1, 2]]", engine, claimed_format="json"), "balanced_delimiters")
     assert f.severity == "error" and f.offset == 6 and "first unmatched ']'" in f.reason
 
@@ -278,7 +291,9 @@ def test_checks_can_be_named_individually() -> None:
     """Naming checks selects just those, once each."""
     suite = build_suite(OutputContractConfig(checks=("no_placeholder", "no_placeholder")))
     assert suite.names == ("no_placeholder",)
-    assert run_contract(suite, [ContractInput(text="a (TODO")]).failures[0].check == "no_placeholder"
+    assert (
+        run_contract(suite, [ContractInput(text="a (TODO")]).failures[0].check == "no_placeholder"
+    )
     assert len(run_contract(suite, [ContractInput(text="a (TODO")]).failures) == 1
 
 
@@ -391,10 +406,20 @@ def test_failure_to_defect_and_gate_event() -> None:
         check="no_placeholder", severity="error", reason="placeholder 'TODO'", path="r.md", offset=7
     )
     d = f.to_defect()
-    assert (d.source, d.severity, d.category, d.location) == ("l0", "critical", "incomplete", "r.md:7")
+    assert (d.source, d.severity, d.category, d.location) == (
+        "l0",
+        "critical",
+        "incomplete",
+        "r.md:7",
+    )
     w = ContractFailure(check="balanced_delimiters", severity="warning", reason="x").to_defect()
     assert (w.severity, w.category, w.location) == ("warning", "wrong_format", "output")
-    assert ContractFailure(check="no_text_loop", severity="error", reason="x", offset=3).to_defect().location == "output:3"
+    assert (
+        ContractFailure(check="no_text_loop", severity="error", reason="x", offset=3)
+        .to_defect()
+        .location
+        == "output:3"
+    )
     ev = f.to_gate_event(iteration=2, worker_id="w1")
     assert (ev.gate, ev.verdict, ev.l0_check, ev.l0_reason, ev.violating_path) == (
         "l0",
@@ -432,9 +457,31 @@ def test_check_submission_covers_output_and_inline_files() -> None:
 
 
 def test_check_submission_dict_output_is_json_and_override_and_previous_size() -> None:
-    """A dict output is checked as indented JSON; `output` overrides; previous_size is output-only."""
-    sub = submission(output={"items": ["a (", "b"]}, files=[FileRef(path="f.txt", size=400, content="y" * 400)])
+    """A dict output is checked as JSON; `output` overrides it; previous_size is output-only."""
+    sub = submission(
+        output={"items": ["a (", "b"]}, files=[FileRef(path="f.txt", size=400, content="y" * 400)]
+    )
     assert check_submission(build_suite(), sub).failures == ()
     assert output_text({"é": 1}) == '{\n  "é": 1\n}'
     report = check_submission(build_suite(), sub, output="z" * 300, previous_size=100)
     assert [(f.path, f.check) for f in report.failures] == [(None, "file_size_delta")]
+
+
+def test_chance_fingerprint_collisions_are_not_loops_but_real_repeats_still_are() -> None:
+    """A near fingerprint with unrelated text is ignored; a later true repeat is still found."""
+    from pipeline.contract._scan import MODE_MD, ScanResult
+    from pipeline.contract.checks import NoTextLoop
+
+    other = LONG.replace("survey team", "harbour crew").replace("bridge", "ferry")
+    unrelated = " ".join(reversed(LONG.split()))
+    text = f"{unrelated}\n\n{other}\n\n{other}\n"
+    a, b, c = 0, len(unrelated) + 2, len(unrelated) + len(other) + 4
+    x = 0x0123456789ABCDEF
+    paras = [
+        (a, a + len(unrelated), 58, x),
+        (b, b + len(other), 58, x ^ 0b110),
+        (c, c + len(other), 58, x ^ 0b101),
+    ]
+    result = ScanResult([], 0, paras, [], ((0, 0, -1, -1),) * 3)
+    failures = NoTextLoop().evaluate(ContractInput(text=text), MODE_MD, result)
+    assert [(f.offset, f"offset {b}" in f.reason) for f in failures] == [(c, True)]
