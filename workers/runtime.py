@@ -3,8 +3,8 @@ context for a message's configuration, and the message codec.
 
 A stage message is a small JSON dict::
 
-    {"v": 1, "config": {...overrides...}, "state": "<LoopState JSON>"}        # inline
-    {"v": 1, "config": {...overrides...}, "state_ref": "sha256:<hex>"}        # by reference
+    {"v": 1, "sid": "<pass id>", "config": {...}, "state": "<LoopState JSON>"}   # inline
+    {"v": 1, "sid": "<pass id>", "config": {...}, "state_ref": "sha256:<hex>"}   # by reference
 
 The state goes by reference (a content-addressed blob) once its JSON passes ``INLINE_LIMIT``,
 so a 5 MB output never rides in a broker message.
@@ -16,6 +16,7 @@ import functools
 import json
 import os
 import threading
+import uuid
 from typing import Any
 
 import redis
@@ -101,10 +102,20 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
     return ctx
 
 
-def encode(state: LoopState, overrides: dict[str, Any] | None) -> dict[str, Any]:
-    """A message carrying ``state``: inline when small, else by blob reference."""
+def encode(
+    state: LoopState, overrides: dict[str, Any] | None, sid: str | None = None
+) -> dict[str, Any]:
+    """A message carrying ``state``: inline when small, else by blob reference.
+
+    ``sid`` identifies one submission's pass through the pipeline (new for every ``submit``,
+    kept by every stage after it), so a resubmission never replays an earlier pass's steps.
+    """
     raw = state.model_dump_json()
-    msg: dict[str, Any] = {"v": MESSAGE_VERSION, "config": overrides or {}}
+    msg: dict[str, Any] = {
+        "v": MESSAGE_VERSION,
+        "sid": sid or uuid.uuid4().hex[:16],
+        "config": overrides or {},
+    }
     if len(raw) <= INLINE_LIMIT:
         msg["state"] = raw
     else:

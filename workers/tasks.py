@@ -34,9 +34,9 @@ RETRY = {
 }
 
 
-def _step_id(state: LoopState, stage: str) -> str:
+def _step_id(sid: str, state: LoopState, stage: str) -> str:
     sub = state.submission
-    return f"{sub.iteration}:{sub.worker_id}:{state.round}:{state.attempt}:{stage}"
+    return f"{sub.iteration}:{sub.worker_id}:{sid}:{state.round}:{state.attempt}:{stage}"
 
 
 def _stage(task: Task, msg: dict[str, Any], stage: str) -> dict[str, Any]:
@@ -51,7 +51,7 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> dict[str, Any]:
     if state.next != stage:
         return msg
     runs = runtime.stores().runs
-    step = _step_id(state, stage)
+    step = _step_id(str(msg.get("sid", "")), state, stage)
     recorded = runs.step_output(state.submission.run_id, step)
     if recorded is not None:
         return dict(json.loads(recorded))
@@ -64,7 +64,7 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> dict[str, Any]:
             worker_id=state.submission.worker_id,
             attempt=new.attempt,
         )
-    out = runtime.encode(new, overrides)
+    out = runtime.encode(new, overrides, sid=msg.get("sid"))
     return dict(json.loads(runs.record_step(state.submission.run_id, step, json.dumps(out))))
 
 

@@ -44,7 +44,7 @@ TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" fiel
 SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, at}
 RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> CritiqueResult JSON (the final answers)
 COMPLETIONS = "completions"  # hash: "rejected" -> completion-gate rejections so far
-STEPS = "steps"  # hash: "<iteration>:<worker>:<round>:<attempt>:<stage>" -> the step's output msg
+STEPS = "steps"  # hash: "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> step output
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
     PATTERNS_FREQ,
