@@ -752,16 +752,14 @@ static int pair_cmp(const void *a, const void *b) {
     return 0;
 }
 
-static inline int pop64(uint64_t x) {
-#if defined(__POPCNT__)
-    return __builtin_popcountll(x);
+/* Hardware popcount where the CPU has it: GCC builds a POPCNT clone of the index functions and
+ * picks it at load time (ifunc); elsewhere the builtin's portable code is used. */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define POPCNT_CLONES __attribute__((target_clones("popcnt", "default")))
 #else
-    x = x - ((x >> 1) & 0x5555555555555555ULL);
-    x = (x & 0x3333333333333333ULL) + ((x >> 2) & 0x3333333333333333ULL);
-    x = (x + (x >> 4)) & 0x0f0f0f0f0f0f0f0fULL;
-    return (int)((x * 0x0101010101010101ULL) >> 56);
+#define POPCNT_CLONES
 #endif
-}
+#define pop64(x) __builtin_popcountll(x)
 
 /* Number of blocks: k + 2 (exact: a pair within k differs in at most k blocks, so it agrees on
  * two) while a bucket holds about 8 random fingerprints or fewer; beyond that, fewer and wider
@@ -807,7 +805,7 @@ static void block_sort(const int32_t *idx, const uint64_t *f, Py_ssize_t g, int 
 /* The 2-block tables of narrow blocks (<= 8 bits), computed group by group: items are sorted
  * once by the first block, and each group (small, cache-resident) by the second, so every
  * table (b1, b2) is visited without touching the whole array again. Returns -1 on OOM. */
-static int near_grouped(const uint64_t *fp, Py_ssize_t n, int k, int B, const int *blo,
+POPCNT_CLONES static int near_grouped(const uint64_t *fp, Py_ssize_t n, int k, int B, const int *blo,
                         const int *bw, const uint64_t *bmask, int all_pairs, int64_t *best,
                         Pair **pairs, Py_ssize_t *npairs, Py_ssize_t *cap) {
     int32_t *idx0 = (int32_t *)malloc((size_t)n * sizeof(int32_t));

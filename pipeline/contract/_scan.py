@@ -77,6 +77,8 @@ DELIMITER_PAIRS: tuple[tuple[str, str], ...] = (("(", ")"), ("[", "]"), ("{", "}
 
 MAX_HITS = 1000
 """Placeholder hits kept per document (all of them are counted)."""
+MIN_PARAGRAPH_WORDS = 20
+"""Paragraphs shorter than this are not fingerprinted (signatures, list items may repeat)."""
 
 _EXTENSION_MODES = {
     ".md": MODE_MD,
@@ -150,7 +152,7 @@ def scan(
     mode: int,
     want: int = WANT_ALL,
     *,
-    min_words: int = 20,
+    min_words: int = MIN_PARAGRAPH_WORDS,
     max_hits: int = MAX_HITS,
     engine: str = "auto",
 ) -> ScanResult:
@@ -376,7 +378,12 @@ def _close_paragraph(
 
 
 def scan_py(
-    text: str, mode: int, want: int = WANT_ALL, *, min_words: int = 20, max_hits: int = MAX_HITS
+    text: str,
+    mode: int,
+    want: int = WANT_ALL,
+    *,
+    min_words: int = MIN_PARAGRAPH_WORDS,
+    max_hits: int = MAX_HITS,
 ) -> ScanResult:
     """Pure-Python scan with exactly the compiled scanner's results."""
     min_words = max(3, min_words)

@@ -111,7 +111,8 @@ def _shingles(text: str) -> set[tuple[str, str, str]]:
 
 
 class NoTextLoop(BuiltinCheck):
-    """Two paragraphs of ≥ 20 words within simhash Hamming distance 9 (similarity > 0.85).
+    """Two paragraphs of ≥ 20 words (:data:`~pipeline.contract._scan.MIN_PARAGRAPH_WORDS`)
+    within simhash Hamming distance 9 (similarity > 0.85).
 
     Prose formats only (markdown, text, LaTeX): in code, near-identical blocks (tests, handlers)
     are normal. Candidates come from :func:`pipeline.simhash.nearest_earlier` (linear); each is
@@ -121,7 +122,6 @@ class NoTextLoop(BuiltinCheck):
 
     name = "no_text_loop"
     want = _scan.WANT_PARAS
-    min_words = 20
 
     def evaluate(
         self, doc: ContractInput, mode: int, result: ScanResult | None

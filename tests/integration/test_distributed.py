@@ -239,7 +239,8 @@ def test_killed_worker_loses_nothing(
         env["REDIS_URL"], concurrency=4, name="rescuer", env=env, log=tmp_path / "rescuer.log"
     ).start()
     try:
-        results = client.wait_many(handles, timeout=120)
+        # kombu restores unacked messages on its own cadence (observed: up to ~2 min)
+        results = client.wait_many(handles, timeout=300)
     finally:
         rescuer.stop()
         worker.start()

@@ -90,6 +90,7 @@ def exercise_every_store(
         )
     )
     runs.count_rejection(run_id)
+    runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")
 
 
 def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
