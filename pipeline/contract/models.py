@@ -62,7 +62,10 @@ class ContractFailure(Frozen):
         )
 
     def to_gate_event(self, iteration: int, worker_id: str | None) -> GateEvent:
-        """The failure as the L0 gate's rejection, for the run's trace stream."""
+        """The failure as the L0 gate's rejection, for the run's trace stream.
+
+        Meant for errors: warnings do not reject (the caller decides whether to log them).
+        """
         return GateEvent(
             gate="l0",
             verdict="reject",
