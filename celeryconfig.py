@@ -20,7 +20,15 @@ result_backend = os.environ.get("CELERY_RESULT_BACKEND", _redis)
 # Redis redelivers an unacked message after the visibility timeout: keep it well above the
 # longest task so a slow LLM call is never run twice just for being slow.
 _visibility = int(os.environ.get("CRITIQUE_VISIBILITY_TIMEOUT_S", str(max(3600, 2 * _time_limit))))
-broker_transport_options = {"visibility_timeout": _visibility}
+# A killed worker's unacked messages come back when a live worker sweeps the unacked index:
+# kombu's defaults sweep about every 100 s (interval 10 s × throttle 10) and a sweeper that dies
+# holding the sweep mutex blocks others for 300 s. Sweep every interval; free the mutex sooner.
+broker_transport_options = {
+    "visibility_timeout": _visibility,
+    "unacked_restore_interval": float(os.environ.get("CRITIQUE_RESTORE_INTERVAL_S", "10")),
+    "unacked_restore_throttle": 1,
+    "unacked_mutex_expire": int(os.environ.get("CRITIQUE_RESTORE_MUTEX_S", "60")),
+}
 result_backend_transport_options = {"retry_policy": {"timeout": 5.0}}
 broker_connection_retry_on_startup = True
 result_expires = int(os.environ.get("CRITIQUE_RESULT_EXPIRES_S", str(7 * 24 * 3600)))

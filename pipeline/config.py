@@ -46,6 +46,8 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_LEASE_TTL_S",  # how long a dead repair's budget reservation is held
         "CRITIQUE_INLINE_LIMIT",  # largest stage state carried inline in a broker message
         "CRITIQUE_VISIBILITY_TIMEOUT_S",  # Celery: redelivery of unacked messages
+        "CRITIQUE_RESTORE_INTERVAL_S",  # Celery: how often workers sweep for unacked messages
+        "CRITIQUE_RESTORE_MUTEX_S",  # Celery: how long a dead sweeper's mutex blocks others
         "CRITIQUE_TASK_TIME_LIMIT_S",  # Celery: hard time limit of every task
         "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
         "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves

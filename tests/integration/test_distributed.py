@@ -45,6 +45,8 @@ def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
     e = worker_env(
         dist_url,
         CRITIQUE_VISIBILITY_TIMEOUT_S="4",
+        CRITIQUE_RESTORE_INTERVAL_S="1",
+        CRITIQUE_RESTORE_MUTEX_S="3",
         CRITIQUE_LEASE_TTL_S="2",
         RECORD_PITFALLS_TO=str(tmp_path_factory.mktemp("rec") / "pitfalls.txt"),
         SLOW_REVISE_S="0.4",
@@ -239,8 +241,7 @@ def test_killed_worker_loses_nothing(
         env["REDIS_URL"], concurrency=4, name="rescuer", env=env, log=tmp_path / "rescuer.log"
     ).start()
     try:
-        # kombu restores unacked messages on its own cadence (observed: up to ~2 min)
-        results = client.wait_many(handles, timeout=300)
+        results = client.wait_many(handles, timeout=120)
     finally:
         rescuer.stop()
         worker.start()
