@@ -229,25 +229,27 @@ def test_killed_worker_loses_nothing(
     subs = [make_sub(run_id, f"w{i:02d}", 1, KINDS[i % 4]) for i in range(16)]
     victim = WorkerProcess(
         env["REDIS_URL"], concurrency=4, name="victim", env=env, log=tmp_path / "victim.log"
-    ).start()
-    client = CritiqueClient(config)
-    handles = client.submit_many(subs)
-    s = runtime.stores()
-    deadline = time.monotonic() + 30
-    while not s.budget.holds(run_id) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert s.budget.holds(run_id), "no repair was in flight to kill"
-    victim.kill()
-    held = dict(s.budget.holds(run_id))
-    assert held
-    time.sleep(2.5)  # the lease TTL (CRITIQUE_LEASE_TTL_S=2) passes
-    assert s.budget.holds(run_id) == {}
+    )
     rescuer = WorkerProcess(
         env["REDIS_URL"], concurrency=4, name="rescuer", env=env, log=tmp_path / "rescuer.log"
-    ).start()
-    try:
+    )
+    try:  # whatever fails, no worker process of this test outlives it
+        victim.start()
+        client = CritiqueClient(config)
+        handles = client.submit_many(subs)
+        s = runtime.stores()
+        deadline = time.monotonic() + 30
+        while not s.budget.holds(run_id) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert s.budget.holds(run_id), "no repair was in flight to kill"
+        victim.kill()
+        assert s.budget.holds(run_id)
+        time.sleep(2.5)  # the lease TTL (CRITIQUE_LEASE_TTL_S=2) passes
+        assert s.budget.holds(run_id) == {}
+        rescuer.start()
         results = client.wait_many(handles, timeout=120)
     finally:
+        victim.kill()
         rescuer.stop()
         worker.start()
     ref, ref_patterns = reference(subs, config)
