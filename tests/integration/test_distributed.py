@@ -207,11 +207,6 @@ def test_redelivered_task_bodies_change_no_count_or_charge(worker: WorkerProcess
     assert runtime.decode(critic_msg)[0].next == "decide"
 
 
-@pytest.mark.skipif(
-    not os.environ.get("RUN_KILL_TEST"),
-    reason="flaky in full CI runs (a message lost between kombu's BRPOP and its unacked record "
-    "is suspected); run with RUN_KILL_TEST=1 — open work, see the issue note",
-)
 def test_killed_worker_loses_nothing(
     env: dict[str, str], worker: WorkerProcess, tmp_path: Path
 ) -> None:
