@@ -19,6 +19,9 @@ from pipeline.contract.models import ContractFailure, ContractInput, L0Severity
 MAX_FAILURES_PER_CHECK = 20
 """Failures listed per check and document; one more failure then says how many were left out."""
 SIZE_DELTA_LIMIT = 2.5
+SIZE_DELTA_MIN_GROWTH = 1024
+"""Growth (bytes) below which ``file_size_delta`` never fires: adding two fields to a 50-byte
+JSON result is not a runaway repair, whatever the ratio (a deliberate addition to SPEC §5.1)."""
 LOOP_CONFIRM_MIN_JACCARD = 0.3
 """A simhash near-duplicate is confirmed when the two paragraphs share at least this Jaccard
 fraction of their word 3-grams. Chance collisions of unrelated paragraphs (about one pair in
@@ -198,7 +201,8 @@ class _Candidates:
 
 
 class FileSizeDelta(BuiltinCheck):
-    """An attempt more than 2.5× the previous attempt's size (a runaway repair)."""
+    """An attempt more than 2.5× the previous attempt's size and over 1 KiB bigger (a runaway
+    repair); the absolute floor keeps small outputs that gain a field from tripping it."""
 
     name = "file_size_delta"
 
@@ -209,13 +213,13 @@ class FileSizeDelta(BuiltinCheck):
         if prev is None or prev == 0:
             return []
         size = len(doc.text) if doc.text.isascii() else len(doc.text.encode("utf-8", "replace"))
-        if size <= SIZE_DELTA_LIMIT * prev:
+        if size <= SIZE_DELTA_LIMIT * prev or size - prev <= SIZE_DELTA_MIN_GROWTH:
             return []
         return [
             self._fail(
                 doc,
                 f"{size} bytes is {size / prev:.2f}× the previous attempt's {prev} bytes "
-                f"(limit {SIZE_DELTA_LIMIT}×)",
+                f"(limit {SIZE_DELTA_LIMIT}× once it grew more than {SIZE_DELTA_MIN_GROWTH} bytes)",
                 None,
             )
         ]

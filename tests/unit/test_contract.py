@@ -217,16 +217,24 @@ def test_json_paths_must_parse_and_valid_json_passes() -> None:
 
 def test_size_delta_boundary_is_two_and_a_half() -> None:
     """Exactly 2.5× the previous size passes; one byte more fails; no previous size, no check."""
-    assert of(run("x" * 250, previous_size=100), "file_size_delta") == []
-    [f] = of(run("x" * 251, previous_size=100), "file_size_delta")
-    assert "2.51×" in f.reason and f.offset is None
+    assert of(run("x" * 2500, previous_size=1000), "file_size_delta") == []
+    [f] = of(run("x" * 2501, previous_size=1000), "file_size_delta")
+    assert "2.50×" in f.reason and f.offset is None
     assert of(run("x" * 10_000), "file_size_delta") == []
 
 
+def test_size_delta_ignores_small_absolute_growth() -> None:
+    """A tiny output that gains a field (54 → 300 bytes) is not a runaway repair: the growth
+    must also exceed 1 KiB; 100 → 1125 bytes (growth 1025) does fire."""
+    assert of(run("x" * 300, previous_size=54), "file_size_delta") == []
+    assert of(run("x" * 1124, previous_size=100), "file_size_delta") == []
+    assert of(run("x" * 1125, previous_size=100), "file_size_delta")
+
+
 def test_size_delta_counts_utf8_bytes() -> None:
-    """Sizes are UTF-8 bytes: 126 two-byte characters (252 bytes) exceed 2.5 × 100."""
-    assert of(run("é" * 126, previous_size=100), "file_size_delta")
-    assert of(run("é" * 125, previous_size=100), "file_size_delta") == []
+    """Sizes are UTF-8 bytes: 1251 two-byte characters (2502 bytes) exceed 2.5 × 1000."""
+    assert of(run("é" * 1251, previous_size=1000), "file_size_delta")
+    assert of(run("é" * 1250, previous_size=1000), "file_size_delta") == []
 
 
 # ---- no_text_loop ----------------------------------------------------------------------------
@@ -463,7 +471,7 @@ def test_check_submission_dict_output_is_json_and_override_and_previous_size() -
     )
     assert check_submission(build_suite(), sub).failures == ()
     assert output_text({"é": 1}) == '{\n  "é": 1\n}'
-    report = check_submission(build_suite(), sub, output="z" * 300, previous_size=100)
+    report = check_submission(build_suite(), sub, output="z" * 3000, previous_size=1000)
     assert [(f.path, f.check) for f in report.failures] == [(None, "file_size_delta")]
 
 

@@ -79,10 +79,10 @@ def test_warnings_pass_unless_strict(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 def test_previous_size(tmp_path: Path) -> None:
     """--previous-size enables the 2.5× growth check."""
-    path = write(tmp_path, "big.txt", "x" * 300)
+    path = write(tmp_path, "big.txt", "x" * 3000)
     assert main(["l0", path]) == 0
-    assert main(["l0", "--previous-size", "100", path]) == 1
-    assert main(["l0", "--previous-size", "200", path]) == 0
+    assert main(["l0", "--previous-size", "1000", path]) == 1
+    assert main(["l0", "--previous-size", "2000", path]) == 0
 
 
 def test_unreadable_input_exits_two(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
