@@ -100,6 +100,25 @@ class BudgetConfig(_Block):
     total_tokens: int | None = Field(None, ge=1)
 
 
+class LLMConfig(_Block):
+    """How LLM calls are made through litellm (critic, repairer, adjudicator)."""
+
+    api_base: str | None = None
+    """Endpoint override, e.g. ``http://127.0.0.1:8000/v1`` for an OpenAI-compatible server."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Per-call timeout."""
+    max_retries: int = Field(3, ge=0)
+    """Retries after the first call, for transient errors only (timeout, 429, 5xx, connection)."""
+    backoff_s: float = Field(1.0, ge=0)
+    """First retry delay; doubles each retry, with full jitter, up to ``backoff_max_s``."""
+    backoff_max_s: float = Field(20.0, ge=0)
+    temperature: float = Field(0.0, ge=0.0, le=2.0)
+    max_tokens: int = Field(2048, ge=1)
+    """Cap on each reply's tokens (a repair of a long output needs more: raise it)."""
+    max_output_chars: int = Field(24_000, ge=1000)
+    """Outputs longer than this reach the critic cut to head (3/4) + tail (1/4), and say so."""
+
+
 class ExtraCheck(_Block):
     """A workflow-specific Layer-0 check: ``{name, implementation: "module:Callable"}``."""
 
@@ -141,6 +160,11 @@ class CritiqueConfig(_Block):
     """argv of a test/lint command for code outputs (command critic)."""
     command_timeout_s: float = Field(60.0, gt=0)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
+    llm: LLMConfig = Field(default_factory=LLMConfig)
+    paired_critic: bool = False
+    """A second critic call adjudicates the first one's defects before repair (SPEC §5.2)."""
+    paired_model: str | None = None
+    """The adjudicator's model; null uses the critic's."""
     max_output_bytes: int = Field(16 * 1024 * 1024, ge=1)
     max_rejected_completions: int = Field(3, ge=1)
     output_contract: OutputContractConfig = Field(default_factory=OutputContractConfig)
@@ -164,6 +188,29 @@ class CritiqueConfig(_Block):
         if not v:
             raise ValueError("defect_categories must not be empty")
         return v
+
+    @model_validator(mode="after")
+    def _dedicated_needs_model(self) -> CritiqueConfig:
+        if self.mode == "dedicated" and not self.model:
+            raise ValueError(
+                "mode 'dedicated' needs 'model' (the critic's litellm model name, "
+                "e.g. 'openai/gpt-4o-mini'); use mode 'inline' to critique with the worker's model"
+            )
+        return self
+
+    def critic_model(self, worker_model: str | None) -> str | None:
+        """The critic's litellm model for a submission: ``dedicated`` → ``model``; ``inline`` →
+        ``model``, else the worker's own model; None when there is no model at all."""
+        if self.mode == "dedicated":
+            return self.model
+        return self.model or worker_model or None
+
+    def uses_llm_critic(self, worker_model: str | None) -> bool:
+        """True when a submission with ``worker_model`` is critiqued by an LLM (SPEC §3:
+        ``auto`` means the LLM when a model resolves, else the heuristic)."""
+        if self.critic == "llm":
+            return True
+        return self.critic == "auto" and self.critic_model(worker_model) is not None
 
     @property
     def repair_token_cap(self) -> int | None:

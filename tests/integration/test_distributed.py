@@ -18,22 +18,17 @@ from pipeline.config import load_config
 from pipeline.models import CritiqueResult, Submission
 from pipeline.runner import make_context, run_submission, start
 from pipeline.store.memory import MemoryPatternStore
-from tests.integration.workers import WorkerProcess, worker_env
+from tests.integration.workers import WorkerProcess, worker_db_url, worker_env
 
 pytestmark = pytest.mark.integration
 
 REQUIRED = ("summary", "findings")
 
 
-def _db14(url: str) -> str:
-    base, _, _db = url.rpartition("/")
-    return f"{base}/14"
-
-
 @pytest.fixture(scope="module")
 def dist_url(redis_url: str) -> str:
     """A database of its own for the distributed tests (flushed once, before workers start)."""
-    url = _db14(redis_url)
+    url = worker_db_url(redis_url)
     redis.Redis.from_url(url).flushdb()
     return url
 

@@ -14,6 +14,14 @@ import redis
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def worker_db_url(test_url: str) -> str:
+    """The database worker tests use: the one below the test database (15 → 14), so sessions
+    that run side by side with different ``CRITIQUE_TEST_REDIS_URL`` databases never collide."""
+    base, _, db = test_url.rpartition("/")
+    n = int(db) if db.isdigit() else 15
+    return f"{base}/{max(n - 1, 0)}"
+
+
 def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
     """Environment for a worker and for the in-test client: same Redis, fast retries."""
     env = dict(os.environ)
