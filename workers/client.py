@@ -15,14 +15,17 @@ The broker is the same Redis unless ``CELERY_BROKER_URL`` says otherwise.
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.errors import StoreUnavailableError, SubmissionError
-from pipeline.models import CritiqueResult, Submission
+from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
+from pipeline.models import CritiqueResult, FileRef, GateEvent, Submission
 from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import start
+from pipeline.store import keys
 from workers import runtime
 
 
@@ -128,6 +131,84 @@ class CritiqueClient:
         return manager_summary(
             run_id, iteration, s.runs.results(run_id, iteration), s.patterns.top(run_id, 50)
         )
+
+    # -- gates ----------------------------------------------------------------------------------
+    def complete_gate(
+        self,
+        run_id: str,
+        final_result: str | Mapping[str, Any],
+        *,
+        iteration: int | None = None,
+        task: str = "",
+        files: Sequence[FileRef | Mapping[str, Any]] = (),
+        deliverable_expected: bool | None = None,
+        timeout: float = 60.0,
+    ) -> CompletionDecision:
+        """Ask the completion gate (SPEC §5.6) whether the manager may COMPLETE the run.
+
+        Runs ``critique.complete_gate`` on a worker over the run's stored results (of
+        ``iteration``; default the latest one) and returns its decision: ``complete``,
+        ``rejected`` (with reasons and the placeholders to replace) or, after
+        ``max_rejected_completions`` rejections, ``partial``. Every gate is in the trace.
+        """
+        from workers.app import app
+
+        if iteration is None:
+            done = runtime.stores().runs.results(run_id)
+            iteration = max((r.iteration for r in done), default=1)
+        try:
+            refs = [f if isinstance(f, FileRef) else FileRef.model_validate(dict(f)) for f in files]
+        except Exception as exc:
+            raise SubmissionError(f"malformed file reference: {exc}") from exc
+        msg = {
+            "v": runtime.MESSAGE_VERSION,
+            "request_id": uuid.uuid4().hex,
+            "run_id": run_id,
+            "iteration": iteration,
+            "final_result": dict(final_result)
+            if isinstance(final_result, Mapping)
+            else final_result,
+            "task": task,
+            "files": [f.model_dump(mode="json") for f in refs],
+            "deliverable_expected": deliverable_expected,
+            "config": self.config,
+        }
+        runtime.decode_gate_request(msg)  # fail here, not on a worker, when it is malformed
+        res = app.send_task(keys.TASK_COMPLETE_GATE, args=(msg,))
+        try:
+            got = res.get(timeout=timeout)
+        except TimeoutError as exc:  # celery.exceptions.TimeoutError subclasses it
+            raise CritiqueTimeout(
+                f"no completion-gate answer for run {run_id} after {timeout} s "
+                "(is a worker consuming critique.cpu?)"
+            ) from exc
+        return CompletionDecision.model_validate(got)
+
+    def delegate_guard(
+        self,
+        run_id: str,
+        subtask_signature: str,
+        *,
+        iteration: int = 1,
+        worker_id: str | None = None,
+    ) -> GateEvent:
+        """The redundancy guard (SPEC §5.6): may the manager DELEGATE this subtask again?
+
+        ``reject`` when the signature was already dispatched in this run and the mean critique
+        score is under ``min_score_to_complete``; the event is written to the trace.
+        """
+        s = runtime.stores()
+        dispatched = {d.get("signature", "") for d in s.runs.submitted(run_id).values()}
+        event = redundancy_guard(
+            subtask_signature,
+            dispatched,
+            mean_best_score(s.runs.results(run_id)),
+            runtime.config_for(self.config),
+            iteration=iteration,
+            worker_id=worker_id,
+        )
+        s.trace.emit(run_id, {"type": "gate", "stage": "delegate", **event.model_dump(mode="json")})
+        return event
 
     def pitfalls(self, run_id: str, limit: int = 10) -> str:
         """The Known Pitfalls text for the workers the manager dispatches next."""

@@ -20,9 +20,11 @@ import uuid
 from typing import Any
 
 import redis
+from pydantic import Field
 
 from pipeline.config import CritiqueConfig, load_config
 from pipeline.errors import SubmissionError
+from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext, make_context
 from pipeline.store.blobs import RedisBlobStore
 from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
@@ -136,3 +138,37 @@ def decode(msg: Any) -> tuple[LoopState, dict[str, Any]]:
     else:
         raise SubmissionError("stage message carries neither 'state' nor 'state_ref'")
     return LoopState.model_validate_json(raw), dict(msg.get("config") or {})
+
+
+class GateRequest(Frozen):
+    """A ``critique.complete_gate`` message, validated."""
+
+    v: int = MESSAGE_VERSION
+    request_id: str
+    run_id: str
+    iteration: int = 1
+    final_result: str | dict[str, Any]
+    task: str = ""
+    files: tuple[FileRef, ...] = ()
+    deliverable_expected: bool | None = None
+    config: dict[str, Any] = Field(default_factory=dict)
+
+
+def decode_gate_request(msg: Any) -> GateRequest:
+    """The completion-gate request a message carries (a clear error when it is malformed)."""
+    try:
+        req = GateRequest.model_validate(msg)
+    except Exception as exc:
+        raise SubmissionError(f"malformed complete_gate message: {exc}") from exc
+    if req.v != MESSAGE_VERSION:
+        raise SubmissionError(f"complete_gate message version {req.v}; expected {MESSAGE_VERSION}")
+    return req
+
+
+def file_bytes(file: FileRef) -> bytes | None:
+    """A file's bytes for the gates' file validator: inline content, else its blob, else None."""
+    if file.content is not None:
+        return file.content.encode("utf-8")
+    if file.blob is not None:
+        return stores().blobs.get(file.blob)
+    return None

@@ -20,6 +20,7 @@ from typing import Any
 from celery import Task, chain
 
 from pipeline.errors import TransientError
+from pipeline.gates import evaluate_completion
 from pipeline.runner import STAGES, LoopState, finish
 from pipeline.store import keys
 from workers import runtime
@@ -131,6 +132,57 @@ def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
         "stop_reason": result.stop_reason,
         "best_score": result.best_score,
     }
+
+
+@app.task(name=keys.TASK_COMPLETE_GATE, bind=True, **RETRY)
+def complete_gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """The manager's completion gate (SPEC §5.6) over the run's stored results.
+
+    Message: ``{"v": 1, "request_id", "run_id", "iteration", "final_result", "task", "files",
+    "deliverable_expected", "config"}``. Returns the ``CompletionDecision`` as JSON. The first
+    decision per ``request_id`` is recorded and replayed on redelivery, and a rejection is
+    counted once per request, so ``max_rejected_completions`` → partial is never double-counted.
+    """
+    req = runtime.decode_gate_request(msg)
+    s = runtime.stores()
+    step = f"complete_gate:{req.request_id}"
+    recorded = s.runs.step_output(req.run_id, step)
+    if recorded is not None:
+        return dict(json.loads(recorded))
+    config = runtime.config_for(req.config)
+    results = s.runs.results(req.run_id, req.iteration)
+    decision = evaluate_completion(
+        run_id=req.run_id,
+        iteration=req.iteration,
+        final_result=req.final_result,
+        results=results,
+        files=req.files,
+        task=req.task,
+        deliverable_expected=req.deliverable_expected,
+        config=config,
+        previous_rejections=s.runs.rejections(req.run_id),
+        read_bytes=runtime.file_bytes,
+    )
+    out = json.loads(s.runs.record_step(req.run_id, step, decision.model_dump_json()))
+    if out == json.loads(decision.model_dump_json()):
+        for event in decision.events:
+            s.trace.emit(
+                req.run_id,
+                {"type": "gate", "stage": "complete_gate", **event.model_dump(mode="json")},
+            )
+        s.trace.emit(
+            req.run_id,
+            {
+                "type": "completion",
+                "stage": "complete_gate",
+                "iteration": req.iteration,
+                "verdict": decision.verdict,
+                "reasons": list(decision.reasons),
+            },
+        )
+    if out["verdict"] != "complete":
+        s.runs.count_rejection_once(req.run_id, req.request_id)
+    return dict(out)
 
 
 def submission_chain(msg: dict[str, Any]) -> Any:

@@ -43,7 +43,7 @@ BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> expiry (µs); expi
 TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
 SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, at}
 RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> CritiqueResult JSON (the final answers)
-COMPLETIONS = "completions"  # hash: "rejected" -> completion-gate rejections so far
+COMPLETIONS = "completions"  # hash: "rejected" -> gate rejections; "req:<id>" -> counted
 STEPS = "steps"  # hash: "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> step output
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (

@@ -17,6 +17,15 @@ from pipeline.models import CritiqueResult
 from pipeline.store import keys
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
+# KEYS[1] completions hash; ARGV[1] the request's field; ARGV[2] TTL (ms).
+_COUNT_ONCE = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 1 then
+  redis.call('HINCRBY', KEYS[1], 'rejected', 1)
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
+"""
+
 
 def member(iteration: int, worker_id: str) -> str:
     """The hash field of one submission."""
@@ -107,6 +116,14 @@ class RedisRunStore:
             pipe.pexpire(key, self._ttl_ms)
             after, _ = pipe.execute()
         return int(after) - 1
+
+    def count_rejection_once(self, run_id: str, request_id: str) -> int:
+        """Count one completion-gate rejection for ``request_id`` unless it was counted already
+        (a redelivered gate task counts nothing); returns the count after it."""
+        key = self._key(run_id, keys.COMPLETIONS)
+        with store_errors(self._r):
+            got = self._r.eval(_COUNT_ONCE, 1, key, f"req:{request_id}", str(self._ttl_ms))
+        return int(got)
 
     def rejections(self, run_id: str) -> int:
         """Completion-gate rejections so far."""

@@ -17,6 +17,7 @@ import redis
 from pipeline.config import load_config
 from pipeline.models import CritiqueResult, Submission
 from pipeline.runner import make_context, run_submission, start
+from pipeline.store import keys
 from pipeline.store.memory import MemoryPatternStore
 from tests.integration.workers import WorkerProcess, worker_db_url, worker_env
 
@@ -319,3 +320,59 @@ def test_trace_holds_every_stage_and_pitfalls_reach_later_repairs(
     assert "## Known Pitfalls" in late_part
     # three earlier workers and the late worker's own first critique
     assert "[seen 4x] missing_data: Always include the 'findings' field" in late_part
+
+
+def test_complete_gate_counts_each_rejection_once_and_ends_partial(worker: WorkerProcess) -> None:
+    """complete_gate on a worker: a placeholder result is rejected, a redelivered request is not
+    counted again, the third rejection answers partial, and every gate is in the trace."""
+    from workers import runtime
+    from workers.app import app
+    from workers.client import CritiqueClient
+
+    run_id = f"gate-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(CONFIG)
+    subs = [make_sub(run_id, "w1", 1, "garbage"), make_sub(run_id, "w2", 1, "clean")]
+    client.wait_many(client.submit_many(subs), timeout=60)
+
+    first = client.complete_gate(run_id, {"answer": "TODO: fill in the totals"}, timeout=30)
+    assert first.verdict == "rejected" and first.rejected_count == 1
+    assert any("placeholder" in r for r in first.reasons)
+
+    # The same request delivered twice: replayed, not counted again.
+    msg = {
+        "v": 1,
+        "request_id": "same-request",
+        "run_id": run_id,
+        "iteration": 1,
+        "final_result": "TBD",
+        "config": CONFIG,
+    }
+    a = app.send_task(keys.TASK_COMPLETE_GATE, args=(msg,)).get(timeout=30)
+    b = app.send_task(keys.TASK_COMPLETE_GATE, args=(msg,)).get(timeout=30)
+    assert a == b and a["rejected_count"] == 2
+    assert runtime.stores().runs.rejections(run_id) == 2
+
+    third = client.complete_gate(run_id, "Final totals: TBD", timeout=30)
+    assert third.verdict == "partial" and third.rejected_count == 3
+
+    gates = [e for e in client.trace(run_id) if e.get("stage") == "complete_gate"]
+    assert {e["gate"] for e in gates if e["type"] == "gate"} >= {"l0", "critique_score"}
+    assert [e["verdict"] for e in gates if e["type"] == "completion"] == [
+        "rejected",
+        "rejected",
+        "partial",
+    ]
+
+
+def test_delegate_guard_refuses_a_redispatch_while_scores_are_low(worker: WorkerProcess) -> None:
+    """The redundancy guard rejects re-delegating a dispatched subtask while the mean score is
+    under min_score_to_complete, and passes a new subtask."""
+    from workers.client import CritiqueClient
+
+    run_id = f"guard-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient({**CONFIG, "max_repair_attempts": 0})  # the low score stays
+    client.wait(client.submit(make_sub(run_id, "w1", 1, "garbage")), timeout=60)
+    again = client.delegate_guard(run_id, "sig-w1")
+    assert again.verdict == "reject" and "already dispatched" in again.reason
+    assert client.delegate_guard(run_id, "sig-new").verdict == "pass"
+    assert any(e.get("stage") == "delegate" for e in client.trace(run_id))
