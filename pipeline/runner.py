@@ -209,8 +209,11 @@ def _emit(ctx: StageContext, state: LoopState, kind: str, stage: str, **fields: 
     ctx.trace.emit(sub.run_id, event)
 
 
-def _pitfalls(ctx: StageContext, submission: Submission) -> str:
-    if not ctx.config.pattern_memory:
+def _pitfalls(ctx: StageContext, submission: Submission, reader: object) -> str:
+    """The Known Pitfalls text for ``reader`` (a critic or reviser); empty when pattern memory
+    is off or the reader declares ``reads_pitfalls = False`` (deterministic ones ignore it,
+    so the store is not read for them)."""
+    if not ctx.config.pattern_memory or not getattr(reader, "reads_pitfalls", True):
         return ""
     return render_pitfalls(ctx.patterns.top(submission.run_id, PITFALLS_LIMIT))
 
@@ -280,14 +283,15 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """Critique the current output (token-free when L0 failed); record its patterns."""
     sub = state.submission
     round_no = state.round + 1
-    pitfalls = _pitfalls(ctx, sub)
     began = ctx.clock()
     if _l0_error(state.l0_defects):
         token_free = bool(getattr(ctx.critic, "token_free", False))
         fallback: Critic = ctx.critic if token_free else HeuristicCritic()
+        pitfalls = _pitfalls(ctx, sub, fallback)
         base = fallback.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
         envelope = merge_l0(base, state.l0_defects)
     else:
+        pitfalls = _pitfalls(ctx, sub, ctx.critic)
         envelope = ctx.critic.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
         if state.l0_defects:
             defects = (*state.l0_defects, *envelope.defects)
@@ -419,7 +423,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
             prefix = ctx.lease_prefix or f"{sub.worker_id}:{sub.iteration}"
             lease = f"{prefix}:{state.attempt + 1}"
             bound = repair_token_bound(
-                sub, state.output, envelope, _pitfalls(ctx, sub), state.attempts
+                sub, state.output, envelope, _pitfalls(ctx, sub, ctx.reviser), state.attempts
             )
             if ctx.budget.reserve(sub.run_id, lease, bound, cap, ctx.lease_ttl_s):
                 lease_id = lease
@@ -502,7 +506,7 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
             sub,
             state.output,
             envelope,
-            pitfalls=_pitfalls(ctx, sub),
+            pitfalls=_pitfalls(ctx, sub, ctx.reviser),
             attempts=state.attempts,
         )
     except BaseException:

@@ -14,6 +14,7 @@ with exponential backoff and jitter; permanent ones fail the task at once.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -23,6 +24,8 @@ from pipeline.errors import TransientError
 from pipeline.gates import evaluate_completion
 from pipeline.runner import STAGES, LoopState, finish
 from pipeline.store import keys
+from pipeline.store.memory import BufferedTraceSink
+from pipeline.store.redis import encode_event
 from workers import runtime
 from workers.app import app
 
@@ -40,59 +43,69 @@ def _step_id(sid: str, state: LoopState, stage: str) -> str:
     return f"{sub.iteration}:{sub.worker_id}:{sid}:{state.round}:{state.attempt}:{stage}"
 
 
-def _stage(task: Task, msg: dict[str, Any], stage: str) -> dict[str, Any]:
-    """Run one stage exactly once in effect: a redelivered step replays its recorded output.
+def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any], str]:
+    """Run one stage exactly once in effect; returns the next message and its next stage.
 
     At-least-once delivery can hand a step to a second worker after the first one ran it
     (e.g. killed between finishing and acknowledging). The first completed output of each
-    step is recorded in the run's ``steps`` hash; a repeat returns that output unchanged, so
-    every duplicate downstream of it replays too and the result is the same.
+    step is recorded in the run's ``steps`` hash, atomically with the step's trace events; a
+    repeat returns that output unchanged (and writes no event), so every duplicate downstream
+    of it replays too and the result is the same.
     """
     state, overrides = runtime.decode(msg)
     if state.next != stage:
-        return msg
+        return msg, state.next
+    run_id = state.submission.run_id
     runs = runtime.stores().runs
     step = _step_id(str(msg.get("sid", "")), state, stage)
-    recorded = runs.step_output(state.submission.run_id, step)
+    recorded = runs.step_output(run_id, step)
     if recorded is not None:
-        return dict(json.loads(recorded))
-    ctx = runtime.context_for(overrides)
+        return _replayed(recorded)
+    buffer = BufferedTraceSink()
+    ctx = dataclasses.replace(runtime.context_for(overrides), trace=buffer)
     new = STAGES[stage](state, ctx)
     if stage == "repair":
         task.send_event(
             "task-progress",
-            run_id=state.submission.run_id,
+            run_id=run_id,
             worker_id=state.submission.worker_id,
             attempt=new.attempt,
         )
     out = runtime.encode(new, overrides, sid=msg.get("sid"))
-    return dict(json.loads(runs.record_step(state.submission.run_id, step, json.dumps(out))))
+    first = runs.record_step(run_id, step, json.dumps(out), buffer.payloads.get(run_id, ()))
+    if first is None:
+        return out, new.next
+    return _replayed(first)
+
+
+def _replayed(recorded: str) -> tuple[dict[str, Any], str]:
+    out = dict(json.loads(recorded))
+    return out, runtime.decode(out)[0].next
 
 
 @app.task(name=keys.TASK_L0, bind=True, **RETRY)
 def l0(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Layer-0 contract checks (token-free)."""
-    return _stage(self, msg, "l0")
+    return _stage(self, msg, "l0")[0]
 
 
 @app.task(name=keys.TASK_CRITIC, bind=True, **RETRY)
 def critic(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """The configured critic (heuristic, rubric, LLM)."""
-    return _stage(self, msg, "critic")
+    return _stage(self, msg, "critic")[0]
 
 
 @app.task(name=keys.TASK_REPAIR, bind=True, **RETRY)
 def repair(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """One targeted repair attempt, charged to the run's budget."""
-    return _stage(self, msg, "repair")
+    return _stage(self, msg, "repair")[0]
 
 
 @app.task(name=keys.TASK_DECIDE, bind=True, **RETRY)
 def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``)."""
-    out = _stage(self, msg, "decide")
-    state, _ = runtime.decode(out)
-    if state.next == "repair":
+    out, next_stage = _stage(self, msg, "decide")
+    if next_stage == "repair":
         # Raises Ignore under a worker (the replacement inherits the rest of the chain).
         replaced: dict[str, Any] = self.replace(
             chain(repair.s(out), l0.s(), critic.s(), decide.s())
@@ -163,23 +176,24 @@ def complete_gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
         previous_rejections=s.runs.rejections(req.run_id),
         read_bytes=runtime.file_bytes,
     )
-    out = json.loads(s.runs.record_step(req.run_id, step, decision.model_dump_json()))
-    if out == json.loads(decision.model_dump_json()):
-        for event in decision.events:
-            s.trace.emit(
-                req.run_id,
-                {"type": "gate", "stage": "complete_gate", **event.model_dump(mode="json")},
-            )
-        s.trace.emit(
-            req.run_id,
+    events = [
+        encode_event({"type": "gate", "stage": "complete_gate", **e.model_dump(mode="json")})
+        for e in decision.events
+    ]
+    events.append(
+        encode_event(
             {
                 "type": "completion",
                 "stage": "complete_gate",
                 "iteration": req.iteration,
                 "verdict": decision.verdict,
                 "reasons": list(decision.reasons),
-            },
+            }
         )
+    )
+    raw = decision.model_dump_json()
+    first = s.runs.record_step(req.run_id, step, raw, events)
+    out = json.loads(raw if first is None else first)
     if out["verdict"] != "complete":
         s.runs.count_rejection_once(req.run_id, req.request_id)
     return dict(out)

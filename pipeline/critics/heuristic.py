@@ -263,6 +263,7 @@ class HeuristicCritic:
 
     name = "heuristic"
     token_free = True
+    reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
 
     def critique(
         self,
@@ -363,6 +364,7 @@ class HeuristicReviser:
     """
 
     name = "deterministic-heuristic"
+    reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
 
     def revise(
         self,

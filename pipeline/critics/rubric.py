@@ -211,6 +211,7 @@ class RubricCritic:
 
     name = "rubric"
     token_free = True
+    reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
 
     def __init__(self, rubric: RubricConfig | None = None) -> None:
         self.rubric = rubric or RubricConfig()
@@ -306,6 +307,7 @@ class DeterministicReviser:
     """Applies rubric suggestions as append-style edits; touches nothing they do not name."""
 
     name = "deterministic-rubric"
+    reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
 
     def revise(
         self,

@@ -165,6 +165,27 @@ class MemoryTraceSink:
         return [json.loads(e) for e in encoded]
 
 
+class BufferedTraceSink:
+    """Holds one stage's trace events until the stage's output is recorded.
+
+    A distributed stage writes its events together with its recorded output, in one atomic
+    step, so a stage that a redelivery runs again (or replays) never writes its events twice.
+    ``payloads`` holds each run's events in the stored encoding (compact JSON).
+    """
+
+    def __init__(self) -> None:
+        self.payloads: dict[str, list[str]] = {}
+
+    def emit(self, run_id: str, event: Mapping[str, Any]) -> None:
+        payload = json.dumps(
+            dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False
+        )
+        self.payloads.setdefault(run_id, []).append(payload)
+
+    def read(self, run_id: str) -> list[dict[str, Any]]:
+        return [json.loads(p) for p in self.payloads.get(run_id, [])]
+
+
 class MemoryBlobStore:
     """Content-addressed blobs in a dict; same references and errors as the Redis store."""
 

@@ -315,7 +315,7 @@ class RedisBudgetLedger:
 TraceEntry = tuple[str, dict[str, Any]]
 """One trace stream entry: its stream id (resume point for ``iterate``) and the event."""
 
-_EVENT_FIELD = "event"
+_EVENT_FIELD = keys.TRACE_EVENT_FIELD
 _PAGE = 1000
 
 
@@ -331,7 +331,7 @@ class RedisTraceSink:
         client: redis.Redis,
         prefix: str | None = None,
         ttl_s: float | None = None,
-        maxlen: int = 100_000,
+        maxlen: int = keys.TRACE_MAXLEN,
     ) -> None:
         if maxlen < 1:
             raise ValueError(f"maxlen must be ≥ 1, got {maxlen}")
@@ -345,13 +345,17 @@ class RedisTraceSink:
 
     def emit(self, run_id: str, event: Mapping[str, Any]) -> None:
         """Append one JSON-safe event; NaN or a non-JSON value raises ValueError or TypeError."""
-        payload = json.dumps(
-            dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
+        self.emit_encoded(run_id, (encode_event(event),))
+
+    def emit_encoded(self, run_id: str, payloads: Sequence[str]) -> None:
+        """Append already encoded events (:func:`encode_event`) in one round trip."""
+        if not payloads:
+            return
         key = self._key(run_id)
         with store_errors(self._client):
             pipe = self._client.pipeline(transaction=True)
-            pipe.xadd(key, {_EVENT_FIELD: payload}, maxlen=self._maxlen, approximate=True)
+            for payload in payloads:
+                pipe.xadd(key, {_EVENT_FIELD: payload}, maxlen=self._maxlen, approximate=True)
             pipe.pexpire(key, self._ttl_ms)
             pipe.execute()
 
@@ -402,6 +406,11 @@ class RedisTraceSink:
             for entry_id, fields in entries:
                 last_id = text(entry_id)
                 yield last_id, _decode_event(fields)
+
+
+def encode_event(event: Mapping[str, Any]) -> str:
+    """A trace event as stored: compact JSON; NaN or a non-JSON value raises."""
+    return json.dumps(dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def _stream_entries(reply: Any) -> list[Any]:

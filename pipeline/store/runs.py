@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -24,6 +25,24 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], 1) == 1 then
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
+"""
+
+
+# KEYS[1] steps hash, KEYS[2] trace stream; ARGV: step, output, TTL (ms), stream maxlen,
+# event field, then the encoded events. Returns nil when this call recorded the step, else the
+# output recorded first.
+_RECORD_STEP = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
+  return redis.call('HGET', KEYS[1], ARGV[1])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if #ARGV > 5 then
+  for i = 6, #ARGV do
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i])
+  end
+  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+end
+return false
 """
 
 
@@ -96,16 +115,31 @@ class RedisRunStore:
             raw = self._r.hget(self._key(run_id, keys.STEPS), step)
         return None if raw is None else text(raw)
 
-    def record_step(self, run_id: str, step: str, output: str) -> str:
-        """Record a step's output unless one is there already; returns the recorded one."""
-        key = self._key(run_id, keys.STEPS)
+    def record_step(
+        self, run_id: str, step: str, output: str, events: Sequence[str] = ()
+    ) -> str | None:
+        """Record a step's output unless one is there already, with the step's trace events.
+
+        One atomic script: when this is the first record of ``step``, the output is stored and
+        ``events`` (encoded trace payloads) are appended to the run's stream, and None is
+        returned; otherwise nothing is written and the output recorded first is returned.
+        """
+        steps = self._key(run_id, keys.STEPS)
+        trace = self._key(run_id, keys.TRACE)
         with store_errors(self._r):
-            pipe = self._r.pipeline(transaction=True)
-            pipe.hsetnx(key, step, output)
-            pipe.hget(key, step)
-            pipe.pexpire(key, self._ttl_ms)
-            _, stored, _ = pipe.execute()
-        return text(stored)
+            got = self._r.eval(
+                _RECORD_STEP,
+                2,
+                steps,
+                trace,
+                step,
+                output,
+                str(self._ttl_ms),
+                str(keys.TRACE_MAXLEN),
+                keys.TRACE_EVENT_FIELD,
+                *events,
+            )
+        return None if got is None else text(got)
 
     def count_rejection(self, run_id: str) -> int:
         """Add one completion-gate rejection; returns the count before this one."""

@@ -86,8 +86,8 @@ def make_sub(run_id: str, worker_id: str, iteration: int, kind: str) -> Submissi
         output = {"summary": "Sales rose 4% in Q3, led by the north. " * 4, "confidence": 0.8}
     elif kind == "broken":
         output = {"summary": "Sales rose.", "findings": "x", "error": "tool timed out"}
-    else:
-        output = {}
+    else:  # nothing usable: in the escalate band
+        output = {"error": "worker crashed"}
     return Submission(
         run_id=run_id,
         iteration=iteration,
@@ -187,10 +187,9 @@ def test_redelivered_task_bodies_change_no_count_or_charge(worker: WorkerProcess
         m = first
     assert s.patterns.top(run_id, 100)[0].frequency == 1
     # decide's own body (its Task.replace needs a worker): the stage twice, the same answer.
-    m = tasks._stage(tasks.decide, m, "decide")
-    assert tasks._stage(tasks.decide, m, "decide") == m
-    state, _ = runtime.decode(m)
-    assert state.next == "repair"
+    m, next_stage = tasks._stage(tasks.decide, m, "decide")
+    assert tasks._stage(tasks.decide, m, "decide") == (m, "repair")
+    assert next_stage == runtime.decode(m)[0].next == "repair"
     repaired = tasks.repair.apply(args=[m], task_id="fixed-repair").get()
     critic_msg = tasks.critic.apply(args=[tasks.l0.apply(args=[repaired]).get()]).get()
     spent_once = s.budget.spent(run_id)

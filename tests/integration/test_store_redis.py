@@ -304,3 +304,28 @@ def test_unreachable_redis_is_a_transient_store_error(
         call(client)
     assert url in str(err.value)
     assert err.value.hint is not None and "REDIS_URL" in err.value.hint
+
+
+def test_record_step_writes_output_and_events_once(redis_client: redis.Redis) -> None:
+    """The first record of a step stores its output and appends its trace events (returns None);
+    a repeat writes nothing and returns the first output, so a redelivered stage never
+    duplicates its events."""
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    trace = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    events = [json.dumps({"type": "stage", "n": 1}), json.dumps({"type": "gate", "n": 2})]
+    assert runs.record_step("rs1", "1:w1:s:1:0:l0", '{"a": 1}', events) is None
+    assert runs.record_step("rs1", "1:w1:s:1:0:l0", '{"a": 2}', events) == '{"a": 1}'
+    assert runs.step_output("rs1", "1:w1:s:1:0:l0") == '{"a": 1}'
+    assert [e["n"] for e in trace.read("rs1")] == [1, 2]
+    assert runs.record_step("rs1", "1:w1:s:1:0:critic", "{}") is None
+    assert len(trace.read("rs1")) == 2
+    assert redis_client.pttl(keys.run_key("rs1", keys.TRACE, PREFIX)) > 0
+
+
+def test_count_rejection_once_per_request(redis_client: redis.Redis) -> None:
+    """A completion-gate rejection is counted once per request id, however often it is sent."""
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    assert runs.count_rejection_once("cr1", "req-a") == 1
+    assert runs.count_rejection_once("cr1", "req-a") == 1
+    assert runs.count_rejection_once("cr1", "req-b") == 2
+    assert runs.rejections("cr1") == 2

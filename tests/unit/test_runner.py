@@ -192,6 +192,8 @@ def test_patterns_are_recorded_per_critique_and_feed_pitfalls() -> None:
     seen_pitfalls: list[str] = []
 
     class Peeking(HeuristicCritic):
+        reads_pitfalls = True
+
         def critique(self, submission: Submission, output: Any, **kw: Any) -> CritiqueEnvelope:
             seen_pitfalls.append(kw["pitfalls"])
             return super().critique(submission, output, **kw)
@@ -207,6 +209,22 @@ def test_patterns_are_recorded_per_critique_and_feed_pitfalls() -> None:
     # a second worker in the same run starts with the pitfalls of the first
     run_submission(_sub({"confidence": 0.9}).model_copy(update={"worker_id": "w2"}), ctx)
     assert ctx.patterns.top("run-1")[0].frequency == 2
+
+
+def test_deterministic_critics_are_not_handed_pitfalls() -> None:
+    """A critic or reviser with reads_pitfalls = False gets "" (the store is not even read)."""
+    seen: list[str] = []
+
+    class Peeking(HeuristicCritic):
+        def critique(self, submission: Submission, output: Any, **kw: Any) -> CritiqueEnvelope:
+            seen.append(kw["pitfalls"])
+            return super().critique(submission, output, **kw)
+
+    ctx = make_context(CritiqueConfig(enabled=True), critic=Peeking(), l0=_no_l0, fixpoint=_never)
+    run_submission(_sub({"confidence": 0.9}), ctx)
+    run_submission(_sub({"confidence": 0.9}).model_copy(update={"worker_id": "w2"}), ctx)
+    assert ctx.patterns.top("run-1")[0].frequency == 2
+    assert seen and set(seen) == {""}
 
 
 def test_pattern_memory_off_records_nothing() -> None:
