@@ -22,7 +22,7 @@ from celery import Task, chain
 
 from pipeline.errors import TransientError
 from pipeline.gates import evaluate_completion
-from pipeline.runner import STAGES, LoopState, finish
+from pipeline.runner import STAGES, LoopState, StageContext, finish
 from pipeline.store import keys
 from pipeline.store.memory import BufferedTraceSink
 from pipeline.store.redis import encode_event
@@ -58,11 +58,13 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
     run_id = state.submission.run_id
     runs = runtime.stores().runs
     step = _step_id(str(msg.get("sid", "")), state, stage)
-    recorded = runs.step_output(run_id, step)
-    if recorded is not None:
-        return _replayed(recorded)
+    shared = runtime.context_for(overrides)
+    if _spends_tokens(stage, shared) or _repeated(task):
+        recorded = runs.step_output(run_id, step)
+        if recorded is not None:
+            return _replayed(recorded)
     buffer = BufferedTraceSink()
-    ctx = dataclasses.replace(runtime.context_for(overrides), trace=buffer)
+    ctx = dataclasses.replace(shared, trace=buffer)
     new = STAGES[stage](state, ctx)
     if stage == "repair":
         task.send_event(
@@ -76,6 +78,23 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
     if first is None:
         return out, new.next
     return _replayed(first)
+
+
+def _spends_tokens(stage: str, ctx: StageContext) -> bool:
+    """Stages whose re-run would spend tokens again: the repair, and a critic that calls an LLM.
+
+    Only these read the step record before running. Re-running any other stage is harmless
+    (pattern records and budget leases are idempotent, the step record keeps the first output
+    and its events), so they skip that round trip unless the message is a known repeat.
+    """
+    return stage == "repair" or (stage == "critic" and not getattr(ctx.critic, "token_free", False))
+
+
+def _repeated(task: Task) -> bool:
+    """True when Celery says this message was delivered or tried before."""
+    request = task.request
+    info = request.delivery_info or {}
+    return bool(info.get("redelivered")) or bool(request.retries)
 
 
 def _replayed(recorded: str) -> tuple[dict[str, Any], str]:

@@ -60,6 +60,8 @@ class RedisRunStore:
         self._r = client
         self._prefix = resolve_prefix(prefix)
         self._ttl_ms = resolve_ttl_ms(ttl_s)
+        self._record_step = client.register_script(_RECORD_STEP)
+        self._count_once = client.register_script(_COUNT_ONCE)
 
     def _key(self, run_id: str, suffix: str) -> str:
         return keys.run_key(run_id, suffix, self._prefix)
@@ -127,17 +129,16 @@ class RedisRunStore:
         steps = self._key(run_id, keys.STEPS)
         trace = self._key(run_id, keys.TRACE)
         with store_errors(self._r):
-            got = self._r.eval(
-                _RECORD_STEP,
-                2,
-                steps,
-                trace,
-                step,
-                output,
-                str(self._ttl_ms),
-                str(keys.TRACE_MAXLEN),
-                keys.TRACE_EVENT_FIELD,
-                *events,
+            got = self._record_step(
+                keys=[steps, trace],
+                args=[
+                    step,
+                    output,
+                    self._ttl_ms,
+                    keys.TRACE_MAXLEN,
+                    keys.TRACE_EVENT_FIELD,
+                    *events,
+                ],
             )
         return None if got is None else text(got)
 
@@ -156,7 +157,7 @@ class RedisRunStore:
         (a redelivered gate task counts nothing); returns the count after it."""
         key = self._key(run_id, keys.COMPLETIONS)
         with store_errors(self._r):
-            got = self._r.eval(_COUNT_ONCE, 1, key, f"req:{request_id}", str(self._ttl_ms))
+            got = self._count_once(keys=[key], args=[f"req:{request_id}", self._ttl_ms])
         return int(got)
 
     def rejections(self, run_id: str) -> int:
