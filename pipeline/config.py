@@ -52,6 +52,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
         "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
+        "CRITIQUE_LLM_API_KEY",  # API key for every LLM call (a secret: never in a workflow file)
     }
 )
 

@@ -11,14 +11,39 @@ Error contract of every completer:
   it raises :class:`~pipeline.errors.LLMTransientError` (callers fall back to the heuristic);
 - a permanent failure (authentication, bad request, unknown model) raises
   :class:`~pipeline.errors.LLMPermanentError` at once, with a message that says what to fix.
+
+An empty reply (content ``""`` or ``null``, or no choices at all) is *not* an error: the reply's
+text is ``""`` and the caller decides what that means.
+
+:class:`LiteLLMCompleter` is the production completer. How it classifies litellm's exceptions
+(litellm maps every provider's errors onto the OpenAI SDK's classes):
+
+    transient (retried)   Timeout, RateLimitError (429), InternalServerError (500, also a
+                          response body that is not JSON), BadGatewayError (502),
+                          ServiceUnavailableError (503), APIConnectionError; any other
+                          APIError with status ≥ 500, 408 or 429
+    permanent (at once)   AuthenticationError (401), PermissionDeniedError (403),
+                          NotFoundError (404), BadRequestError (400, incl.
+                          ContextWindowExceededError), UnprocessableEntityError (422); any other
+                          APIError with a 4xx status or none
+    anything else         propagates unchanged (a bug, not a provider failure)
 """
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+import email.utils
+import importlib
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol
 
 from pydantic import Field
 
+from pipeline.config import LLMConfig
+from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.models import Frozen, Usage
 
 Purpose = Literal["critic", "repair", "adjudicate"]
@@ -60,3 +85,260 @@ class Completer(Protocol):
     """Makes one chat completion (retrying transient errors itself)."""
 
     def __call__(self, request: LLMRequest) -> LLMReply: ...
+
+
+API_KEY_ENV = "CRITIQUE_LLM_API_KEY"
+"""Environment variable with an API key for every call (else litellm reads the provider's own,
+e.g. ``OPENAI_API_KEY`` or ``ANTHROPIC_API_KEY``)."""
+
+TRANSIENT_HINT = (
+    "the provider timed out, rate-limited or failed; try later, or raise llm.max_retries / "
+    "llm.timeout_s"
+)
+PERMANENT_HINT = (
+    "check the API key (CRITIQUE_LLM_API_KEY or the provider's variable, e.g. OPENAI_API_KEY), "
+    "the model name and llm.api_base"
+)
+
+Kind = Literal["transient", "permanent"]
+
+_TRANSIENT_NAMES = (
+    "Timeout",
+    "RateLimitError",
+    "InternalServerError",
+    "ServiceUnavailableError",
+    "BadGatewayError",
+    "APIConnectionError",
+)
+_PERMANENT_NAMES = (
+    "AuthenticationError",
+    "PermissionDeniedError",
+    "NotFoundError",
+    "BadRequestError",
+    "ContextWindowExceededError",
+    "UnprocessableEntityError",
+)
+
+
+def _classes(module_name: str, names: tuple[str, ...]) -> tuple[type[BaseException], ...]:
+    """Exception classes of an already-imported module (never imports it: a test's fake
+    completion must not pay for litellm)."""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return ()
+    found = (getattr(module, name, None) for name in names)
+    return tuple(c for c in found if isinstance(c, type) and issubclass(c, BaseException))
+
+
+def _status_kind(status: object) -> Kind:
+    if isinstance(status, int) and (status >= 500 or status in (408, 429)):
+        return "transient"
+    return "permanent"
+
+
+def classify(exc: BaseException) -> Kind | None:
+    """Whether retrying ``exc`` may help; None when it is not an LLM/provider failure at all."""
+    if isinstance(exc, LLMTransientError):
+        return "transient"
+    if isinstance(exc, LLMPermanentError):
+        return "permanent"
+    for module in ("litellm", "openai"):
+        if isinstance(exc, _classes(module, _TRANSIENT_NAMES)):
+            return "transient"
+        if isinstance(exc, _classes(module, _PERMANENT_NAMES)):
+            return "permanent"
+    if isinstance(exc, _classes("openai", ("APIError",)) + _classes("litellm", ("APIError",))):
+        return _status_kind(getattr(exc, "status_code", None))
+    if isinstance(exc, TimeoutError | ConnectionError):
+        return "transient"
+    return None
+
+
+def retry_after_s(exc: BaseException, *, now: float | None = None) -> float | None:
+    """The wait a 429/503 asked for (``retry-after-ms`` or ``Retry-After`` seconds or HTTP
+    date), from the exception's headers or its HTTP response; None when it asked for none."""
+    sources: list[Any] = [getattr(exc, "headers", None)]
+    response = getattr(exc, "response", None)
+    sources.append(getattr(response, "headers", None))
+    for headers in sources:
+        if not headers or not hasattr(headers, "get"):
+            continue
+        ms = headers.get("retry-after-ms")
+        if ms is not None:
+            try:
+                return max(0.0, float(ms) / 1000.0)
+            except ValueError:
+                pass
+        raw = headers.get("retry-after")
+        if raw is None:
+            continue
+        try:
+            return max(0.0, float(raw))
+        except ValueError:
+            try:
+                when = email.utils.parsedate_to_datetime(str(raw)).timestamp()
+            except (TypeError, ValueError):
+                continue
+            return max(0.0, when - (time.time() if now is None else now))
+    return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    if len(text) > 300:
+        text = text[:297] + "..."
+    return f"{type(exc).__name__}: {text}"
+
+
+def _load_litellm() -> Any:
+    """Import litellm quietly: offline cost map, no telemetry, no debug banners."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm: Any = importlib.import_module("litellm")
+    litellm.telemetry = False
+    litellm.suppress_debug_info = True
+    litellm.set_verbose = False
+    return litellm
+
+
+def _field(obj: Any, name: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _reply_text(response: Any) -> str:
+    choices = _field(response, "choices") or []
+    if not choices:
+        return ""
+    message = _field(choices[0], "message")
+    content = _field(message, "content") if message is not None else None
+    return content if isinstance(content, str) else ""
+
+
+def _count(value: Any) -> int:
+    return value if isinstance(value, int) and value > 0 else 0
+
+
+class LiteLLMCompleter:
+    """The production :class:`Completer`: ``litellm.completion`` with our own retry loop.
+
+    litellm's and the OpenAI SDK's retries are switched off (``num_retries=0``,
+    ``max_retries=0``) so that ``config.max_retries`` is the only bound. Transient failures
+    wait ``min(backoff_max_s, backoff_s * 2**k) * rng()`` before retry ``k`` (full jitter), or
+    what a 429's ``Retry-After`` asked for, capped at ``backoff_max_s``.
+
+    ``completion``, ``sleep`` and ``rng`` are injectable (tests); ``api_key`` defaults to
+    ``$CRITIQUE_LLM_API_KEY`` and, when unset, litellm reads the provider's own variable.
+    """
+
+    def __init__(
+        self,
+        config: LLMConfig,
+        *,
+        completion: Callable[..., Any] | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        rng: Callable[[], float] = random.random,
+        api_key: str | None = None,
+    ) -> None:
+        self.config = config
+        self._completion = completion
+        self._cost: Callable[[Any], float] | None = None
+        self._sleep = sleep
+        self._rng = rng
+        self.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+    def _backend(self) -> Callable[..., Any]:
+        if self._completion is None:
+            litellm = _load_litellm()
+            self._completion = litellm.completion
+            self._cost = _cost_with(litellm)
+        return self._completion
+
+    def _cost_of(self, response: Any) -> float:
+        if self._cost is None:
+            litellm = sys.modules.get("litellm")
+            if litellm is None:
+                return 0.0
+            self._cost = _cost_with(litellm)
+        return self._cost(response)
+
+    def kwargs_for(self, request: LLMRequest) -> dict[str, Any]:
+        """The keyword arguments ``litellm.completion`` gets for ``request``."""
+        cfg = self.config
+        kwargs: dict[str, Any] = {
+            "model": request.model,
+            "messages": [{"role": m.role, "content": m.content} for m in request.messages],
+            "timeout": cfg.timeout_s,
+            "temperature": cfg.temperature,
+            "max_tokens": request.max_tokens or cfg.max_tokens,
+            "num_retries": 0,
+            "max_retries": 0,
+        }
+        if cfg.api_base:
+            kwargs["api_base"] = cfg.api_base
+        if self.api_key:
+            kwargs["api_key"] = self.api_key
+        if request.json_mode:
+            kwargs["response_format"] = {"type": "json_object"}
+        return kwargs
+
+    def delay(self, retry: int, exc: BaseException | None = None) -> float:
+        """Seconds to wait before retry number ``retry`` (0-based) after ``exc``."""
+        cap = self.config.backoff_max_s
+        asked = retry_after_s(exc) if exc is not None else None
+        if asked is not None:
+            return min(cap, asked)
+        return min(cap, self.config.backoff_s * (2.0**retry)) * self._rng()
+
+    def __call__(self, request: LLMRequest) -> LLMReply:
+        completion = self._backend()
+        kwargs = self.kwargs_for(request)
+        attempts = self.config.max_retries + 1
+        for attempt in range(1, attempts + 1):
+            try:
+                response = completion(**kwargs)
+            except Exception as exc:
+                kind = classify(exc)
+                if kind is None:
+                    raise
+                if kind == "permanent":
+                    raise LLMPermanentError(
+                        f"LLM call to {request.model!r} ({request.purpose}) was refused: "
+                        f"{_describe(exc)}",
+                        hint=PERMANENT_HINT,
+                    ) from exc
+                if attempt == attempts:
+                    raise LLMTransientError(
+                        f"LLM call to {request.model!r} ({request.purpose}) failed after "
+                        f"{attempts} attempt{'s' if attempts != 1 else ''}; last error: "
+                        f"{_describe(exc)}",
+                        hint=TRANSIENT_HINT,
+                    ) from exc
+                self._sleep(self.delay(attempt - 1, exc))
+                continue
+            usage = _field(response, "usage")
+            return LLMReply(
+                text=_reply_text(response),
+                usage=Usage(
+                    tokens_in=_count(_field(usage, "prompt_tokens")),
+                    tokens_out=_count(_field(usage, "completion_tokens")),
+                    cost=self._cost_of(response),
+                    calls=attempt,
+                ),
+                model=str(_field(response, "model") or request.model),
+                retries=attempt - 1,
+            )
+        raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover
+
+
+def _cost_with(litellm: Any) -> Callable[[Any], float]:
+    """``litellm.completion_cost`` from the offline cost map; unknown models cost 0.0."""
+
+    def cost(response: Any) -> float:
+        try:
+            value = litellm.completion_cost(completion_response=response)
+        except Exception:  # unknown model, missing usage: the cost is unknown, not an error
+            return 0.0
+        return float(value) if isinstance(value, int | float) and value > 0 else 0.0
+
+    return cost

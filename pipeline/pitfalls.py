@@ -6,6 +6,7 @@ is fixed byte for byte (the seed's ``- [seen Nx] category: prevention_rule`` lin
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from pipeline.models import CritiqueEnvelope, Pattern, ReusablePattern
@@ -34,8 +35,26 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+L0_RULES: dict[str, str] = {
+    "no_placeholder": "Replace every placeholder (TODO, TBD, Lorem ipsum, …) with real content",
+    "no_text_loop": "Say each thing once: never repeat a paragraph, not even reworded",
+    "file_size_delta": "Keep a repair close to the previous output's size: fix only what was asked",
+    "no_duplicate_headings": "Give every heading a distinct title",
+    "balanced_delimiters": "Close every bracket, brace and parenthesis you open",
+    "json_valid_if_claimed": "When the output is JSON, return one valid JSON document",
+}
+"""Fixed prevention rules for Layer-0 defects, so the same check failing in different outputs
+(different offsets, different text) is one pattern with a growing count, not many."""
+
+_L0_CHECK = re.compile(r"^L0 ([a-z0-9_]+):")
+
+
 def prevention_rule_for(description: str) -> str:
-    """A prevention rule derived from a defect description (when the critic gave none)."""
+    """A prevention rule derived from a defect description (when the critic gave none); a
+    built-in Layer-0 check's defect gets that check's fixed rule."""
+    m = _L0_CHECK.match(description)
+    if m and m.group(1) in L0_RULES:
+        return L0_RULES[m.group(1)]
     desc = _one_line(description).rstrip(".")
     return f"Check your output for this before returning it: {desc}"
 

@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from tests.fakes.openai_server import FakeOpenAIServer
 from workers.embedded import EmbeddedRedis, ping
 
 TEST_DB = 15
@@ -38,3 +39,10 @@ def redis_host_port(url: str) -> tuple[str, int]:
     """Host and port of a redis:// URL."""
     u = urlparse(url)
     return u.hostname or "127.0.0.1", u.port or 6379
+
+
+@pytest.fixture
+def fake_llm() -> Iterator[FakeOpenAIServer]:
+    """A fresh fake OpenAI-compatible server on loopback for one test (``fake_llm.api_base``)."""
+    with FakeOpenAIServer() as server:
+        yield server

@@ -8,6 +8,7 @@ violation, a rejected gate, a failed submission), 2 bad usage or unreadable inpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
@@ -15,8 +16,14 @@ from collections.abc import Sequence
 
 # name -> module under workers.commands; order is the order `--help` lists them in.
 COMMANDS: dict[str, str] = {
+    "demo": "demo",
+    "worker": "worker",
+    "submit": "submit",
     "l0": "l0",
     "loop": "loop",
+    "status": "status",
+    "watch": "watch",
+    "report": "report",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
@@ -54,6 +61,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`critique status RUN --json | head`): stop quietly, as a
+        # SIGPIPE-killed tool would, instead of a traceback.
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

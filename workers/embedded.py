@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +52,16 @@ def ping(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: on Linux, get SIGTERM when the parent dies (even by SIGKILL),
+    so a killed ``critique demo`` never leaves its private redis-server behind. (The signal
+    follows the thread that started the server: start it from a thread that outlives it.)"""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class EmbeddedRedis:
     """A private redis-server on 127.0.0.1:<free port>."""
 
@@ -81,6 +94,7 @@ class EmbeddedRedis:
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent,
         )
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout

@@ -110,3 +110,25 @@ def test_lessons_markdown_lists_patterns_with_frequencies() -> None:
     assert "- **Rule:** Always include 'summary'" in text
     assert "iterations 1–3" in text
     assert "No recurring" in render_lessons([])
+
+
+def test_layer0_defects_share_one_fixed_rule_per_check() -> None:
+    """Two outputs failing the same L0 check at different offsets give ONE pattern (its fixed
+    rule), so its frequency grows instead of the pitfalls filling with near-duplicates."""
+    from pipeline.models import CritiqueEnvelope, Defect
+    from pipeline.pitfalls import L0_RULES, patterns_from_envelope
+
+    def env(offset: int) -> CritiqueEnvelope:
+        d = Defect(
+            category="policy_violation",
+            severity="critical",
+            location=f"output@{offset}",
+            description=f"L0 no_text_loop: paragraph at offset {offset} repeats paragraph 1",
+            source="l0",
+        )
+        return CritiqueEnvelope(worker_id="w", score=0.5, defects=(d,))
+
+    [a] = patterns_from_envelope(env(10))
+    [b] = patterns_from_envelope(env(900))
+    assert a.prevention_rule == b.prevention_rule == L0_RULES["no_text_loop"]
+    assert a.description != b.description

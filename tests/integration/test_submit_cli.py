@@ -1,0 +1,214 @@
+"""``critique submit`` and ``critique worker`` as processes, on a real Redis and real workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.integration.workers import ROOT, WorkerProcess, worker_db_url, worker_env
+
+pytestmark = pytest.mark.integration
+
+TASK = "Summarise the quarterly sales report as JSON with summary, findings and confidence."
+REQUIRED = ["summary", "findings"]
+
+
+@pytest.fixture(scope="module")
+def db_url(redis_url: str) -> str:
+    """The worker database (flushed once, before the module's worker starts)."""
+    url = worker_db_url(redis_url)
+    redis.Redis.from_url(url).flushdb()
+    return url
+
+
+@pytest.fixture(scope="module")
+def worker(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """One real worker process (threads pool) for the module."""
+    log = tmp_path_factory.mktemp("logs") / "worker.log"
+    w = WorkerProcess(db_url, concurrency=4, name="submitcli", log=log).start()
+    yield w
+    w.stop()
+
+
+def critique(
+    url: str, *args: str, stdin: str | None = None, timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run ``critique ARGS`` as a process against ``url``."""
+    return subprocess.run(
+        [sys.executable, "-m", "workers.cli", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        env=worker_env(url),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+
+
+def sub(run_id: str, worker_id: str, output: Any, **extra: Any) -> dict[str, Any]:
+    return {
+        "run_id": run_id,
+        "worker_id": worker_id,
+        "task": TASK,
+        "output": output,
+        "required_fields": REQUIRED,
+        **extra,
+    }
+
+
+GOOD = {"summary": "Sales rose 4%.", "findings": "The north grew.", "confidence": 0.9}
+MISSING = {"summary": "Sales rose 4%.", "confidence": 0.8}
+HOPELESS = {"error": "the sales API refused the credentials"}
+
+
+def _run_id() -> str:
+    return f"cli-{uuid.uuid4().hex[:8]}"
+
+
+def test_submit_file_and_wait(worker: WorkerProcess, db_url: str, tmp_path: Path) -> None:
+    """A JSON list is enqueued, --wait returns every result; all accepted/repaired → exit 0."""
+    run_id = _run_id()
+    path = tmp_path / "subs.json"
+    path.write_text(
+        json.dumps([sub(run_id, "clean", GOOD), sub(run_id, "missing", MISSING)]), "utf-8"
+    )
+    proc = critique(db_url, "submit", str(path), "--wait", "--timeout", "30", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert [h["worker_id"] for h in doc["submitted"]] == ["clean", "missing"]
+    assert all(h["task_id"] and h["run_id"] == run_id for h in doc["submitted"])
+    by_worker = {r["worker_id"]: r for r in doc["results"]}
+    assert by_worker["clean"]["status"] == "accepted"
+    assert by_worker["missing"]["status"] == "repaired"
+    assert "findings" in by_worker["missing"]["output"]
+
+
+def test_stdin_json_lines_escalation_exits_1(worker: WorkerProcess, db_url: str) -> None:
+    """JSON Lines on stdin; an escalated result makes --wait exit 1 and prints every result."""
+    run_id = _run_id()
+    lines = "\n".join(
+        json.dumps(s) for s in (sub(run_id, "ok", GOOD), sub(run_id, "hopeless", HOPELESS))
+    )
+    proc = critique(db_url, "submit", "-", "--wait", "--timeout", "30", stdin=lines)
+    assert proc.returncode == 1, proc.stderr
+    out = proc.stdout
+    assert out.count("submitted ") == 2
+    assert "hopeless" in out and "escalated (escalate_band" in out
+    assert "accepted (accepted" in out
+
+
+def test_submit_without_wait_returns_handles(worker: WorkerProcess, db_url: str) -> None:
+    """Without --wait the command prints the handles at once and the chain still completes."""
+    from workers.client import CritiqueClient, Handle
+
+    run_id = _run_id()
+    proc = critique(db_url, "submit", "-", "--json", stdin=json.dumps(sub(run_id, "w1", MISSING)))
+    assert proc.returncode == 0, proc.stderr
+    (handle,) = json.loads(proc.stdout)["submitted"]
+    saved = dict(os.environ)
+    os.environ.update(worker_env(db_url))
+    from workers import runtime
+
+    runtime.client.cache_clear()
+    runtime.stores.cache_clear()
+    try:
+        client = CritiqueClient({"enabled": True})
+        result = client.wait(Handle(**handle), timeout=30)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        runtime.client.cache_clear()
+        runtime.stores.cache_clear()
+    assert result.status == "repaired"
+
+
+def test_malformed_input_enqueues_nothing(
+    worker: WorkerProcess, db_url: str, tmp_path: Path
+) -> None:
+    """One bad submission among good ones → exit 2 naming file and field; nothing is enqueued."""
+    run_id = _run_id()
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(sub(run_id, "fine", GOOD)), "utf-8")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(
+        json.dumps(sub(run_id, "fine2", GOOD))
+        + "\n"
+        + json.dumps({"run_id": run_id, "worker_id": "nofield", "output": "x"})
+        + "\n",
+        "utf-8",
+    )
+    proc = critique(db_url, "submit", str(good), str(bad), "--wait", "--timeout", "5")
+    assert proc.returncode == 2
+    assert f"{bad}:2: field 'task': Field required" in proc.stderr
+    assert proc.stdout == ""
+    time.sleep(0.5)
+    from pipeline.store.runs import RedisRunStore
+
+    store = RedisRunStore(redis.Redis.from_url(db_url))
+    assert store.submitted(run_id) == {}
+    assert store.results(run_id) == []
+
+
+def test_redis_down_exits_3(tmp_path: Path) -> None:
+    """With nothing listening at REDIS_URL, submit exits 3 and names the URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"redis://127.0.0.1:{port}/0"
+    proc = critique(url, "submit", "-", stdin=json.dumps(sub("r1", "w1", GOOD)), timeout=30)
+    assert proc.returncode == 3
+    assert f"cannot reach Redis at {url}" in proc.stderr
+
+
+def test_critique_worker_consumes_both_queues(worker: WorkerProcess, db_url: str) -> None:
+    """`critique worker` becomes a real Celery worker on both queues and stops on SIGTERM."""
+    node = f"cliw-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "worker", "-c", "2", "-l", "WARNING", "-n", node,
+         "--", "--without-gossip", "--without-mingle"],
+        env=worker_env(db_url),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    saved = dict(os.environ)
+    os.environ.update(worker_env(db_url))
+    try:
+        from workers.app import app
+
+        app.conf.broker_url = db_url
+        app.conf.result_backend = db_url
+        queues: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not queues:
+            assert proc.poll() is None, "critique worker exited early"
+            active = app.control.inspect(destination=[node], timeout=1.0).active_queues() or {}
+            queues = sorted(q["name"] for q in active.get(node, []))
+        assert queues == ["critique.cpu", "critique.llm"]
+        run_id = _run_id()
+        done = critique(db_url, "submit", "-", "--wait", "--timeout", "30",
+                        stdin=json.dumps(sub(run_id, "w1", MISSING)))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    assert proc.returncode == 0
