@@ -58,9 +58,9 @@ task_routes = {
     "critique.decide": {"queue": "critique.cpu"},
     "critique.gate": {"queue": "critique.cpu"},
     "critique.complete_gate": {"queue": "critique.cpu"},
-    # The critic runs on the CPU queue unless it calls an LLM; the task picks per submission.
+    # The critic runs on the CPU queue unless it calls an LLM: then the chain routes it to
+    # critique.llm (mode: inline) or critique.llm.critic (mode: dedicated), per submission.
     "critique.critic": {"queue": "critique.cpu"},
-    "critique.critic_llm": {"queue": "critique.llm"},
     "critique.repair": {"queue": "critique.llm"},
 }
 

@@ -64,17 +64,29 @@ def patterns_from_envelope(envelope: CritiqueEnvelope) -> list[ReusablePattern]:
 
     Every critical or warning defect (not a grounding false positive) that no reusable pattern
     of the same category and description covers adds a pattern with a derived rule; the result
-    is de-duplicated by (category, normalized prevention rule), first occurrence kept.
+    is de-duplicated by (category, normalized prevention rule), first occurrence kept. Text
+    that tries to instruct a model (an LLM critic quoting a hostile output) is left out.
     """
+    from pipeline.critics.llm import detect_injection
+
+    def instructs(*texts: str) -> bool:
+        # Patterns reach later prompts OUTSIDE the untrusted-data block: text an LLM critic
+        # copied from a hostile output ("ignore your instructions ...") must not travel there.
+        return any(detect_injection(t) for t in texts)
+
     out: dict[str, ReusablePattern] = {}
     covered: set[tuple[str, str]] = set()
     for p in envelope.reusable_patterns:
+        if instructs(p.description, p.prevention_rule):
+            continue
         out.setdefault(pattern_key(p.category, p.prevention_rule), p)
         covered.add((p.category, _one_line(p.description).casefold()))
     for d in envelope.defects:
         if d.severity == "info" or d.false_positive:
             continue
         if (d.category, _one_line(d.description).casefold()) in covered:
+            continue
+        if d.source == "llm" and instructs(d.description):
             continue
         p = ReusablePattern(
             category=d.category,

@@ -43,6 +43,7 @@ from pipeline.critics.base import Critic, Reviser, RevisionResult, merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
 from pipeline.errors import ConfigError, ExtensionLoadError
+from pipeline.llm import Completer
 from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,
@@ -209,10 +210,23 @@ def _emit(ctx: StageContext, state: LoopState, kind: str, stage: str, **fields: 
     ctx.trace.emit(sub.run_id, event)
 
 
+def resolve_for(obj: Any, submission: Submission) -> Any:
+    """The critic or reviser that actually serves ``submission``: ``auto`` ones (see
+    :class:`AutoCritic`) pick per submission, everything else is itself."""
+    resolve = getattr(obj, "resolve", None)
+    return resolve(submission) if resolve is not None else obj
+
+
+def is_token_free(critic: Critic, submission: Submission) -> bool:
+    """True when the critic that serves ``submission`` spends no tokens (deterministic)."""
+    return bool(getattr(resolve_for(critic, submission), "token_free", False))
+
+
 def _pitfalls(ctx: StageContext, submission: Submission, reader: object) -> str:
     """The Known Pitfalls text for ``reader`` (a critic or reviser); empty when pattern memory
     is off or the reader declares ``reads_pitfalls = False`` (deterministic ones ignore it,
     so the store is not read for them)."""
+    reader = resolve_for(reader, submission)
     if not ctx.config.pattern_memory or not getattr(reader, "reads_pitfalls", True):
         return ""
     return render_pitfalls(ctx.patterns.top(submission.run_id, PITFALLS_LIMIT))
@@ -285,8 +299,8 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
     round_no = state.round + 1
     began = ctx.clock()
     if _l0_error(state.l0_defects):
-        token_free = bool(getattr(ctx.critic, "token_free", False))
-        fallback: Critic = ctx.critic if token_free else HeuristicCritic()
+        serving: Critic = resolve_for(ctx.critic, sub)
+        fallback: Critic = serving if getattr(serving, "token_free", False) else HeuristicCritic()
         pitfalls = _pitfalls(ctx, sub, fallback)
         base = fallback.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
         envelope = merge_l0(base, state.l0_defects)
@@ -300,6 +314,8 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
             )
     repairing = state.attempt > 0
     notes = state.notes
+    if envelope.fallback_reason and not _l0_error(state.l0_defects):
+        notes = _add_note(notes, f"critic fallback: {envelope.fallback_reason}")
     if state.lease_id is not None:
         actual = state.pending_repair_tokens + envelope.usage.tokens
         charged = ctx.budget.commit(sub.run_id, state.lease_id, actual)
@@ -514,8 +530,13 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
             ctx.budget.refund(sub.run_id, state.lease_id)
         raise
     current_text = text_of(state.output)
+    notes = state.notes
+    note = getattr(result, "note", None)
+    if note:
+        notes = _add_note(notes, f"repair {state.attempt + 1}: {note}")
     next_state = state.model_copy(
         update={
+            "notes": notes,
             "output": result.output,
             "attempt": state.attempt + 1,
             "previous_size": len(current_text.encode("utf-8")),
@@ -668,31 +689,118 @@ def load_reviser(spec: str) -> Reviser:
     raise ExtensionLoadError(f"repairer {spec!r} is neither a Reviser nor callable")
 
 
-def pick_critic(config: CritiqueConfig) -> Critic:
-    """The critic ``config.critic`` names (``auto`` is the heuristic until the LLM critic)."""
-    if config.critic in ("auto", "heuristic"):
+class AutoCritic:
+    """``critic: auto`` (SPEC §3): the LLM critic for a submission whose model resolves
+    (``model``, else the worker's own in inline mode); the heuristic otherwise."""
+
+    name = "auto"
+
+    def __init__(self, config: CritiqueConfig, llm: Critic, heuristic: Critic) -> None:
+        self.config = config
+        self.llm = llm
+        self.heuristic = heuristic
+
+    def resolve(self, submission: Submission) -> Critic:
+        """The critic for this submission."""
+        return self.llm if self.config.uses_llm_critic(submission.model) else self.heuristic
+
+    def critique(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        *,
+        pitfalls: str,
+        round: int,
+    ) -> CritiqueEnvelope:
+        """Critique with the resolved critic."""
+        return self.resolve(submission).critique(submission, output, pitfalls=pitfalls, round=round)
+
+
+class AutoReviser:
+    """``repairer: auto``: the LLM reviser (inline: the worker's model) for a submission the
+    LLM critic serves, the deterministic reviser that pairs with the critic otherwise."""
+
+    name = "auto"
+
+    def __init__(self, config: CritiqueConfig, llm: Reviser, deterministic: Reviser) -> None:
+        self.config = config
+        self.llm = llm
+        self.deterministic = deterministic
+
+    def resolve(self, submission: Submission) -> Reviser:
+        """The reviser for this submission."""
+        if self.config.critic in ("auto", "llm") and self.config.uses_llm_critic(submission.model):
+            return self.llm
+        return self.deterministic
+
+    def revise(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+        *,
+        pitfalls: str,
+        attempts: Sequence[RepairAttempt],
+    ) -> RevisionResult:
+        """Revise with the resolved reviser."""
+        return self.resolve(submission).revise(
+            submission, output, envelope, pitfalls=pitfalls, attempts=attempts
+        )
+
+
+def default_completer(config: CritiqueConfig) -> Completer:
+    """litellm behind the retry policy of ``config.llm`` (litellm loads on the first call)."""
+    from pipeline.llm import LiteLLMCompleter
+
+    return LiteLLMCompleter(config.llm)
+
+
+def _llm_critic(config: CritiqueConfig, complete: Completer) -> Critic:
+    from pipeline.critics.llm import LLMCritic, PairedCritic
+
+    critic: Critic = LLMCritic(config, complete)
+    if config.paired_critic:
+        critic = PairedCritic(critic, config, complete)
+    return critic
+
+
+def pick_critic(config: CritiqueConfig, complete: Completer | None = None) -> Critic:
+    """The critic ``config.critic`` names; ``auto`` resolves per submission (LLM when a model
+    resolves, else the heuristic). ``complete`` defaults to litellm."""
+    if config.critic == "heuristic":
         return HeuristicCritic()
     if config.critic == "rubric":
         return RubricCritic(config.rubric)
-    raise ConfigError(
-        f"critic {config.critic!r} is not available in this build",
-        key="critic",
-        hint="use 'auto', 'heuristic' or 'rubric'",
-    )
-
-
-def pick_reviser(config: CritiqueConfig) -> Reviser:
-    """The reviser ``config.repairer`` names; ``auto``/``deterministic`` pair with the critic."""
-    if config.repairer in ("auto", "deterministic"):
-        if config.critic == "rubric":
-            return DeterministicReviser()
-        return HeuristicReviser()
-    if config.repairer == "llm":
+    if config.critic == "command":
         raise ConfigError(
-            "repairer 'llm' is not available in this build",
-            key="repairer",
-            hint="use 'auto', 'deterministic' or 'package.module:function'",
+            "critic 'command' is not available in this build",
+            key="critic",
+            hint="use 'auto', 'llm', 'heuristic' or 'rubric'",
         )
+    llm = _llm_critic(config, complete or default_completer(config))
+    if config.critic == "llm":
+        return llm
+    return AutoCritic(config, llm, HeuristicCritic())
+
+
+def pick_reviser(config: CritiqueConfig, complete: Completer | None = None) -> Reviser:
+    """The reviser ``config.repairer`` names: ``auto`` pairs with the critic (the LLM reviser for
+    LLM-critiqued submissions, else the deterministic one), ``llm``, ``deterministic``, or a
+    configured ``package.module:function``."""
+    deterministic: Reviser = (
+        DeterministicReviser() if config.critic == "rubric" else HeuristicReviser()
+    )
+    if config.repairer == "deterministic":
+        return deterministic
+    if config.repairer in ("auto", "llm"):
+        from pipeline.critics.llm import LLMReviser
+
+        llm = LLMReviser(config, complete or default_completer(config), fallback=deterministic)
+        if config.repairer == "llm":
+            return llm
+        if config.critic in ("heuristic", "rubric"):
+            return deterministic
+        return AutoReviser(config, llm, deterministic)
     return load_reviser(config.repairer)
 
 
@@ -709,16 +817,18 @@ def make_context(
     fixpoint: FixpointFn | None = None,
     clock: Callable[[], float] | None = None,
     lease_ttl_s: float = REPAIR_LEASE_TTL_S,
+    complete: Completer | None = None,
 ) -> StageContext:
     """A context from configuration; anything given explicitly replaces the default.
 
-    Defaults: critic and reviser from ``config.critic`` / ``config.repairer``, in-memory
+    Defaults: critic and reviser from ``config.critic`` / ``config.repairer`` (LLM calls through
+    ``complete``, litellm by default), in-memory
     stores, the real L0 and fixpoint functions (loaded on first use), ``time.monotonic``.
     """
     return StageContext(
         config=config,
-        critic=critic if critic is not None else pick_critic(config),
-        reviser=reviser if reviser is not None else pick_reviser(config),
+        critic=critic if critic is not None else pick_critic(config, complete),
+        reviser=reviser if reviser is not None else pick_reviser(config, complete),
         patterns=patterns if patterns is not None else MemoryPatternStore(),
         budget=budget if budget is not None else MemoryBudgetLedger(),
         trace=trace if trace is not None else MemoryTraceSink(),

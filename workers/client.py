@@ -58,7 +58,7 @@ class CritiqueClient:
         sub = _as_submission(submission)
         msg = runtime.encode(start(sub), self.config)
         try:
-            res = submission_chain(msg).apply_async()
+            res = submission_chain(msg, runtime.config_for(self.config), sub).apply_async()
             runtime.stores().runs.mark_submitted(
                 sub.run_id, sub.iteration, sub.worker_id, res.id, sub.subtask_signature
             )

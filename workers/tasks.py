@@ -20,9 +20,11 @@ from typing import Any
 
 from celery import Task, chain
 
+from pipeline.config import CritiqueConfig
 from pipeline.errors import TransientError
 from pipeline.gates import evaluate_completion
-from pipeline.runner import STAGES, LoopState, StageContext, finish
+from pipeline.models import Submission
+from pipeline.runner import STAGES, LoopState, StageContext, finish, is_token_free
 from pipeline.store import keys
 from pipeline.store.memory import BufferedTraceSink
 from pipeline.store.redis import encode_event
@@ -59,7 +61,7 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
     runs = runtime.stores().runs
     step = _step_id(str(msg.get("sid", "")), state, stage)
     shared = runtime.context_for(overrides)
-    if _spends_tokens(stage, shared) or _repeated(task):
+    if _spends_tokens(stage, shared, state) or _repeated(task):
         recorded = runs.step_output(run_id, step)
         if recorded is not None:
             return _replayed(recorded)
@@ -80,14 +82,16 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
     return _replayed(first)
 
 
-def _spends_tokens(stage: str, ctx: StageContext) -> bool:
+def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
     """Stages whose re-run would spend tokens again: the repair, and a critic that calls an LLM.
 
     Only these read the step record before running. Re-running any other stage is harmless
     (pattern records and budget leases are idempotent, the step record keeps the first output
     and its events), so they skip that round trip unless the message is a known repeat.
     """
-    return stage == "repair" or (stage == "critic" and not getattr(ctx.critic, "token_free", False))
+    if stage == "repair":
+        return True
+    return stage == "critic" and not is_token_free(ctx.critic, state.submission)
 
 
 def _repeated(task: Task) -> bool:
@@ -125,9 +129,11 @@ def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``)."""
     out, next_stage = _stage(self, msg, "decide")
     if next_stage == "repair":
+        state, overrides = runtime.decode(out)
+        config = runtime.config_for(overrides)
         # Raises Ignore under a worker (the replacement inherits the rest of the chain).
         replaced: dict[str, Any] = self.replace(
-            chain(repair.s(out), l0.s(), critic.s(), decide.s())
+            chain(repair.s(out), l0.s(), critic_signature(config, state.submission), decide.s())
         )
         return replaced
     return out
@@ -218,6 +224,17 @@ def complete_gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     return dict(out)
 
 
-def submission_chain(msg: dict[str, Any]) -> Any:
+def critic_signature(config: CritiqueConfig, submission: Submission, *args: Any) -> Any:
+    """``critique.critic`` routed for this submission: an LLM critic runs on critique.llm
+    (mode: inline) or critique.llm.critic (mode: dedicated), a deterministic one on
+    critique.cpu, so each scales with its own workers."""
+    sig = critic.s(*args)
+    if config.uses_llm_critic(submission.model):
+        queue = keys.QUEUE_CRITIC if config.mode == "dedicated" else keys.QUEUE_LLM
+        sig = sig.set(queue=queue)
+    return sig
+
+
+def submission_chain(msg: dict[str, Any], config: CritiqueConfig, submission: Submission) -> Any:
     """The chain for one submission message."""
-    return chain(l0.s(msg), critic.s(), decide.s(), gate.s())
+    return chain(l0.s(msg), critic_signature(config, submission), decide.s(), gate.s())

@@ -2,6 +2,15 @@
 
 from pipeline.critics.base import Critic, Reviser, RevisionResult, merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
+from pipeline.critics.llm import (
+    EnvelopeParseError,
+    LLMCritic,
+    LLMReviser,
+    PairedCritic,
+    build_critic_messages,
+    detect_injection,
+    parse_envelope,
+)
 from pipeline.critics.rubric import (
     DeterministicReviser,
     Paper,
@@ -14,14 +23,21 @@ from pipeline.critics.rubric import (
 __all__ = [
     "Critic",
     "DeterministicReviser",
+    "EnvelopeParseError",
     "HeuristicCritic",
     "HeuristicReviser",
+    "LLMCritic",
+    "LLMReviser",
+    "PairedCritic",
     "Paper",
     "Reviser",
     "RevisionResult",
     "RubricCritic",
+    "build_critic_messages",
+    "detect_injection",
     "make_deterministic_pair",
     "merge_l0",
+    "parse_envelope",
     "parse_paper",
     "score_paper",
 ]

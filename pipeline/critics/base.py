@@ -56,6 +56,8 @@ class RevisionResult(Frozen):
     output: str | dict[str, Any]
     usage: Usage = Field(default_factory=Usage)
     suggestions_applied: int = Field(0, ge=0)
+    note: str | None = None
+    """Something the user should know about this revision (e.g. a fallback reviser answered)."""
 
 
 class Reviser(Protocol):

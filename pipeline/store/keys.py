@@ -23,7 +23,9 @@ DEFAULT_RUN_TTL_S = 7 * 24 * 3600  # a run's keys live 7 days after their last w
 # --- queues and tasks (SPEC §4; the Celery app routes by these names) --------------------------
 
 QUEUE_CPU = "critique.cpu"  # queue for CPU-bound stages: L0, heuristic/rubric critics, gates
-QUEUE_LLM = "critique.llm"  # queue for LLM-bound stages: LLM critic, repair
+QUEUE_LLM = "critique.llm"  # queue for LLM-bound stages: LLM critic (inline mode), repair
+QUEUE_CRITIC = "critique.llm.critic"  # queue for the LLM critic in mode: dedicated
+QUEUES = (QUEUE_CPU, QUEUE_LLM, QUEUE_CRITIC)  # every queue a worker may consume
 
 TASK_L0 = "critique.l0"  # task: the Layer-0 output contract
 TASK_CRITIC = "critique.critic"  # task: run the configured critic

@@ -172,8 +172,8 @@ def test_redis_down_exits_3(tmp_path: Path) -> None:
     assert f"cannot reach Redis at {url}" in proc.stderr
 
 
-def test_critique_worker_consumes_both_queues(worker: WorkerProcess, db_url: str) -> None:
-    """`critique worker` becomes a real Celery worker on both queues and stops on SIGTERM."""
+def test_critique_worker_consumes_every_queue(worker: WorkerProcess, db_url: str) -> None:
+    """`critique worker` becomes a real Celery worker on every queue and stops on SIGTERM."""
     node = f"cliw-{uuid.uuid4().hex[:6]}@{socket.gethostname()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers.cli", "worker", "-c", "2", "-l", "WARNING", "-n", node,
@@ -196,7 +196,7 @@ def test_critique_worker_consumes_both_queues(worker: WorkerProcess, db_url: str
             assert proc.poll() is None, "critique worker exited early"
             active = app.control.inspect(destination=[node], timeout=1.0).active_queues() or {}
             queues = sorted(q["name"] for q in active.get(node, []))
-        assert queues == ["critique.cpu", "critique.llm"]
+        assert queues == ["critique.cpu", "critique.llm", "critique.llm.critic"]
         run_id = _run_id()
         done = critique(db_url, "submit", "-", "--wait", "--timeout", "30",
                         stdin=json.dumps(sub(run_id, "w1", MISSING)))  # fmt: skip

@@ -252,15 +252,34 @@ def test_disabled_passes_through_untouched() -> None:
 
 
 def test_make_context_picks_critic_and_reviser_from_config() -> None:
-    """auto/heuristic → heuristic pair; rubric → rubric pair; unavailable choices are errors."""
-    ctx = make_context(CritiqueConfig())
+    """heuristic → heuristic pair; rubric → rubric pair; auto → resolved per submission (the
+    LLM pair when a model resolves, the heuristic pair otherwise); llm → the LLM pair."""
+    from pipeline.critics.llm import LLMCritic, LLMReviser, PairedCritic
+    from pipeline.runner import AutoCritic, AutoReviser, resolve_for
+
+    def never(request: Any) -> Any:
+        raise AssertionError("no LLM call expected")
+
+    ctx = make_context(CritiqueConfig(critic="heuristic"), complete=never)
     assert isinstance(ctx.critic, HeuristicCritic) and isinstance(ctx.reviser, HeuristicReviser)
-    ctx = make_context(CritiqueConfig(critic="rubric"))
+    ctx = make_context(CritiqueConfig(critic="rubric"), complete=never)
     assert isinstance(ctx.critic, RubricCritic) and isinstance(ctx.reviser, DeterministicReviser)
+
+    ctx = make_context(CritiqueConfig(), complete=never)
+    assert isinstance(ctx.critic, AutoCritic) and isinstance(ctx.reviser, AutoReviser)
+    plain, with_model = _sub({}), _sub({}).model_copy(update={"model": "openai/gpt-4o-mini"})
+    assert isinstance(resolve_for(ctx.critic, plain), HeuristicCritic)
+    assert isinstance(resolve_for(ctx.reviser, plain), HeuristicReviser)
+    assert isinstance(resolve_for(ctx.critic, with_model), LLMCritic)
+    assert isinstance(resolve_for(ctx.reviser, with_model), LLMReviser)
+
+    ctx = make_context(CritiqueConfig(critic="llm", paired_critic=True), complete=never)
+    assert isinstance(ctx.critic, PairedCritic)
+    assert isinstance(resolve_for(ctx.reviser, plain), LLMReviser)
+    ctx = make_context(CritiqueConfig(repairer="deterministic"), complete=never)
+    assert isinstance(ctx.reviser, HeuristicReviser)
     with pytest.raises(ConfigError, match="critic"):
         make_context(CritiqueConfig(critic="command"))
-    with pytest.raises(ConfigError, match="repairer"):
-        make_context(CritiqueConfig(repairer="llm"))
     with pytest.raises(ExtensionLoadError):
         make_context(CritiqueConfig(repairer="no_such_module_xyz:fix"))
 

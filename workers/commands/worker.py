@@ -1,11 +1,12 @@
 """``critique worker``: start a Celery worker for the pipeline's queues.
 
-The stages run on two queues so they scale separately:
+The stages run on separate queues so they scale separately:
 
-    critique.cpu   Layer-0 checks, heuristic and rubric critics, decide, gates (short, CPU-bound)
-    critique.llm   LLM critic and repair (long, waiting on the network)
+    critique.cpu         Layer-0 checks, heuristic and rubric critics, decide, gates (CPU-bound)
+    critique.llm         LLM critic (mode: inline) and repair (long, waiting on the network)
+    critique.llm.critic  the LLM critic in mode: dedicated (its own model and workers)
 
-Defaults: both queues, the threads pool (LLM calls wait on I/O, so threads are cheap), and
+Defaults: every queue, the threads pool (LLM calls wait on I/O, so threads are cheap), and
 ``$CRITIQUE_CONCURRENCY`` threads, else 16. A worker for ``critique.cpu`` alone is better off
 with processes: ``critique worker -Q critique.cpu -P prefork`` (concurrency defaults to the
 number of CPUs). Scale out by starting more workers, on any machine that reaches the same Redis.
@@ -22,21 +23,22 @@ import os
 import sys
 from urllib.parse import urlparse
 
-HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm)"
+HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
 
 EXIT_OK, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 2, 3
-KNOWN_QUEUES = ("critique.cpu", "critique.llm")
+KNOWN_QUEUES = ("critique.cpu", "critique.llm", "critique.llm.critic")
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
 THREADS_DEFAULT = 16
 
 _DESCRIPTION = f"""{HELP}.
 
 queues:
-  critique.cpu  Layer-0 checks, heuristic and rubric critics, decide, gates (CPU-bound)
-  critique.llm  LLM critic and repair (I/O-bound: threads pool, high concurrency)
+  critique.cpu         Layer-0 checks, heuristic and rubric critics, decide, gates (CPU-bound)
+  critique.llm         LLM critic (mode: inline) and repair (I/O-bound: threads pool)
+  critique.llm.critic  LLM critic in mode: dedicated (a separate critic model)
 
 examples:
-  critique worker                                  # both queues, threads pool
+  critique worker                                  # every queue, threads pool
   critique worker -Q critique.llm -c 64            # LLM stages only, 64 threads
   critique worker -Q critique.cpu -P prefork -c 4  # CPU stages in 4 processes
   critique worker -- --max-tasks-per-child 100     # pass options on to `celery worker`
@@ -53,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-Q",
         "--queues",
         default=os.environ.get("CRITIQUE_QUEUES", ",".join(KNOWN_QUEUES)),
-        help="comma-separated queues to consume (default: $CRITIQUE_QUEUES or both)",
+        help="comma-separated queues to consume (default: $CRITIQUE_QUEUES or all three)",
     )
     parser.add_argument(
         "-P",
