@@ -1,0 +1,263 @@
+"""``critique status``, ``watch`` and ``report`` against a real Redis and a real Celery worker."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from pipeline.models import Submission
+from tests.integration.workers import ROOT, WorkerProcess, worker_db_url, worker_env
+from workers.cli import main
+
+pytestmark = pytest.mark.integration
+
+CONFIG = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
+EVIL = "<script>alert('owned')</script>"
+
+
+def _reset_clients() -> None:
+    from workers import runtime
+
+    runtime.client.cache_clear()
+    runtime.stores.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    """This process's client and the worker share the worker-test database (flushed once)."""
+    url = worker_db_url(redis_url)
+    redis.Redis.from_url(url).flushdb()
+    saved = dict(os.environ)
+    e = worker_env(url)
+    os.environ.update(e)
+    _reset_clients()
+    from workers.app import app
+
+    app.conf.broker_url = url
+    app.conf.result_backend = url
+    yield e
+    os.environ.clear()
+    os.environ.update(saved)
+    _reset_clients()
+
+
+@pytest.fixture(scope="module")
+def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One real worker process (threads pool) for the module."""
+    log = tmp_path_factory.mktemp("logs") / "worker.log"
+    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="ops", env=env, log=log)
+    w.start()
+    try:
+        yield
+    finally:
+        w.stop()
+
+
+def _sub(run_id: str, worker_id: str, kind: str, iteration: int = 1) -> Submission:
+    output: str | dict[str, Any]
+    fmt = None
+    if kind == "clean":
+        output = {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9}
+    elif kind == "missing":
+        output = {"summary": "Sales rose 4% in Q3, led by the north. " * 4, "confidence": 0.8}
+    elif kind == "evil":
+        output = f"# Summary\n\nSales rose.\n\n{EVIL}\n"
+        fmt = "markdown"
+    else:  # no confidence, no required field, an error: score 0 → escalated
+        output = {"error": "tool crashed"}
+    return Submission(
+        run_id=run_id,
+        iteration=iteration,
+        worker_id=worker_id,
+        subtask_signature=f"sig-{worker_id}",
+        task="Summarise the quarterly sales report with findings.",
+        output=output,
+        claimed_format=fmt,
+        required_fields=() if kind == "evil" else ("summary", "findings"),
+    )
+
+
+@pytest.fixture(scope="module")
+def finished_run(worker: None) -> str:
+    """A run of five submissions over two iterations, all finished."""
+    from workers.client import CritiqueClient
+
+    run_id = f"ops-{uuid.uuid4().hex[:8]}"
+    subs = [
+        _sub(run_id, "w1", "clean"),
+        _sub(run_id, "w2", "missing"),
+        _sub(run_id, "w3", "garbage"),
+        _sub(run_id, "w4", "evil"),
+        _sub(run_id, "w2", "missing", iteration=2),
+    ]
+    client = CritiqueClient(CONFIG)
+    client.wait_many(client.submit_many(subs), timeout=90)
+    return run_id
+
+
+def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_status_json_reports_every_submission(
+    finished_run: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """status --json lists each submission's outcome; an escalated one makes the exit code 1."""
+    rc, out, _ = _cli(capsys, "status", finished_run, "--json")
+    doc = json.loads(out)
+    assert rc == 1 and doc["ok"] is False
+    assert (doc["submitted"], doc["finished"], doc["pending"]) == (5, 5, [])
+    rows = {(r["iteration"], r["worker_id"]): r for r in doc["submissions"]}
+    assert rows[(1, "w1")]["status"] == "accepted"
+    assert rows[(1, "w2")]["status"] == "repaired" and rows[(1, "w2")]["repairs"] >= 1
+    assert rows[(1, "w2")]["best_score"] > rows[(1, "w2")]["original_score"]
+    assert rows[(1, "w3")]["status"] == "escalated"
+    assert doc["counts"]["escalated"] == 1
+
+    rc, out, _ = _cli(capsys, "status", finished_run, "--iteration", "2", "--json")
+    doc = json.loads(out)
+    assert rc == 0 and [r["worker_id"] for r in doc["submissions"]] == ["w2"]
+
+    rc, out, _ = _cli(capsys, "status", finished_run)
+    assert rc == 1
+    assert "5 submitted, 5 finished, 0 pending" in out
+    assert "escalated" in out and "→" in out
+
+
+def test_pending_submission_is_shown_not_an_error(
+    finished_run: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A submission without a result is listed as pending: status exits 0, watch times out 1."""
+    from workers import runtime
+
+    run_id = f"pend-{uuid.uuid4().hex[:8]}"
+    runtime.stores().runs.mark_submitted(run_id, 1, "slow", "no-such-task", "sig")
+    rc, out, _ = _cli(capsys, "status", run_id, "--json")
+    doc = json.loads(out)
+    assert rc == 0 and doc["pending"] == ["1:slow"] and doc["finished"] == 0
+    assert doc["submissions"][0]["status"] == "pending"
+
+    rc, out, _ = _cli(capsys, "watch", run_id, "--timeout", "0.5", "--json")
+    last = json.loads(out.strip().splitlines()[-1])
+    assert rc == 1 and last == {
+        "type": "watch",
+        "done": False,
+        "submitted": 1,
+        "finished": 0,
+        "pending": ["1:slow"],
+    }
+
+
+def test_watch_exits_130_on_ctrl_c(env: dict[str, str]) -> None:
+    """SIGINT (Ctrl-C) ends a waiting ``critique watch`` with exit 130 and a one-line note."""
+    from workers import runtime
+
+    run_id = f"sigint-{uuid.uuid4().hex[:8]}"
+    runtime.stores().runs.mark_submitted(run_id, 1, "slow", "no-such-task", "sig")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "watch", run_id],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(2.0)  # imported, connected and blocking on the stream
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=5)
+    assert proc.returncode == 130
+    assert err.strip() == "critique watch: interrupted"
+
+
+def test_report_writes_tree_html_and_lessons(
+    finished_run: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """report --out writes the §5.8 tree per iteration, report.html (an SVG per result, output
+    escaped) and lessons.md."""
+    rc, out, _ = _cli(capsys, "report", finished_run, "--out", str(tmp_path), "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    run_dir = tmp_path / "runs" / finished_run
+    for it, workers in (("001", ("w1", "w2", "w3", "w4")), ("002", ("w2",))):
+        folder = run_dir / "iterations" / it
+        assert (folder / "critique.json").is_file() and (folder / "CRITIQUE.md").is_file()
+        for w in workers:
+            assert (folder / "delegations" / w / "critique.json").is_file()
+    assert (run_dir / "iterations" / "001" / "delegations" / "w2" / "repairs.json").is_file()
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert doc["report"] == str(run_dir / "report.html")
+    assert page.count("<svg ") == 5
+    assert "&lt;script&gt;alert(&#x27;owned&#x27;)&lt;/script&gt;" in page
+    assert "<script" not in page
+    lessons = (run_dir / "lessons.md").read_text(encoding="utf-8")
+    assert lessons.startswith("# Lessons") and "missing_data (seen" in lessons
+    assert set(doc["files"]) >= {str(run_dir / "lessons.md"), str(run_dir / "report.html")}
+
+
+def test_watch_follows_live_and_ends_when_every_submission_finished(
+    worker: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """watch --json prints every stage event live and ends (exit 0) once all results are in."""
+    from workers.client import CritiqueClient
+
+    run_id = f"watch-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(CONFIG)
+    client.submit_many([_sub(run_id, f"w{i}", k) for i, k in enumerate(("missing", "clean"))])
+    rc, out, _ = _cli(capsys, "watch", run_id, "--json", "--timeout", "60")
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert rc == 0
+    assert lines[-1] == {
+        "type": "watch",
+        "done": True,
+        "submitted": 2,
+        "finished": 2,
+        "pending": [],
+    }
+    events = lines[:-1]
+    results = [e for e in events if e["type"] == "result"]
+    assert sorted(e["worker_id"] for e in results) == ["w0", "w1"]
+    w0 = [e["stage"] for e in events if e["worker_id"] == "w0"]
+    assert w0[0] == "l0" and "repair" in w0 and w0[-1] == "gate"
+
+    rc, out, _ = _cli(capsys, "watch", run_id)  # a finished run replays in full, then ends
+    assert rc == 0
+    assert out.count("RESULT") == 2 and "repair  attempt 1" in out
+    assert out.strip().endswith(f"all 2 submission(s) of run {run_id} finished")
+
+
+def test_unknown_run_and_unreachable_redis(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An unknown run exits 2 with a clear message; an unreachable Redis exits 3 naming
+    REDIS_URL."""
+    for cmd in ("status", "watch", "report"):
+        rc, _, err = _cli(capsys, cmd, "never-submitted")
+        assert rc == 2 and "no submission of run 'never-submitted'" in err
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    _reset_clients()
+    try:
+        for cmd in ("status", "watch", "report"):
+            rc, _, err = _cli(capsys, cmd, "any-run")
+            assert rc == 3 and "REDIS_URL" in err and "127.0.0.1:1" in err
+    finally:
+        monkeypatch.setenv("REDIS_URL", env["REDIS_URL"])
+        _reset_clients()

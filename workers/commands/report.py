@@ -1,0 +1,119 @@
+"""``critique report RUN [--out DIR]``: write a run's artifacts and its HTML report from Redis.
+
+For every iteration with results, the SPEC §5.8 tree
+``<root>/runs/<run-id>/iterations/NNN/{critique.json, CRITIQUE.md, delegations/<worker>/…}``
+(:func:`pipeline.artifacts.write_artifacts`), plus ``<root>/runs/<run-id>/report.html`` (one
+self-contained page with each worker's score trajectory as inline SVG) and
+``<root>/runs/<run-id>/lessons.md`` (the run's failure patterns). ``<root>`` is ``--out``, else
+``$CRITIQUE_WORKSPACE``, else ``./workspace``. Prints the files written, one per line; ``--json``
+prints ``{"run_id", "root", "report", "files": [...]}``.
+
+Exit codes: 0 written; 2 bad usage, an unknown run, or an unwritable folder; 3 Redis unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+from workers.commands.status import EXIT_OK, EXIT_USAGE, load_snapshot, service_guard
+
+HELP = "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis"
+
+PATTERN_LIMIT = 1000
+
+
+def default_root() -> Path:
+    """``$CRITIQUE_WORKSPACE`` or ``./workspace``."""
+    return Path(os.environ.get("CRITIQUE_WORKSPACE") or "workspace")
+
+
+def _write(path: Path, text: str) -> None:
+    """Atomic write (temp file + rename in the same folder)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def write_report(run_id: str, out_dir: Path | str | None = None) -> list[Path]:
+    """Write the run's artifact tree, ``report.html`` and ``lessons.md``; returns the files.
+
+    ``out_dir`` is the artifacts root (default :func:`default_root`). Raises
+    :class:`~workers.commands.status.UnknownRunError` when Redis holds nothing for the run,
+    ``StoreUnavailableError`` when Redis cannot be reached.
+    """
+    from pipeline.artifacts import write_artifacts
+    from pipeline.models import CritiqueResult
+    from pipeline.pitfalls import render_lessons
+    from pipeline.report_html import render_report_html
+    from workers import runtime
+
+    root = Path(out_dir) if out_dir is not None else default_root()
+    snap = load_snapshot(run_id, chain_errors=False)
+    stores = runtime.stores()
+    patterns = stores.patterns.top(run_id, PATTERN_LIMIT)
+    events = stores.trace.read(run_id)
+    by_iteration: dict[int, list[CritiqueResult]] = defaultdict(list)
+    for r in snap.results:
+        by_iteration[r.iteration].append(r)
+
+    written: list[Path] = []
+    for iteration in sorted(by_iteration):
+        written += write_artifacts(root, run_id, iteration, by_iteration[iteration], patterns)
+    run_dir = root / "runs" / run_id  # a checked identifier (load_snapshot)
+    page = render_report_html(run_id, by_iteration, patterns, events, pending=snap.pending)
+    report = run_dir / "report.html"
+    lessons = run_dir / "lessons.md"
+    _write(report, page)
+    _write(lessons, render_lessons(patterns))
+    return [*written, report, lessons]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_id", metavar="RUN", help="the run id")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="artifacts root (default: $CRITIQUE_WORKSPACE or ./workspace)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the files written as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.out) if args.out else default_root()
+
+    def body() -> int:
+        try:
+            files = write_report(args.run_id, root)
+        except OSError as exc:
+            print(f"critique report: cannot write under {root}: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        report = next(f for f in files if f.name == "report.html")
+        if args.json:
+            doc = {
+                "run_id": args.run_id,
+                "root": str(root),
+                "report": str(report),
+                "files": [str(f) for f in files],
+            }
+            print(json.dumps(doc, ensure_ascii=False))
+        else:
+            for f in files:
+                print(f)
+            print(f"report: {report} ({len(files)} file(s) written)")
+        return EXIT_OK
+
+    return service_guard("report", body)
