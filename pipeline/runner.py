@@ -42,7 +42,7 @@ from pipeline.convergence import (
 from pipeline.critics.base import Critic, Reviser, RevisionResult, merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
-from pipeline.errors import ConfigError, ExtensionLoadError
+from pipeline.errors import ConfigError, ExtensionLoadError, SubmissionError
 from pipeline.llm import Completer
 from pipeline.models import (
     CritiqueEnvelope,
@@ -242,6 +242,17 @@ def _l0_error(defects: Sequence[Defect]) -> bool:
 
 def _add_note(notes: tuple[str, ...], note: str) -> tuple[str, ...]:
     return notes if note in notes else (*notes, note)
+
+
+def admit(submission: Submission, config: CritiqueConfig) -> None:
+    """Refuse a submission the pipeline must not take: an output over ``max_output_bytes``."""
+    size = len(text_of(submission.output).encode("utf-8", "replace"))
+    if size > config.max_output_bytes:
+        raise SubmissionError(
+            f"output of worker {submission.worker_id!r} is {size} bytes, over max_output_bytes "
+            f"({config.max_output_bytes})",
+            hint="send large deliverables as files, or raise max_output_bytes",
+        )
 
 
 def start(submission: Submission) -> LoopState:
@@ -609,6 +620,7 @@ def _step_limit(config: CritiqueConfig) -> int:
 
 def run_submission(submission: Submission, ctx: StageContext) -> CritiqueResult:
     """Run the whole loop in-process and return the result (also written to the trace)."""
+    admit(submission, ctx.config)
     state = start(submission)
     steps = 0
     limit = _step_limit(ctx.config)

@@ -24,7 +24,7 @@ from pipeline.errors import StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Submission
 from pipeline.pitfalls import render_pitfalls
-from pipeline.runner import start
+from pipeline.runner import admit, start
 from pipeline.store import keys
 from workers import runtime
 
@@ -56,6 +56,7 @@ class CritiqueClient:
         from workers.tasks import submission_chain
 
         sub = _as_submission(submission)
+        admit(sub, runtime.config_for(self.config))
         msg = runtime.encode(start(sub), self.config)
         try:
             res = submission_chain(msg, runtime.config_for(self.config), sub).apply_async()
@@ -76,6 +77,9 @@ class CritiqueClient:
     def submit_many(self, submissions: Sequence[Submission | Mapping[str, Any]]) -> list[Handle]:
         """Enqueue many submissions (validated all first: one bad one enqueues none)."""
         subs = [_as_submission(s) for s in submissions]
+        config = runtime.config_for(self.config)
+        for s in subs:
+            admit(s, config)
         return [self.submit(s) for s in subs]
 
     # -- reading --------------------------------------------------------------------------------

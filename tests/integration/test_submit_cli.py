@@ -161,6 +161,19 @@ def test_malformed_input_enqueues_nothing(
     assert store.results(run_id) == []
 
 
+def test_oversized_output_enqueues_nothing(db_url: str) -> None:
+    """An output over max_output_bytes → exit 2 naming the limit; the other one is not sent."""
+    run_id = _run_id()
+    lines = [sub(run_id, "small", GOOD), sub(run_id, "huge", {**GOOD, "summary": "x" * 400})]
+    stdin = "\n".join(json.dumps(x) for x in lines)
+    proc = critique(db_url, "submit", "-", "--set", "max_output_bytes=300", stdin=stdin)
+    assert proc.returncode == 2
+    assert "over max_output_bytes (300)" in proc.stderr
+    from pipeline.store.runs import RedisRunStore
+
+    assert RedisRunStore(redis.Redis.from_url(db_url)).submitted(run_id) == {}
+
+
 def test_redis_down_exits_3(tmp_path: Path) -> None:
     """With nothing listening at REDIS_URL, submit exits 3 and names the URL."""
     with socket.socket() as s:

@@ -446,3 +446,14 @@ def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
     bad.write_text("not json")
     assert _cli([str(bad)]) == 2
     assert "not a paper" in capsys.readouterr().err
+
+
+def test_outputs_over_max_output_bytes_are_refused() -> None:
+    """An output over max_output_bytes is a SubmissionError naming the size and the limit."""
+    from pipeline.errors import SubmissionError
+    from pipeline.runner import admit
+
+    config = CritiqueConfig(enabled=True, max_output_bytes=100)
+    admit(_sub("x" * 100), config)
+    with pytest.raises(SubmissionError, match="101 bytes, over max_output_bytes"):
+        run_submission(_sub("x" * 101), make_context(config, l0=_no_l0, fixpoint=_never))

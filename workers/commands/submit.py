@@ -244,6 +244,9 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_UNAVAILABLE
+    except CritiqueError as exc:  # e.g. an output over max_output_bytes: nothing was enqueued
+        print(f"critique submit: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     submitted = [
         {
             "run_id": h.run_id,
