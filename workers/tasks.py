@@ -38,6 +38,11 @@ RETRY = {
     "retry_jitter": True,
     "max_retries": 5,
 }
+# The loop's stages hand their state to the next stage in the message, and each stage's first
+# output is already recorded in the run's steps hash: storing it again in the result backend
+# (plus a STARTED state) would cost two Redis writes per stage for nothing. Errors are still
+# stored, and Celery propagates them down the chain to the gate task the client waits on.
+STAGE = {**RETRY, "ignore_result": True, "store_errors_even_if_ignored": True}
 
 
 def _step_id(sid: str, state: LoopState, stage: str) -> str:
@@ -106,25 +111,25 @@ def _replayed(recorded: str) -> tuple[dict[str, Any], str]:
     return out, runtime.decode(out)[0].next
 
 
-@app.task(name=keys.TASK_L0, bind=True, **RETRY)
+@app.task(name=keys.TASK_L0, bind=True, **STAGE)
 def l0(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Layer-0 contract checks (token-free)."""
     return _stage(self, msg, "l0")[0]
 
 
-@app.task(name=keys.TASK_CRITIC, bind=True, **RETRY)
+@app.task(name=keys.TASK_CRITIC, bind=True, **STAGE)
 def critic(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """The configured critic (heuristic, rubric, LLM)."""
     return _stage(self, msg, "critic")[0]
 
 
-@app.task(name=keys.TASK_REPAIR, bind=True, **RETRY)
+@app.task(name=keys.TASK_REPAIR, bind=True, **STAGE)
 def repair(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """One targeted repair attempt, charged to the run's budget."""
     return _stage(self, msg, "repair")[0]
 
 
-@app.task(name=keys.TASK_DECIDE, bind=True, **RETRY)
+@app.task(name=keys.TASK_DECIDE, bind=True, **STAGE)
 def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``)."""
     out, next_stage = _stage(self, msg, "decide")

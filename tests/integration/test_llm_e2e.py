@@ -375,3 +375,21 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
         assert stats[node]["total"] == {"critique.critic": 3}
     finally:
         dedicated.stop()
+
+
+def test_an_authentication_error_fails_the_submission_at_once(
+    worker: WorkerProcess, llm: FakeOpenAIServer
+) -> None:
+    """A 401 is not retried: the critic task fails with the provider's message and a hint,
+    and the client's wait raises it (the failure propagates down the chain to the gate)."""
+    from pipeline.errors import SubmissionError
+    from workers.client import CritiqueClient
+
+    llm.script(error(401, "Incorrect API key provided", match=CRITIC))
+    client = CritiqueClient(config(llm))
+    handle = client.submit(sub(new_run(), FIXED))
+    with pytest.raises(SubmissionError) as got:
+        client.wait(handle, timeout=30)
+    assert "Incorrect API key provided" in str(got.value)
+    assert "API key" in str(got.value)  # the hint names what to check
+    assert len(llm.requests_with(CRITIC)) == 1
