@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import re
 import socket
 import subprocess
@@ -21,10 +20,9 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
-import redis
 
 from pipeline.models import Submission
-from tests.integration.workers import ROOT, WorkerProcess, worker_db_url, worker_env
+from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.e2e
 
@@ -68,24 +66,8 @@ def _until(what: str, probe: Callable[[], T | None], timeout: float = 20.0) -> T
 @pytest.fixture(scope="module")
 def env(redis_url: str) -> Iterator[dict[str, str]]:
     """This process's client, the worker and Flower share the worker-test database."""
-    from workers import runtime
-
-    url = worker_db_url(redis_url)
-    redis.Redis.from_url(url).flushdb()
-    saved = dict(os.environ)
-    e = worker_env(url)
-    os.environ.update(e)
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
-    from workers.app import app
-
-    app.conf.broker_url = url
-    app.conf.result_backend = url
-    yield e
-    os.environ.clear()
-    os.environ.update(saved)
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
+    with client_on(worker_db_url(redis_url)) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -19,7 +18,7 @@ from pipeline.models import CritiqueResult, Submission
 from pipeline.runner import make_context, run_submission, start
 from pipeline.store import keys
 from pipeline.store.memory import MemoryPatternStore
-from tests.integration.workers import WorkerProcess, worker_db_url, worker_env
+from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -28,17 +27,16 @@ REQUIRED = ("summary", "findings")
 
 @pytest.fixture(scope="module")
 def dist_url(redis_url: str) -> str:
-    """A database of its own for the distributed tests (flushed once, before workers start)."""
-    url = worker_db_url(redis_url)
-    redis.Redis.from_url(url).flushdb()
-    return url
+    """A database of its own for the distributed tests."""
+    return worker_db_url(redis_url)
 
 
 @pytest.fixture(scope="module")
 def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Point this process's client at the test Redis, as the workers are."""
-    saved = dict(os.environ)
-    e = worker_env(
+    """Point this process's client at the test Redis, as the workers are (fast redelivery)."""
+    from workers.app import app
+
+    with client_on(
         dist_url,
         CRITIQUE_VISIBILITY_TIMEOUT_S="4",
         CRITIQUE_RESTORE_INTERVAL_S="1",
@@ -46,22 +44,11 @@ def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         CRITIQUE_LEASE_TTL_S="2",
         RECORD_PITFALLS_TO=str(tmp_path_factory.mktemp("rec") / "pitfalls.txt"),
         SLOW_REVISE_S="0.4",
-    )
-    os.environ.update(e)
-    from workers import runtime
-
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
-    from workers.app import app
-
-    app.conf.broker_url = dist_url
-    app.conf.result_backend = dist_url
-    app.conf.broker_transport_options = {"visibility_timeout": 4}
-    yield e
-    os.environ.clear()
-    os.environ.update(saved)
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
+    ) as e:
+        saved = app.conf.broker_transport_options
+        app.conf.broker_transport_options = {"visibility_timeout": 4}
+        yield e
+        app.conf.broker_transport_options = saved
 
 
 @pytest.fixture(scope="module")

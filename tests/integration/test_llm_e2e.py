@@ -4,13 +4,11 @@ against the fake OpenAI-compatible server (the only faked part)."""
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from pipeline.models import CritiqueResult, FileRef, Submission
 from tests.fakes.openai_server import (
@@ -22,7 +20,7 @@ from tests.fakes.openai_server import (
     reply,
     timeout,
 )
-from tests.integration.workers import WorkerProcess, worker_db_url, worker_env
+from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -40,25 +38,10 @@ def fake() -> Iterator[FakeOpenAIServer]:
 
 
 @pytest.fixture(scope="module")
-def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+def env(redis_url: str) -> Iterator[dict[str, str]]:
     """This process and the workers share the worker database of the test Redis."""
-    url = worker_db_url(redis_url)
-    redis.Redis.from_url(url).flushdb()
-    saved = dict(os.environ)
-    e = worker_env(url, CRITIQUE_LLM_API_KEY="sk-test")
-    os.environ.update(e)
-    from workers import runtime
-    from workers.app import app
-
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
-    app.conf.broker_url = url
-    app.conf.result_backend = url
-    yield e
-    os.environ.clear()
-    os.environ.update(saved)
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
+    with client_on(worker_db_url(redis_url), CRITIQUE_LLM_API_KEY="sk-test") as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import redis
 
 from pipeline.models import Submission
-from tests.integration.workers import ROOT, WorkerProcess, worker_db_url, worker_env
+from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from workers.cli import main
 
 pytestmark = pytest.mark.integration
@@ -36,20 +34,8 @@ def _reset_clients() -> None:
 @pytest.fixture(scope="module")
 def env(redis_url: str) -> Iterator[dict[str, str]]:
     """This process's client and the worker share the worker-test database (flushed once)."""
-    url = worker_db_url(redis_url)
-    redis.Redis.from_url(url).flushdb()
-    saved = dict(os.environ)
-    e = worker_env(url)
-    os.environ.update(e)
-    _reset_clients()
-    from workers.app import app
-
-    app.conf.broker_url = url
-    app.conf.result_backend = url
-    yield e
-    os.environ.clear()
-    os.environ.update(saved)
-    _reset_clients()
+    with client_on(worker_db_url(redis_url)) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

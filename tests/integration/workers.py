@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -20,6 +22,36 @@ def worker_db_url(test_url: str) -> str:
     base, _, db = test_url.rpartition("/")
     n = int(db) if db.isdigit() else 15
     return f"{base}/{max(n - 1, 0)}"
+
+
+@contextlib.contextmanager
+def client_on(url: str, *, flush: bool = True, **extra: str) -> Iterator[dict[str, str]]:
+    """Point this process's client (``workers.runtime`` and the Celery app) at ``url`` — the
+    database the test's workers use — flushing it first; restore everything afterwards.
+
+    Yields the environment to hand to :class:`WorkerProcess` (``worker_env(url, **extra)``).
+    """
+    from workers import runtime
+    from workers.app import app
+
+    if flush:
+        redis.Redis.from_url(url).flushdb()
+    saved = dict(os.environ)
+    saved_conf = (app.conf.broker_url, app.conf.result_backend)
+    env = worker_env(url, **extra)
+    os.environ.update(env)
+    runtime.client.cache_clear()
+    runtime.stores.cache_clear()
+    app.conf.broker_url = url
+    app.conf.result_backend = url
+    try:
+        yield env
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        app.conf.broker_url, app.conf.result_backend = saved_conf
+        runtime.client.cache_clear()
+        runtime.stores.cache_clear()
 
 
 def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
