@@ -273,6 +273,18 @@ class Pattern(Frozen):
     last_seen_iteration: int = Field(ge=1)
 
 
+class Lesson(Frozen):
+    """A failure pattern that recurred across runs (SPEC §5.7): kept without the run TTL."""
+
+    category: str
+    runs: int = Field(ge=1)
+    """How many runs the pattern occurred in."""
+    description: str
+    prevention_rule: str
+    first_run: str
+    last_run: str
+
+
 class GateEvent(Frozen):
     """One gate's decision, written to the run's trace stream."""
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from pipeline.models import CritiqueEnvelope, Pattern, ReusablePattern
+from pipeline.models import CritiqueEnvelope, Lesson, Pattern, ReusablePattern
 from pipeline.store.memory import pattern_key
 
 PITFALLS_HEADER = (
@@ -97,29 +97,24 @@ def patterns_from_envelope(envelope: CritiqueEnvelope) -> list[ReusablePattern]:
     return list(out.values())
 
 
-def render_lessons(patterns: Sequence[Pattern]) -> str:
-    """``lessons.md``: patterns that recurred across runs, most frequent first as given."""
+def render_lessons(lessons: Sequence[Lesson]) -> str:
+    """``lessons.md``: failure patterns that recurred across runs, most runs first as given."""
     lines = [
         "# Lessons",
         "",
         "Failure patterns that recurred across runs, most frequent first.",
         "",
     ]
-    if not patterns:
+    if not lessons:
         lines.append("No recurring failure patterns recorded yet.")
         return "\n".join(lines) + "\n"
-    for i, p in enumerate(patterns, 1):
-        seen = (
-            f"iteration {p.first_seen_iteration}"
-            if p.first_seen_iteration == p.last_seen_iteration
-            else f"iterations {p.first_seen_iteration}–{p.last_seen_iteration}"
-        )
+    for i, lesson in enumerate(lessons, 1):
         lines += [
-            f"## {i}. {p.category} (seen {p.frequency}x)",
+            f"## {i}. {lesson.category} (seen in {lesson.runs} runs)",
             "",
-            f"- **Rule:** {_one_line(p.prevention_rule)}",
-            f"- **What happened:** {_one_line(p.description)}",
-            f"- **Seen in:** {seen}",
+            f"- **Rule:** {_one_line(lesson.prevention_rule)}",
+            f"- **What happened:** {_one_line(lesson.description)}",
+            f"- **Runs:** first {lesson.first_run}, latest {lesson.last_run}",
             "",
         ]
     return "\n".join(lines)

@@ -22,7 +22,7 @@ from typing import Any
 
 from pipeline.errors import StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
-from pipeline.models import CritiqueResult, FileRef, GateEvent, Submission
+from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Submission
 from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import admit, start
 from pipeline.store import keys
@@ -217,6 +217,10 @@ class CritiqueClient:
     def pitfalls(self, run_id: str, limit: int = 10) -> str:
         """The Known Pitfalls text for the workers the manager dispatches next."""
         return render_pitfalls(runtime.stores().patterns.top(run_id, limit))
+
+    def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
+        """Failure patterns that recurred across runs (kept without the run TTL), most first."""
+        return runtime.stores().patterns.lessons(limit, min_runs)
 
     def trace(
         self, run_id: str, *, follow: bool = False, block_ms: int = 1000

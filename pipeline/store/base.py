@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from pipeline.models import Pattern, ReusablePattern
+from pipeline.models import Lesson, Pattern, ReusablePattern
 
 
 class PatternStore(Protocol):
@@ -26,6 +26,10 @@ class PatternStore(Protocol):
 
     def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
         """The run's patterns, most frequent first (ties: earliest first seen, then category)."""
+        ...
+
+    def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
+        """Patterns that occurred in at least ``min_runs`` runs, most runs first (all runs)."""
         ...
 
 

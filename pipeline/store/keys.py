@@ -67,6 +67,8 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
 # --- shared (not per-run) keys ---------------------------------------------------------------
 
 BLOB = "blob"  # string under ``<prefix>:blob:<sha256 hex>``: content-addressed bytes, all runs
+LESSONS_RUNS = "lessons:runs"  # sorted set: pattern key -> runs it occurred in (never expires)
+LESSONS_DETAIL = "lessons:detail"  # hash: pattern key -> JSON {category, rule, first/last run}
 
 
 def key_prefix() -> str:
@@ -107,6 +109,11 @@ def run_key(run_id: str, suffix: str, prefix: str | None = None) -> str:
     """The key ``<prefix>:{<run_id>}:<suffix>``; ``run_id`` must be a safe identifier."""
     check_identifier(run_id, "run_id")
     return f"{prefix or key_prefix()}:{{{run_id}}}:{suffix}"
+
+
+def shared_key(suffix: str, prefix: str | None = None) -> str:
+    """A key shared by every run: ``<prefix>:<suffix>`` (blobs, lessons)."""
+    return f"{prefix or key_prefix()}:{suffix}"
 
 
 def run_key_pattern(run_id: str, prefix: str | None = None) -> str:

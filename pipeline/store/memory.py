@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.models import Pattern, ReusablePattern
+from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
 
 
@@ -36,6 +36,7 @@ class MemoryPatternStore:
         self._rows: dict[str, dict[str, _PatternRow]] = {}
         self._seen: set[tuple[str, str]] = set()
         self._order = 0
+        self._lessons: dict[str, tuple[Lesson, int]] = {}
 
     def record(
         self,
@@ -53,6 +54,7 @@ class MemoryPatternStore:
                 p = next(q for q in patterns if pattern_key(q.category, q.prevention_rule) == key)
                 row = rows.get(key)
                 if row is None:
+                    self._learn(run_id, key, p)
                     self._order += 1
                     rows[key] = _PatternRow(
                         Pattern(
@@ -81,6 +83,29 @@ class MemoryPatternStore:
             rows = list(self._rows.get(run_id, {}).values())
         rows.sort(key=lambda r: (-r.pattern.frequency, r.order))
         return [r.pattern for r in rows[:limit]]
+
+    def _learn(self, run_id: str, key: str, p: ReusablePattern) -> None:
+        """A pattern's first occurrence in a run: one more run for its lesson (lock held)."""
+        got = self._lessons.get(key)
+        if got is None:
+            lesson = Lesson(
+                category=p.category,
+                runs=1,
+                description=p.description,
+                prevention_rule=p.prevention_rule,
+                first_run=run_id,
+                last_run=run_id,
+            )
+            self._lessons[key] = (lesson, len(self._lessons) + 1)
+        else:
+            lesson = got[0].model_copy(update={"runs": got[0].runs + 1, "last_run": run_id})
+            self._lessons[key] = (lesson, got[1])
+
+    def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
+        with self._lock:
+            rows = [v for v in self._lessons.values() if v[0].runs >= min_runs]
+        rows.sort(key=lambda r: (-r[0].runs, r[1]))
+        return [r[0] for r in rows[:limit]]
 
 
 @dataclass

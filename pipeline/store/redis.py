@@ -15,7 +15,7 @@ from typing import Any
 
 import redis
 
-from pipeline.models import Pattern, ReusablePattern
+from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store import keys
 from pipeline.store.memory import pattern_key
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
@@ -24,11 +24,13 @@ from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_er
 
 # KEYS: seen, freq, detail. ARGV: critique key, iteration, run TTL (ms), then per pattern
 # (deduplicated by the caller): pattern key, category, description, prevention rule.
+# Returns 0 when the critique was recorded before, else {1, keys of patterns new to the run}.
 _RECORD_PATTERNS = """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
 local iteration = tonumber(ARGV[2])
+local new = {1}
 for i = 4, #ARGV, 4 do
   local pkey = ARGV[i]
   redis.call('ZINCRBY', KEYS[2], 1, pkey)
@@ -42,11 +44,32 @@ for i = 4, #ARGV, 4 do
     row = {category = ARGV[i + 1], description = ARGV[i + 2], prevention_rule = ARGV[i + 3],
            first_seen_iteration = iteration, last_seen_iteration = iteration,
            order = redis.call('HLEN', KEYS[3]) + 1}
+    new[#new + 1] = pkey
   end
   redis.call('HSET', KEYS[3], pkey, cjson.encode(row))
 end
 for i = 1, 3 do
   redis.call('PEXPIRE', KEYS[i], ARGV[3])
+end
+return new
+"""
+
+# KEYS: lessons runs (sorted set), lessons detail (hash); no TTL: lessons outlive runs.
+# ARGV: run id, then per pattern new to that run: pattern key, category, description, rule.
+_RECORD_LESSONS = """
+for i = 2, #ARGV, 4 do
+  local pkey = ARGV[i]
+  redis.call('ZINCRBY', KEYS[1], 1, pkey)
+  local raw = redis.call('HGET', KEYS[2], pkey)
+  local row
+  if raw then
+    row = cjson.decode(raw)
+    row.last_run = ARGV[1]
+  else
+    row = {category = ARGV[i + 1], description = ARGV[i + 2], prevention_rule = ARGV[i + 3],
+           first_run = ARGV[1], last_run = ARGV[1], order = redis.call('HLEN', KEYS[2]) + 1}
+  end
+  redis.call('HSET', KEYS[2], pkey, cjson.encode(row))
 end
 return 1
 """
@@ -79,7 +102,9 @@ class RedisPatternStore:
     """Pattern memory: frequencies in a sorted set, details in a hash, exactly once per critique.
 
     The "seen" set of critique keys and the counts are updated in one Lua script, so a task
-    delivered twice (or run concurrently) counts its patterns once.
+    delivered twice (or run concurrently) counts its patterns once. A pattern's first
+    occurrence in a run also counts one run for its cross-run lesson (``lessons``), in a second
+    script: the lessons keys are shared by every run (another cluster slot) and never expire.
     """
 
     def __init__(
@@ -90,6 +115,7 @@ class RedisPatternStore:
         self._ttl_ms = resolve_ttl_ms(ttl_s)
         self._record = client.register_script(_RECORD_PATTERNS)
         self._top = client.register_script(_TOP_PATTERNS)
+        self._learn = client.register_script(_RECORD_LESSONS)
 
     def _keys(self, run_id: str, *suffixes: str) -> list[str]:
         return [keys.run_key(run_id, s, self._prefix) for s in suffixes]
@@ -115,7 +141,52 @@ class RedisPatternStore:
             run_id, keys.PATTERNS_SEEN, keys.PATTERNS_FREQ, keys.PATTERNS_DETAIL
         )
         with store_errors(self._client):
-            return int(self._record(keys=script_keys, args=args)) == 1
+            got = self._record(keys=script_keys, args=args)
+            if not isinstance(got, list):
+                return False
+            new = {text(k) for k in got[1:]}
+            if new:
+                lesson_args: list[str | int] = [run_id]
+                for i in range(3, len(args), 4):
+                    if args[i] in new:
+                        lesson_args += args[i : i + 4]
+                self._learn(keys=self._lesson_keys(), args=lesson_args)
+        return True
+
+    def _lesson_keys(self) -> list[str]:
+        return [
+            keys.shared_key(keys.LESSONS_RUNS, self._prefix),
+            keys.shared_key(keys.LESSONS_DETAIL, self._prefix),
+        ]
+
+    def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
+        """Patterns seen in at least ``min_runs`` runs, most runs first (first learned first)."""
+        if limit <= 0:
+            return []
+        runs_key, detail_key = self._lesson_keys()
+        with store_errors(self._client):
+            reply: Any = self._client.zrevrangebyscore(
+                runs_key, "+inf", min_runs, start=0, num=limit, withscores=True
+            )
+            ranked = [(member, float(score)) for member, score in reply]
+            members = [member for member, _ in ranked]
+            details = list(self._client.hmget(detail_key, members)) if members else []
+        rows: list[tuple[int, int, Lesson]] = []
+        for (_, score), raw in zip(ranked, details, strict=True):
+            if raw is None:
+                continue
+            d = json.loads(text(raw))
+            lesson = Lesson(
+                category=d["category"],
+                runs=round(float(score)),
+                description=d["description"],
+                prevention_rule=d["prevention_rule"],
+                first_run=d["first_run"],
+                last_run=d["last_run"],
+            )
+            rows.append((-lesson.runs, int(d["order"]), lesson))
+        rows.sort(key=lambda r: (r[0], r[1]))
+        return [r[2] for r in rows]
 
     def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
         """The run's patterns, most frequent first, ties in first-recorded order."""

@@ -178,7 +178,12 @@ def test_report_writes_tree_html_and_lessons(
     finished_run: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """report --out writes the §5.8 tree per iteration, report.html (an SVG per result, output
-    escaped) and lessons.md."""
+    escaped) and lessons.md with the patterns that recurred in another run too."""
+    from workers.client import CritiqueClient
+
+    other = f"ops-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(CONFIG)
+    client.wait(client.submit(_sub(other, "w9", "missing")), timeout=60)
     rc, out, _ = _cli(capsys, "report", finished_run, "--out", str(tmp_path), "--json")
     assert rc == 0
     doc = json.loads(out)
@@ -195,7 +200,8 @@ def test_report_writes_tree_html_and_lessons(
     assert "&lt;script&gt;alert(&#x27;owned&#x27;)&lt;/script&gt;" in page
     assert "<script" not in page
     lessons = (run_dir / "lessons.md").read_text(encoding="utf-8")
-    assert lessons.startswith("# Lessons") and "missing_data (seen" in lessons
+    assert lessons.startswith("# Lessons") and "missing_data (seen in 2 runs)" in lessons
+    assert f"first {finished_run}, latest {other}" in lessons
     assert set(doc["files"]) >= {str(run_dir / "lessons.md"), str(run_dir / "report.html")}
 
 

@@ -372,3 +372,22 @@ def test_blob_sizes(blobs: BlobStore, size: int) -> None:
     """Empty and 5 MB blobs round-trip byte for byte."""
     data = random.Random(size).randbytes(size)
     assert blobs.get(blobs.put(data)) == data
+
+
+def test_lessons_count_runs_and_survive_the_run(patterns: PatternStore) -> None:
+    """A pattern's lesson counts the runs it occurred in (not its critiques); a redelivered
+    critique adds nothing; below min_runs it is not a lesson yet."""
+    a = rp("missing_data", "always include summary")
+    b = rp("stale", "use this year's prices")
+    patterns.record("lr1", "c1", 1, [a, b])
+    patterns.record("lr1", "c2", 2, [a])
+    patterns.record("lr1", "c2", 2, [a])  # redelivered
+    assert patterns.lessons() == []
+    patterns.record("lr2", "c1", 1, [a])
+    patterns.record("lr3", "c1", 1, [a, b])
+    got = [(x.prevention_rule, x.runs, x.first_run, x.last_run) for x in patterns.lessons()]
+    assert got == [
+        ("always include summary", 3, "lr1", "lr3"),
+        ("use this year's prices", 2, "lr1", "lr3"),
+    ]
+    assert [x.runs for x in patterns.lessons(limit=1)] == [3]

@@ -94,15 +94,20 @@ def exercise_every_store(
 
 
 def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
-    """Every key written lives under the prefix, run keys with the {run_id} tag, all with a TTL."""
+    """Every key written lives under the prefix, run keys with the {run_id} tag, all with a TTL
+    except the two lessons keys, which outlive runs by design (SPEC §5.7)."""
     exercise_every_store(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     found = sorted(k.decode() for k in redis_client.scan_iter(match="*"))
     run_keys = {keys.run_key("run1", s, PREFIX) for s in keys.RUN_KEY_SUFFIXES}
     blob = keys.blob_key(blob_ref(b"blob bytes").removeprefix("sha256:"), PREFIX)
-    assert set(found) - run_keys == {blob}
+    lessons = {keys.shared_key(k, PREFIX) for k in (keys.LESSONS_RUNS, keys.LESSONS_DETAIL)}
+    assert set(found) - run_keys == {blob} | lessons
     assert run_keys <= set(found)
     for key in found:
-        assert 0 < redis_client.pttl(key) <= TTL_S * 1000, key
+        if key in lessons:
+            assert redis_client.pttl(key) == -1, key
+        else:
+            assert 0 < redis_client.pttl(key) <= TTL_S * 1000, key
 
 
 def test_environment_sets_prefix_and_ttl(
@@ -114,7 +119,7 @@ def test_environment_sets_prefix_and_ttl(
     exercise_every_store(redis_client)
     found = [k.decode() for k in redis_client.scan_iter(match="*")]
     assert found and all(k.startswith("envpfx:") for k in found)
-    assert all(0 < redis_client.pttl(k) <= 120_000 for k in found)
+    assert all(0 < redis_client.pttl(k) <= 120_000 for k in found if ":lessons:" not in k)
 
 
 @pytest.mark.parametrize(

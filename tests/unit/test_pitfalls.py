@@ -102,14 +102,46 @@ def test_patterns_from_envelope_adds_uncovered_defects_and_dedupes() -> None:
     ]
 
 
-def test_lessons_markdown_lists_patterns_with_frequencies() -> None:
-    """lessons.md has a heading, one section per pattern with rule and iterations seen."""
-    text = render_lessons([_pattern("missing_data", "Always include 'summary'", 4, 1, 3)])
+def test_lessons_markdown_lists_lessons_with_their_runs() -> None:
+    """lessons.md has a heading, one section per lesson with its rule and the runs it was in."""
+    from pipeline.models import Lesson
+
+    lesson = Lesson(
+        category="missing_data",
+        runs=4,
+        description="the summary field was missing",
+        prevention_rule="Always include 'summary'",
+        first_run="run-a",
+        last_run="run-d",
+    )
+    text = render_lessons([lesson])
     assert text.startswith("# Lessons\n")
-    assert "## 1. missing_data (seen 4x)" in text
+    assert "## 1. missing_data (seen in 4 runs)" in text
     assert "- **Rule:** Always include 'summary'" in text
-    assert "iterations 1–3" in text
+    assert "first run-a, latest run-d" in text
     assert "No recurring" in render_lessons([])
+
+
+def test_memory_lessons_count_runs_not_critiques() -> None:
+    """A pattern counts once per run for its lesson, however often the run repeats it; only
+    patterns seen in at least min_runs runs are lessons."""
+    from pipeline.store.memory import MemoryPatternStore
+
+    store = MemoryPatternStore()
+    a = ReusablePattern(category="missing_data", description="d", prevention_rule="rule a")
+    b = ReusablePattern(category="stale", description="d", prevention_rule="rule b")
+    store.record("run1", "c1", 1, [a, b])
+    store.record("run1", "c2", 1, [a])
+    assert store.lessons() == []
+    store.record("run2", "c1", 1, [a])
+    [lesson] = store.lessons()
+    assert (lesson.prevention_rule, lesson.runs, lesson.first_run, lesson.last_run) == (
+        "rule a",
+        2,
+        "run1",
+        "run2",
+    )
+    assert [x.runs for x in store.lessons(min_runs=1)] == [2, 1]
 
 
 def test_layer0_defects_share_one_fixed_rule_per_check() -> None:

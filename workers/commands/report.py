@@ -4,7 +4,8 @@ For every iteration with results, the SPEC §5.8 tree
 ``<root>/runs/<run-id>/iterations/NNN/{critique.json, CRITIQUE.md, delegations/<worker>/…}``
 (:func:`pipeline.artifacts.write_artifacts`), plus ``<root>/runs/<run-id>/report.html`` (one
 self-contained page with each worker's score trajectory as inline SVG) and
-``<root>/runs/<run-id>/lessons.md`` (the run's failure patterns). ``<root>`` is ``--out``, else
+``<root>/runs/<run-id>/lessons.md`` (failure patterns that recurred across runs, from the
+lessons store that outlives runs). ``<root>`` is ``--out``, else
 ``$CRITIQUE_WORKSPACE``, else ``./workspace``. Prints the files written, one per line; ``--json``
 prints ``{"run_id", "root", "report", "files": [...]}``.
 
@@ -78,7 +79,7 @@ def write_report(run_id: str, out_dir: Path | str | None = None) -> list[Path]:
     report = run_dir / "report.html"
     lessons = run_dir / "lessons.md"
     _write(report, page)
-    _write(lessons, render_lessons(patterns))
+    _write(lessons, render_lessons(stores.patterns.lessons(PATTERN_LIMIT)))
     return [*written, report, lessons]
 
 
