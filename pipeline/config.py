@@ -51,6 +51,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_TASK_TIME_LIMIT_S",  # Celery: hard time limit of every task
         "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
         "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves
+        "CRITIQUE_STALL_S",  # client: seconds without progress before wait() resumes a chain
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
         "CRITIQUE_LLM_API_KEY",  # API key for every LLM call (a secret: never in a workflow file)
     }

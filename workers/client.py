@@ -14,6 +14,8 @@ The broker is the same Redis unless ``CELERY_BROKER_URL`` says otherwise.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -61,7 +63,13 @@ class CritiqueClient:
         try:
             res = submission_chain(msg, runtime.config_for(self.config), sub).apply_async()
             runtime.stores().runs.mark_submitted(
-                sub.run_id, sub.iteration, sub.worker_id, res.id, sub.subtask_signature
+                sub.run_id,
+                sub.iteration,
+                sub.worker_id,
+                res.id,
+                sub.subtask_signature,
+                sid=str(msg["sid"]),
+                message=msg,
             )
         except StoreUnavailableError:
             raise
@@ -88,17 +96,24 @@ class CritiqueClient:
         return runtime.stores().runs.result(handle.run_id, handle.iteration, handle.worker_id)
 
     def wait(self, handle: Handle, timeout: float | None = 60.0) -> CritiqueResult:
-        """Block until the submission's result is stored (polling Redis), or time out."""
+        """Block until the submission's result is stored (polling Redis), or time out.
+
+        A submission whose chain made no progress for :func:`stall_after_s` (no new step
+        recorded) is resumed from its last recorded step (:meth:`resume`): the Redis broker can
+        lose a message that a killed worker had popped but not yet registered as unacked.
+        """
         from celery.result import AsyncResult
 
         from workers.app import app
 
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.01
+        progress = _Progress(self, handle, stall_after_s())
         while True:
             got = self.result(handle)
             if got is not None:
                 return got
+            progress.check()
             ar = AsyncResult(handle.task_id, app=app)
             if ar.state == "FAILURE":
                 raise SubmissionError(
@@ -111,6 +126,40 @@ class CritiqueClient:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.25)
+
+    def resume(self, handle: Handle) -> str:
+        """Re-drive a submission from its last recorded step (or from the start).
+
+        Safe at any time: every stage replays its recorded output and every effect is
+        idempotent, so a chain that was only slow, not lost, ends in the same result. Returns
+        the stage it resumed at (``done``: only the gate was missing).
+        """
+        from workers.tasks import continuation
+
+        runs = runtime.stores().runs
+        doc = runs.submitted(handle.run_id).get(f"{handle.iteration}:{handle.worker_id}")
+        if not doc or "message" not in doc:
+            raise SubmissionError(
+                f"cannot resume {handle.worker_id} of run {handle.run_id}: no first message "
+                "recorded for it (was it submitted by this client version?)"
+            )
+        latest = runs.latest_step(handle.run_id, handle.iteration, handle.worker_id, doc["sid"])
+        msg: dict[str, Any] = doc["message"] if latest is None else dict(json.loads(latest[1]))
+        state, overrides = runtime.decode(msg)
+        config = runtime.config_for(overrides)
+        continuation(msg, config, state.submission, doc["task_id"]).apply_async()
+        runtime.stores().trace.emit(
+            handle.run_id,
+            {
+                "type": "resume",
+                "stage": state.next,
+                "worker_id": handle.worker_id,
+                "iteration": handle.iteration,
+                "round": state.round,
+                "after_step": None if latest is None else latest[0],
+            },
+        )
+        return state.next
 
     def wait_many(
         self, handles: Sequence[Handle], timeout: float | None = 300.0
@@ -232,6 +281,56 @@ class CritiqueClient:
             return
         for _entry_id, event in sink.iterate(run_id, block_ms=block_ms):
             yield event
+
+
+def stall_after_s() -> float:
+    """Seconds without progress after which ``wait`` resumes a submission.
+
+    ``$CRITIQUE_STALL_S``; by default well past the broker's own redelivery of an unacked
+    message (visibility timeout + two restore sweeps + 30 s), so ``resume`` only rescues what
+    the broker itself lost.
+    """
+    raw = os.environ.get("CRITIQUE_STALL_S")
+    if raw:
+        return float(raw)
+    visibility = float(os.environ.get("CRITIQUE_VISIBILITY_TIMEOUT_S", "3600"))
+    restore = float(os.environ.get("CRITIQUE_RESTORE_INTERVAL_S", "10"))
+    return visibility + 2 * restore + 30
+
+
+class _Progress:
+    """Watches one submission's recorded steps while ``wait`` polls; resumes it when stalled."""
+
+    def __init__(self, client: CritiqueClient, handle: Handle, stall_s: float) -> None:
+        self.client = client
+        self.handle = handle
+        self.stall_s = stall_s
+        self.every = max(0.5, stall_s / 4)
+        self.last_seen: str | None = None
+        self.since = time.monotonic()
+        self.next_check = self.since + self.every
+        self.sid: str | None = None
+
+    def check(self) -> None:
+        """Called on every poll; reads the store only every ``stall_s / 4``."""
+        now = time.monotonic()
+        if now < self.next_check:
+            return
+        self.next_check = now + self.every
+        runs = runtime.stores().runs
+        h = self.handle
+        if self.sid is None:
+            doc = runs.submitted(h.run_id).get(f"{h.iteration}:{h.worker_id}") or {}
+            self.sid = str(doc.get("sid", ""))
+        if not self.sid:
+            return
+        latest = runs.latest_step(h.run_id, h.iteration, h.worker_id, self.sid)
+        step = None if latest is None else latest[0]
+        if step != self.last_seen:
+            self.last_seen, self.since = step, now
+        elif now - self.since >= self.stall_s:
+            self.client.resume(h)
+            self.since = now
 
 
 def _as_submission(value: Submission | Mapping[str, Any]) -> Submission:

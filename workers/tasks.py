@@ -243,3 +243,20 @@ def critic_signature(config: CritiqueConfig, submission: Submission, *args: Any)
 def submission_chain(msg: dict[str, Any], config: CritiqueConfig, submission: Submission) -> Any:
     """The chain for one submission message."""
     return chain(l0.s(msg), critic_signature(config, submission), decide.s(), gate.s())
+
+
+def continuation(
+    msg: dict[str, Any], config: CritiqueConfig, submission: Submission, gate_task_id: str
+) -> Any:
+    """The rest of a submission's chain from a stage message (its ``state.next``), ending in
+    the gate task with its original id, so whoever waits on that id still gets the answer."""
+    state, _ = runtime.decode(msg)
+    if state.next == "done":
+        return gate.s(msg).set(task_id=gate_task_id)
+    first: dict[str, list[Any]] = {
+        "l0": [l0.s(msg), critic_signature(config, submission), decide.s()],
+        "critic": [critic_signature(config, submission, msg), decide.s()],
+        "decide": [decide.s(msg)],
+        "repair": [repair.s(msg), l0.s(), critic_signature(config, submission), decide.s()],
+    }
+    return chain(*first[state.next], gate.s().set(task_id=gate_task_id))

@@ -46,6 +46,20 @@ return false
 """
 
 
+_STAGE_RANK = {"l0": 0, "critic": 1, "decide": 2, "repair": 3}
+
+
+def _step_order(rest: str) -> tuple[int, int, int] | None:
+    """``"<round>:<attempt>:<stage>"`` → a sort key in the loop's order; None if malformed."""
+    parts = rest.split(":")
+    if len(parts) != 3 or parts[2] not in _STAGE_RANK:
+        return None
+    try:
+        return int(parts[0]), int(parts[1]), _STAGE_RANK[parts[2]]
+    except ValueError:
+        return None
+
+
 def member(iteration: int, worker_id: str) -> str:
     """The hash field of one submission."""
     return f"{iteration}:{worker_id}"
@@ -75,11 +89,47 @@ class RedisRunStore:
             pipe.execute()
 
     def mark_submitted(
-        self, run_id: str, iteration: int, worker_id: str, task_id: str, signature: str
+        self,
+        run_id: str,
+        iteration: int,
+        worker_id: str,
+        task_id: str,
+        signature: str,
+        *,
+        sid: str = "",
+        message: dict[str, Any] | None = None,
     ) -> None:
-        """Record that a submission entered the pipeline (for status and the redundancy guard)."""
-        doc = {"task_id": task_id, "signature": signature, "at": time.time()}
+        """Record that a submission entered the pipeline (for status, the redundancy guard and
+        ``resume``: the pass id ``sid`` and the first stage ``message``)."""
+        doc: dict[str, Any] = {"task_id": task_id, "signature": signature, "at": time.time()}
+        if sid:
+            doc["sid"] = sid
+        if message is not None:
+            doc["message"] = message
         self._hset(run_id, keys.SUBMITTED, member(iteration, worker_id), json.dumps(doc))
+
+    def latest_step(
+        self, run_id: str, iteration: int, worker_id: str, sid: str
+    ) -> tuple[str, str] | None:
+        """The last recorded step of one submission pass: ``(step id, output)``, or None.
+
+        Steps are ordered by (round, attempt, stage): l0 < critic < decide < repair within a
+        round and attempt, which is the order the loop runs them in. A scan of the run's steps
+        hash: meant for recovery and status, not for every stage.
+        """
+        key = self._key(run_id, keys.STEPS)
+        prefix = f"{iteration}:{worker_id}:{sid}:"
+        best: tuple[tuple[int, int, int], str] | None = None
+        with store_errors(self._r):
+            for raw in self._r.hscan_iter(key, match=f"{prefix}*", count=1000):
+                step = text(raw[0] if isinstance(raw, tuple) else raw)
+                order = _step_order(step[len(prefix) :])
+                if order is not None and (best is None or order > best[0]):
+                    best = (order, step)
+            if best is None:
+                return None
+            output = self._r.hget(key, best[1])
+        return None if output is None else (best[1], text(output))
 
     def submitted(self, run_id: str) -> dict[str, dict[str, Any]]:
         """Every submission of the run: field -> {task_id, signature, at}."""

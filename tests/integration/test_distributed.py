@@ -44,6 +44,7 @@ def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         CRITIQUE_LEASE_TTL_S="2",
         RECORD_PITFALLS_TO=str(tmp_path_factory.mktemp("rec") / "pitfalls.txt"),
         SLOW_REVISE_S="0.4",
+        CRITIQUE_STALL_S="15",  # wait() resumes a chain whose message the broker lost
     ) as e:
         saved = app.conf.broker_transport_options
         app.conf.broker_transport_options = {"visibility_timeout": 4}
@@ -362,3 +363,32 @@ def test_delegate_guard_refuses_a_redispatch_while_scores_are_low(worker: Worker
     assert again.verdict == "reject" and "already dispatched" in again.reason
     assert client.delegate_guard(run_id, "sig-new").verdict == "pass"
     assert any(e.get("stage") == "delegate" for e in client.trace(run_id))
+
+
+def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(
+    env: dict[str, str], worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Redis broker can lose a message a killed worker had popped but not yet registered
+    as unacked. Simulated: l0 ran and recorded its step, its successor message is gone. wait()
+    sees no progress for CRITIQUE_STALL_S, resumes from the recorded step (the critic), and the
+    result is the reference one, with one resume event in the trace."""
+    from workers import runtime, tasks
+    from workers.client import CritiqueClient
+
+    run_id = f"lost-{uuid.uuid4().hex[:8]}"
+    sub = make_sub(run_id, "w1", 1, "missing")
+    client = CritiqueClient(CONFIG)
+    worker.stop()
+    try:
+        handle = client.submit(sub)
+        redis.Redis.from_url(env["REDIS_URL"]).delete(keys.QUEUE_CPU)  # the l0 message is lost
+        first = runtime.stores().runs.submitted(run_id)["1:w1"]["message"]
+        tasks.l0.apply(args=[first])  # l0 ran and recorded its output; nothing was sent on
+    finally:
+        worker.start()
+    monkeypatch.setenv("CRITIQUE_STALL_S", "1")
+    result = client.wait(handle, timeout=60)
+    want = reference([sub], CONFIG)[0]["1:w1"]
+    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
+    resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
+    assert [(e["stage"], e["after_step"].rsplit(":", 1)[1]) for e in resumes] == [("critic", "l0")]

@@ -334,3 +334,17 @@ def test_count_rejection_once_per_request(redis_client: redis.Redis) -> None:
     assert runs.count_rejection_once("cr1", "req-a") == 1
     assert runs.count_rejection_once("cr1", "req-b") == 2
     assert runs.rejections("cr1") == 2
+
+
+def test_latest_step_follows_the_loop_order(redis_client: redis.Redis) -> None:
+    """latest_step orders a pass's steps by (round, attempt, stage) — l0 < critic < decide <
+    repair — ignores other passes and workers, and is None before the first step."""
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    assert runs.latest_step("ls1", 1, "w1", "sid") is None
+    for step in ("0:0:l0", "0:0:critic", "1:0:decide", "1:0:repair", "1:1:l0", "1:1:critic"):
+        runs.record_step("ls1", f"1:w1:sid:{step}", step)
+    runs.record_step("ls1", "1:w1:other:9:9:repair", "other pass")
+    runs.record_step("ls1", "1:w2:sid:9:9:repair", "other worker")
+    assert runs.latest_step("ls1", 1, "w1", "sid") == ("1:w1:sid:1:1:critic", "1:1:critic")
+    runs.record_step("ls1", "1:w1:sid:2:1:decide", "2:1:decide")
+    assert runs.latest_step("ls1", 1, "w1", "sid") == ("1:w1:sid:2:1:decide", "2:1:decide")
