@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "status": "status",
     "watch": "watch",
     "report": "report",
+    "resume": "resume",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3

@@ -365,6 +365,46 @@ def test_delegate_guard_refuses_a_redispatch_while_scores_are_low(worker: Worker
     assert any(e.get("stage") == "delegate" for e in client.trace(run_id))
 
 
+def _lose_l0_successor(worker: WorkerProcess, env: dict[str, str], sub: Submission) -> Any:
+    """Submit ``sub`` with no worker running, run its l0 in-process (recording the step) and
+    drop the queued message: the chain is stalled as if the broker had lost a message."""
+    from workers import runtime, tasks
+    from workers.client import CritiqueClient
+
+    worker.stop()
+    try:
+        handle = CritiqueClient(CONFIG).submit(sub)
+        redis.Redis.from_url(env["REDIS_URL"]).delete(keys.QUEUE_CPU)
+        first = runtime.stores().runs.submitted(sub.run_id)[f"1:{sub.worker_id}"]["message"]
+        tasks.l0.apply(args=[first])
+    finally:
+        worker.start()
+    return handle
+
+
+def test_critique_resume_redrives_the_pending_submissions(
+    env: dict[str, str], worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`critique resume RUN` re-drives each pending submission from its last recorded step;
+    afterwards nothing is pending and a second resume says so."""
+    import json as _json
+
+    from workers.cli import main
+    from workers.client import CritiqueClient
+
+    run_id = f"resume-{uuid.uuid4().hex[:8]}"
+    handle = _lose_l0_successor(worker, env, make_sub(run_id, "w1", 1, "missing"))
+    capsys.readouterr()
+    assert main(["resume", run_id, "--json"]) == 0
+    doc = _json.loads(capsys.readouterr().out)
+    assert doc["resumed"] == [{"iteration": 1, "worker_id": "w1", "stage": "critic"}]
+    result = CritiqueClient(CONFIG).wait(handle, timeout=60)
+    assert result.status == "repaired"
+    assert main(["resume", run_id]) == 0
+    assert "nothing pending" in capsys.readouterr().out
+    assert main(["resume", run_id, "--worker", "nobody"]) == 2
+
+
 def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(
     env: dict[str, str], worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -372,20 +412,12 @@ def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(
     as unacked. Simulated: l0 ran and recorded its step, its successor message is gone. wait()
     sees no progress for CRITIQUE_STALL_S, resumes from the recorded step (the critic), and the
     result is the reference one, with one resume event in the trace."""
-    from workers import runtime, tasks
     from workers.client import CritiqueClient
 
     run_id = f"lost-{uuid.uuid4().hex[:8]}"
     sub = make_sub(run_id, "w1", 1, "missing")
     client = CritiqueClient(CONFIG)
-    worker.stop()
-    try:
-        handle = client.submit(sub)
-        redis.Redis.from_url(env["REDIS_URL"]).delete(keys.QUEUE_CPU)  # the l0 message is lost
-        first = runtime.stores().runs.submitted(run_id)["1:w1"]["message"]
-        tasks.l0.apply(args=[first])  # l0 ran and recorded its output; nothing was sent on
-    finally:
-        worker.start()
+    handle = _lose_l0_successor(worker, env, sub)
     monkeypatch.setenv("CRITIQUE_STALL_S", "1")
     result = client.wait(handle, timeout=60)
     want = reference([sub], CONFIG)[0]["1:w1"]

@@ -41,7 +41,7 @@ def key_of(iteration: int, worker_id: str) -> str:
     return f"{iteration}:{worker_id}"
 
 
-def _split(key: str) -> tuple[int, str]:
+def split_key(key: str) -> tuple[int, str]:
     it, _, worker = key.partition(":")
     return (int(it) if it.isdigit() else 0), worker
 
@@ -63,7 +63,7 @@ class RunSnapshot:
     @property
     def pending(self) -> list[str]:
         done = self.finished
-        return sorted((k for k in self.submitted if k not in done), key=_split)
+        return sorted((k for k in self.submitted if k not in done), key=split_key)
 
     @property
     def ok(self) -> bool:
@@ -92,7 +92,7 @@ def load_snapshot(
     submitted = stores.runs.submitted(run_id)
     results = stores.runs.results(run_id, iteration)
     if iteration is not None:
-        submitted = {k: v for k, v in submitted.items() if _split(k)[0] == iteration}
+        submitted = {k: v for k, v in submitted.items() if split_key(k)[0] == iteration}
     if not submitted and not results:
         where = "" if iteration is None else f" in iteration {iteration}"
         raise UnknownRunError(
@@ -184,7 +184,7 @@ def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
         for r in snap.results
     ]
     for key in snap.pending:
-        it, worker = _split(key)
+        it, worker = split_key(key)
         row: dict[str, Any] = {
             "iteration": it,
             "worker_id": worker,

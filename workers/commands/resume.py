@@ -1,0 +1,70 @@
+"""``critique resume RUN [--worker W] [--iteration N] [--json]``: re-drive pending submissions.
+
+Every pending submission of the run (or the named ones) is resumed from its last recorded step
+(:meth:`workers.client.CritiqueClient.resume`): for a chain whose message the broker lost,
+e.g. popped by a worker that was killed before it registered the message. Resuming a chain
+that is only slow is harmless (stages replay their recorded output; effects are idempotent).
+The client's ``wait`` (and ``critique submit --wait``) does this by itself after
+``CRITIQUE_STALL_S``; this is the operator's way to do it now.
+
+Exit codes: 0 resumed (or nothing pending), 2 bad usage, an unknown run or worker, 3 Redis
+unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from workers.commands.status import load_snapshot, service_guard, split_key
+
+HELP = "resume a run's pending submissions from their last recorded step"
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_id", metavar="RUN", help="the run id")
+    parser.add_argument(
+        "--worker", action="append", default=[], metavar="W", help="only this worker (repeatable)"
+    )
+    parser.add_argument("--iteration", type=int, metavar="N", help="only this iteration")
+    parser.add_argument("--json", action="store_true", help="print what was resumed as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.iteration is not None and args.iteration < 1:
+        print("critique resume: --iteration must be ≥ 1", file=sys.stderr)
+        return EXIT_USAGE
+
+    def body() -> int:
+        from workers.client import CritiqueClient, Handle
+
+        snap = load_snapshot(args.run_id, args.iteration, chain_errors=False)
+        pending = snap.pending
+        if args.worker:
+            unknown = sorted(set(args.worker) - {split_key(k)[1] for k in snap.submitted})
+            if unknown:
+                print(
+                    f"critique resume: run {args.run_id!r} has no submission from {unknown}",
+                    file=sys.stderr,
+                )
+                return EXIT_USAGE
+            pending = [k for k in pending if split_key(k)[1] in args.worker]
+        client = CritiqueClient()
+        resumed = []
+        for key in pending:
+            iteration, worker = split_key(key)
+            task_id = str(snap.submitted[key].get("task_id", ""))
+            stage = client.resume(Handle(args.run_id, iteration, worker, task_id))
+            resumed.append({"iteration": iteration, "worker_id": worker, "stage": stage})
+        if args.json:
+            print(json.dumps({"run_id": args.run_id, "resumed": resumed}))
+        elif not resumed:
+            print(f"resume: nothing pending in run {args.run_id}")
+        else:
+            for r in resumed:
+                print(f"resumed {args.run_id}  {r['iteration']}  {r['worker_id']}  at {r['stage']}")
+        return EXIT_OK
+
+    return service_guard("resume", body)
