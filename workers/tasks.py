@@ -26,8 +26,8 @@ from pipeline.gates import evaluate_completion
 from pipeline.models import Submission
 from pipeline.runner import STAGES, LoopState, StageContext, finish, is_token_free
 from pipeline.store import keys
+from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
-from pipeline.store.redis import encode_event
 from workers import runtime
 from workers.app import app
 
@@ -135,11 +135,9 @@ def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     out, next_stage = _stage(self, msg, "decide")
     if next_stage == "repair":
         state, overrides = runtime.decode(out)
-        config = runtime.config_for(overrides)
+        loop = loop_from("repair", out, runtime.config_for(overrides), state.submission)
         # Raises Ignore under a worker (the replacement inherits the rest of the chain).
-        replaced: dict[str, Any] = self.replace(
-            chain(repair.s(out), l0.s(), critic_signature(config, state.submission), decide.s())
-        )
+        replaced: dict[str, Any] = self.replace(chain(*loop))
         return replaced
     return out
 
@@ -240,9 +238,31 @@ def critic_signature(config: CritiqueConfig, submission: Submission, *args: Any)
     return sig
 
 
+LOOP = ("repair", "l0", "critic", "decide")
+"""The loop's stages in the order a chain runs them (a submission enters it at ``l0``)."""
+
+
+def loop_from(
+    stage: str, msg: dict[str, Any], config: CritiqueConfig, submission: Submission
+) -> list[Any]:
+    """Signatures of the loop's stages from ``stage`` through ``decide``, the first carrying
+    ``msg``; the critic routed for the submission (:func:`critic_signature`)."""
+    sigs: list[Any] = []
+    for name in LOOP[LOOP.index(stage) :]:
+        args = () if sigs else (msg,)
+        if name == "critic":
+            sigs.append(critic_signature(config, submission, *args))
+        else:
+            sigs.append(_STAGE_TASKS[name].s(*args))
+    return sigs
+
+
+_STAGE_TASKS: dict[str, Task] = {"repair": repair, "l0": l0, "decide": decide}
+
+
 def submission_chain(msg: dict[str, Any], config: CritiqueConfig, submission: Submission) -> Any:
     """The chain for one submission message."""
-    return chain(l0.s(msg), critic_signature(config, submission), decide.s(), gate.s())
+    return chain(*loop_from("l0", msg, config, submission), gate.s())
 
 
 def continuation(
@@ -253,10 +273,5 @@ def continuation(
     state, _ = runtime.decode(msg)
     if state.next == "done":
         return gate.s(msg).set(task_id=gate_task_id)
-    first: dict[str, list[Any]] = {
-        "l0": [l0.s(msg), critic_signature(config, submission), decide.s()],
-        "critic": [critic_signature(config, submission, msg), decide.s()],
-        "decide": [decide.s(msg)],
-        "repair": [repair.s(msg), l0.s(), critic_signature(config, submission), decide.s()],
-    }
-    return chain(*first[state.next], gate.s().set(task_id=gate_task_id))
+    loop = loop_from(state.next, msg, config, submission)
+    return chain(*loop, gate.s().set(task_id=gate_task_id))
