@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
+
+
+def encode_event(event: Mapping[str, Any]) -> str:
+    """A trace event as every trace sink stores it: compact JSON; NaN or a non-JSON value
+    raises ValueError or TypeError (a stored event is a snapshot, never a live object)."""
+    return json.dumps(dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 class PatternStore(Protocol):

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
+from pipeline.store.base import encode_event
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
 
 
@@ -182,7 +183,7 @@ class MemoryTraceSink:
         with self._lock:
             # A JSON round trip: the stored event is a snapshot and non-JSON values are refused,
             # exactly as the Redis stream behaves.
-            self._events.setdefault(run_id, []).append(json.dumps(dict(event), allow_nan=False))
+            self._events.setdefault(run_id, []).append(encode_event(event))
 
     def read(self, run_id: str) -> list[dict[str, Any]]:
         with self._lock:
@@ -202,10 +203,7 @@ class BufferedTraceSink:
         self.payloads: dict[str, list[str]] = {}
 
     def emit(self, run_id: str, event: Mapping[str, Any]) -> None:
-        payload = json.dumps(
-            dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False
-        )
-        self.payloads.setdefault(run_id, []).append(payload)
+        self.payloads.setdefault(run_id, []).append(encode_event(event))
 
     def read(self, run_id: str) -> list[dict[str, Any]]:
         return [json.loads(p) for p in self.payloads.get(run_id, [])]

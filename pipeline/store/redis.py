@@ -17,6 +17,7 @@ import redis
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store import keys
+from pipeline.store.base import encode_event
 from pipeline.store.memory import pattern_key
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
@@ -477,11 +478,6 @@ class RedisTraceSink:
             for entry_id, fields in entries:
                 last_id = text(entry_id)
                 yield last_id, _decode_event(fields)
-
-
-def encode_event(event: Mapping[str, Any]) -> str:
-    """A trace event as stored: compact JSON; NaN or a non-JSON value raises."""
-    return json.dumps(dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 def _stream_entries(reply: Any) -> list[Any]:
