@@ -22,6 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.config import CritiqueConfig
 from pipeline.errors import StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Submission
@@ -55,13 +56,23 @@ class CritiqueClient:
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, submission: Submission | Mapping[str, Any]) -> Handle:
         """Enqueue one submission's chain; returns at once."""
+        return self.submit_many([submission])[0]
+
+    def submit_many(self, submissions: Sequence[Submission | Mapping[str, Any]]) -> list[Handle]:
+        """Enqueue many submissions (validated all first: one bad one enqueues none)."""
+        subs = [_as_submission(s) for s in submissions]
+        config = runtime.config_for(self.config)
+        for s in subs:
+            admit(s, config)
+        return [self._enqueue(s, config) for s in subs]
+
+    def _enqueue(self, sub: Submission, config: CritiqueConfig) -> Handle:
+        """Send one validated, admitted submission's chain and register it in the run."""
         from workers.tasks import submission_chain
 
-        sub = _as_submission(submission)
-        admit(sub, runtime.config_for(self.config))
         msg = runtime.encode(start(sub), self.config)
         try:
-            res = submission_chain(msg, runtime.config_for(self.config), sub).apply_async()
+            res = submission_chain(msg, config, sub).apply_async()
             runtime.stores().runs.mark_submitted(
                 sub.run_id,
                 sub.iteration,
@@ -81,14 +92,6 @@ class CritiqueClient:
                 ) from exc
             raise
         return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id)
-
-    def submit_many(self, submissions: Sequence[Submission | Mapping[str, Any]]) -> list[Handle]:
-        """Enqueue many submissions (validated all first: one bad one enqueues none)."""
-        subs = [_as_submission(s) for s in submissions]
-        config = runtime.config_for(self.config)
-        for s in subs:
-            admit(s, config)
-        return [self.submit(s) for s in subs]
 
     # -- reading --------------------------------------------------------------------------------
     def result(self, handle: Handle) -> CritiqueResult | None:
@@ -287,14 +290,17 @@ def stall_after_s() -> float:
     """Seconds without progress after which ``wait`` resumes a submission.
 
     ``$CRITIQUE_STALL_S``; by default well past the broker's own redelivery of an unacked
-    message (visibility timeout + two restore sweeps + 30 s), so ``resume`` only rescues what
-    the broker itself lost.
+    message (the app's visibility timeout + two restore sweeps + 30 s, as ``celeryconfig``
+    set them), so ``resume`` only rescues what the broker itself lost.
     """
     raw = os.environ.get("CRITIQUE_STALL_S")
     if raw:
         return float(raw)
-    visibility = float(os.environ.get("CRITIQUE_VISIBILITY_TIMEOUT_S", "3600"))
-    restore = float(os.environ.get("CRITIQUE_RESTORE_INTERVAL_S", "10"))
+    from workers.app import app
+
+    options = app.conf.broker_transport_options or {}
+    visibility = float(options.get("visibility_timeout", 3600))
+    restore = float(options.get("unacked_restore_interval", 10))
     return visibility + 2 * restore + 30
 
 
