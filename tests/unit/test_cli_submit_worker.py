@@ -166,3 +166,11 @@ def test_help_lists_the_commands_without_importing_celery() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_worker_knows_exactly_the_pipelines_queues() -> None:
+    """The queue names `critique worker` accepts are the ones the chain routes to."""
+    from pipeline.store import keys
+    from workers.commands.worker import KNOWN_QUEUES
+
+    assert KNOWN_QUEUES == keys.QUEUES

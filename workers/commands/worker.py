@@ -26,6 +26,8 @@ from urllib.parse import urlparse
 HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
 
 EXIT_OK, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 2, 3
+# keys.QUEUES, spelled out: importing pipeline.store would load redis on every `critique --help`
+# (tests/unit/test_cli_submit_worker.py pins that the two agree).
 KNOWN_QUEUES = ("critique.cpu", "critique.llm", "critique.llm.critic")
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
 THREADS_DEFAULT = 16
