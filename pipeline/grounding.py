@@ -13,7 +13,7 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
 
 from pipeline.errors import PathEscapeError, SubmissionError
@@ -316,6 +316,50 @@ def contradicted_by(defect: Defect, files: Sequence[FileRef]) -> FileRef | None:
     return _contradicted(defect, _Index(files))
 
 
+def downgrade_defects(
+    envelope: CritiqueEnvelope, rewrite: Callable[[Defect], str | None]
+) -> tuple[CritiqueEnvelope, int]:
+    """Turn each defect ``rewrite`` gives a new description into a marked false positive.
+
+    The defect becomes ``info`` with ``false_positive=True`` and that description; the score
+    gets back 0.2 per critical and 0.1 per warning (at most 1.0); band and effort follow.
+    Returns the new envelope and how many defects changed (``envelope`` itself when none).
+    Shared by grounding (the snapshot contradicts a claim) and the paired critic (the
+    adjudicator rejects one).
+    """
+    refund = 0.0
+    changed = 0
+    defects: list[Defect] = []
+    for d in envelope.defects:
+        description = rewrite(d)
+        if description is None:
+            defects.append(d)
+            continue
+        if d.severity == "critical":
+            refund += CRITICAL_REFUND
+        elif d.severity == "warning":
+            refund += WARNING_REFUND
+        changed += 1
+        defects.append(
+            d.model_copy(
+                update={"severity": "info", "false_positive": True, "description": description}
+            )
+        )
+    if not changed:
+        return envelope, 0
+    score = round(min(1.0, envelope.score + refund), 6)
+    actionable = sum(1 for d in defects if d.severity in ("critical", "warning"))
+    downgraded = envelope.model_copy(
+        update={
+            "defects": tuple(defects),
+            "score": score,
+            "band": band_for(score),
+            "effort_estimate": effort_for(actionable),
+        }
+    )
+    return downgraded, changed
+
+
 def ground_envelope(envelope: CritiqueEnvelope, files: Sequence[FileRef]) -> CritiqueEnvelope:
     """Downgrade ``missing_data`` claims that the snapshot contradicts; adjust score and band.
 
@@ -324,43 +368,19 @@ def ground_envelope(envelope: CritiqueEnvelope, files: Sequence[FileRef]) -> Cri
     Returns ``envelope`` itself when nothing changed.
     """
     index = _Index(files)
-    refund = 0.0
-    changed = 0
-    defects: list[Defect] = []
-    for d in envelope.defects:
+
+    def rewrite(d: Defect) -> str | None:
         hit = _contradicted(d, index)
         if hit is None:
-            defects.append(d)
-            continue
-        if d.severity == "critical":
-            refund += CRITICAL_REFUND
-        elif d.severity == "warning":
-            refund += WARNING_REFUND
-        changed += 1
+            return None
         note = f"{GROUNDING_MARK} {hit.path!r} exists in the workspace snapshot ({hit.size} B)."
-        defects.append(
-            d.model_copy(
-                update={
-                    "severity": "info",
-                    "false_positive": True,
-                    "description": f"{note} Critic claimed: {d.description}",
-                }
-            )
-        )
+        return f"{note} Critic claimed: {d.description}"
+
+    grounded, changed = downgrade_defects(envelope, rewrite)
     if not changed:
         return envelope
-    score = round(min(1.0, envelope.score + refund), 6)
-    actionable = sum(1 for d in defects if d.severity in ("critical", "warning"))
     summary = (
         f"{envelope.summary} [grounding: {changed} missing-file claim(s) contradicted by the "
         "workspace snapshot were downgraded to info]"
     ).strip()
-    return envelope.model_copy(
-        update={
-            "defects": tuple(defects),
-            "score": score,
-            "band": band_for(score),
-            "effort_estimate": effort_for(actionable),
-            "summary": summary,
-        }
-    )
+    return grounded.model_copy(update={"summary": summary})

@@ -48,12 +48,7 @@ from pipeline.config import CritiqueConfig
 from pipeline.critics.base import Critic, Reviser, RevisionResult, clamp_score
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.errors import LLMTransientError
-from pipeline.grounding import (
-    CRITICAL_REFUND,
-    WARNING_REFUND,
-    ground_envelope,
-    render_ground_truth,
-)
+from pipeline.grounding import downgrade_defects, ground_envelope, render_ground_truth
 from pipeline.llm import ChatMessage, Completer, LLMReply, LLMRequest
 from pipeline.models import (
     CritiqueEnvelope,
@@ -1045,37 +1040,17 @@ def _apply_rulings(
     model: str,
 ) -> CritiqueEnvelope:
     ids = {d.id for d in contested}
-    refund = 0.0
-    rejected = 0
-    defects: list[Defect] = []
-    for d in envelope.defects:
+
+    def rewrite(d: Defect) -> str | None:
         ruling = rulings.get(d.id)
         if d.id not in ids or ruling is None or ruling.verdict != "reject":
-            defects.append(d)
-            continue
-        refund += CRITICAL_REFUND if d.severity == "critical" else WARNING_REFUND
-        rejected += 1
+            return None
         reason = " ".join(ruling.reason.split()) or "no reason given"
-        defects.append(
-            d.model_copy(
-                update={
-                    "severity": "info",
-                    "false_positive": True,
-                    "description": f"{d.description} [adjudicator {model}: rejected: {reason}]",
-                }
-            )
-        )
-    score = clamp_score(envelope.score + refund)
-    actionable = sum(1 for d in defects if d.severity != "info")
-    return envelope.model_copy(
-        update={
-            "defects": tuple(defects),
-            "score": score,
-            "band": band_for(score),
-            "effort_estimate": effort_for(actionable),
-            "summary": (
-                f"{envelope.summary} [paired critic {model}: {rejected} of {len(contested)} "
-                "defect(s) rejected]"
-            ).strip(),
-        }
-    )
+        return f"{d.description} [adjudicator {model}: rejected: {reason}]"
+
+    adjudicated, rejected = downgrade_defects(envelope, rewrite)
+    summary = (
+        f"{envelope.summary} [paired critic {model}: {rejected} of {len(contested)} "
+        "defect(s) rejected]"
+    ).strip()
+    return adjudicated.model_copy(update={"summary": summary})
