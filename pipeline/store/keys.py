@@ -124,4 +124,4 @@ def run_key_pattern(run_id: str, prefix: str | None = None) -> str:
 
 def blob_key(sha256_hex: str, prefix: str | None = None) -> str:
     """The key of a content-addressed blob (no hash tag: blobs are shared across runs)."""
-    return f"{prefix or key_prefix()}:{BLOB}:{sha256_hex}"
+    return shared_key(f"{BLOB}:{sha256_hex}", prefix)
