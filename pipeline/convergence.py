@@ -11,10 +11,14 @@ Stop rules after a round, first match wins:
     budget                    round ≥ ``rubric.max_rounds`` (rubric critics)
 
 ``repair_budget_exhausted`` (the semaphore refused) is decided by the runner when it tries to
-reserve the next repair. Rubric critics skip ``no_improvement``: one flat round is noise for a
-rubric (the seed's reason for a two-round plateau window), so ``plateau`` is their equivalent;
-with flat scores the loop ends in ``plateau``, or in ``budget`` when plateau detection is off
-(``plateau_epsilon`` 0) or ``max_rounds`` comes first.
+reserve the next repair, and so is ``needs_model`` (status ``escalated``): the loop would repair
+(or has run out of attempts) and the reviser's plan fixes nothing — what is left needs a model or
+a person (SPEC §5.3: the deterministic reviser invents nothing), so no round is spent on it.
+
+Rubric critics skip ``no_improvement``: one flat round is noise for a rubric (the seed's reason
+for a two-round plateau window), so ``plateau`` is their equivalent; with flat scores the loop
+ends in ``plateau``, or in ``budget`` when plateau detection is off (``plateau_epsilon`` 0) or
+``max_rounds`` comes first.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ STOP_VERDICT: dict[StopReason, Verdict] = {
     "budget": "budget",
     "repair_budget_exhausted": "budget",
     "escalate_band": "escalated",
+    "needs_model": "escalated",
 }
 """The round verdict that each stop reason is reported as."""
 
@@ -52,6 +57,8 @@ STOP_TEXT: dict[StopReason, str] = {
     "budget": "the round cap (rubric.max_rounds) was reached",
     "repair_budget_exhausted": "the run's repair budget refused the next repair",
     "escalate_band": "the score is in the escalate band (< 0.3): no repair",
+    "needs_model": "the deterministic reviser can fix none of the remaining defects without "
+    "inventing content: a model or a person must act",
 }
 """One line per stop reason, for traces and the CLI."""
 
@@ -150,6 +157,8 @@ def final_status(
     """The result status: accepted/with warnings on round 1, repaired, failed or escalated."""
     if stop == "repair_fixpoint_detected":
         return "failed"
+    if stop == "needs_model":
+        return "escalated"
     if repairs_done == 0:
         if stop == "accepted":
             return "accepted" if best_score >= ACCEPT_CLEAN_FROM else "accepted_with_warnings"

@@ -4,10 +4,17 @@ A manager studies a market entry for a coffee subscription in German cities and 
 out to LLM workers. Their outputs carry the defects the pipeline exists for: JSON results with
 missing fields, an ``error`` field, low or non-numeric confidence, empty strings, invalid JSON;
 Markdown and LaTeX reports with placeholders, repeated paragraphs and duplicate headings; clean
-ones; a paper draft for the rubric critic; near-hopeless ones that escalate. Every sample runs
+ones; paper drafts for the rubric critic; near-hopeless ones that escalate. Every sample runs
 on the token-free critics (heuristic, rubric) and the deterministic revisers, so the demo needs
 no API key, and each one states the status and stop reason it must end with — the same through
 the broker-free runner and through Celery workers.
+
+The token-free reviser invents nothing (SPEC §5.3): it repairs what it can fix exactly (a
+verbatim repeated paragraph, a placeholder-only line, a duplicate heading, JSON in a code fence,
+a confidence written as text) and ends everything else ``escalated`` / ``needs_model`` — a
+missing field or section, an ``error`` field, a placeholder inside a sentence — so the manager
+knows a model or a person must act. The rubric pair is the demo pair: its reviser writes the
+critic's suggestions with stock text, and its results' notes say so.
 
 Everything here is data: deterministic, JSON-safe, no I/O.
 """
@@ -99,7 +106,6 @@ _REPEATED = (
     "would pay a small premium for beans roasted within the last week, and that a flexible "
     "delivery schedule is the feature most likely to keep them subscribed."
 )
-_REPEATED_AGAIN = _REPEATED.replace("every district", "each district")
 
 PAPER_DRAFT: dict[str, Any] = {
     "title": "Subscription Churn in Specialty Coffee",
@@ -137,6 +143,42 @@ PAPER_DRAFT: dict[str, Any] = {
     ],
 }
 """A thin draft the rubric critic scores low on every dimension; its reviser reaches target."""
+
+_LONG_TOPICS = (
+    "Introduction",
+    "Background",
+    "Data",
+    "Survey design",
+    "Sampling",
+    "Method",
+    "Related work",
+    "Results",
+    "Churn drivers",
+    "Delivery timing",
+    "Pricing",
+    "Discussion",
+    "Limitations",
+    "Conclusion",
+)
+LONG_PAPER_DRAFT: dict[str, Any] = {
+    "title": "Churn in Coffee Subscriptions: A Survey of 1,200 Cancellations",
+    "abstract": "We survey why specialty coffee subscribers cancel.",
+    "originality_tag": "medium",
+    "sections": [
+        {
+            "id": topic.lower().replace(" ", "-"),
+            "title": topic,
+            "body": f"This section on {topic.lower()} summarises what the roasters told us about "
+            f"{topic.lower()} and how it shaped the analysis of churn in the survey of 1,200 "
+            "subscribers.",
+            "figure_refs": ["fig1"] if topic == "Results" else [],
+            "cites": ["smith2020"] if topic == "Related work" else [],
+        }
+        for topic in _LONG_TOPICS
+    ],
+}
+"""A long draft with thin sections: each repair adds a paragraph to one of fourteen sections, so
+the second repair changes the draft by less than 5% and the loop stops at a fixpoint."""
 
 
 def _iteration_1() -> list[Sample]:
@@ -182,8 +224,8 @@ def _iteration_1() -> list[Sample]:
                 "sources": ["store survey, 11 shops"],
                 "confidence": 0.84,
             },
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "json",
         ),
         Sample(
@@ -198,8 +240,8 @@ def _iteration_1() -> list[Sample]:
                 "confidence": 0.7,
                 "error": "survey API returned HTTP 503 after 3 retries; sample is partial",
             },
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "json",
         ),
         Sample(
@@ -221,10 +263,10 @@ def _iteration_1() -> list[Sample]:
         Sample(
             1,
             "report-draft",
-            "Markdown with a placeholder",
+            "Markdown with a placeholder-only line",
             _report_task("the launch plan", REQUIRED),
             "# Launch plan\n\n## Summary\n\nWe launch in Berlin first, then Munich.\n\n"
-            "## Findings\n\nRetention after three months: TBD\n",
+            "## Findings\n\nRetention after three months is 71% in the pilot.\n\n- TBD\n",
             "repaired",
             "accepted",
             "markdown",
@@ -237,14 +279,14 @@ def _iteration_1() -> list[Sample]:
             "# Market overview\n\n## Summary\n\nThe market is growing by about 8% a year.\n\n"
             "## Findings\n\nSubscriptions are a small but fast-growing channel.\n\n"
             "## Findings\n\nMost subscribers are found through social media.\n",
-            "escalated",
-            "no_improvement",
+            "repaired",
+            "accepted",
             "markdown",
         ),
         Sample(
             1,
             "churn-paper",
-            "paper draft (rubric critic)",
+            "paper draft (rubric demo pair)",
             "Write a short paper on subscription churn in specialty coffee.",
             PAPER_DRAFT,
             "repaired",
@@ -281,8 +323,8 @@ def _iteration_2() -> list[Sample]:
                 "findings": "The harbour districts have the most independent roasters.",
                 "sources": ["store survey, 10 shops"],
             },
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "json",
         ),
         Sample(
@@ -295,30 +337,30 @@ def _iteration_2() -> list[Sample]:
                 "sources": ["street interviews, 120 people"],
                 "confidence": 0.66,
             },
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "json",
         ),
         Sample(
             2,
             "report-berlin",
-            "Markdown with Lorem ipsum",
+            "Lorem ipsum inside a paragraph",
             _report_task("the Berlin launch", REQUIRED),
             "# Berlin launch\n\n## Summary\n\nBerlin is the first city.\n\n## Findings\n\n"
             "Lorem ipsum dolor sit amet, consectetur adipiscing elit.\n",
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "markdown",
         ),
         Sample(
             2,
             "interviews",
-            "Markdown with a repeated paragraph",
+            "Markdown repeating a paragraph",
             _report_task("the customer interviews", REQUIRED),
-            f"# Customer interviews\n\n## Summary\n\n{_REPEATED}\n\n## Findings\n\n"
-            f"{_REPEATED_AGAIN}\n",
-            "escalated",
-            "no_improvement",
+            "# Customer interviews\n\n## Summary\n\nWe interviewed 40 customers in Berlin and "
+            f"Munich.\n\n## Findings\n\n{_REPEATED}\n\n{_REPEATED}\n",
+            "repaired",
+            "accepted",
             "markdown",
         ),
         Sample(
@@ -335,7 +377,7 @@ def _iteration_2() -> list[Sample]:
         Sample(
             2,
             "competitors-munich",
-            "confidence given as text",
+            "confidence given as a word",
             _json_task("competing subscriptions", "Munich"),
             {
                 "summary": "Two roasters sell subscriptions in Munich.",
@@ -353,19 +395,30 @@ def _iteration_2() -> list[Sample]:
             "empty output",
             _report_task("food labelling rules", ("summary",)),
             "",
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "markdown",
             required_fields=("summary",),
         ),
         Sample(
             2,
+            "pricing-tiers",
+            "JSON in a code fence, trailing comma",
+            _json_task("the pricing tiers", "Berlin"),
+            '```json\n{"tiers": [19, 29, 39], "currency": "EUR", "billing": "monthly",}\n```\n',
+            "repaired",
+            "accepted",
+            "json",
+            required_fields=(),
+        ),
+        Sample(
+            2,
             "pricing-model",
-            "invalid JSON text",
+            "truncated JSON text",
             _json_task("the pricing model", "Berlin"),
             "{'summary': 'Three tiers at 19, 29 and 39 EUR', 'confidence': 0.8,",
             "escalated",
-            "no_improvement",
+            "needs_model",
             "json",
             required_fields=(),
         ),
@@ -392,12 +445,15 @@ def _iteration_3() -> list[Sample]:
         Sample(
             3,
             "survey-cologne",
-            "JSON missing a required field",
+            "confidence as text, empty fields",
             _json_task("consumer demand", "Cologne"),
             {
                 "summary": "Demand is similar to Hamburg's.",
-                "sources": ["online panel"],
-                "confidence": 0.72,
+                "findings": "Students prefer the smallest tier.",
+                "sources": "",
+                "notes": "",
+                "caveats": "",
+                "confidence": "0.72",
             },
             "repaired",
             "accepted",
@@ -415,8 +471,8 @@ def _iteration_3() -> list[Sample]:
                 "confidence": 0.25,
                 "error": "one courier quote timed out",
             },
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "json",
         ),
         Sample(
@@ -427,8 +483,8 @@ def _iteration_3() -> list[Sample]:
             "\\documentclass{article}\n\\title{Executive summary}\n\\author{Author Name}\n"
             "\\begin{document}\n\\maketitle\n\\section{Summary}\nLaunch in Berlin and Munich.\n"
             "\\section{Findings}\nFreshness beats price for our customers.\n\\end{document}\n",
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "latex",
         ),
         Sample(
@@ -436,9 +492,10 @@ def _iteration_3() -> list[Sample]:
             "report-final",
             "repeated paragraph, missing section",
             _report_task("the final recommendation", ("summary", "findings", "recommendation")),
-            f"# Final report\n\n## Summary\n\n{_REPEATED}\n\n## Findings\n\n{_REPEATED_AGAIN}\n",
-            "failed",
-            "repair_fixpoint_detected",
+            "# Final report\n\n## Summary\n\nLaunch in Berlin, then Munich.\n\n## Findings\n\n"
+            f"{_REPEATED}\n\n{_REPEATED}\n",
+            "escalated",
+            "needs_model",
             "markdown",
             required_fields=("summary", "findings", "recommendation"),
         ),
@@ -449,9 +506,21 @@ def _iteration_3() -> list[Sample]:
             _report_task("the executive summary", REQUIRED),
             "# Executive summary\n\n## Summary\n\nWe recommend a Berlin launch in spring with a "
             "29 EUR tier.\n",
-            "repaired",
-            "accepted",
+            "escalated",
+            "needs_model",
             "markdown",
+        ),
+        Sample(
+            3,
+            "churn-paper-long",
+            "long paper, repairs too small (rubric)",
+            "Write a paper on subscription churn in specialty coffee.",
+            LONG_PAPER_DRAFT,
+            "failed",
+            "repair_fixpoint_detected",
+            "json",
+            required_fields=(),
+            critic="rubric",
         ),
         Sample(
             3,

@@ -1,6 +1,6 @@
 """Critics (one protocol, several implementations) and the revisers that pair with them."""
 
-from pipeline.critics.base import Critic, Reviser, RevisionResult, merge_l0
+from pipeline.critics.base import Critic, Refusal, Reviser, RevisionResult, merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.llm import (
     EnvelopeParseError,
@@ -30,6 +30,7 @@ __all__ = [
     "LLMReviser",
     "PairedCritic",
     "Paper",
+    "Refusal",
     "Reviser",
     "RevisionResult",
     "RubricCritic",

@@ -7,6 +7,13 @@ critic, a command critic and the heuristic fallback are interchangeable in the l
 Optional attribute: a critic that spends no tokens (it reads the output deterministically) sets
 ``token_free = True``; the runner may then run it even when Layer-0 failed (see
 :func:`merge_l0`). Critics without the attribute are treated as token-spending.
+
+Optional method: a reviser that knows in advance what it can fix (a deterministic one) offers
+``plan(submission, output, envelope) -> RevisionResult``, the revision ``revise`` would return,
+without side effects. The runner asks it before spending a repair round: when the plan fixes
+nothing, the loop stops with ``needs_model`` and lists the plan's ``unfixable`` defects
+(SPEC §5.3). Revisers without ``plan``, or whose plan is None (an LLM with a model), are
+assumed able to try every defect.
 """
 
 from __future__ import annotations
@@ -50,6 +57,19 @@ class Critic(Protocol):
         ...
 
 
+class Refusal(Frozen):
+    """A defect a reviser left alone, and why (e.g. fixing it would invent content)."""
+
+    defect: Defect
+    reason: str
+
+    def line(self) -> str:
+        """One line for notes and the CLI: severity, category, where, what, why not."""
+        d = self.defect
+        where = f" at {d.location}" if d.location else ""
+        return f"[{d.severity}] {d.category}{where}: {d.description} (not fixed: {self.reason})"
+
+
 class RevisionResult(Frozen):
     """What a reviser returns: the new output, what it cost, how many suggestions it applied."""
 
@@ -58,6 +78,9 @@ class RevisionResult(Frozen):
     suggestions_applied: int = Field(0, ge=0)
     note: str | None = None
     """Something the user should know about this revision (e.g. a fallback reviser answered)."""
+    unfixable: tuple[Refusal, ...] = ()
+    """The defects this reviser could not fix honestly, each with the reason (deterministic
+    revisers list every critical and warning defect they left alone)."""
 
 
 class Reviser(Protocol):

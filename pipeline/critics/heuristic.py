@@ -18,6 +18,10 @@ as an empty field rather than a reported error.
 Text outputs: empty (whitespace only) −0.4 critical ``incomplete``; each required field is read
 as a required heading (a Markdown ``#`` heading or a LaTeX ``\\section``-family title matching the
 field case-insensitively, underscores read as spaces); absent −0.2 critical ``missing_data``.
+
+The reviser (:class:`HeuristicReviser`) invents nothing (SPEC §5.3): of these defects it fixes
+only a numeric-string ``confidence`` ("0.8" → 0.8) and, in text outputs, the Layer-0 defects
+:mod:`pipeline.critics.edits` can fix exactly; every other defect it returns as unfixable.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.critics.base import RevisionResult, clamp_score
+from pipeline.critics.base import Refusal, RevisionResult, clamp_score
+from pipeline.critics.edits import numeric_confidence, revise_text
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -48,22 +53,6 @@ MISSING_FIELD = 0.2
 EMPTY_FIELD = 0.1
 EMPTY_TEXT = 0.4
 MISSING_HEADING = 0.2
-
-REPAIRED_CONFIDENCE = 0.5
-"""Confidence the deterministic reviser writes when the worker gave none or an unusable one."""
-
-PLACEHOLDER_TOKENS: tuple[str, ...] = (
-    "Lorem ipsum",
-    "TITLE GOES HERE",
-    "Author Name",
-    "to be filled",
-    "TODO",
-    "XXX",
-    "???",
-    "TBD",
-    "FIXME",
-)
-"""The default placeholders of SPEC §5.1, longest first (the reviser removes those L0 names)."""
 
 _MD_HEADING = re.compile(r"^[ \t]{0,3}#{1,6}[ \t]+(.+?)[ \t]*#*[ \t]*$", re.MULTILINE)
 _TEX_HEADING = re.compile(r"\\(?:chapter|(?:sub){0,2}section|paragraph)\*?\s*\{([^{}]*)\}")
@@ -296,84 +285,116 @@ class HeuristicCritic:
         )
 
 
-def _task_excerpt(task: str, limit: int = 160) -> str:
-    text = task
-    for token in PLACEHOLDER_TOKENS:
-        text = _token_pattern(token).sub("", text)
-    text = " ".join(text.split())
-    if len(text) > limit:
-        text = text[:limit].rsplit(" ", 1)[0] + "…"
-    return text or "the assigned task"
+MISSING_FIELD_REASON = "filling it would invent content only the worker (or a model) has"
+MISSING_CONFIDENCE_REASON = "a confidence cannot be derived without a model; any number is a guess"
+LOW_CONFIDENCE_REASON = "raising it would claim a certainty the worker did not report"
+NOT_A_NUMBER_REASON = "it is not a plain number from 0 to 1; making it one would be a guess"
+ERROR_REASON = "the worker reported an error; deleting the field would hide it"
+EMPTY_FIELD_REASON = "filling it would invent content; a model or the worker must write it"
+EMPTY_OUTPUT_REASON = "the output is empty; writing it needs a model"
+MISSING_SECTION_REASON = "writing the section would invent content; a model must write it"
+IN_JSON_VALUE_REASON = "it is inside a JSON value; the deterministic reviser does not edit values"
+OTHER_SOURCE_REASON = (
+    "the deterministic reviser fixes only Layer-0 and heuristic defects it can vouch for"
+)
 
 
-FILLER_TASK_WORDS = 8
-"""Words of the task quoted in a filler section (keeps the paragraph under 20 words)."""
+def _dict_fix(out: dict[str, Any], d: Defect) -> str | Refusal:
+    """Fix one heuristic defect of a JSON result in ``out`` (what was done), or refuse it."""
+    if d.location == "confidence":
+        if d.category != "wrong_format":
+            reason = (
+                MISSING_CONFIDENCE_REASON if d.category == "missing_data" else LOW_CONFIDENCE_REASON
+            )
+            return Refusal(defect=d, reason=reason)
+        number = numeric_confidence(out.get("confidence"))
+        if number is None:
+            return Refusal(defect=d, reason=NOT_A_NUMBER_REASON)
+        out["confidence"] = number
+        return "wrote the text confidence as a number"
+    if d.location == "error":
+        return Refusal(defect=d, reason=ERROR_REASON)
+    if d.category == "missing_data":
+        return Refusal(defect=d, reason=MISSING_FIELD_REASON)
+    return Refusal(defect=d, reason=EMPTY_FIELD_REASON)
 
 
-def _first_words(text: str, n: int) -> str:
-    words = text.split()
-    return " ".join(words[:n]) + ("…" if len(words) > n else "")
+def _text_refusal(d: Defect) -> Refusal:
+    reason = MISSING_SECTION_REASON if d.category == "missing_data" else EMPTY_OUTPUT_REASON
+    return Refusal(defect=d, reason=reason)
 
 
-def _derived_value(field: str, task: str) -> str:
-    return f"{_label(field)} for the task: {_task_excerpt(task)}"
-
-
-def _token_pattern(token: str) -> re.Pattern[str]:
-    escaped = re.escape(token)
-    if token[:1].isalnum():
-        escaped = rf"\b{escaped}"
-    if token[-1:].isalnum():
-        escaped = rf"{escaped}\b"
-    return re.compile(escaped + r"[ \t]?", re.IGNORECASE)
-
-
-def named_placeholders(defects: Sequence[Defect]) -> list[str]:
-    """Placeholder tokens that Layer-0 defects name (in their description or location)."""
-    names: list[str] = []
-    for d in defects:
-        if d.source != "l0" or d.severity == "info":
-            continue
-        where = f"{d.description} {d.location or ''}".casefold()
-        for token in PLACEHOLDER_TOKENS:
-            if token.casefold() in where and token not in names:
-                names.append(token)
-    return names
-
-
-def _strip_tokens(value: Any, tokens: Sequence[str]) -> Any:
-    if isinstance(value, str):
-        for token in tokens:
-            value = _token_pattern(token).sub("", value)
-        return value
-    if isinstance(value, dict):
-        return {k: _strip_tokens(v, tokens) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_strip_tokens(v, tokens) for v in value]
-    return value
-
-
-def _coerce_confidence(value: Any) -> float:
-    try:
-        parsed = float(value)
-    except (TypeError, ValueError):
-        return REPAIRED_CONFIDENCE
-    if math.isnan(parsed) or not 0.0 <= parsed <= 1.0:
-        return REPAIRED_CONFIDENCE
-    return max(parsed, REPAIRED_CONFIDENCE)
+def _note(fixed: Sequence[str], refused: Sequence[Refusal]) -> str | None:
+    parts = []
+    if fixed:
+        counts = {what: fixed.count(what) for what in dict.fromkeys(fixed)}
+        parts.append(
+            "fixed: " + "; ".join(f"{w} (×{n})" if n > 1 else w for w, n in counts.items())
+        )
+    if refused:
+        parts.append(f"{len(refused)} defect(s) left for a model (fixing them would invent)")
+    return "; ".join(parts) or None
 
 
 class HeuristicReviser:
-    """Deterministic repair of heuristic (and L0 placeholder) defects — only those named.
+    """The token-free reviser: makes only the edits it can vouch for (SPEC §5.3).
 
-    Dict outputs: adds a missing required field with a value derived from the task, sets a
-    missing, non-numeric or low ``confidence``, removes the ``error`` field, fills empty strings.
-    Text outputs: appends each missing required heading with a sentence derived from the task.
-    Both: removes placeholder tokens that Layer-0 defects name. Usage is an estimate, calls 0.
+    It deletes a verbatim repeated paragraph, drops a line holding nothing but a placeholder,
+    suffixes a duplicate heading, removes what keeps exact JSON from parsing, and writes a
+    numeric-string ``confidence`` as the number (:mod:`pipeline.critics.edits`). It never fills
+    a missing field or section, never deletes an ``error`` field, never touches text around a
+    placeholder: every such defect is returned in ``unfixable`` with the reason, and the loop
+    ends ``escalated`` / ``needs_model`` when nothing fixable is left. Usage is an estimate,
+    calls 0.
     """
 
     name = "deterministic-heuristic"
     reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
+
+    def plan(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+    ) -> RevisionResult:
+        """The revision :meth:`revise` makes, with every defect it leaves alone and why."""
+        fixed: list[tuple[Defect, str]] = []
+        refused: list[Refusal] = []
+        new: str | dict[str, Any]
+        if isinstance(output, dict):
+            out = dict(output)
+            for d in envelope.actionable:
+                if d.source == "heuristic":
+                    got = _dict_fix(out, d)
+                    if isinstance(got, Refusal):
+                        refused.append(got)
+                    else:
+                        fixed.append((d, got))
+                elif d.source == "l0":
+                    refused.append(Refusal(defect=d, reason=IN_JSON_VALUE_REASON))
+                else:
+                    refused.append(Refusal(defect=d, reason=OTHER_SOURCE_REASON))
+            new = out
+        else:
+            l0 = [d for d in envelope.actionable if d.source == "l0"]
+            outcome = revise_text(output, submission.claimed_format, l0)
+            fixed += outcome.fixed
+            for d in envelope.actionable:
+                if d.source == "heuristic":
+                    refused.append(_text_refusal(d))
+                elif d.source != "l0":
+                    refused.append(Refusal(defect=d, reason=OTHER_SOURCE_REASON))
+            refused += outcome.refused
+            new = outcome.text
+        order = {d.id: i for i, d in enumerate(envelope.actionable)}
+        refused.sort(key=lambda r: order.get(r.defect.id, len(order)))
+        return RevisionResult(
+            output=new,
+            usage=estimate_usage(text_of(output), text_of(new)),
+            suggestions_applied=len(fixed),
+            note=_note([what for _d, what in fixed], refused),
+            unfixable=tuple(refused),
+        )
 
     def revise(
         self,
@@ -384,72 +405,5 @@ class HeuristicReviser:
         pitfalls: str = "",
         attempts: Sequence[RepairAttempt] = (),
     ) -> RevisionResult:
-        """Apply one fix per actionable defect this reviser understands."""
-        actionable = envelope.actionable
-        applied = 0
-        new: str | dict[str, Any]
-        if isinstance(output, dict):
-            new, applied = self._revise_dict(submission, dict(output), actionable)
-        else:
-            new, applied = self._revise_text(submission, output, actionable)
-        tokens = named_placeholders(actionable)
-        if tokens:
-            stripped = _strip_tokens(new, tokens)
-            if stripped != new:
-                applied += 1
-                new = stripped
-        return RevisionResult(
-            output=new,
-            usage=estimate_usage(text_of(output), text_of(new)),
-            suggestions_applied=applied,
-        )
-
-    @staticmethod
-    def _revise_dict(
-        submission: Submission, out: dict[str, Any], defects: Sequence[Defect]
-    ) -> tuple[dict[str, Any], int]:
-        applied = 0
-        for d in defects:
-            if d.source != "heuristic" or d.location is None:
-                continue
-            field = d.location
-            if field == "error":
-                if field in out:
-                    del out[field]
-                    applied += 1
-            elif field == "confidence":
-                out[field] = _coerce_confidence(out.get(field))
-                applied += 1
-            elif (d.category == "missing_data" and out.get(field) is None) or (
-                d.category == "incomplete" and _blank(out.get(field))
-            ):
-                out[field] = _derived_value(field, submission.task)
-                applied += 1
-        return out, applied
-
-    @staticmethod
-    def _revise_text(
-        submission: Submission, text: str, defects: Sequence[Defect]
-    ) -> tuple[str, int]:
-        applied = 0
-        latex = submission.claimed_format == "latex" or bool(_TEX_HEADING.search(text))
-        present = headings(text)
-        for d in defects:
-            if d.source != "heuristic" or d.category != "missing_data" or d.location is None:
-                continue
-            field = d.location
-            if normalize_title(field) in present:
-                continue
-            title = _label(field)
-            # Under 20 words, so several filler sections never read as a text loop (L0
-            # no_text_loop looks at paragraphs of 20+ words).
-            sentence = f"This section covers the {field.replace('_', ' ')} for the task: "
-            sentence += _first_words(_task_excerpt(submission.task), FILLER_TASK_WORDS)
-            block = (
-                f"\\section{{{title}}}\n{sentence}\n" if latex else f"## {title}\n\n{sentence}\n"
-            )
-            sep = "" if not text.strip() else ("\n" if text.endswith("\n") else "\n\n")
-            text = (text + sep + block) if text.strip() else block
-            present.add(normalize_title(field))
-            applied += 1
-        return text, applied
+        """Apply the honest fixes of :meth:`plan` (deterministic: the same answer every time)."""
+        return self.plan(submission, output, envelope)

@@ -12,6 +12,11 @@ figure_refs: [], cites: []}]}``. Five dimensions, each 0–10:
 Score = weighted mean over the configured dimensions / 10. Every dimension below the target
 yields one :class:`Suggestion` and one ``warning`` defect; the reviser applies each suggestion
 as an append-style edit, so a revised draft scores higher on exactly that dimension.
+
+The pair is the documented demo and test pair of SPEC §5.2, not a token-free way to improve a
+real paper: :class:`DeterministicReviser` writes the edits the critic suggested with stock text
+(generic sentences, placeholder figure and citation ids, a raised originality tag) that says
+nothing about the paper. Every revision says so in its note, which reaches the result's notes.
 """
 
 from __future__ import annotations
@@ -303,8 +308,19 @@ def _unique_id(paper_sections: Sequence[Mapping[str, Any]], wanted: str) -> str:
     return f"{wanted}-{n}"
 
 
+DEMO_NOTE = (
+    "demo reviser: applied {n} rubric suggestion(s) with stock text (generic sentences, "
+    "placeholder figure/citation ids, a raised originality tag); not the author's content"
+)
+"""The note on every revision of :class:`DeterministicReviser` that changed the draft."""
+
+
 class DeterministicReviser:
-    """Applies rubric suggestions as append-style edits; touches nothing they do not name."""
+    """Applies rubric suggestions as append-style edits; touches nothing they do not name.
+
+    The demo half of the deterministic pair (SPEC §5.2): the text it adds is stock text, and
+    each revision's note says so (:data:`DEMO_NOTE`).
+    """
 
     name = "deterministic-rubric"
     reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
@@ -330,6 +346,7 @@ class DeterministicReviser:
             output=doc,
             usage=estimate_usage(text_of(output), text_of(doc)),
             suggestions_applied=applied,
+            note=DEMO_NOTE.format(n=applied) if applied else None,
         )
 
     @staticmethod

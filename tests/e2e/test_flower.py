@@ -107,7 +107,7 @@ def cluster(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> It
         worker.stop()
 
 
-def _sub(run_id: str, worker_id: str, output: dict[str, Any]) -> Submission:
+def _sub(run_id: str, worker_id: str, output: str | dict[str, Any]) -> Submission:
     return Submission(
         run_id=run_id,
         worker_id=worker_id,
@@ -125,9 +125,13 @@ def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None
 
     base = cluster
     run_id = f"flower-{uuid.uuid4().hex[:8]}"
-    long = "Sales rose 4% in Q3, led by the north. " * 4
+    loop = (
+        "Sales rose four percent in the third quarter, led by the northern region, where two "
+        "new stores opened and the online shop doubled its monthly orders compared with last year."
+    )
+    looping = f"# Q3\n\n## Summary\n\nSales rose.\n\n## Findings\n\n{loop}\n\n{loop}\n"
     subs = [
-        _sub(run_id, "w1", {"summary": long, "confidence": 0.8}),  # missing findings → repair
+        _sub(run_id, "w1", looping),  # a verbatim repeated paragraph → one honest repair
         _sub(run_id, "w2", {"summary": "ok", "findings": "two regions grew", "confidence": 0.9}),
     ]
     client = CritiqueClient({"enabled": True, "budget": {"total_tokens": 1_000_000}})

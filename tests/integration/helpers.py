@@ -7,37 +7,57 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.critics.base import RevisionResult
 from pipeline.critics.heuristic import HeuristicReviser
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
 
 
-def slow_revise(
-    submission: Submission,
-    output: str | dict[str, Any],
-    envelope: CritiqueEnvelope,
-    *,
-    pitfalls: str,
-    attempts: Sequence[RepairAttempt],
-) -> Any:
-    """The heuristic reviser after a pause, so a test can kill a worker mid-repair."""
-    time.sleep(float(os.environ.get("SLOW_REVISE_S", "0.5")))
-    return HeuristicReviser().revise(
-        submission, output, envelope, pitfalls=pitfalls, attempts=attempts
-    )
+class _HeuristicWith:
+    """The heuristic reviser (its ``plan`` included, so the loop stops ``needs_model`` exactly as
+    with the default) with something done first on every ``revise``: a Reviser object, loaded
+    from the worker's ``repairer`` setting."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._inner = HeuristicReviser()
+
+    def before(self, submission: Submission, pitfalls: str) -> None:
+        """What this test reviser does before revising."""
+
+    def plan(
+        self, submission: Submission, output: str | dict[str, Any], envelope: CritiqueEnvelope
+    ) -> RevisionResult | None:
+        return self._inner.plan(submission, output, envelope)
+
+    def revise(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+        *,
+        pitfalls: str,
+        attempts: Sequence[RepairAttempt],
+    ) -> RevisionResult:
+        self.before(submission, pitfalls)
+        return self._inner.revise(
+            submission, output, envelope, pitfalls=pitfalls, attempts=attempts
+        )
 
 
-def recording_revise(
-    submission: Submission,
-    output: str | dict[str, Any],
-    envelope: CritiqueEnvelope,
-    *,
-    pitfalls: str,
-    attempts: Sequence[RepairAttempt],
-) -> Any:
-    """The heuristic reviser that first appends the pitfalls it was given to a file."""
-    path = os.environ["RECORD_PITFALLS_TO"]
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.write(f"=== {submission.worker_id}\n{pitfalls}\n")
-    return HeuristicReviser().revise(
-        submission, output, envelope, pitfalls=pitfalls, attempts=attempts
-    )
+class _Slow(_HeuristicWith):
+    def before(self, submission: Submission, pitfalls: str) -> None:
+        """Pause, so a test can kill a worker mid-repair."""
+        time.sleep(float(os.environ.get("SLOW_REVISE_S", "0.5")))
+
+
+class _Recording(_HeuristicWith):
+    def before(self, submission: Submission, pitfalls: str) -> None:
+        """Append the pitfalls it was given to ``$RECORD_PITFALLS_TO``."""
+        with open(os.environ["RECORD_PITFALLS_TO"], "a", encoding="utf-8") as fh:
+            fh.write(f"=== {submission.worker_id}\n{pitfalls}\n")
+
+
+slow_revise = _Slow("slow_revise")
+"""The heuristic reviser after a pause (``SLOW_REVISE_S``)."""
+recording_revise = _Recording("recording_revise")
+"""The heuristic reviser that first records the Known Pitfalls it was given."""

@@ -34,10 +34,16 @@ def test_sample_ends_as_designed(sample: Sample) -> None:
         assert result.best_score > result.original_score
     if sample.expected_stop == "escalate_band":
         assert not result.attempts
+    if sample.expected_stop == "needs_model":
+        listed = [n for n in result.notes if n.startswith("needs_model: [")]
+        assert listed, result.notes
+        critical = {d.description for d in result.envelope.critical}
+        assert critical and all(any(c in n for n in listed) for c in critical)
 
 
 def test_samples_cover_the_product() -> None:
-    """About two dozen samples over three iterations hit every status and the rubric critic."""
+    """About two dozen samples over three iterations hit every status, the rubric critic, the
+    honest token-free repairs and needs_model."""
     assert 20 <= len(SAMPLES) <= 30
     assert iterations(SAMPLES) == [1, 2, 3]
     assert {s.expected_status for s in SAMPLES} == {
@@ -48,8 +54,12 @@ def test_samples_cover_the_product() -> None:
         "failed",
     }
     stops = {s.expected_stop for s in SAMPLES}
-    assert {"accepted", "target", "no_improvement", "escalate_band"} <= stops
+    assert {"accepted", "target", "needs_model", "escalate_band"} <= stops
     assert "repair_fixpoint_detected" in stops
+    repaired = " ".join(s.kind for s in SAMPLES if s.expected_status == "repaired")
+    for edit in ("repeating a paragraph", "placeholder-only line", "duplicate heading"):
+        assert edit in repaired
+    assert "confidence as text" in repaired
     assert any(s.critic == "rubric" for s in SAMPLES)
     keys = [(s.iteration, s.worker_id) for s in SAMPLES]
     assert len(keys) == len(set(keys))
