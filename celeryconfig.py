@@ -5,14 +5,28 @@ Loaded by ``workers.app`` with ``app.config_from_object("celeryconfig")``. Envir
 ``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` say otherwise, also the broker and the result
 backend.
 ``CRITIQUE_TASK_TIME_LIMIT_S`` bounds the longest task (an LLM call with its retries).
+``CRITIQUE_OUTAGE_S`` (default 120) is how long a Redis outage is ridden out before anything
+gives up: every publish (a chain's next stage, ``Task.replace``, a retry, the client's submit)
+and every result-backend write retries with backoff for that long. Workers themselves never
+give up reconnecting. ``CRITIQUE_STALL_S`` and ``CRITIQUE_SWEEP_S`` tune the stall sweeper
+(``workers.recovery``): a submission with no progress for the stall time (default: the task
+time limit + 30 s) is re-driven from its last recorded step.
+
+What survives what, with these settings: a killed worker (its unacked messages come back after
+the visibility timeout, a lost one is re-driven by the sweeper); a Redis restart or a network
+blip shorter than ``CRITIQUE_OUTAGE_S`` (publishes wait, workers reconnect, what a restart lost
+is re-driven); a Redis restart without persistence loses every queued message and the
+submissions' records: nothing can re-drive those (run Redis with ``appendonly yes``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 _redis = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 _time_limit = int(os.environ.get("CRITIQUE_TASK_TIME_LIMIT_S", "600"))
+_outage = max(1.0, float(os.environ.get("CRITIQUE_OUTAGE_S", "120")))
 
 # --- transport -------------------------------------------------------------------------------
 broker_url = os.environ.get("CELERY_BROKER_URL", _redis)
@@ -28,9 +42,54 @@ broker_transport_options = {
     "unacked_restore_interval": float(os.environ.get("CRITIQUE_RESTORE_INTERVAL_S", "10")),
     "unacked_restore_throttle": 1,
     "unacked_mutex_expire": int(os.environ.get("CRITIQUE_RESTORE_MUTEX_S", "60")),
+    # Never block forever on a dead socket (a blackholed network): a publish or an ack times
+    # out and is retried on a new connection; kombu's own health check watches the consumer.
+    "socket_timeout": 30.0,
+    "socket_connect_timeout": 5.0,
+    "socket_keepalive": True,
 }
-result_backend_transport_options = {"retry_policy": {"timeout": 5.0}}
+
+# --- riding out a Redis outage -----------------------------------------------------------------
+# The worker reconnects forever (Celery's default gives up after 100 tries, then the process
+# exits), also when the broker fails while the worker is still starting.
+broker_connection_retry = True
 broker_connection_retry_on_startup = True
+broker_connection_max_retries = None
+broker_channel_error_retry = True
+# A Redis outage must not end the worker's main process: workers (only they: Flower and other
+# clients read the broker URL's scheme) use kombu's Redis transport with one guard,
+# workers.recovery.RedisTransport, which workers.app selects for redis:// and rediss:// brokers
+# when a worker starts. (A lost connection's channel raised AttributeError('hostname') instead
+# of a connection error, which Celery treats as unrecoverable.)
+# On a connection loss, let running stages finish (they are idempotent, and their successors'
+# publishes wait for Redis) rather than cancel them: Redis would only redeliver a cancelled one
+# after the visibility timeout. (Celery 6 turns this on by default; say it explicitly.)
+worker_cancel_long_running_tasks_on_connection_loss = False
+# Every publish retries with backoff (0, 0.5, 1, 1.5, then every 2 s) for CRITIQUE_OUTAGE_S:
+# the chain's next stage after a task (Celery caps these callback publishes at max_retries, so
+# it must be a number), Task.replace, autoretry's re-publish, and the client's submit.
+_INTERVAL_STEP, _INTERVAL_MAX = 0.5, 2.0
+task_publish_retry = True
+task_publish_retry_policy = {
+    "max_retries": max(3, 4 + math.ceil((_outage - 3.0) / _INTERVAL_MAX)),
+    "interval_start": 0,
+    "interval_step": _INTERVAL_STEP,
+    "interval_max": _INTERVAL_MAX,
+}
+# Result-backend writes (a gate's result, a failure) retry the same way, bounded by time too.
+# (Not result_backend_always_retry: it would wrap these retries in a second retry loop.)
+result_backend_transport_options = {
+    "retry_policy": {
+        "max_retries": task_publish_retry_policy["max_retries"],
+        "interval_start": 0,
+        "interval_step": _INTERVAL_STEP,
+        "interval_max": _INTERVAL_MAX,
+        "timeout": _outage,
+    }
+}
+redis_socket_timeout = 30.0
+redis_socket_connect_timeout = 5.0
+redis_socket_keepalive = True
 result_expires = int(os.environ.get("CRITIQUE_RESULT_EXPIRES_S", str(7 * 24 * 3600)))
 
 # --- security: JSON only, never pickle ------------------------------------------------------

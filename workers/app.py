@@ -1,16 +1,35 @@
 """The Celery app: ``celery -A workers.app worker -Q critique.cpu,critique.llm``.
 
 Configuration comes from :mod:`celeryconfig` (JSON only, acks late, reject on worker loss,
-task events on, routes per queue). The tasks live in :mod:`workers.tasks`.
+task events on, routes per queue). The tasks live in :mod:`workers.tasks`; fault recovery (the
+connection-loss guard, the stall sweeper and its probe task) in :mod:`workers.recovery`.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from celery import Celery
+from celery.signals import celeryd_init
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-app = Celery("critique", include=["workers.tasks"])
+app = Celery("critique", include=["workers.tasks", "workers.recovery"])
 app.config_from_object("celeryconfig")
+# The stall sweeper thread in every worker process (workers.recovery; CRITIQUE_SWEEP_S=0: off).
+app.steps["worker"].add("workers.recovery:Sweeper")
+
+GUARDED_TRANSPORT = "workers.recovery:RedisTransport"
+
+
+@celeryd_init.connect
+def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
+    """A worker starting on a redis:// or rediss:// broker uses kombu's Redis transport with the
+    guard that keeps a Redis outage from ending its main process (see
+    :class:`workers.recovery.RedisTransport`). Only workers: the transport's name shows in the
+    broker URI, and Flower and other clients pick their broker client by that URI's scheme."""
+    if conf is None or conf.broker_transport:
+        return  # an operator's own choice of transport wins
+    if str(conf.broker_url or "").partition("://")[0] in ("redis", "rediss"):
+        conf.broker_transport = GUARDED_TRANSPORT
