@@ -5,6 +5,13 @@ Sources, later ones win: defaults < ``workflow.awp.yaml``
 < environment (``CRITIQUE_<FIELD>``, nested fields with a double underscore:
 ``CRITIQUE_RUBRIC__TARGET_SCORE``) < explicit overrides (the client's).
 
+The trust boundary (SPEC §3 "Who may set what"): the workflow file and the environment are the
+operator's; overrides that come with a *submission* (the client's config, ``critique submit
+--set``, a stage message's ``config``) are the manager's request and may only set policy.
+:data:`WORKER_ONLY` lists the fields that reach a network address, a secret or code, and
+:func:`check_submission_overrides` refuses a submission that sets one (or passes the worker's
+limits) before anything is built from it.
+
 An unknown key or a bad value raises :class:`~pipeline.errors.ConfigError` naming the key and
 what is allowed. Nothing here reads the network or imports heavy libraries.
 """
@@ -15,13 +22,14 @@ import json
 import os
 import shlex
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, RefusedOverrideError
 from pipeline.models import DEFAULT_DEFECT_CATEGORIES
 
 RUBRIC_DIMENSIONS: tuple[str, ...] = (
@@ -51,9 +59,13 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_TASK_TIME_LIMIT_S",  # Celery: hard time limit of every task
         "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
         "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves
-        "CRITIQUE_STALL_S",  # client: seconds without progress before wait() resumes a chain
+        "CRITIQUE_STALL_S",  # seconds without progress before a chain is re-driven as stalled
+        "CRITIQUE_SWEEP_S",  # workers: seconds between stall sweeps and queue probes (0: off)
+        "CRITIQUE_STALL_MAX_RESUMES",  # re-drives of one stalled chain before giving up on it
+        "CRITIQUE_OUTAGE_S",  # Celery: how long publishes and backend writes ride out an outage
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
         "CRITIQUE_LLM_API_KEY",  # API key for every LLM call (a secret: never in a workflow file)
+        "CRITIQUE_SECRET",  # HMAC key signing stage messages (a secret: never in a workflow file)
     }
 )
 
@@ -167,6 +179,9 @@ class CritiqueConfig(_Block):
     """A second critic call adjudicates the first one's defects before repair (SPEC §5.2)."""
     paired_model: str | None = None
     """The adjudicator's model; null uses the critic's."""
+    allowed_models: tuple[str, ...] = ()
+    """Worker-only: the models a submission may name (``model``, ``paired_model``, the
+    submission's own ``model``); empty allows any."""
     max_output_bytes: int = Field(16 * 1024 * 1024, ge=1)
     max_rejected_completions: int = Field(3, ge=1)
     output_contract: OutputContractConfig = Field(default_factory=OutputContractConfig)
@@ -287,7 +302,7 @@ def _parse_env_value(name: str, raw: str) -> Any:
     """Env values: JSON when it parses (numbers, booleans, lists, null), else the raw string."""
     if name in ("command",):
         return shlex.split(raw)
-    if name == "defect_categories" and not raw.lstrip().startswith("["):
+    if name in ("defect_categories", "allowed_models") and not raw.lstrip().startswith("["):
         return [c.strip() for c in raw.split(",") if c.strip()]
     try:
         return json.loads(raw)
@@ -335,6 +350,8 @@ def load_config(
     """Build the configuration from a workflow file, the environment and overrides.
 
     ``path`` defaults to ``$CRITIQUE_CONFIG`` when set. ``env`` defaults to ``os.environ``.
+    ``overrides`` are trusted here (operator-side uses: ``critique loop``, tests); overrides
+    that come with a submission must pass :func:`check_submission_overrides` first.
     """
     environ = os.environ if env is None else env
     if path is None:
@@ -353,3 +370,219 @@ def load_config(
         return CritiqueConfig.model_validate(data)
     except ValidationError as exc:
         raise _explain(exc, "critique") from None
+
+
+# -- the trust boundary (SPEC §3 "Who may set what") ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerOnly:
+    """A field only the operator sets (workflow file or ``CRITIQUE_`` environment).
+
+    ``path`` is dotted and covers everything below it; ``reaches`` says what it reaches (shown
+    in the refusal); ``policy_values`` are values of it a submission may still choose.
+    """
+
+    path: str
+    reaches: str
+    policy_values: frozenset[str] = frozenset()
+
+
+WORKER_ONLY: tuple[WorkerOnly, ...] = (
+    # The whole LLM transport: api_base is where the worker sends its API key; timeouts,
+    # retries, backoff, temperature and the token / size caps spend the operator's money and
+    # time. (``llm.rate_limit`` will fall under this entry.)
+    WorkerOnly("llm", "the LLM endpoint that receives the worker's API key, and its limits"),
+    # argv the command critic executes on the worker.
+    WorkerOnly("command", "a command the worker executes"),
+    # How long the worker lets that command run.
+    WorkerOnly("command_timeout_s", "how long the worker's command may run"),
+    # ``module:Callable`` extension checks: code the worker imports and calls.
+    WorkerOnly("output_contract.extra", "code the worker imports and calls"),
+    # A ``module:function`` repairer is code the worker imports and calls; the named
+    # strategies are policy.
+    WorkerOnly(
+        "repairer",
+        "a module:function repairer is code the worker imports and calls",
+        policy_values=frozenset({"auto", "llm", "deterministic"}),
+    ),
+    # The models the operator allows (and pays for): a submission cannot widen its allowance.
+    WorkerOnly("allowed_models", "the models the operator allows"),
+    # Future: ``cache`` (where critiques are stored and shared) joins here.
+)
+"""Fields a submission may never set: they reach a network address, a secret or code."""
+
+POLICY: frozenset[str] = frozenset(
+    {
+        "enabled",
+        "mode",
+        "critic",
+        "model",  # within the worker's allowed_models, when it sets them
+        "paired_model",  # within the worker's allowed_models, when it sets them
+        "paired_critic",
+        "max_repair_attempts",  # at most the worker's
+        "repair_budget_fraction",
+        "min_score_to_complete",
+        "max_rejected_completions",
+        "pattern_memory",
+        "defect_categories",
+        "rubric",
+        "budget",
+        "max_output_bytes",  # lower only: at most the worker's
+        "output_contract.checks",  # built-in checks only
+    }
+)
+"""Fields a submission may set (the manager's policy), within the limits above."""
+
+WORKER_ONLY_WHY = "worker-only (it reaches a network address, a secret or code"
+
+
+def _env_name(path: str) -> str:
+    return ENV_PREFIX + path.upper().replace(".", "__")
+
+
+def _worker_only(path: str) -> WorkerOnly | None:
+    for w in WORKER_ONLY:
+        if path == w.path or path.startswith(w.path + "."):
+            return w
+    return None
+
+
+def _is_policy(path: str) -> bool:
+    return any(path == p or path.startswith(p + ".") for p in POLICY)
+
+
+def _is_branch(path: str) -> bool:
+    """True when declared fields lie below ``path`` (``output_contract``)."""
+    below = [w.path for w in WORKER_ONLY] + list(POLICY)
+    return any(p.startswith(path + ".") for p in below)
+
+
+def _is_field(path: str) -> bool:
+    """True when ``path`` names a field of :class:`CritiqueConfig` (or a block below one)."""
+    model: type[BaseModel] = CritiqueConfig
+    for part in path.split("."):
+        field = model.model_fields.get(part)
+        if field is None:
+            return False
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        else:
+            return True
+    return True
+
+
+def _leaf(path: str, value: Any) -> str:
+    """The dotted name of the first field ``value`` sets under ``path`` (``llm.api_base``)."""
+    while isinstance(value, Mapping) and value:
+        key = next(iter(value))
+        path, value = f"{path}.{key}", value[key]
+    return path
+
+
+def _refuse_worker_only(path: str, entry: WorkerOnly, value: Any) -> RefusedOverrideError:
+    field = _leaf(path, value)
+    return RefusedOverrideError(
+        f"submission may not set {field!r}: {WORKER_ONLY_WHY}: {entry.reaches}); set it in "
+        f"the worker's workflow file or CRITIQUE_ environment ({_env_name(field)})",
+        key=field,
+    )
+
+
+def _check_paths(node: Mapping[str, Any], prefix: str) -> None:
+    for raw_key, value in node.items():
+        path = f"{prefix}{raw_key}"
+        entry = _worker_only(path)
+        if entry is not None:
+            if isinstance(value, str) and value in entry.policy_values:
+                continue
+            raise _refuse_worker_only(path, entry, value)
+        if _is_policy(path):
+            continue
+        if _is_branch(path):
+            if not isinstance(value, Mapping):
+                raise RefusedOverrideError(
+                    f"submission may not replace {path!r} whole: it holds worker-only fields; "
+                    f"set its policy fields one by one (e.g. '{path}.checks')",
+                    key=path,
+                )
+            _check_paths(value, f"{path}.")
+            continue
+        if _is_field(path):  # a field nobody declared: refused until it is (fail closed)
+            raise RefusedOverrideError(
+                f"submission may not set {path!r}: it is not declared as policy",
+                key=path,
+            )
+        # not a field at all: load_config names it as an unknown key
+
+
+def _not_allowed(field: str, model: str, allowed: tuple[str, ...]) -> RefusedOverrideError:
+    shown = model if len(model) <= 100 else model[:100] + "…"
+    return RefusedOverrideError(
+        f"submission may not set {field!r}: model {shown!r} is not in the worker's "
+        f"allowed_models {list(allowed)}",
+        key=field,
+    )
+
+
+def check_submission_overrides(overrides: Mapping[str, Any], worker: CritiqueConfig) -> None:
+    """Refuse configuration overrides a submission may not carry (SPEC §3 "Who may set what").
+
+    ``worker`` is the worker's own configuration (workflow file + environment, no overrides).
+    Raises :class:`~pipeline.errors.RefusedOverrideError` naming the dotted field for a
+    worker-only field (:data:`WORKER_ONLY`), a ``max_repair_attempts`` or ``max_output_bytes``
+    above the worker's, a ``model`` / ``paired_model`` outside the worker's ``allowed_models``,
+    or an ``output_contract.checks`` entry that is not a built-in; ``ConfigError`` for a value
+    the configuration cannot take. Pure: it imports and calls nothing the overrides name.
+    """
+    if not isinstance(overrides, Mapping):
+        raise RefusedOverrideError(
+            f"submission configuration must be an object, not {type(overrides).__name__}"
+        )
+    _check_paths(overrides, "")
+    try:
+        merged = CritiqueConfig.model_validate(_merge(worker.model_dump(), overrides))
+    except ValidationError as exc:
+        raise _explain(exc, "critique") from None
+    if merged.max_repair_attempts > worker.max_repair_attempts:
+        raise RefusedOverrideError(
+            f"submission may not set 'max_repair_attempts': max_repair_attempts "
+            f"{merged.max_repair_attempts} exceeds the worker's {worker.max_repair_attempts} "
+            "(a submission may lower it, never raise it)",
+            key="max_repair_attempts",
+        )
+    if merged.max_output_bytes > worker.max_output_bytes:
+        raise RefusedOverrideError(
+            f"submission may not set 'max_output_bytes': max_output_bytes may only be lowered "
+            f"(asked for {merged.max_output_bytes}, the worker's is {worker.max_output_bytes})",
+            key="max_output_bytes",
+        )
+    for field in ("model", "paired_model"):
+        model = getattr(merged, field)
+        allowed = worker.allowed_models
+        if field in overrides and model is not None and allowed and model not in allowed:
+            raise _not_allowed(field, model, allowed)
+    if "output_contract" in overrides:
+        from pipeline.contract.checks import BUILTIN_CHECKS
+
+        for name in merged.output_contract.checks:
+            if name != "default" and name not in BUILTIN_CHECKS:
+                raise RefusedOverrideError(
+                    f"submission may not set 'output_contract.checks': {name[:100]!r} is not "
+                    f"a built-in check (allowed: default, {', '.join(BUILTIN_CHECKS)})",
+                    key="output_contract.checks",
+                )
+
+
+def check_submission_model(model: str | None, worker: CritiqueConfig) -> None:
+    """Refuse a submission whose own ``model`` (the worker's model, which the inline critic and
+    the repairer call) is outside the worker's ``allowed_models`` when those are set."""
+    if model is None or not worker.allowed_models or model in worker.allowed_models:
+        return
+    shown = model if len(model) <= 100 else model[:100] + "…"
+    raise RefusedOverrideError(
+        f"submission's model {shown!r} is not in the worker's allowed_models "
+        f"{list(worker.allowed_models)}",
+        key="submission.model",
+    )

@@ -7,6 +7,10 @@ An exception means "could not evaluate", and its branch says whether trying agai
     ├── PermanentError                 never retried: the input or the setup is wrong
     │   ├── ConfigError                bad workflow / env configuration (names the key)
     │   ├── SubmissionError            a malformed submission (names the field)
+    │   │   ├── ForgedMessageError     a broker message failed its signature check
+    │   │   │                          (unsigned, altered, wrong key): refused, never run
+    │   │   └── RefusedOverrideError   a submission sets a worker-only field or passes the
+    │   │                              worker's limits (names the dotted field, says why)
     │   ├── PathEscapeError            a file reference leaves the workspace
     │   ├── ExtensionLoadError         a configured extension (check, callable) cannot load
     │   └── LLMPermanentError          authentication / bad request: retrying cannot help
@@ -50,6 +54,31 @@ class ConfigError(PermanentError):
 
 class SubmissionError(PermanentError):
     """A submission is malformed; nothing else in the run is affected."""
+
+
+class ForgedMessageError(SubmissionError):
+    """A broker message is unsigned, altered, or signed with another key while
+    ``CRITIQUE_SECRET`` is set (or its blob does not hash to its reference): the worker refuses
+    it, records the refusal, and never turns it into a result. The message never quotes the
+    payload."""
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(
+            message,
+            hint=hint or "every worker and client must share the same CRITIQUE_SECRET",
+        )
+
+
+class RefusedOverrideError(SubmissionError):
+    """A submission's configuration crosses the trust boundary (SPEC §3 "Who may set what"):
+    it sets a worker-only field (one that reaches a network address, a secret or code), asks
+    for more than the worker allows (``max_repair_attempts``, ``max_output_bytes``), or names
+    a model outside the worker's ``allowed_models``. ``key`` is the dotted field. Refused at
+    submit by the client and again by the worker before anything is imported or called."""
+
+    def __init__(self, message: str, *, key: str | None = None, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.key = key
 
 
 class PathEscapeError(PermanentError):

@@ -18,6 +18,8 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 from pipeline.config import CritiqueConfig, OutputContractConfig
+from pipeline.errors import SubmissionError
+from pipeline.files import FileReader, file_text, inline_bytes, read_file
 from pipeline.models import ClaimedFormat, CritiqueResult, FileRef, Frozen, GateEvent
 
 DELIVERABLE_MIN_BYTES = 512
@@ -138,7 +140,8 @@ class GateContext(Frozen):
 
 
 EvaluationHook = Callable[[GateContext], GateEvent]
-BytesReader = Callable[[FileRef], bytes | None]
+BytesReader = FileReader
+"""Reads a file's bytes (:mod:`pipeline.files`): inline content, else its blob."""
 
 
 class CompletionDecision(Frozen):
@@ -376,13 +379,58 @@ def _final_text(final_result: str | dict[str, Any]) -> TextItem:
     return TextItem(text=final_result, path=None, claimed_format=None)
 
 
-def _text_items(final_result: str | dict[str, Any], files: Sequence[FileRef]) -> list[TextItem]:
-    items = [_final_text(final_result)]
+def _text_items(
+    final: TextItem, files: Sequence[FileRef], content: dict[str, bytes | None]
+) -> list[TextItem]:
+    """The final result and every text file (inline or read; :func:`pipeline.files.file_text`)."""
+    items = [final]
     for f in files:
-        if f.content is not None:
+        text = file_text(f, content.get(f.path))
+        if text is not None:
             fmt = _FORMAT_BY_SUFFIX.get(PurePosixPath(f.path).suffix.lower())
-            items.append(TextItem(text=f.content, path=f.path, claimed_format=fmt))
+            items.append(TextItem(text=text, path=f.path, claimed_format=fmt))
     return items
+
+
+def _read_all(
+    final_text: str, files: Sequence[FileRef], reader: FileReader, limit: int
+) -> tuple[dict[str, bytes | None], list[tuple[str, str]]]:
+    """Every file's bytes through ``reader``, within ``limit`` bytes in all (the final result
+    included), and ``(path, why)`` for each file that could not be read or was not read
+    because the limit was reached. Never skips a file in silence."""
+    content: dict[str, bytes | None] = {}
+    problems: list[tuple[str, str]] = []
+    total = len(final_text.encode("utf-8", "surrogatepass"))
+    for f in files:
+        if total > limit:
+            content[f.path] = None
+            problems.append(
+                (
+                    f.path,
+                    f"not read: the final result and files already total {total} bytes, "
+                    f"over max_output_bytes ({limit})",
+                )
+            )
+            continue
+        try:
+            data = read_file(f, reader)
+        except SubmissionError as exc:
+            content[f.path] = None
+            problems.append((f.path, exc.message))
+            continue
+        content[f.path] = data
+        if f.content is not None:
+            total += len(f.content.encode("utf-8", "surrogatepass"))
+        elif data is not None:
+            total += len(data)
+    if total > limit and not problems:
+        problems.append(
+            (
+                "",
+                f"the final result and files total {total} bytes, over max_output_bytes ({limit})",
+            )
+        )
+    return content, problems
 
 
 def _listing(items: Sequence[str]) -> str:
@@ -391,12 +439,25 @@ def _listing(items: Sequence[str]) -> str:
     return f"{shown}; … and {more} more" if more > 0 else shown
 
 
-def _default_reader(file: FileRef) -> bytes | None:
-    return None if file.content is None else file.content.encode("utf-8")
-
-
-def _l0_events(findings: Sequence[L0Finding], iteration: int, n_items: int) -> list[GateEvent]:
+def _l0_events(
+    findings: Sequence[L0Finding],
+    iteration: int,
+    n_items: int,
+    unread: Sequence[tuple[str, str]] = (),
+) -> list[GateEvent]:
     errors = [f for f in findings if f.severity == "error"]
+    unread_events = [
+        GateEvent(
+            gate=GATE_L0,
+            verdict="reject",
+            reason=f"cannot check {path or 'the submission'}: {why}",
+            iteration=iteration,
+            violating_path=path or None,
+        )
+        for path, why in unread
+    ]
+    if unread_events and not errors:
+        return unread_events
     if not errors:
         warned = len(findings)
         note = f" ({warned} warning(s))" if warned else ""
@@ -419,7 +480,7 @@ def _l0_events(findings: Sequence[L0Finding], iteration: int, n_items: int) -> l
             violating_path=f.path,
         )
         for f in errors
-    ]
+    ] + unread_events
 
 
 def evaluate_completion(
@@ -439,17 +500,24 @@ def evaluate_completion(
 ) -> CompletionDecision:
     """Run the completion gate chain in order and decide: complete, rejected or partial.
 
-    ``files`` are the run's output files (``content`` set for small text files);
-    ``read_bytes`` loads a file's bytes for the validator (default: its inline content).
+    ``files`` are the run's output files (``content`` set for small text files, ``blob`` for
+    large ones); ``read_bytes`` loads a file's bytes (default: its inline content only; a
+    worker passes one that follows blob references). Every file is read once, within
+    ``max_output_bytes`` for the final result and files together, and a text file read by
+    reference is checked by Layer-0 and the placeholder scan exactly like an inline one. A file
+    that cannot be read (missing or expired blob) or was not read (over the limit) rejects the
+    L0 and placeholder gates, naming it: the gates never vouch for what they did not see.
     ``l0`` runs Layer-0 checks (default: :func:`contract_runner`).
     """
     run_l0 = l0 or contract_runner
-    reader = read_bytes or _default_reader
+    reader = read_bytes or inline_bytes
     events: list[GateEvent] = []
 
     # 1. Layer-0 contract on the final result and every text output.
-    items = _text_items(final_result, files)
-    events += _l0_events(run_l0(config.output_contract, items), iteration, len(items))
+    final = _final_text(final_result)
+    content, unread = _read_all(final.text, files, reader, config.max_output_bytes)
+    items = _text_items(final, files, content)
+    events += _l0_events(run_l0(config.output_contract, items), iteration, len(items), unread)
 
     # Facts several gates share: is a file expected, and does a real one exist?
     wants_file = implies_deliverable(task, deliverable_expected)
@@ -459,7 +527,6 @@ def evaluate_completion(
         if deliverable_expected is None
         else f"deliverable_expected={deliverable_expected}"
     )
-    content = {f.path: reader(f) for f in files}
     # Logs, lock files and hidden files never count as the deliverable.
     big = [
         f
@@ -514,6 +581,13 @@ def evaluate_completion(
     if hits:
         listed = _listing([f"{h.where}: {h.match!r} ({h.pattern})" for h in hits])
         reason = f"{len(hits)} placeholder(s) to replace: {listed}"
+        events.append(_event(GATE_PLACEHOLDER, "reject", reason, iteration))
+    elif unread:
+        listed = _listing([path or "the submission" for path, _ in unread])
+        reason = (
+            f"cannot vouch for what it did not scan: {listed} (unreadable, or past "
+            "max_output_bytes: see the l0 gate)"
+        )
         events.append(_event(GATE_PLACEHOLDER, "reject", reason, iteration))
     else:
         reason = f"no placeholders in the final result or {len(items) - 1} text output(s)"

@@ -46,7 +46,7 @@ from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.models import Frozen, Usage
 
-Purpose = Literal["critic", "repair", "adjudicate"]
+Purpose = Literal["critic", "repair", "adjudicate", "generate"]
 
 
 class ChatMessage(Frozen):
@@ -246,6 +246,10 @@ class LiteLLMCompleter:
         self._sleep = sleep
         self._rng = rng
         self.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+    def warm(self) -> None:
+        """Load litellm now, so that the first call's latency is the call's own."""
+        self._backend()
 
     def _backend(self) -> Callable[..., Any]:
         if self._completion is None:

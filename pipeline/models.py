@@ -9,10 +9,18 @@ do not understand.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 
@@ -30,6 +38,7 @@ StopReason = Literal[
     "repair_fixpoint_detected",
     "repair_budget_exhausted",
     "escalate_band",
+    "needs_model",
 ]
 Verdict = Literal[
     "continue",
@@ -54,18 +63,89 @@ DEFAULT_DEFECT_CATEGORIES: tuple[str, ...] = (
     "policy_violation",
 )
 
-# Identifiers end up in Redis keys and in artifact paths: keep them boring.
-_IDENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# Identifiers end up in Redis keys and in artifact paths: keep them boring. Always matched with
+# fullmatch: ``$`` would also match before a trailing newline ("r\n").
+_IDENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_CONTROL = re.compile("[\x00-\x1f\x7f]")
+_BLOB_REF = re.compile(r"sha256:[0-9a-f]{64}")  # pipeline.store.blobs' reference form
+MAX_OUTPUT_DEPTH = 100
+"""Deepest nesting (objects and arrays) a JSON output may have: every stage message must
+serialise it and parse it back (pydantic stops at 200 levels, ``json`` at about 1000)."""
 
 
 def check_identifier(value: str, what: str) -> str:
     """Return ``value`` if it is a safe identifier (letters, digits, ``._-``, ≤128), else raise."""
-    if not _IDENT.match(value) or ".." in value:
+    if not _IDENT.fullmatch(value) or ".." in value:
         raise ValueError(
             f"{what} {value!r} is not a valid identifier: use 1-128 letters, digits, '.', '_' "
             "or '-', starting with a letter or digit"
         )
     return value
+
+
+def check_text(value: str, what: str) -> str:
+    """Return ``value`` unless it holds a lone surrogate (``"\\ud800"``), which no UTF-8 text,
+    Redis key or JSON message can carry; the error names ``what`` and the offset."""
+    if not value.isascii():
+        m = _SURROGATE.search(value)
+        if m is not None:
+            raise ValueError(
+                f"{what} holds a lone surrogate {m.group()!r} at offset {m.start()}: not valid "
+                "Unicode text (decode the worker's bytes with errors='replace' before submitting)"
+            )
+    return value
+
+
+_JsonPath = tuple[Any, Any] | None
+"""Where a node sits in a JSON value: ``(key, parent path)``, spelled out only for an error."""
+
+
+def check_json_value(value: Any, what: str) -> None:
+    """Refuse a JSON value that cannot cross the broker: a lone surrogate in any key or
+    string, a value JSON has no form for (bytes, a set, NaN), or nesting deeper than
+    :data:`MAX_OUTPUT_DEPTH`. Iterative, so a hostile depth cannot exhaust the stack; the
+    error names where (``output.a[3].b``)."""
+
+    def where(path: _JsonPath) -> str:
+        parts: list[str] = []
+        while path is not None:
+            key, path = path
+            parts.append(f"[{key}]" if isinstance(key, int) else f".{str(key)[:40]}")
+        spelled = what + "".join(reversed(parts))
+        return spelled if len(spelled) <= 200 else spelled[:199] + "…"
+
+    def bad(text: Any) -> bool:
+        return isinstance(text, str) and not text.isascii() and bool(_SURROGATE.search(text))
+
+    if bad(value):
+        check_text(value, what)
+    # Only containers go on the stack; strings are checked where they sit (fast path: ASCII).
+    stack: list[tuple[Any, int, _JsonPath]] = [(value, 0, None)]
+    while stack:
+        node, depth, path = stack.pop()
+        if not isinstance(node, dict | list | tuple):
+            continue
+        if depth >= MAX_OUTPUT_DEPTH:
+            raise ValueError(
+                f"{what} nests more than {MAX_OUTPUT_DEPTH} levels deep (at "
+                f"{where(path)}); flatten it or send it as a file"
+            )
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for k, v in items:
+            if isinstance(k, str) and bad(k):
+                check_text(k, f"a key in {where(path)}")
+            if bad(v):
+                check_text(v, where((k, path)))
+            elif isinstance(v, dict | list | tuple):
+                stack.append((v, depth + 1, (k, path)))
+            elif isinstance(v, float) and not math.isfinite(v):
+                raise ValueError(f"{where((k, path))} is {v}: JSON has no such number")
+            elif v is not None and not isinstance(v, str | int | float):
+                raise ValueError(
+                    f"{where((k, path))} is a {type(v).__name__}: only JSON values "
+                    "(objects, arrays, strings, numbers, booleans, null) may be sent"
+                )
 
 
 class Frozen(BaseModel):
@@ -112,11 +192,27 @@ class FileRef(Frozen):
     @field_validator("path")
     @classmethod
     def _relative(cls, v: str) -> str:
-        if not v or v.startswith(("/", "\\")) or re.match(r"^[A-Za-z]:", v):
+        if not v or v.startswith(("/", "\\")) or re.match(r"[A-Za-z]:", v):
             raise ValueError(f"file path {v!r} must be relative to the workspace")
         parts = re.split(r"[\\/]", v)
         if ".." in parts:
             raise ValueError(f"file path {v!r} must not contain '..'")
+        if _CONTROL.search(v):
+            raise ValueError(f"file path {v!r} must not contain control characters")
+        return check_text(v, "file path")
+
+    @field_validator("content")
+    @classmethod
+    def _content_text(cls, v: str | None) -> str | None:
+        return v if v is None else check_text(v, "file content")
+
+    @field_validator("blob")
+    @classmethod
+    def _blob_ref(cls, v: str | None) -> str | None:
+        if v is not None and not _BLOB_REF.fullmatch(v):
+            raise ValueError(
+                f"blob reference {v[:80]!r} is not 'sha256:' followed by 64 lower-case hex digits"
+            )
         return v
 
 
@@ -145,6 +241,24 @@ class Submission(Frozen):
     @classmethod
     def _worker_id(cls, v: str) -> str:
         return check_identifier(v, "worker_id")
+
+    @field_validator("task", "subtask_signature", "model")
+    @classmethod
+    def _text(cls, v: str | None, info: ValidationInfo) -> str | None:
+        return v if v is None else check_text(v, str(info.field_name))
+
+    @field_validator("required_fields")
+    @classmethod
+    def _fields_text(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            check_text(name, "a required field")
+        return v
+
+    @field_validator("output")
+    @classmethod
+    def _output_json_safe(cls, v: str | dict[str, Any]) -> str | dict[str, Any]:
+        check_json_value(v, "output")
+        return v
 
     @model_validator(mode="after")
     def _unique_files(self) -> Submission:

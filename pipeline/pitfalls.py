@@ -7,9 +7,12 @@ is fixed byte for byte (the seed's ``- [seen Nx] category: prevention_rule`` lin
 from __future__ import annotations
 
 import re
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from pipeline.models import CritiqueEnvelope, Lesson, Pattern, ReusablePattern
+from pipeline.models import CritiqueEnvelope, Defect, Lesson, Pattern, ReusablePattern
+from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
 from pipeline.store.memory import pattern_key
 
 PITFALLS_HEADER = (
@@ -59,13 +62,37 @@ def prevention_rule_for(description: str) -> str:
     return f"Check your output for this before returning it: {desc}"
 
 
-def patterns_from_envelope(envelope: CritiqueEnvelope) -> list[ReusablePattern]:
-    """What a critique teaches the run: its reusable patterns, plus uncovered defects.
+_SEVERITY_RANK = {"critical": 0, "warning": 1}
+
+
+@dataclass
+class _Candidate:
+    """A pattern a critique could record, with what ranks it."""
+
+    category: str
+    rank: int  # 0 critical, 1 warning
+    index: int  # first appearance in the envelope
+    pattern: ReusablePattern | None  # the critic's own reusable pattern
+    defect: Defect | None  # else the defect it is derived from
+    rule: str = ""
+
+
+def patterns_from_envelope(
+    envelope: CritiqueEnvelope, limit: int = MAX_PATTERNS_PER_CRITIQUE
+) -> list[ReusablePattern]:
+    """What a critique teaches the run: its reusable patterns, plus uncovered defects — at
+    most ``limit`` (SPEC §3: 20 per critique), chosen deterministically.
 
     Every critical or warning defect (not a grounding false positive) that no reusable pattern
-    of the same category and description covers adds a pattern with a derived rule; the result
-    is de-duplicated by (category, normalized prevention rule), first occurrence kept. Text
+    of the same category and description covers adds a pattern with a derived rule; patterns
+    are de-duplicated by (category, normalized prevention rule), first occurrence kept. Text
     that tries to instruct a model (an LLM critic quoting a hostile output) is left out.
+
+    Which ones when there are more than ``limit``: critical before warning (a reusable pattern
+    takes the worst severity among its category's defects; warning when it has none); within a
+    severity, categories with the most defects first (ties: first appearance), one pattern per
+    category in turn — so 20,000 missing fields cannot crowd out the one injection or format
+    pattern — and within a category in envelope order (reusable patterns, then defects).
     """
     from pipeline.critics.llm import detect_injection
 
@@ -74,27 +101,58 @@ def patterns_from_envelope(envelope: CritiqueEnvelope) -> list[ReusablePattern]:
         # copied from a hostile output ("ignore your instructions ...") must not travel there.
         return any(detect_injection(t) for t in texts)
 
-    out: dict[str, ReusablePattern] = {}
+    counted = [d for d in envelope.defects if d.severity != "info" and not d.false_positive]
+    frequency = Counter(d.category for d in counted)
+    worst: dict[str, int] = {}
+    for d in counted:
+        worst[d.category] = min(worst.get(d.category, 1), _SEVERITY_RANK[d.severity])
+    found: dict[str, _Candidate] = {}
     covered: set[tuple[str, str]] = set()
     for p in envelope.reusable_patterns:
         if instructs(p.description, p.prevention_rule):
             continue
-        out.setdefault(pattern_key(p.category, p.prevention_rule), p)
+        key = pattern_key(p.category, p.prevention_rule)
+        if key not in found:
+            found[key] = _Candidate(p.category, worst.get(p.category, 1), len(found), p, None)
         covered.add((p.category, _one_line(p.description).casefold()))
-    for d in envelope.defects:
-        if d.severity == "info" or d.false_positive:
-            continue
+    for d in counted:
         if (d.category, _one_line(d.description).casefold()) in covered:
             continue
-        if d.source == "llm" and instructs(d.description):
-            continue
-        p = ReusablePattern(
-            category=d.category,
-            description=d.description,
-            prevention_rule=prevention_rule_for(d.description),
-        )
-        out.setdefault(pattern_key(p.category, p.prevention_rule), p)
-    return list(out.values())
+        rule = prevention_rule_for(d.description)
+        key = pattern_key(d.category, rule)
+        got = found.get(key)
+        if got is None:
+            severity = _SEVERITY_RANK[d.severity]
+            found[key] = _Candidate(d.category, severity, len(found), None, d, rule)
+        else:
+            got.rank = min(got.rank, _SEVERITY_RANK[d.severity])
+    out: list[ReusablePattern] = []
+    for rank in (0, 1):
+        queues: dict[str, list[_Candidate]] = {}
+        for c in found.values():
+            if c.rank == rank:
+                queues.setdefault(c.category, []).append(c)
+        order = sorted(queues, key=lambda cat: (-frequency[cat], queues[cat][0].index))
+        depth = 0
+        while len(out) < limit and any(depth < len(queues[cat]) for cat in order):
+            for cat in order:
+                if depth >= len(queues[cat]) or len(out) >= limit:
+                    continue
+                c = queues[cat][depth]
+                if c.pattern is not None:
+                    out.append(c.pattern)
+                elif c.defect is not None and not (
+                    c.defect.source == "llm" and instructs(c.defect.description)
+                ):
+                    out.append(
+                        ReusablePattern(
+                            category=c.defect.category,
+                            description=c.defect.description,
+                            prevention_rule=c.rule,
+                        )
+                    )
+            depth += 1
+    return out
 
 
 def render_lessons(lessons: Sequence[Lesson]) -> str:

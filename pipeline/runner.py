@@ -43,6 +43,8 @@ from pipeline.critics.base import Critic, Reviser, RevisionResult, merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
 from pipeline.errors import ConfigError, ExtensionLoadError, SubmissionError
+from pipeline.files import FileReader, inline_bytes
+from pipeline.files import read_file as read_file_bytes
 from pipeline.llm import Completer
 from pipeline.models import (
     CritiqueEnvelope,
@@ -90,8 +92,12 @@ FixpointFn = Callable[[str, str], bool]
 """``fixpoint(previous_repair_text, current_text) -> bool`` (similarity ≥ 0.95)."""
 
 
-def contract_l0(config: CritiqueConfig) -> L0Fn:
-    """The real Layer-0 step over :mod:`pipeline.contract` (imported here, lazily)."""
+def contract_l0(config: CritiqueConfig, read_file: FileReader | None = None) -> L0Fn:
+    """The real Layer-0 step over :mod:`pipeline.contract` (imported here, lazily).
+
+    Every file of the submission is read through ``read_file`` (default: inline content only,
+    so a file held by reference raises :class:`~pipeline.files.UnreadableFileError`).
+    """
     from pipeline.contract import build_suite, check_submission
 
     suite = build_suite(config.output_contract)
@@ -99,7 +105,9 @@ def contract_l0(config: CritiqueConfig) -> L0Fn:
     def run(
         submission: Submission, output: str | dict[str, Any], previous_size: int | None
     ) -> L0Outcome:
-        report = check_submission(suite, submission, output=output, previous_size=previous_size)
+        report = check_submission(
+            suite, submission, output=output, previous_size=previous_size, read_file=read_file
+        )
         return L0Outcome(
             defects=tuple(f.to_defect() for f in report.failures),
             gate_events=tuple(
@@ -127,6 +135,8 @@ class StageContext:
     ``l0`` and ``fixpoint`` default to the real implementations, resolved on first use; tests
     inject fakes. Leases are ``f"{lease_prefix}:{attempt}"``; an empty prefix becomes
     ``f"{worker_id}:{iteration}"`` so submissions sharing a context never share a lease.
+    ``read_file`` reads a submission's files (:mod:`pipeline.files`) for :func:`admit` and the
+    real Layer-0 step; the default follows no blob reference (a worker passes its store's).
     """
 
     config: CritiqueConfig
@@ -141,11 +151,13 @@ class StageContext:
     clock: Callable[[], float] = field(default=time.monotonic)
     lease_ttl_s: float = REPAIR_LEASE_TTL_S
     """How long a repair's budget reservation outlives a holder that died."""
+    read_file: FileReader = inline_bytes
+    """Reads a submission file's bytes (inline content, or a blob through a store)."""
 
     def l0_fn(self) -> L0Fn:
         """The Layer-0 function, building the real one on first use."""
         if self.l0 is None:
-            self.l0 = contract_l0(self.config)
+            self.l0 = contract_l0(self.config, self.read_file)
         return self.l0
 
     def fixpoint_fn(self) -> FixpointFn:
@@ -244,15 +256,51 @@ def _add_note(notes: tuple[str, ...], note: str) -> tuple[str, ...]:
     return notes if note in notes else (*notes, note)
 
 
-def admit(submission: Submission, config: CritiqueConfig) -> None:
-    """Refuse a submission the pipeline must not take: an output over ``max_output_bytes``."""
-    size = len(text_of(submission.output).encode("utf-8", "replace"))
-    if size > config.max_output_bytes:
-        raise SubmissionError(
-            f"output of worker {submission.worker_id!r} is {size} bytes, over max_output_bytes "
-            f"({config.max_output_bytes})",
-            hint="send large deliverables as files, or raise max_output_bytes",
-        )
+def _utf8_len(text: str) -> int:
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def admit(
+    submission: Submission, config: CritiqueConfig, read_file: FileReader | None = None
+) -> None:
+    """Refuse a submission the pipeline must not take (SPEC §3: ``max_output_bytes`` bounds
+    the whole submission): a :class:`SubmissionError` naming the limit and the sizes.
+
+    Counted in UTF-8 bytes: the output's canonical text, the task, every inline file's content,
+    and every other file's bytes as ``read_file`` returns them (a blob's real length, never its
+    claimed ``size``). Files are read only while the total is within the limit, so an oversized
+    submission costs at most one read past it. A file that cannot be read raises
+    :class:`~pipeline.files.UnreadableFileError`. The client calls this before it enqueues;
+    the worker calls it again at the first Layer-0 stage of every pass (:func:`l0_stage`), so
+    a chain sent without the client is bounded too.
+    """
+    limit = config.max_output_bytes
+    output = _utf8_len(text_of(submission.output))
+    task = _utf8_len(submission.task)
+    inline = sum(_utf8_len(f.content) for f in submission.files if f.content is not None)
+    total = output + task + inline
+    referenced = 0
+    unread = 0
+    for i, f in enumerate(submission.files):
+        if f.content is not None:
+            continue
+        if total > limit:
+            unread = sum(1 for g in submission.files[i:] if g.content is None)
+            break
+        size = len(read_file_bytes(f, read_file) or b"")
+        referenced += size
+        total += size
+    if total <= limit:
+        return
+    lower = "at least " if unread else ""
+    not_read = f"; {unread} file(s) by reference not read" if unread else ""
+    raise SubmissionError(
+        f"submission of worker {submission.worker_id!r} (run {submission.run_id!r}) is "
+        f"{lower}{total} bytes, over max_output_bytes ({limit}): output {output} B, "
+        f"task {task} B, inline files {inline} B, files by reference {referenced} B{not_read}; "
+        "nothing was processed",
+        hint="split the work, send less, or raise max_output_bytes on the workers",
+    )
 
 
 def start(submission: Submission) -> LoopState:
@@ -283,7 +331,13 @@ def _passthrough(state: LoopState) -> LoopState:
 
 
 def l0_stage(state: LoopState, ctx: StageContext) -> LoopState:
-    """Layer-0 contract checks (token-free); with critique disabled, the pass-through."""
+    """Layer-0 contract checks (token-free); with critique disabled, the pass-through.
+
+    The first Layer-0 stage of a pass (no repair yet) admits the submission first
+    (:func:`admit`), so nothing over ``max_output_bytes`` is processed, whoever sent it.
+    """
+    if state.attempt == 0:
+        admit(state.submission, ctx.config, ctx.read_file)
     if not ctx.config.enabled:
         return _passthrough(state)
     began = ctx.clock()
@@ -372,8 +426,57 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
     return next_state
 
 
+def unfixable_plan(
+    ctx: StageContext,
+    submission: Submission,
+    output: str | dict[str, Any],
+    envelope: CritiqueEnvelope,
+) -> RevisionResult | None:
+    """The serving reviser's plan when it would change nothing (the loop then stops
+    ``needs_model``); None when it would fix something, or cannot tell (no ``plan``, or a plan
+    of None: a model may fix anything)."""
+    plan = getattr(resolve_for(ctx.reviser, submission), "plan", None)
+    if plan is None:
+        return None
+    result: RevisionResult | None = plan(submission, output, envelope)
+    return result if result is not None and result.output == output else None
+
+
+def _needs_model_notes(
+    notes: tuple[str, ...],
+    ctx: StageContext,
+    submission: Submission,
+    envelope: CritiqueEnvelope,
+    plan: RevisionResult,
+) -> tuple[str, ...]:
+    """One note saying a model or a person must act, then one per defect left unfixed."""
+    reviser = getattr(resolve_for(ctx.reviser, submission), "name", "the reviser")
+    lines = [r.line() for r in plan.unfixable] or [
+        f"[{d.severity}] {d.category}"
+        + (f" at {d.location}" if d.location else "")
+        + f": {d.description}"
+        for d in envelope.actionable
+    ]
+    notes = _add_note(
+        notes,
+        f"needs_model: {reviser} can fix none of the {len(lines)} remaining defect(s) without "
+        "inventing content; a model or a person must act on:",
+    )
+    for line in lines:
+        notes = _add_note(notes, f"needs_model: {line}")
+    return notes
+
+
 def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
-    """Keep the best output, apply the stop rules, reserve the next repair's budget."""
+    """Keep the best output, apply the stop rules, reserve the next repair's budget.
+
+    Before a repair is reserved, a reviser with a ``plan`` (the deterministic ones) is asked
+    what it would fix; when that is nothing, the loop stops ``needs_model`` (status
+    ``escalated``) with the defects it left listed in the notes: no round is spent on a repair
+    that cannot help, and nothing is invented (SPEC §5.3). The same holds once
+    ``max_repair_attempts`` is reached: ``needs_model`` then says more than
+    ``attempts_exhausted``.
+    """
     envelope = state.envelope
     if envelope is None:
         raise ValueError("decide_stage needs a critiqued state (envelope is missing)")
@@ -439,6 +542,12 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         )
 
     notes = state.notes
+    if stop is None or (stop == "attempts_exhausted" and state.attempt > 0):
+        stuck = unfixable_plan(ctx, sub, state.output, envelope)
+        if stuck is not None:
+            stop = "needs_model"
+            reason = STOP_TEXT[stop]
+            notes = _needs_model_notes(notes, ctx, sub, envelope, stuck)
     lease_id: str | None = None
     if stop is None:
         cap = config.repair_token_cap
@@ -619,8 +728,9 @@ def _step_limit(config: CritiqueConfig) -> int:
 
 
 def run_submission(submission: Submission, ctx: StageContext) -> CritiqueResult:
-    """Run the whole loop in-process and return the result (also written to the trace)."""
-    admit(submission, ctx.config)
+    """Run the whole loop in-process and return the result (also written to the trace).
+
+    The first stage admits the submission (:func:`admit`, through ``ctx.read_file``)."""
     state = start(submission)
     steps = 0
     limit = _step_limit(ctx.config)
@@ -830,12 +940,14 @@ def make_context(
     clock: Callable[[], float] | None = None,
     lease_ttl_s: float = REPAIR_LEASE_TTL_S,
     complete: Completer | None = None,
+    read_file: FileReader | None = None,
 ) -> StageContext:
     """A context from configuration; anything given explicitly replaces the default.
 
     Defaults: critic and reviser from ``config.critic`` / ``config.repairer`` (LLM calls through
     ``complete``, litellm by default), in-memory
-    stores, the real L0 and fixpoint functions (loaded on first use), ``time.monotonic``.
+    stores, the real L0 and fixpoint functions (loaded on first use), ``time.monotonic``, and
+    a file reader that follows no blob reference (:func:`pipeline.files.inline_bytes`).
     """
     return StageContext(
         config=config,
@@ -849,4 +961,5 @@ def make_context(
         fixpoint=fixpoint,
         clock=clock if clock is not None else time.monotonic,
         lease_ttl_s=lease_ttl_s,
+        read_file=read_file if read_file is not None else inline_bytes,
     )

@@ -15,15 +15,14 @@ The broker is the same Redis unless ``CELERY_BROKER_URL`` says otherwise.
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.config import CritiqueConfig
-from pipeline.errors import StoreUnavailableError, SubmissionError
+from pipeline.config import check_submission_model
+from pipeline.errors import CritiqueError, StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Submission
 from pipeline.pitfalls import render_pitfalls
@@ -51,7 +50,9 @@ class CritiqueClient:
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
-        runtime.config_for(self.config)  # fail fast on a bad configuration
+        # Fail fast on a bad configuration, and on one a submission may not carry (a
+        # worker-only field, a limit above this process's own configuration): SPEC §3.
+        runtime.config_for(self.config)
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, submission: Submission | Mapping[str, Any]) -> Handle:
@@ -59,20 +60,43 @@ class CritiqueClient:
         return self.submit_many([submission])[0]
 
     def submit_many(self, submissions: Sequence[Submission | Mapping[str, Any]]) -> list[Handle]:
-        """Enqueue many submissions (validated all first: one bad one enqueues none)."""
-        subs = [_as_submission(s) for s in submissions]
-        config = runtime.config_for(self.config)
-        for s in subs:
-            admit(s, config)
-        return [self._enqueue(s, config) for s in subs]
+        """Enqueue many submissions; one bad one enqueues none.
 
-    def _enqueue(self, sub: Submission, config: CritiqueConfig) -> Handle:
-        """Send one validated, admitted submission's chain and register it in the run."""
+        Every submission is validated (a ``Submission`` instance too), admitted (size limit,
+        blob files readable) and serialised — its first message and chain built — before any
+        is sent. Each failure is a :class:`SubmissionError` that names the submission (its
+        index and ``worker_id``) and what is wrong.
+        """
         from workers.tasks import submission_chain
 
-        msg = runtime.encode(start(sub), self.config)
+        config = runtime.config_for(self.config)
+        unavailable: tuple[type[Exception], ...] = (StoreUnavailableError, *_redis_errors())
+        prepared: list[tuple[Submission, dict[str, Any], Any]] = []
+        for index, value in enumerate(submissions):
+            sub = _as_submission(value, index)
+            try:
+                admit(sub, config, runtime.file_bytes)
+                check_submission_model(sub.model, runtime.own_config())
+                msg = runtime.encode(start(sub), self.config)
+                json.dumps(msg, allow_nan=False)  # the broker's JSON must carry it as it is
+                prepared.append((sub, msg, submission_chain(msg, config, sub)))
+            except unavailable:
+                raise
+            except Exception as exc:
+                named = _naming(exc, index, sub.worker_id)
+                if named is exc:
+                    raise
+                raise named from exc
+        return [self._enqueue(sub, msg, chain) for sub, msg, chain in prepared]
+
+    def _enqueue(self, sub: Submission, msg: dict[str, Any], chain: Any) -> Handle:
+        """Send one prepared submission's chain (``msg`` is its first message) and register
+        it in the run."""
+        from workers.recovery import register
+
         try:
-            res = submission_chain(msg, config, sub).apply_async()
+            register(sub.run_id, sub.iteration, sub.worker_id, str(msg["sid"]))  # pending from now
+            res = chain.apply_async()
             runtime.stores().runs.mark_submitted(
                 sub.run_id,
                 sub.iteration,
@@ -120,7 +144,8 @@ class CritiqueClient:
             ar = AsyncResult(handle.task_id, app=app)
             if ar.state == "FAILURE":
                 raise SubmissionError(
-                    f"submission {handle.worker_id} of run {handle.run_id} failed: {ar.result!r}"
+                    f"submission {handle.worker_id} of run {handle.run_id} "
+                    f"{_failure_reason(ar.result)}"
                 )
             if deadline is not None and time.monotonic() >= deadline:
                 raise CritiqueTimeout(
@@ -135,34 +160,12 @@ class CritiqueClient:
 
         Safe at any time: every stage replays its recorded output and every effect is
         idempotent, so a chain that was only slow, not lost, ends in the same result. Returns
-        the stage it resumed at (``done``: only the gate was missing).
+        the stage it resumed at (``done``: only the gate was missing). The same re-drive as the
+        workers' stall sweeper (:func:`workers.recovery.redrive`), traced ``by: client``.
         """
-        from workers.tasks import continuation
+        from workers.recovery import redrive
 
-        runs = runtime.stores().runs
-        doc = runs.submitted(handle.run_id).get(f"{handle.iteration}:{handle.worker_id}")
-        if not doc or "message" not in doc:
-            raise SubmissionError(
-                f"cannot resume {handle.worker_id} of run {handle.run_id}: no first message "
-                "recorded for it (was it submitted by this client version?)"
-            )
-        latest = runs.latest_step(handle.run_id, handle.iteration, handle.worker_id, doc["sid"])
-        msg: dict[str, Any] = doc["message"] if latest is None else dict(json.loads(latest[1]))
-        state, overrides = runtime.decode(msg)
-        config = runtime.config_for(overrides)
-        continuation(msg, config, state.submission, doc["task_id"]).apply_async()
-        runtime.stores().trace.emit(
-            handle.run_id,
-            {
-                "type": "resume",
-                "stage": state.next,
-                "worker_id": handle.worker_id,
-                "iteration": handle.iteration,
-                "round": state.round,
-                "after_step": None if latest is None else latest[0],
-            },
-        )
-        return state.next
+        return redrive(handle.run_id, handle.iteration, handle.worker_id, by="client")
 
     def wait_many(
         self, handles: Sequence[Handle], timeout: float | None = 300.0
@@ -229,6 +232,7 @@ class CritiqueClient:
             "deliverable_expected": deliverable_expected,
             "config": self.config,
         }
+        msg = runtime.sign(msg)  # with CRITIQUE_SECRET set: workers refuse unsigned requests
         runtime.decode_gate_request(msg)  # fail here, not on a worker, when it is malformed
         res = app.send_task(keys.TASK_COMPLETE_GATE, args=(msg,))
         try:
@@ -287,62 +291,126 @@ class CritiqueClient:
 
 
 def stall_after_s() -> float:
-    """Seconds without progress after which ``wait`` resumes a submission.
+    """Seconds without progress after which a submission counts as stalled (``wait`` and the
+    workers' sweeper use the same): ``$CRITIQUE_STALL_S``, else the task time limit + 30 s
+    (:func:`workers.recovery.stall_after_s`)."""
+    from workers.recovery import stall_after_s as stall
 
-    ``$CRITIQUE_STALL_S``; by default well past the broker's own redelivery of an unacked
-    message (the app's visibility timeout + two restore sweeps + 30 s, as ``celeryconfig``
-    set them), so ``resume`` only rescues what the broker itself lost.
-    """
-    raw = os.environ.get("CRITIQUE_STALL_S")
-    if raw:
-        return float(raw)
-    from workers.app import app
-
-    options = app.conf.broker_transport_options or {}
-    visibility = float(options.get("visibility_timeout", 3600))
-    restore = float(options.get("unacked_restore_interval", 10))
-    return visibility + 2 * restore + 30
+    return stall()
 
 
 class _Progress:
-    """Watches one submission's recorded steps while ``wait`` polls; resumes it when stalled."""
+    """While ``wait`` polls: re-drives the handle's pass if it stalled, by the workers' sweeper's
+    rule (:func:`workers.recovery.redrive_if_stalled`, claimed atomically, so the two never
+    both re-drive it; traced ``by: wait``). A fallback: the sweeper usually gets there first."""
 
     def __init__(self, client: CritiqueClient, handle: Handle, stall_s: float) -> None:
         self.client = client
         self.handle = handle
         self.stall_s = stall_s
         self.every = max(0.5, stall_s / 4)
-        self.last_seen: str | None = None
-        self.since = time.monotonic()
-        self.next_check = self.since + self.every
-        self.sid: str | None = None
+        self.next_check = time.monotonic() + self.every
+        self.member: str | None = None
 
     def check(self) -> None:
         """Called on every poll; reads the store only every ``stall_s / 4``."""
+        from pipeline.store.runs import pass_member
+        from workers import recovery
+
         now = time.monotonic()
         if now < self.next_check:
             return
         self.next_check = now + self.every
-        runs = runtime.stores().runs
+        s = recovery.default_stores()
         h = self.handle
-        if self.sid is None:
-            doc = runs.submitted(h.run_id).get(f"{h.iteration}:{h.worker_id}") or {}
-            self.sid = str(doc.get("sid", ""))
-        if not self.sid:
-            return
-        latest = runs.latest_step(h.run_id, h.iteration, h.worker_id, self.sid)
-        step = None if latest is None else latest[0]
-        if step != self.last_seen:
-            self.last_seen, self.since = step, now
-        elif now - self.since >= self.stall_s:
-            self.client.resume(h)
-            self.since = now
+        if self.member is None:
+            doc = s.runs.submission(h.run_id, h.iteration, h.worker_id) or {}
+            if not doc.get("sid"):
+                return
+            self.member = pass_member(h.iteration, h.worker_id, str(doc["sid"]))
+        seen = s.pending.last_progress(h.run_id, self.member)
+        if seen is not None:
+            recovery.redrive_if_stalled(
+                h.run_id, self.member, seen, by="wait", stall_s=self.stall_s, stores=s
+            )
 
 
-def _as_submission(value: Submission | Mapping[str, Any]) -> Submission:
-    if isinstance(value, Submission):
-        return value
+def _failure_reason(exc: Any) -> str:
+    """Why a chain failed, in one line: "was refused by the worker: …" when the submission or
+    its configuration was refused (``SubmissionError``, ``ConfigError``), else "failed: …"."""
+    from pipeline.errors import ConfigError
+
+    message = exc.message if isinstance(exc, CritiqueError) else str(exc)
+    line = " ".join(str(message).split())[:500] or type(exc).__name__
+    if isinstance(exc, (SubmissionError, ConfigError)):
+        return f"was refused by the worker: {line}"
+    return f"failed: {type(exc).__name__}: {line}"
+
+
+def _as_submission(value: Submission | Mapping[str, Any], index: int = 0) -> Submission:
+    """``value`` validated as a :class:`Submission` (an instance is validated again: one built
+    with ``model_construct`` skipped every check); a :class:`SubmissionError` naming it."""
+    from pydantic import ValidationError
+
     try:
-        return Submission.model_validate(dict(value))
-    except Exception as exc:
-        raise SubmissionError(f"malformed submission: {exc}") from exc
+        data = value.model_dump() if isinstance(value, Submission) else dict(value)
+        return Submission.model_validate(data)
+    except ValidationError as exc:
+        worker = _worker_of(value)
+        raise SubmissionError(
+            f"submission {index}{worker} is malformed: {_problems(exc)}", hint=_FIX_HINT
+        ) from None
+    except (TypeError, ValueError) as exc:
+        raise SubmissionError(
+            f"submission {index}{_worker_of(value)} is malformed: {_one_line(exc)}"
+        ) from None
+
+
+_FIX_HINT = "fix it and submit the batch again: nothing was enqueued"
+
+
+def _worker_of(value: Any) -> str:
+    """`` (worker_id 'w1')`` when ``value`` names one, else ``''``."""
+    worker = getattr(value, "worker_id", None)
+    if worker is None and isinstance(value, Mapping):
+        worker = value.get("worker_id")
+    if not isinstance(worker, str):
+        return ""
+    return f" (worker_id {worker[:80]!r})"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())[:300] or type(exc).__name__
+
+
+def _problems(exc: Any) -> str:
+    """A validation error in one line, without the input values (never echo a payload)."""
+    errors = exc.errors(include_input=False, include_url=False)
+    parts = [
+        f"field '{'.'.join(str(p) for p in e['loc']) or 'submission'}': {_one_line(e['msg'])}"
+        for e in errors[:3]
+    ]
+    more = len(errors) - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
+
+
+def _naming(exc: BaseException, index: int, worker_id: str) -> SubmissionError:
+    """``exc`` as a :class:`SubmissionError` whose message starts with the submission it is
+    about; a ``SubmissionError`` (or subclass) keeps its class and fields."""
+    what = f"submission {index} (worker_id {worker_id!r})"
+    if isinstance(exc, SubmissionError):
+        exc.message = f"{what}: {exc.message}"
+        exc.args = (exc.message, *exc.args[1:])
+        return exc
+    if isinstance(exc, CritiqueError):
+        return SubmissionError(f"{what}: {exc.message}", hint=exc.hint or _FIX_HINT)
+    return SubmissionError(
+        f"{what} cannot be serialised for the broker: {_one_line(exc)}", hint=_FIX_HINT
+    )
+
+
+def _redis_errors() -> tuple[type[Exception], ...]:
+    """Connection failures of the store while preparing (blob reads and uploads)."""
+    import redis
+
+    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)

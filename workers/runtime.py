@@ -8,6 +8,12 @@ A stage message is a small JSON dict::
 
 The state goes by reference (a content-addressed blob) once its JSON passes ``INLINE_LIMIT``,
 so a 5 MB output never rides in a broker message.
+
+With ``CRITIQUE_SECRET`` set, every message (stage messages and ``complete_gate`` requests)
+also carries ``"sig": "hmac-sha256:<hex>"`` over all its other fields (:mod:`pipeline.signing`),
+and :func:`decode` / :func:`decode_gate_request` refuse one that is unsigned, altered or signed
+with another key (``ForgedMessageError``). A ``state_ref`` is covered by the signature and the
+blob must hash to it, so neither the reference nor the bytes behind it can be swapped.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ from typing import Any
 import redis
 from pydantic import Field
 
-from pipeline.config import CritiqueConfig, load_config
-from pipeline.errors import SubmissionError
+from pipeline import signing
+from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
+from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext, make_context
-from pipeline.store.blobs import RedisBlobStore
+from pipeline.store.blobs import BlobCorruptError, RedisBlobStore
 from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
 from pipeline.store.runs import RedisRunStore
 
@@ -38,6 +45,30 @@ INLINE_LIMIT = int(os.environ.get("CRITIQUE_INLINE_LIMIT", str(16 * 1024)))
 def redis_url() -> str:
     """The store's URL: ``$REDIS_URL`` or the local default."""
     return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def secrets() -> tuple[bytes, ...]:
+    """The message-signing secrets in ``$CRITIQUE_SECRET`` (read at every call, so a test or
+    ``critique demo`` may set it late); ``()`` when unset: messages go unsigned and unchecked."""
+    return _parse_secrets(os.environ.get(signing.SECRET_ENV))
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_secrets(raw: str | None) -> tuple[bytes, ...]:
+    return signing.parse_secrets(raw)
+
+
+def sign(msg: dict[str, Any]) -> dict[str, Any]:
+    """``msg`` signed with the first ``CRITIQUE_SECRET`` (unchanged when it is unset)."""
+    keys_ = secrets()
+    return signing.sign(msg, keys_) if keys_ else msg
+
+
+def verify(msg: dict[str, Any]) -> None:
+    """Raise ``ForgedMessageError`` unless ``msg`` is validly signed (no-op without a secret)."""
+    keys_ = secrets()
+    if keys_:
+        signing.verify(msg, keys_)
 
 
 @functools.lru_cache(maxsize=1)
@@ -69,14 +100,36 @@ _configs: dict[str, CritiqueConfig] = {}
 
 
 def config_for(overrides: dict[str, Any] | None) -> CritiqueConfig:
-    """The configuration for a message: workflow file + environment + the message's overrides."""
+    """The configuration for a message: workflow file + environment + the message's overrides.
+
+    The overrides come with a submission (the client's config, a stage message's ``config``),
+    so they are checked first against this process's own configuration (workflow file +
+    environment, no overrides): ``RefusedOverrideError`` for a worker-only field or a limit
+    passed (SPEC §3), before anything is built, imported or called. Only what passed is cached.
+    """
     key = json.dumps(overrides or {}, sort_keys=True)
     with _config_lock:
         cfg = _configs.get(key)
         if cfg is None:
+            if overrides:
+                check_submission_overrides(overrides, _own_config_locked())
             cfg = load_config(overrides=overrides or None)
             _configs[key] = cfg
         return cfg
+
+
+def own_config() -> CritiqueConfig:
+    """This process's own configuration (workflow file + environment, no overrides): on a
+    worker, the operator's, which every submission is checked against."""
+    with _config_lock:
+        return _own_config_locked()
+
+
+def _own_config_locked() -> CritiqueConfig:
+    own = _configs.get("{}")
+    if own is None:
+        own = _configs["{}"] = load_config()
+    return own
 
 
 _contexts: dict[str, StageContext] = {}
@@ -84,7 +137,9 @@ _contexts: dict[str, StageContext] = {}
 
 def context_for(overrides: dict[str, Any] | None) -> StageContext:
     """The stage context for a configuration, wired to the Redis stores (one per configuration
-    per process: the critic, reviser and Layer-0 suite are built once)."""
+    per process: the critic, reviser and Layer-0 suite are built once). :func:`config_for`
+    runs first, so refused overrides never reach ``make_context`` (which imports extension
+    checks and callable repairers)."""
     key = json.dumps(overrides or {}, sort_keys=True)
     with _config_lock:
         ctx = _contexts.get(key)
@@ -96,6 +151,7 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
             budget=s.budget,
             trace=s.trace,
             lease_ttl_s=float(os.environ.get("CRITIQUE_LEASE_TTL_S", "900")),
+            read_file=file_bytes,
         )
         ctx.l0_fn()
         ctx.fixpoint_fn()
@@ -122,22 +178,59 @@ def encode(
         msg["state"] = raw
     else:
         msg["state_ref"] = stores().blobs.put(raw.encode("utf-8"))
-    return msg
+    return sign(msg)
 
 
 def decode(msg: Any) -> tuple[LoopState, dict[str, Any]]:
-    """The state and configuration overrides a message carries."""
-    if not isinstance(msg, dict) or msg.get("v") != MESSAGE_VERSION:
+    """The state and configuration overrides a message carries.
+
+    With ``CRITIQUE_SECRET`` set the signature is checked first, before anything in the message
+    is read or fetched: ``ForgedMessageError`` for an unsigned, altered or wrong-key message, or
+    for a referenced blob whose bytes do not hash to the (signed) reference.
+    """
+    if not isinstance(msg, dict):
+        raise SubmissionError(
+            f"not a critique stage message (expected a dict with v={MESSAGE_VERSION}, "
+            f"got {type(msg).__name__})"
+        )
+    verify(msg)
+    if msg.get("v") != MESSAGE_VERSION:
         raise SubmissionError(
             f"not a critique stage message (expected a dict with v={MESSAGE_VERSION})"
         )
-    if "state" in msg:
+    config = msg.get("config")
+    if not isinstance(msg.get("sid", ""), str) or not isinstance(config, (dict, type(None))):
+        raise SubmissionError("stage message: 'sid' must be a string and 'config' an object")
+    if isinstance(msg.get("state"), str):
         raw: str | bytes = msg["state"]
-    elif "state_ref" in msg:
-        raw = stores().blobs.get(msg["state_ref"])
+    elif isinstance(msg.get("state_ref"), str):
+        try:
+            raw = stores().blobs.get(msg["state_ref"])
+        except BlobCorruptError as exc:
+            raise ForgedMessageError(
+                f"stage message's state blob does not hash to its reference: {exc.message}"
+            ) from None
     else:
-        raise SubmissionError("stage message carries neither 'state' nor 'state_ref'")
-    return LoopState.model_validate_json(raw), dict(msg.get("config") or {})
+        raise SubmissionError("stage message carries neither a 'state' nor a 'state_ref' string")
+    try:
+        state = LoopState.model_validate_json(raw)
+    except ValueError as exc:
+        raise SubmissionError(f"stage message carries a malformed state: {_errors(exc)}") from None
+    return state, dict(config or {})
+
+
+def _errors(exc: ValueError) -> str:
+    """A validation error in one line, without the input values (never echo a payload)."""
+    from pydantic import ValidationError
+
+    if isinstance(exc, ValidationError):
+        parts = [
+            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
+            for e in exc.errors(include_input=False, include_url=False)[:5]
+        ]
+        more = exc.error_count() - len(parts)
+        return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
+    return str(exc)[:200]
 
 
 class GateRequest(Frozen):
@@ -155,18 +248,28 @@ class GateRequest(Frozen):
 
 
 def decode_gate_request(msg: Any) -> GateRequest:
-    """The completion-gate request a message carries (a clear error when it is malformed)."""
+    """The completion-gate request a message carries (a clear error when it is malformed).
+
+    With ``CRITIQUE_SECRET`` set, ``ForgedMessageError`` unless it is validly signed.
+    """
+    if not isinstance(msg, dict):
+        raise SubmissionError(
+            f"malformed complete_gate message: expected a dict, got {type(msg).__name__}"
+        )
+    verify(msg)
     try:
-        req = GateRequest.model_validate(msg)
-    except Exception as exc:
-        raise SubmissionError(f"malformed complete_gate message: {exc}") from exc
+        req = GateRequest.model_validate({k: v for k, v in msg.items() if k != signing.SIG_FIELD})
+    except ValueError as exc:
+        raise SubmissionError(f"malformed complete_gate message: {_errors(exc)}") from None
     if req.v != MESSAGE_VERSION:
         raise SubmissionError(f"complete_gate message version {req.v}; expected {MESSAGE_VERSION}")
     return req
 
 
 def file_bytes(file: FileRef) -> bytes | None:
-    """A file's bytes for the gates' file validator: inline content, else its blob, else None."""
+    """A file's bytes (the :data:`pipeline.files.FileReader` of this process, used by admit,
+    Layer-0 and the gates): inline content, else its blob, else None. A missing or expired
+    blob raises ``BlobMissingError`` (permanent); an unreachable Redis is transient."""
     if file.content is not None:
         return file.content.encode("utf-8")
     if file.blob is not None:

@@ -10,6 +10,11 @@ stage is not the state's next one passes the state through (e.g. critique disabl
 are idempotent under redelivery: pattern recording is keyed by critique, budget leases by
 (submission, attempt), results by (iteration, worker). Transient errors (Redis, LLM) are retried
 with exponential backoff and jitter; permanent ones fail the task at once.
+
+A message that cannot be trusted or read (unsigned, forged or altered while ``CRITIQUE_SECRET``
+is set, or malformed) is refused: a warning in the log (never the payload), a ``refused`` event
+in the trace of the run it claims (marked ``run_id_verified: false``), and the task fails with
+the reason, never retried and never turned into a result.
 """
 
 from __future__ import annotations
@@ -19,11 +24,13 @@ import json
 from typing import Any
 
 from celery import Task, chain
+from celery.utils.log import get_task_logger
+from kombu.exceptions import OperationalError
 
-from pipeline.config import CritiqueConfig
-from pipeline.errors import TransientError
+from pipeline.config import CritiqueConfig, check_submission_model
+from pipeline.errors import CritiqueError, PermanentError, TransientError
 from pipeline.gates import evaluate_completion
-from pipeline.models import Submission
+from pipeline.models import Submission, check_identifier
 from pipeline.runner import STAGES, LoopState, StageContext, finish, is_token_free
 from pipeline.store import keys
 from pipeline.store.base import encode_event
@@ -32,7 +39,9 @@ from workers import runtime
 from workers.app import app
 
 RETRY = {
-    "autoretry_for": (TransientError,),
+    # OperationalError: a publish (Task.replace, an event) that still failed after
+    # celeryconfig's task_publish_retry_policy, i.e. a broker outage: transient too.
+    "autoretry_for": (TransientError, OperationalError),
     "retry_backoff": True,
     "retry_backoff_max": 60,
     "retry_jitter": True,
@@ -43,6 +52,7 @@ RETRY = {
 # (plus a STARTED state) would cost two Redis writes per stage for nothing. Errors are still
 # stored, and Celery propagates them down the chain to the gate task the client waits on.
 STAGE = {**RETRY, "ignore_result": True, "store_errors_even_if_ignored": True}
+log = get_task_logger(__name__)
 
 
 def _step_id(sid: str, state: LoopState, stage: str) -> str:
@@ -59,7 +69,9 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
     repeat returns that output unchanged (and writes no event), so every duplicate downstream
     of it replays too and the result is the same.
     """
-    state, overrides = runtime.decode(msg)
+    state, overrides = _decoded(task, msg, stage)
+    sub = state.submission
+    _boundary_config(task, overrides, stage, sub.run_id, sub.iteration, sub.worker_id, sub.model)
     if state.next != stage:
         return msg, state.next
     run_id = state.submission.run_id
@@ -111,6 +123,114 @@ def _replayed(recorded: str) -> tuple[dict[str, Any], str]:
     return out, runtime.decode(out)[0].next
 
 
+def _boundary_config(
+    task: Task,
+    overrides: dict[str, Any],
+    stage: str,
+    run_id: str,
+    iteration: int,
+    worker_id: str | None = None,
+    model: str | None = None,
+) -> CritiqueConfig:
+    """The message's configuration past the trust boundary (SPEC §3): its overrides and the
+    submission's model are checked against this worker's own configuration before anything is
+    built, imported or called. A refusal is logged, recorded as a ``refused`` event in the
+    run's trace, and fails the task (permanent: never retried)."""
+    try:
+        config = runtime.config_for(overrides)
+        check_submission_model(model, runtime.own_config())
+    except PermanentError as exc:
+        reason = exc.message
+        log.warning("refused a %s message of run %s: %s", stage, run_id, reason)
+        event = {
+            "type": "refused",
+            "stage": stage,
+            "worker_id": worker_id,
+            "iteration": iteration,
+            "reason": reason,
+            "error": type(exc).__name__,
+            "task_id": task.request.id,
+        }
+        try:
+            runtime.stores().trace.emit(run_id, event)
+        except CritiqueError as store_exc:
+            log.warning("could not record the refusal in run %s's trace: %s", run_id, store_exc)
+        raise
+    return config
+
+
+def _decoded(task: Task, msg: Any, stage: str) -> tuple[LoopState, dict[str, Any]]:
+    """``runtime.decode`` of a message off the broker; a refused message is recorded first."""
+    try:
+        return runtime.decode(msg)
+    except PermanentError as exc:
+        _refuse(task, msg, stage, exc)
+        raise
+
+
+def _gate_request(task: Task, msg: Any) -> runtime.GateRequest:
+    """``runtime.decode_gate_request`` of a message off the broker, refusals recorded."""
+    try:
+        return runtime.decode_gate_request(msg)
+    except PermanentError as exc:
+        _refuse(task, msg, "complete_gate", exc)
+        raise
+
+
+_CLAIM_LIMIT = 1 << 20
+"""Largest inline state a refused message may carry for its claimed run id to be looked up."""
+
+
+def _refuse(task: Task, msg: Any, stage: str, exc: Exception) -> None:
+    """Record a refused message: a warning log line (never the payload), and a ``refused``
+    event in the trace of the run the message claims, marked unverified (nothing in a refused
+    message is trusted: the run id only files the refusal where the run's owner looks)."""
+    run_id = _claimed_run_id(msg)
+    reason = str(exc)[:500]
+    log.warning(
+        "refused a %s message (task %s, claimed run %s): %s: %s",
+        stage,
+        task.request.id,
+        run_id or "-",
+        type(exc).__name__,
+        reason,
+    )
+    if run_id is None:
+        return
+    event = {
+        "type": "refused",
+        "stage": stage,
+        "reason": reason,
+        "error": type(exc).__name__,
+        "task_id": task.request.id,
+        "run_id_verified": False,
+    }
+    try:
+        runtime.stores().trace.emit(run_id, event)
+    except CritiqueError as store_exc:
+        log.warning("could not record the refusal in run %s's trace: %s", run_id, store_exc)
+
+
+def _claimed_run_id(msg: Any) -> str | None:
+    """The run id a message says it belongs to (a gate request's ``run_id``, an inline state's
+    ``submission.run_id``), if it is a valid identifier; else None. Never fetches a blob."""
+    if not isinstance(msg, dict):
+        return None
+    run_id = msg.get("run_id")
+    state = msg.get("state")
+    if run_id is None and isinstance(state, str) and len(state) <= _CLAIM_LIMIT:
+        try:
+            run_id = json.loads(state).get("submission", {}).get("run_id")
+        except (ValueError, AttributeError, RecursionError):
+            return None
+    if not isinstance(run_id, str):
+        return None
+    try:
+        return check_identifier(run_id, "run_id")
+    except ValueError:
+        return None
+
+
 @app.task(name=keys.TASK_L0, bind=True, **STAGE)
 def l0(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Layer-0 contract checks (token-free)."""
@@ -144,11 +264,14 @@ def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
 
 @app.task(name=keys.TASK_GATE, bind=True, **RETRY)
 def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """Finish the submission: store its result, write the result event, return a summary."""
-    state, _ = runtime.decode(msg)
+    """Finish the submission: store its result, write the result event, return a summary.
+
+    Only from a message that passed its signature check (``CRITIQUE_SECRET``): a forged
+    finished state is refused before anything is stored."""
+    state, _ = _decoded(self, msg, "gate")
     result = finish(state)
     s = runtime.stores()
-    s.runs.put_result(result)
+    s.runs.put_result(result, sid=str(msg.get("sid", "")))  # the pass is no longer pending
     if state.status is not None:
         s.trace.emit(
             result.run_id,
@@ -184,13 +307,13 @@ def complete_gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     decision per ``request_id`` is recorded and replayed on redelivery, and a rejection is
     counted once per request, so ``max_rejected_completions`` → partial is never double-counted.
     """
-    req = runtime.decode_gate_request(msg)
+    req = _gate_request(self, msg)
     s = runtime.stores()
     step = f"complete_gate:{req.request_id}"
     recorded = s.runs.step_output(req.run_id, step)
     if recorded is not None:
         return dict(json.loads(recorded))
-    config = runtime.config_for(req.config)
+    config = _boundary_config(self, req.config, "complete_gate", req.run_id, req.iteration)
     results = s.runs.results(req.run_id, req.iteration)
     decision = evaluate_completion(
         run_id=req.run_id,

@@ -30,6 +30,8 @@ from pipeline.contract.models import (
     OutputContractCheck,
 )
 from pipeline.errors import ConfigError, ExtensionLoadError
+from pipeline.files import FileReader, file_text
+from pipeline.files import read_file as read_file_bytes
 from pipeline.models import Submission
 
 __all__ = [
@@ -244,11 +246,16 @@ def check_submission(
     submission: Submission,
     output: str | dict[str, Any] | None = None,
     previous_size: int | None = None,
+    read_file: FileReader | None = None,
 ) -> ContractReport:
-    """Check a submission's output (or ``output``, e.g. a repair's) and its inline files.
+    """Check a submission's output (or ``output``, e.g. a repair's) and every text file.
 
-    A dict output is checked as JSON. ``previous_size`` applies to the output only. Files held
-    by reference (``blob``) without inline ``content`` are not read here.
+    A dict output is checked as JSON. ``previous_size`` applies to the output only. Every file
+    is read through ``read_file`` (:mod:`pipeline.files`; default: inline content only), so a
+    file held by reference is checked exactly like an inline one; binary files (bytes that are
+    not UTF-8, unless the name says text) are not scanned. A file whose content cannot be read
+    (a missing or expired blob, or a blob and no reader that follows it) raises
+    :class:`~pipeline.files.UnreadableFileError`: never skipped in silence.
     """
     out = submission.output if output is None else output
     claimed = "json" if isinstance(out, dict) else submission.claimed_format
@@ -257,9 +264,9 @@ def check_submission(
             text=output_text(out), path=None, claimed_format=claimed, previous_size=previous_size
         )
     ]
-    items.extend(
-        ContractInput(text=f.content, path=f.path)
-        for f in submission.files
-        if f.content is not None
-    )
+    for f in submission.files:
+        data = None if f.content is not None else read_file_bytes(f, read_file)
+        text = file_text(f, data)
+        if text is not None:
+            items.append(ContractInput(text=text, path=f.path))
     return suite.run(items)

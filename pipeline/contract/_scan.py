@@ -23,6 +23,13 @@ Definitions shared by both implementations:
   and ``to be filled`` are ASCII case-insensitive; words of a phrase may be separated by any
   whitespace. ``???`` is any run of three or more question marks, reported once per run.
   Placeholders are searched everywhere, code and strings included.
+* disguised placeholders: :func:`scan` also searches the text as a reader sees it
+  (:func:`pipeline.textnorm.normalize`: ANSI escapes and zero-width characters removed,
+  NFKC-folded, look-alike letters of mixed-script words mapped to Latin), so
+  ``\\x1b[31mTODO``, ``TO\\u200bDO`` and ``ＴＯＤＯ`` are found too, at their offsets in the
+  original text; in JSON mode ``\\u001b`` (how JSON writes ESC) counts as ESC too. Pure
+  ASCII text without ESC skips this entirely (the hot path is unchanged); :func:`scan_py` is
+  the reference for the raw scan only.
 * modes (:func:`mode_for`): ``MD`` (markdown and plain text), ``LATEX``, ``PY``, ``JSON``,
   ``OTHER`` (files of unknown type: placeholders only).
 * MD: a fence opens on a line with at most three leading spaces and ≥3 backticks (whose info
@@ -49,10 +56,12 @@ Definitions shared by both implementations:
 from __future__ import annotations
 
 import re
+from bisect import bisect_left
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from pipeline import textnorm
 from pipeline.simhash import fingerprints
 
 MODE_OTHER, MODE_MD, MODE_LATEX, MODE_PY, MODE_JSON = 0, 1, 2, 3, 4
@@ -164,8 +173,44 @@ def scan(
         raise RuntimeError("the compiled scanner is not built (python setup.py build_ext)")
     if ext is not None:
         hits, total, paras, heads, delims = ext.scan(text, mode, want, min_words, max_hits)
-        return ScanResult(hits, total, paras, heads, tuple(delims))
-    return scan_py(text, mode, want, min_words=min_words, max_hits=max_hits)
+        result = ScanResult(hits, total, paras, heads, tuple(delims))
+    else:
+        result = scan_py(text, mode, want, min_words=min_words, max_hits=max_hits)
+    json_escapes = mode == MODE_JSON
+    if want & WANT_PLACEHOLDERS and textnorm.needs_work(text, json_escapes=json_escapes):
+        result = _add_disguised(text, result, ext, max_hits, json_escapes)
+    return result
+
+
+def _add_disguised(
+    text: str, raw: ScanResult, ext: Any, max_hits: int, json_escapes: bool
+) -> ScanResult:
+    """``raw`` plus the placeholders only the normalised text shows (ANSI-wrapped, split by
+    zero-width characters, fullwidth, look-alike letters), at their offsets in ``text``.
+
+    A normalised hit that overlaps a raw one is the same placeholder and is not counted twice;
+    raw hits are always kept (a zero-width space can end a word in the raw text).
+    """
+    norm = textnorm.normalize(text, json_escapes=json_escapes)
+    if norm.identity and norm.text == text:
+        return raw
+    if ext is not None:
+        found, found_total = ext.scan(norm.text, MODE_OTHER, WANT_PLACEHOLDERS, 3, max_hits)[:2]
+    else:
+        res = scan_py(norm.text, MODE_OTHER, WANT_PLACEHOLDERS, max_hits=max_hits)
+        found, found_total = res.hits, res.total_hits
+    starts = [s for _, s, _ in raw.hits]
+    extra: list[tuple[int, int, int]] = []
+    for pid, s, e in found:
+        start, end = norm.span(s, e)
+        i = bisect_left(starts, end)
+        if i > 0 and raw.hits[i - 1][2] > start:
+            continue  # overlaps the raw hit that starts before its end
+        extra.append((pid, start, end))
+    if not extra:
+        return raw
+    hits = sorted([*raw.hits, *extra])[:max_hits]
+    return replace(raw, hits=hits, total_hits=max(raw.total_hits + len(extra), found_total))
 
 
 # ---- the pure-Python reference -------------------------------------------------------------

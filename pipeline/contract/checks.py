@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pipeline import simhash
+from pipeline import simhash, textnorm
 from pipeline.contract import _scan
 from pipeline.contract._scan import ScanResult
 from pipeline.contract.models import ContractFailure, ContractInput, L0Severity
@@ -84,7 +84,12 @@ def _capped(
 
 
 class NoPlaceholder(BuiltinCheck):
-    """Placeholder text (TODO, Lorem ipsum, ???, …) left in the output."""
+    """Placeholder text (TODO, Lorem ipsum, ???, …) left in the output.
+
+    Also when disguised (ANSI colours, zero-width characters, fullwidth or look-alike letters:
+    see :func:`pipeline.textnorm.normalize`); the reason then says how it reads, and the
+    offset is still the original text's.
+    """
 
     name = "no_placeholder"
     want = _scan.WANT_PLACEHOLDERS
@@ -97,8 +102,10 @@ class NoPlaceholder(BuiltinCheck):
         text = doc.text
         for _pid, start, end in result.hits[:MAX_FAILURES_PER_CHECK]:
             found = text[start:end]
+            reads = textnorm.fold(found, json_escapes=mode == _scan.MODE_JSON)
+            shown = f"{found!r}" if reads == found else f"{found!r} (reads {reads!r})"
             out.append(
-                self._fail(doc, f"placeholder {found!r} in {_context(text, start, end)!r}", start)
+                self._fail(doc, f"placeholder {shown} in {_context(text, start, end)!r}", start)
             )
         nxt = (
             result.hits[MAX_FAILURES_PER_CHECK][1]

@@ -15,6 +15,12 @@ def encode_event(event: Mapping[str, Any]) -> str:
     return json.dumps(dict(event), separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
+MAX_PATTERNS_PER_CRITIQUE = 20
+"""SPEC §3: pattern memory records at most this many patterns per critique. Which ones is
+decided by :func:`pipeline.pitfalls.patterns_from_envelope`; the stores keep the first this
+many distinct patterns they are given (a guard for any other caller)."""
+
+
 class PatternStore(Protocol):
     """Per-run failure patterns ("Known Pitfalls"), most frequent first."""
 
@@ -25,7 +31,8 @@ class PatternStore(Protocol):
         iteration: int,
         patterns: Sequence[ReusablePattern],
     ) -> bool:
-        """Count ``patterns`` once for ``critique_key``; a repeated key changes nothing.
+        """Count ``patterns`` once for ``critique_key``; a repeated key changes nothing. Only the
+        first :data:`MAX_PATTERNS_PER_CRITIQUE` distinct patterns are recorded.
 
         Returns True when this call recorded them, False when the key was already recorded.
         """

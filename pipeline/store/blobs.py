@@ -20,7 +20,7 @@ from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_er
 
 REF_PREFIX = "sha256:"
 DEFAULT_INLINE_LIMIT = 32 * 1024
-_REF = re.compile(r"^sha256:([0-9a-f]{64})$")
+_REF = re.compile(r"sha256:([0-9a-f]{64})")  # fullmatch: "$" would accept a trailing newline
 
 
 class BlobMissingError(PermanentError, KeyError):
@@ -45,7 +45,7 @@ def blob_ref(data: bytes) -> str:
 
 def parse_ref(ref: str) -> str:
     """The hex digest inside ``ref``; raises ``BlobMissingError`` for a malformed reference."""
-    match = _REF.match(ref)
+    match = _REF.fullmatch(ref)
     if match is None:
         raise BlobMissingError(ref, f"{ref!r} is not a blob reference (sha256:<64 hex digits>)")
     return match.group(1)

@@ -33,6 +33,7 @@ TASK_DECIDE = "critique.decide"  # task: convergence decision (continue, stop, e
 TASK_REPAIR = "critique.repair"  # task: one targeted repair attempt
 TASK_GATE = "critique.gate"  # task: the per-submission gate at the end of the chain
 TASK_COMPLETE_GATE = "critique.complete_gate"  # task: the manager's completion gate
+TASK_PROBE = "critique.probe"  # task: a queue-drain probe (workers.recovery), no payload
 
 # --- run key suffixes (under ``<prefix>:{<run_id>}:``) -----------------------------------------
 
@@ -49,6 +50,8 @@ SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, sig
 RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> CritiqueResult JSON (the final answers)
 COMPLETIONS = "completions"  # hash: "rejected" -> gate rejections; "req:<id>" -> counted
 STEPS = "steps"  # hash: "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> step output
+PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress (unix s), unsettled
+RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
     PATTERNS_FREQ,
@@ -62,6 +65,8 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     RESULTS,
     COMPLETIONS,
     STEPS,
+    PENDING,
+    RESUMES,
 )  # every run key suffix, for scans, reports and tests
 
 # --- shared (not per-run) keys ---------------------------------------------------------------
@@ -69,6 +74,10 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
 BLOB = "blob"  # string under ``<prefix>:blob:<sha256 hex>``: content-addressed bytes, all runs
 LESSONS_RUNS = "lessons:runs"  # sorted set: pattern key -> runs it occurred in (never expires)
 LESSONS_DETAIL = "lessons:detail"  # hash: pattern key -> JSON {category, rule, first/last run}
+PENDING_RUNS = "pending:runs"  # sorted set: run id -> last submit; runs the stall sweeper scans
+SWEEP_LOCK = "sweep:lock"  # string: token of the worker sweeping for stalls now (expires)
+PROBE = "probe"  # hash ``<prefix>:probe:{<queue>}``: "sent", "done" -> last probe sent, run
+PROBE_DRAINED = "drained"  # sorted set ``<prefix>:probe:{<queue>}:drained``: probe sent -> ran
 
 
 def key_prefix() -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
-from pipeline.store.base import encode_event
+from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, encode_event
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
 
 
@@ -51,7 +51,8 @@ class MemoryPatternStore:
                 return False
             self._seen.add((run_id, critique_key))
             rows = self._rows.setdefault(run_id, {})
-            for key in dict.fromkeys(pattern_key(p.category, p.prevention_rule) for p in patterns):
+            distinct = dict.fromkeys(pattern_key(p.category, p.prevention_rule) for p in patterns)
+            for key in list(distinct)[:MAX_PATTERNS_PER_CRITIQUE]:
                 p = next(q for q in patterns if pattern_key(q.category, q.prevention_rule) == key)
                 row = rows.get(key)
                 if row is None:

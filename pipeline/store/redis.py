@@ -17,7 +17,7 @@ import redis
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store import keys
-from pipeline.store.base import encode_event
+from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, encode_event
 from pipeline.store.memory import pattern_key
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
@@ -134,6 +134,8 @@ class RedisPatternStore:
         args: list[str | int] = [critique_key, iteration, self._ttl_ms]
         seen: set[str] = set()
         for p in patterns:
+            if len(seen) >= MAX_PATTERNS_PER_CRITIQUE:
+                break
             key = pattern_key(p.category, p.prevention_rule)
             if key not in seen:
                 seen.add(key)

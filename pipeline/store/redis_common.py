@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import redis
+from redis.exceptions import ClusterDownError, ReadOnlyError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -22,12 +23,23 @@ def redis_url_of(client: redis.Redis) -> str:
     return f"redis://{kw.get('host', 'localhost')}:{kw.get('port', 6379)}/{db}"
 
 
+UNAVAILABLE: tuple[type[Exception], ...] = (
+    RedisConnectionError,  # refused, reset, closed; also LOADING (a restart reading its AOF)
+    RedisTimeoutError,
+    ReadOnlyError,  # writing to a replica: a failover is under way
+    TryAgainError,  # a cluster slot migrating
+    ClusterDownError,  # a cluster, or a master, is down (MASTERDOWN)
+)
+"""Redis errors that say "not now" rather than "never": ``StoreUnavailableError`` (transient)."""
+
+
 @contextmanager
 def store_errors(client: redis.Redis) -> Iterator[None]:
-    """Map Redis connection failures and timeouts to ``StoreUnavailableError`` with a hint."""
+    """Map Redis connection failures, timeouts and failover replies (:data:`UNAVAILABLE`) to
+    ``StoreUnavailableError`` (transient: retried with backoff) with a hint."""
     try:
         yield
-    except (RedisConnectionError, RedisTimeoutError) as exc:
+    except UNAVAILABLE as exc:
         url = redis_url_of(client)
         raise StoreUnavailableError(
             f"the Redis store at {url} is unavailable: {exc}",

@@ -28,16 +28,21 @@ return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
 """
 
 
-# KEYS[1] steps hash, KEYS[2] trace stream; ARGV: step, output, TTL (ms), stream maxlen,
-# event field, then the encoded events. Returns nil when this call recorded the step, else the
-# output recorded first.
+# KEYS[1] steps hash, KEYS[2] trace stream, KEYS[3] pending sorted set; ARGV: step, output,
+# TTL (ms), stream maxlen, event field, the pass's pending member ("" for none), now (s), then
+# the encoded events. Returns nil when this call recorded the step, else the output recorded
+# first. A first record is the pass's progress: its pending score (if it is still pending, XX)
+# moves to now, which is what the stall sweeper (workers.recovery) measures.
 _RECORD_STEP = """
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return redis.call('HGET', KEYS[1], ARGV[1])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if #ARGV > 5 then
-  for i = 6, #ARGV do
+if ARGV[6] ~= '' then
+  redis.call('ZADD', KEYS[3], 'XX', ARGV[7], ARGV[6])
+end
+if #ARGV > 7 then
+  for i = 8, #ARGV do
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i])
   end
   redis.call('PEXPIRE', KEYS[2], ARGV[3])
@@ -63,6 +68,18 @@ def _step_order(rest: str) -> tuple[int, int, int] | None:
 def member(iteration: int, worker_id: str) -> str:
     """The hash field of one submission."""
     return f"{iteration}:{worker_id}"
+
+
+def pass_member(iteration: int, worker_id: str, sid: str) -> str:
+    """The ``pending`` sorted-set member of one submission pass."""
+    return f"{iteration}:{worker_id}:{sid}"
+
+
+def _pass_of_step(step: str) -> str:
+    """The pass member a chain step id belongs to (``""`` for a step outside a pass, such as a
+    completion gate's): ``"<iteration>:<worker>:<sid>"`` of ``"…:<round>:<attempt>:<stage>"``."""
+    parts = step.split(":")
+    return ":".join(parts[:3]) if len(parts) == 6 else ""
 
 
 class RedisRunStore:
@@ -108,6 +125,12 @@ class RedisRunStore:
             doc["message"] = message
         self._hset(run_id, keys.SUBMITTED, member(iteration, worker_id), json.dumps(doc))
 
+    def submission(self, run_id: str, iteration: int, worker_id: str) -> dict[str, Any] | None:
+        """One submission's ``mark_submitted`` record (the latest pass's), or None."""
+        with store_errors(self._r):
+            raw = self._r.hget(self._key(run_id, keys.SUBMITTED), member(iteration, worker_id))
+        return None if raw is None else dict(json.loads(text(raw)))
+
     def latest_step(
         self, run_id: str, iteration: int, worker_id: str, sid: str
     ) -> tuple[str, str] | None:
@@ -137,14 +160,27 @@ class RedisRunStore:
             raw = self._r.hgetall(self._key(run_id, keys.SUBMITTED))
         return {text(k): json.loads(text(v)) for k, v in raw.items()}
 
-    def put_result(self, result: CritiqueResult) -> None:
-        """Store a submission's final result (idempotent)."""
-        self._hset(
-            result.run_id,
-            keys.RESULTS,
-            member(result.iteration, result.worker_id),
-            result.model_dump_json(),
-        )
+    def put_result(self, result: CritiqueResult, *, sid: str | None = None) -> None:
+        """Store a submission's final result (idempotent); with its pass id ``sid``, the pass
+        leaves the pending index in the same transaction (it can no longer stall)."""
+        if not sid:
+            self._hset(
+                result.run_id,
+                keys.RESULTS,
+                member(result.iteration, result.worker_id),
+                result.model_dump_json(),
+            )
+            return
+        key = self._key(result.run_id, keys.RESULTS)
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hset(key, member(result.iteration, result.worker_id), result.model_dump_json())
+            pipe.pexpire(key, self._ttl_ms)
+            pipe.zrem(
+                self._key(result.run_id, keys.PENDING),
+                pass_member(result.iteration, result.worker_id, sid),
+            )
+            pipe.execute()
 
     def result(self, run_id: str, iteration: int, worker_id: str) -> CritiqueResult | None:
         """One result, or None while it is not there yet."""
@@ -178,15 +214,18 @@ class RedisRunStore:
         """
         steps = self._key(run_id, keys.STEPS)
         trace = self._key(run_id, keys.TRACE)
+        pending = self._key(run_id, keys.PENDING)
         with store_errors(self._r):
             got = self._record_step(
-                keys=[steps, trace],
+                keys=[steps, trace, pending],
                 args=[
                     step,
                     output,
                     self._ttl_ms,
                     keys.TRACE_MAXLEN,
                     keys.TRACE_EVENT_FIELD,
+                    _pass_of_step(step),
+                    repr(time.time()),
                     *events,
                 ],
             )

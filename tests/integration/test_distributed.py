@@ -58,20 +58,43 @@ def worker(
 ) -> Iterator[WorkerProcess]:
     """One worker process (threads pool, 4 threads) for the module."""
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="main", env=env, log=log).start()
+    # A callable repairer is worker-only configuration (SPEC §3): the worker's environment names
+    # it. It is the heuristic reviser that first records the Known Pitfalls it was given.
+    wenv = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:recording_revise"}
+    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="main", env=wenv, log=log).start()
     yield w
     w.stop()
 
 
+LOOP = (
+    "Sales rose four percent in the third quarter, led by the northern region, where two new "
+    "stores opened and the online shop doubled its monthly orders compared with last year."
+)
+"""A paragraph of 20+ words: repeated verbatim, Layer-0 no_text_loop flags it."""
+TEXT_KINDS: dict[str, str] = {
+    # repaired by the token-free reviser: the verbatim copy is deleted, the first kept
+    "looping": f"# Q3 sales\n\n## Summary\n\nSales rose 4%.\n\n## Findings\n\n{LOOP}\n\n{LOOP}\n",
+    # repaired: the second heading becomes "Findings (2)"
+    "dup_heading": "# Q3 sales\n\n## Summary\n\nSales rose 4%.\n\n## Findings\n\nNorth grew."
+    "\n\n## Findings\n\nSouth shrank.\n",
+    # needs_model: the placeholder stands in a sentence, which stays untouched
+    "todo_sentence": "# Q3 sales\n\n## Summary\n\nSales rose overall. TODO: add numbers.\n\n"
+    "## Findings\n\nNorth grew.\n",
+    # one honest repair (the copy goes), then needs_model: the Findings section is missing
+    "looping_no_findings": f"# Q3 sales\n\n## Summary\n\n{LOOP}\n\n{LOOP}\n",
+}
+
+
 def make_sub(run_id: str, worker_id: str, iteration: int, kind: str) -> Submission:
-    """A worker output of a given kind: clean, missing, broken or garbage."""
-    output: dict[str, Any]
-    if kind == "clean":
+    """A worker output of a given kind: clean, missing, broken or garbage (JSON results), or
+    one of :data:`TEXT_KINDS` (Markdown reports)."""
+    output: str | dict[str, Any]
+    if kind in TEXT_KINDS:
+        output = TEXT_KINDS[kind]
+    elif kind == "clean":
         output = {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9}
     elif kind == "missing":
         output = {"summary": "Sales rose 4%.", "confidence": 0.8}
-    elif kind == "missing_long":  # big enough that adding a field stays under 2.5× its size
-        output = {"summary": "Sales rose 4% in Q3, led by the north. " * 4, "confidence": 0.8}
     elif kind == "broken":
         output = {"summary": "Sales rose.", "findings": "x", "error": "tool timed out"}
     else:  # nothing usable: in the escalate band
@@ -83,11 +106,12 @@ def make_sub(run_id: str, worker_id: str, iteration: int, kind: str) -> Submissi
         subtask_signature=f"sig-{worker_id}",
         task="Summarise the quarterly sales report with findings.",
         output=output,
+        claimed_format="markdown" if isinstance(output, str) else None,
         required_fields=REQUIRED,
     )
 
 
-KINDS = ("clean", "missing", "broken", "garbage")
+KINDS = ("clean", "looping", "missing", "broken", "garbage")
 CONFIG = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
 
 
@@ -149,7 +173,7 @@ def test_tiny_budget_ends_repairs_and_keeps_the_best(worker: WorkerProcess) -> N
     run_id = f"tiny-{uuid.uuid4().hex[:8]}"
     config = {"enabled": True, "budget": {"total_tokens": 10}}
     client = CritiqueClient(config)
-    subs = [make_sub(run_id, f"w{i}", 1, "missing") for i in range(5)]
+    subs = [make_sub(run_id, f"w{i}", 1, "looping") for i in range(5)]
     results = client.wait_many(client.submit_many(subs), timeout=60)
     for sub, res in zip(subs, results, strict=True):
         assert res.stop_reason == "repair_budget_exhausted"
@@ -162,7 +186,7 @@ def test_redelivered_task_bodies_change_no_count_or_charge(worker: WorkerProcess
     from workers import runtime, tasks
 
     run_id = f"redo-{uuid.uuid4().hex[:8]}"
-    sub = make_sub(run_id, "w1", 1, "missing")
+    sub = make_sub(run_id, "w1", 1, "looping")
     msg = runtime.encode(start(sub), CONFIG)
     s = runtime.stores()
     m = msg
@@ -199,17 +223,14 @@ def test_killed_worker_loses_nothing(
 
     worker.stop()  # only the killable worker consumes during this test
     run_id = f"kill-{uuid.uuid4().hex[:8]}"
-    config = {
-        "enabled": True,
-        "budget": {"total_tokens": 2_000_000},
-        "repairer": "tests.integration.helpers:slow_revise",
-    }
-    subs = [make_sub(run_id, f"w{i:02d}", 1, KINDS[i % 4]) for i in range(16)]
+    config = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
+    slow = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:slow_revise"}
+    subs = [make_sub(run_id, f"w{i:02d}", 1, KINDS[i % len(KINDS)]) for i in range(16)]
     victim = WorkerProcess(
-        env["REDIS_URL"], concurrency=4, name="victim", env=env, log=tmp_path / "victim.log"
+        env["REDIS_URL"], concurrency=4, name="victim", env=slow, log=tmp_path / "victim.log"
     )
     rescuer = WorkerProcess(
-        env["REDIS_URL"], concurrency=4, name="rescuer", env=env, log=tmp_path / "rescuer.log"
+        env["REDIS_URL"], concurrency=4, name="rescuer", env=slow, log=tmp_path / "rescuer.log"
     )
     try:  # whatever fails, no worker process of this test outlives it
         victim.start()
@@ -288,11 +309,10 @@ def test_trace_holds_every_stage_and_pitfalls_reach_later_repairs(
     from workers.client import CritiqueClient
 
     run_id = f"trace-{uuid.uuid4().hex[:8]}"
-    config = {"enabled": True, "repairer": "tests.integration.helpers:recording_revise"}
-    client = CritiqueClient(config)
-    early = [make_sub(run_id, f"early{i}", 1, "missing_long") for i in range(3)]
+    client = CritiqueClient({"enabled": True})  # the worker's repairer records the pitfalls
+    early = [make_sub(run_id, f"early{i}", 1, "looping") for i in range(3)]
     client.wait_many(client.submit_many(early), timeout=60)
-    late = make_sub(run_id, "late", 2, "missing_long")
+    late = make_sub(run_id, "late", 2, "looping")
     res = client.wait(client.submit(late), timeout=60)
     assert res.status == "repaired", (res.stop_reason, res.notes, res.trace)
 
@@ -306,7 +326,7 @@ def test_trace_holds_every_stage_and_pitfalls_reach_later_repairs(
     late_part = recorded.split("=== late\n", 1)[1]
     assert "## Known Pitfalls" in late_part
     # three earlier workers and the late worker's own first critique
-    assert "[seen 4x] missing_data: Always include the 'findings' field" in late_part
+    assert "[seen 4x] policy_violation: Say each thing once" in late_part
 
 
 def test_complete_gate_counts_each_rejection_once_and_ends_partial(worker: WorkerProcess) -> None:
@@ -393,7 +413,7 @@ def test_critique_resume_redrives_the_pending_submissions(
     from workers.client import CritiqueClient
 
     run_id = f"resume-{uuid.uuid4().hex[:8]}"
-    handle = _lose_l0_successor(worker, env, make_sub(run_id, "w1", 1, "missing"))
+    handle = _lose_l0_successor(worker, env, make_sub(run_id, "w1", 1, "looping"))
     capsys.readouterr()
     assert main(["resume", run_id, "--json"]) == 0
     doc = _json.loads(capsys.readouterr().out)
@@ -424,3 +444,46 @@ def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(
     assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
     resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
     assert [(e["stage"], e["after_step"].rsplit(":", 1)[1]) for e in resumes] == [("critic", "l0")]
+
+
+HONEST: dict[str, tuple[str, str]] = {
+    "missing": ("escalated", "needs_model"),
+    "broken": ("escalated", "needs_model"),
+    "todo_sentence": ("escalated", "needs_model"),
+    "looping": ("repaired", "accepted"),
+    "dup_heading": ("repaired", "accepted"),
+    "looping_no_findings": ("escalated", "needs_model"),
+}
+"""Kind → (status, stop reason) with the quickstart's default configuration (no model)."""
+
+
+def test_token_free_reviser_invents_nothing_through_a_worker(worker: WorkerProcess) -> None:
+    """Through a real worker with the default configuration (no model): only vouchable edits
+    are made (a copy deleted, a heading suffixed); a missing field, an error field, a
+    placeholder in a sentence end escalated / needs_model untouched, listed in the notes, with
+    no repair round spent; a partly fixable output keeps its honest fix, then needs_model."""
+    from workers.client import CritiqueClient
+
+    run_id = f"honest-{uuid.uuid4().hex[:8]}"
+    subs = {kind: make_sub(run_id, kind, 1, kind) for kind in HONEST}
+    client = CritiqueClient({"enabled": True})
+    got = {
+        r.worker_id: r
+        for r in client.wait_many(client.submit_many(list(subs.values())), timeout=60)
+    }
+    for kind, want in HONEST.items():
+        r = got[kind]
+        assert (r.status, r.stop_reason) == want, (kind, r.notes)
+        if r.stop_reason == "needs_model":
+            critical = [d.description for d in r.envelope.critical]
+            assert critical and all(any(c in n for n in r.notes) for c in critical)
+    for kind in ("missing", "broken", "todo_sentence"):
+        assert got[kind].output == subs[kind].output
+        assert got[kind].attempts == () and got[kind].repair_usage.tokens == 0
+    assert isinstance(got["broken"].output, dict)
+    assert got["broken"].output["error"] == "tool timed out"
+    assert str(got["looping"].output).count(LOOP) == 1
+    assert "## Findings (2)\n\nSouth shrank." in str(got["dup_heading"].output)
+    partial = got["looping_no_findings"]
+    assert str(partial.output).count(LOOP) == 1 and len(partial.attempts) == 1
+    assert any("required section 'findings' is missing" in n for n in partial.notes)

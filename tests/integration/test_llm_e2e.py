@@ -38,9 +38,19 @@ def fake() -> Iterator[FakeOpenAIServer]:
 
 
 @pytest.fixture(scope="module")
-def env(redis_url: str) -> Iterator[dict[str, str]]:
-    """This process and the workers share the worker database of the test Redis."""
-    with client_on(worker_db_url(redis_url), CRITIQUE_LLM_API_KEY="sk-test") as e:
+def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
+    """This process and the workers share the worker database of the test Redis. The LLM
+    transport is worker-only configuration (SPEC §3), so it comes from the environment: the
+    fake's address, a 2 s call timeout and fast retries."""
+    with client_on(
+        worker_db_url(redis_url),
+        CRITIQUE_LLM_API_KEY="sk-test",
+        CRITIQUE_LLM__API_BASE=fake.api_base,
+        CRITIQUE_LLM__TIMEOUT_S="2",
+        CRITIQUE_LLM__MAX_RETRIES="2",
+        CRITIQUE_LLM__BACKOFF_S="0.01",
+        CRITIQUE_LLM__BACKOFF_MAX_S="0.05",
+    ) as e:
         yield e
 
 
@@ -63,18 +73,12 @@ def llm(fake: FakeOpenAIServer) -> FakeOpenAIServer:
 
 
 def config(fake: FakeOpenAIServer, **extra: Any) -> dict[str, Any]:
-    """Critique with the LLM critic through the fake, fast retries, a token budget."""
+    """Critique with the LLM critic (the worker's environment points it at the fake) and a
+    token budget: policy only, as a submission may set."""
     cfg: dict[str, Any] = {
         "enabled": True,
         "critic": "llm",
         "model": CRITIC_MODEL,
-        "llm": {
-            "api_base": fake.api_base,
-            "timeout_s": 5,
-            "max_retries": 2,
-            "backoff_s": 0.01,
-            "backoff_max_s": 0.05,
-        },
         "budget": {"total_tokens": 1_000_000},
     }
     cfg.update(extra)
@@ -250,10 +254,8 @@ def test_three_timeouts_end_in_the_heuristic_fallback(
 ) -> None:
     """Every try times out (3 = 1 + max_retries): the heuristic answers and the result says
     why, in the envelope and in the notes."""
-    llm.script(*(timeout(2.0, match=CRITIC) for _ in range(3)))
-    cfg = config(llm)
-    cfg["llm"] = {**cfg["llm"], "timeout_s": 0.5}
-    [result] = run(cfg, sub(new_run(), FIXED))
+    llm.script(*(timeout(3.0, match=CRITIC) for _ in range(3)))  # the worker waits 2 s
+    [result] = run(config(llm), sub(new_run(), FIXED))
     assert result.envelope.critic == "heuristic"
     reason = result.envelope.fallback_reason or ""
     assert "3 attempts" in reason and "heuristic" in reason
@@ -355,7 +357,8 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
         assert {b["model"] for b in llm.requests_with(CRITIC)} == {"critic-model"}
         node = f"dedicated@{socket.gethostname()}"
         stats = app.control.inspect(destination=[node], timeout=2.0).stats() or {}
-        assert stats[node]["total"] == {"critique.critic": 3}
+        stages = {k: v for k, v in stats[node]["total"].items() if k != "critique.probe"}
+        assert stages == {"critique.critic": 3}  # probes: the stall sweeper's queue check
     finally:
         dedicated.stop()
 

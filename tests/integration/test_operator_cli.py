@@ -50,13 +50,20 @@ def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Ite
         w.stop()
 
 
+LOOP = (
+    "Sales rose four percent in the third quarter, led by the northern region, where two new "
+    "stores opened and the online shop doubled its monthly orders compared with last year."
+)
+
+
 def _sub(run_id: str, worker_id: str, kind: str, iteration: int = 1) -> Submission:
     output: str | dict[str, Any]
     fmt = None
     if kind == "clean":
         output = {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9}
-    elif kind == "missing":
-        output = {"summary": "Sales rose 4% in Q3, led by the north. " * 4, "confidence": 0.8}
+    elif kind == "looping":  # the token-free reviser deletes the verbatim copy: repaired
+        output = f"# Q3 sales\n\n## Summary\n\nSales rose 4%.\n\n## Findings\n\n{LOOP}\n\n{LOOP}\n"
+        fmt = "markdown"
     elif kind == "evil":
         output = f"# Summary\n\nSales rose.\n\n{EVIL}\n"
         fmt = "markdown"
@@ -82,10 +89,10 @@ def finished_run(worker: None) -> str:
     run_id = f"ops-{uuid.uuid4().hex[:8]}"
     subs = [
         _sub(run_id, "w1", "clean"),
-        _sub(run_id, "w2", "missing"),
+        _sub(run_id, "w2", "looping"),
         _sub(run_id, "w3", "garbage"),
         _sub(run_id, "w4", "evil"),
-        _sub(run_id, "w2", "missing", iteration=2),
+        _sub(run_id, "w2", "looping", iteration=2),
     ]
     client = CritiqueClient(CONFIG)
     client.wait_many(client.submit_many(subs), timeout=90)
@@ -183,7 +190,7 @@ def test_report_writes_tree_html_and_lessons(
 
     other = f"ops-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient(CONFIG)
-    client.wait(client.submit(_sub(other, "w9", "missing")), timeout=60)
+    client.wait(client.submit(_sub(other, "w9", "looping")), timeout=60)
     rc, out, _ = _cli(capsys, "report", finished_run, "--out", str(tmp_path), "--json")
     assert rc == 0
     doc = json.loads(out)
@@ -200,7 +207,7 @@ def test_report_writes_tree_html_and_lessons(
     assert "&lt;script&gt;alert(&#x27;owned&#x27;)&lt;/script&gt;" in page
     assert "<script" not in page
     lessons = (run_dir / "lessons.md").read_text(encoding="utf-8")
-    assert lessons.startswith("# Lessons") and "missing_data (seen in 2 runs)" in lessons
+    assert lessons.startswith("# Lessons") and "policy_violation (seen in 2 runs)" in lessons
     assert f"first {finished_run}, latest {other}" in lessons
     assert set(doc["files"]) >= {str(run_dir / "lessons.md"), str(run_dir / "report.html")}
 
@@ -213,7 +220,7 @@ def test_watch_follows_live_and_ends_when_every_submission_finished(
 
     run_id = f"watch-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient(CONFIG)
-    client.submit_many([_sub(run_id, f"w{i}", k) for i, k in enumerate(("missing", "clean"))])
+    client.submit_many([_sub(run_id, f"w{i}", k) for i, k in enumerate(("looping", "clean"))])
     rc, out, _ = _cli(capsys, "watch", run_id, "--json", "--timeout", "60")
     lines = [json.loads(line) for line in out.strip().splitlines()]
     assert rc == 0

@@ -15,6 +15,7 @@ from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueEnvelope, CritiqueResult, ReusablePattern
 from pipeline.store import keys
 from pipeline.store.blobs import RedisBlobStore, blob_ref
+from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
 from pipeline.store.runs import RedisRunStore
 
@@ -91,6 +92,12 @@ def exercise_every_store(
     )
     runs.count_rejection(run_id)
     runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")
+    pending = RedisPendingIndex(client, prefix=prefix, ttl_s=ttl_s)
+    pending.add(run_id, "1:w1:sid", 1.0)
+    pending.claim(run_id, "1:w1:sid", 1.0, 2.0, 5)
+    pending.try_lock("me", 30)
+    pending.probe_due(keys.QUEUE_CPU, 1.0, 5, 15)
+    pending.probe_done(keys.QUEUE_CPU, 1.0, 2.0)
 
 
 def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
@@ -101,7 +108,12 @@ def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
     run_keys = {keys.run_key("run1", s, PREFIX) for s in keys.RUN_KEY_SUFFIXES}
     blob = keys.blob_key(blob_ref(b"blob bytes").removeprefix("sha256:"), PREFIX)
     lessons = {keys.shared_key(k, PREFIX) for k in (keys.LESSONS_RUNS, keys.LESSONS_DETAIL)}
-    assert set(found) - run_keys == {blob} | lessons
+    probe = keys.shared_key(f"{keys.PROBE}:{{{keys.QUEUE_CPU}}}", PREFIX)
+    recovery = {keys.shared_key(k, PREFIX) for k in (keys.PENDING_RUNS, keys.SWEEP_LOCK)} | {
+        probe,
+        f"{probe}:{keys.PROBE_DRAINED}",
+    }
+    assert set(found) - run_keys == {blob} | lessons | recovery
     assert run_keys <= set(found)
     for key in found:
         if key in lessons:

@@ -69,7 +69,12 @@ def sub(run_id: str, worker_id: str, output: Any, **extra: Any) -> dict[str, Any
 
 
 GOOD = {"summary": "Sales rose 4%.", "findings": "The north grew.", "confidence": 0.9}
-MISSING = {"summary": "Sales rose 4%.", "confidence": 0.8}
+LOOP = (
+    "Sales rose four percent in the third quarter, led by the northern region, where two new "
+    "stores opened and the online shop doubled its monthly orders compared with last year."
+)
+LOOPING = f"# Q3 sales\n\n## Summary\n\nSales rose 4%.\n\n## Findings\n\n{LOOP}\n\n{LOOP}\n"
+"""A report the token-free reviser repairs exactly: the verbatim copy of LOOP is deleted."""
 HOPELESS = {"error": "the sales API refused the credentials"}
 
 
@@ -82,17 +87,17 @@ def test_submit_file_and_wait(worker: WorkerProcess, db_url: str, tmp_path: Path
     run_id = _run_id()
     path = tmp_path / "subs.json"
     path.write_text(
-        json.dumps([sub(run_id, "clean", GOOD), sub(run_id, "missing", MISSING)]), "utf-8"
+        json.dumps([sub(run_id, "clean", GOOD), sub(run_id, "looping", LOOPING)]), "utf-8"
     )
     proc = critique(db_url, "submit", str(path), "--wait", "--timeout", "30", "--json")
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
-    assert [h["worker_id"] for h in doc["submitted"]] == ["clean", "missing"]
+    assert [h["worker_id"] for h in doc["submitted"]] == ["clean", "looping"]
     assert all(h["task_id"] and h["run_id"] == run_id for h in doc["submitted"])
     by_worker = {r["worker_id"]: r for r in doc["results"]}
     assert by_worker["clean"]["status"] == "accepted"
-    assert by_worker["missing"]["status"] == "repaired"
-    assert "findings" in by_worker["missing"]["output"]
+    assert by_worker["looping"]["status"] == "repaired"
+    assert by_worker["looping"]["output"].count(LOOP) == 1
 
 
 def test_stdin_json_lines_escalation_exits_1(worker: WorkerProcess, db_url: str) -> None:
@@ -114,7 +119,7 @@ def test_submit_without_wait_returns_handles(worker: WorkerProcess, db_url: str)
     from workers.client import CritiqueClient, Handle
 
     run_id = _run_id()
-    proc = critique(db_url, "submit", "-", "--json", stdin=json.dumps(sub(run_id, "w1", MISSING)))
+    proc = critique(db_url, "submit", "-", "--json", stdin=json.dumps(sub(run_id, "w1", LOOPING)))
     assert proc.returncode == 0, proc.stderr
     (handle,) = json.loads(proc.stdout)["submitted"]
     saved = dict(os.environ)
@@ -212,7 +217,7 @@ def test_critique_worker_consumes_every_queue(worker: WorkerProcess, db_url: str
         assert queues == ["critique.cpu", "critique.llm", "critique.llm.critic"]
         run_id = _run_id()
         done = critique(db_url, "submit", "-", "--wait", "--timeout", "30",
-                        stdin=json.dumps(sub(run_id, "w1", MISSING)))  # fmt: skip
+                        stdin=json.dumps(sub(run_id, "w1", LOOPING)))  # fmt: skip
         assert done.returncode == 0, done.stderr
     finally:
         os.environ.clear()

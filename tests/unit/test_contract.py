@@ -101,6 +101,79 @@ def test_placeholder_failures_are_capped_with_a_summary() -> None:
     assert failures[-1].reason.startswith("280 more")
 
 
+# ---- disguised placeholders (pipeline/textnorm.py) ------------------------------------------
+
+DISGUISED = [
+    ("Intro \x1b[31mTODO\x1b[0m later.", "TODO"),  # ANSI colour around the word
+    ("Budget: \x1b[1;33mTBD\x1b[m.", "TBD"),
+    ("Intro TO\u200bDO later.", "TO\u200bDO"),  # zero-width space inside
+    ("Fix F\u00adIX\u2060ME", "F\u00adIX\u2060ME"),  # soft hyphen, word joiner
+    ("Intro ＴＯＤＯ later.", "ＴＯＤＯ"),  # fullwidth
+    (
+        "Intro \U0001d413\U0001d40e\U0001d403\U0001d40e later.",
+        "\U0001d413\U0001d40e\U0001d403\U0001d40e",
+    ),
+    ("Intro ТОDО later.", "ТОDО"),  # Cyrillic Т and О around a Latin D
+]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(("text", "shown"), DISGUISED)
+def test_disguised_placeholders_are_found_at_their_original_offset(
+    engine: str, text: str, shown: str
+) -> None:
+    """ANSI-wrapped, zero-width-split, fullwidth, mathematical and look-alike placeholders are
+    flagged; the offset and the quoted match are the original text's."""
+    [f] = of(run(text, engine), "no_placeholder")
+    assert f.offset == text.index(shown)
+    assert repr(shown) in f.reason
+
+
+def test_ansi_wrapped_todo_reports_the_offset_of_the_word() -> None:
+    """The offset points at the T of TODO, after the escape sequence, not at the ESC."""
+    text = "\x1b[31mTODO\x1b[0m"
+    [f] = of(run(text), "no_placeholder")
+    assert f.offset == 5 and text[f.offset : f.offset + 4] == "TODO"
+
+
+def test_disguised_placeholder_reason_says_how_it_reads() -> None:
+    """The failure quotes the disguised text and says what it reads as."""
+    [f] = of(run("ＴＯＤＯ"), "no_placeholder")
+    assert "'ＴＯＤＯ' (reads 'TODO')" in f.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Съешь же ещё этих мягких французских булок, да выпей чаю. ХХХ век, ТОТ САМЫЙ.",
+        "Η γρήγορη καφέ αλεπού πηδάει πάνω από τον τεμπέλη σκύλο. ΤΟ ΧΧΧ.",
+        "\x1b[32mPASS\x1b[0m all 12 tests; \x1b[1mdone\x1b[0m",
+        "naïve café — “quoted” … todo list ½ ﬁne",
+        "日本語のテキスト、ＴＯＤＯＳ、全角。",
+    ],
+)
+def test_normalisation_adds_no_false_placeholders(engine: str, text: str) -> None:
+    """Russian and Greek prose, coloured test output, typography and CJK text stay clean."""
+    assert of(run(text, engine), "no_placeholder") == []
+
+
+def test_ansi_todo_inside_a_dict_output_is_found() -> None:
+    """A dict output is checked as JSON, where ESC is escaped: the TODO is still flagged, at
+    its offset in that JSON text."""
+    sub = submission(output={"summary": "Sales rose \x1b[31mTODO\x1b[0m.", "confidence": 0.9})
+    [f] = of(check_submission(build_suite(), sub).failures, "no_placeholder")
+    text = output_text(sub.output)
+    assert f.offset == text.index("TODO")
+
+
+def test_raw_and_disguised_hits_are_not_double_counted() -> None:
+    """A plain TODO next to an ANSI-wrapped one: two failures, each once, in text order."""
+    text = "TODO and \x1b[31mTODO\x1b[0m and é"
+    failures = of(run(text), "no_placeholder")
+    assert [f.offset for f in failures] == [0, text.index("TODO", 1)]
+
+
 # ---- no_duplicate_headings -------------------------------------------------------------------
 
 
@@ -446,16 +519,17 @@ def submission(**kw: object) -> Submission:
 
 
 def test_check_submission_covers_output_and_inline_files() -> None:
-    """The output and each file with inline content are checked under their own paths."""
+    """The output and each text file are checked under their own paths; a binary blob is not."""
     sub = submission(
         output="Draft with TODO",
         files=[
             FileRef(path="notes.md", size=4, content="TBD."),
-            FileRef(path="big.bin", size=10_000, blob="sha256:abc"),
+            FileRef(path="big.bin", size=10_000, blob="sha256:" + "ab" * 32),
             FileRef(path="cfg.json", size=3, content="{x}"),
         ],
     )
-    report = check_submission(build_suite(), sub)
+    binary = b"\x89TODO \xff\xfe {{{" * 100
+    report = check_submission(build_suite(), sub, read_file=lambda f: binary)
     got = {(f.path, f.check) for f in report.failures}
     assert got == {
         (None, "no_placeholder"),

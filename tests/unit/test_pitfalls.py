@@ -188,3 +188,70 @@ def test_patterns_never_carry_injected_instructions() -> None:
     )  # fmt: skip
     got = patterns_from_envelope(env)
     assert [p.category for p in got] == ["missing_data"]
+
+
+def _many_missing(n: int) -> tuple[Defect, ...]:
+    return tuple(
+        Defect(
+            category="missing_data",
+            severity="critical",
+            location=f"f{i}",
+            description=f"required field 'f{i}' is missing",
+            source="heuristic",
+        )
+        for i in range(n)
+    )
+
+
+def test_patterns_per_critique_are_capped_at_twenty() -> None:
+    """20,000 missing required fields teach at most 20 patterns (SPEC §3), chosen the same
+    way every time."""
+    from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
+
+    env = CritiqueEnvelope(worker_id="w", score=0.0, defects=_many_missing(20_000))
+    patterns = patterns_from_envelope(env)
+    assert MAX_PATTERNS_PER_CRITIQUE == 20
+    assert len(patterns) == 20
+    assert patterns == patterns_from_envelope(env)
+    assert patterns[0].description == "required field 'f0' is missing"
+
+
+def test_capped_patterns_keep_every_category_critical_first() -> None:
+    """A flood in one category cannot crowd out the others: critical categories take turns
+    (most frequent first), warnings only fill what is left."""
+    injection = Defect(
+        category="policy_violation",
+        severity="critical",
+        description="[injection scan] text at char 3 tries to instruct the critic",
+        source="llm",
+    )
+    fmt = Defect(
+        category="wrong_format", severity="warning", description="bad date", source="heuristic"
+    )
+    env = CritiqueEnvelope(worker_id="w", score=0.0, defects=(*_many_missing(500), fmt, injection))
+    cats = [p.category for p in patterns_from_envelope(env)]
+    assert len(cats) == 20
+    assert cats[:2] == ["missing_data", "policy_violation"]
+    assert "wrong_format" not in cats
+    small = CritiqueEnvelope(worker_id="w", score=0.0, defects=(*_many_missing(3), fmt, injection))
+    assert [p.category for p in patterns_from_envelope(small)] == [
+        "missing_data",
+        "policy_violation",
+        "missing_data",
+        "missing_data",
+        "wrong_format",
+    ]
+
+
+def test_memory_store_records_at_most_twenty_patterns_per_critique() -> None:
+    """The store itself keeps only the first 20 distinct patterns of one critique."""
+    from pipeline.store.memory import MemoryPatternStore
+
+    store = MemoryPatternStore()
+    patterns = [
+        ReusablePattern(category="missing_data", description=f"d{i}", prevention_rule=f"rule {i}")
+        for i in range(50)
+    ]
+    assert store.record("run", "w:1:1", 1, patterns)
+    top = store.top("run", limit=100)
+    assert [p.prevention_rule for p in top] == [f"rule {i}" for i in range(20)]

@@ -37,6 +37,10 @@ from pipeline.runner import (
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "paper_draft.json"
 TASK = "Report the quarterly sales summary as JSON with a confidence."
+PLACEHOLDER_LINE = "# Summary\n\nSales grew.\n\nTODO\n"
+"""A text output whose only defect the token-free reviser can fix: a placeholder-only line."""
+DUPLICATE_HEADING = "# Summary\n\nSales grew.\n\n## Notes\n\nA.\n\n## Notes\n\nB.\n"
+"""A text output whose only defect is a duplicate heading (renamed "Notes (2)" by a repair)."""
 
 
 def _no_l0(sub: Submission, output: Any, previous_size: int | None) -> L0Outcome:
@@ -63,14 +67,14 @@ def _placeholder_l0(calls: list[int | None]) -> Any:
 
     def l0(sub: Submission, output: Any, previous_size: int | None) -> L0Outcome:
         calls.append(previous_size)
-        text = output if isinstance(output, str) else json.dumps(output)
+        text = output if isinstance(output, str) else json.dumps(output, indent=2)
         if "TODO" not in text:
             return L0Outcome()
         defect = Defect(
             category="incomplete",
             severity="critical",
-            location="output",
-            description="placeholder 'TODO' found",
+            location=f"output:{text.index('TODO')}",
+            description="L0 no_placeholder: placeholder 'TODO' found",
             source="l0",
         )
         gate = GateEvent(
@@ -107,8 +111,8 @@ class SpendingCritic:
 
 def test_stages_are_keyed_by_next_and_state_is_json_safe() -> None:
     """Stepping through STAGES by state.next reaches done; each state round-trips via JSON."""
-    ctx = make_context(CritiqueConfig(enabled=True), l0=_no_l0, fixpoint=_never)
-    state = start(_sub({"confidence": 0.9}))
+    ctx = make_context(CritiqueConfig(enabled=True), fixpoint=_never)
+    state = start(_sub(DUPLICATE_HEADING, claimed_format="markdown"))
     seen = []
     while state.next != "done":
         seen.append(state.next)
@@ -118,9 +122,7 @@ def test_stages_are_keyed_by_next_and_state_is_json_safe() -> None:
     assert seen == ["l0", "critic", "decide", "repair", "l0", "critic", "decide"]
     result = finish(state)
     assert (result.status, result.stop_reason) == ("repaired", "accepted")
-    assert isinstance(result.output, dict)
-    assert set(result.output) == {"confidence", "summary"}
-    assert TASK in result.output["summary"]
+    assert result.output == DUPLICATE_HEADING.replace("## Notes\n\nB", "## Notes (2)\n\nB")
     assert CritiqueResult.model_validate_json(result.model_dump_json()) == result
 
 
@@ -141,24 +143,24 @@ def test_l0_error_skips_a_token_spending_critic() -> None:
         l0=_placeholder_l0(sizes),
         fixpoint=_never,
     )
-    output = {"summary": "Sales TODO", "confidence": 0.9}
+    output = PLACEHOLDER_LINE
     result = run_submission(_sub(output), ctx)
     assert critic.rounds == [2]  # round 1 was token-free
     first = result.trace[0]
     assert first.score == pytest.approx(0.8)
     assert result.attempts[0].original_score == pytest.approx(0.8)
     assert (result.status, result.stop_reason) == ("repaired", "accepted")
-    assert result.output == {"summary": "Sales ", "confidence": 0.9}
+    assert result.output == "# Summary\n\nSales grew.\n"
     assert result.usage.calls == 1  # only the re-critique called the critic
     assert result.usage == result.repair_usage  # round 1 spent nothing
     assert sizes[0] is None
-    assert sizes[1] == len(json.dumps(output, indent=2).encode())
+    assert sizes[1] == len(output.encode())
 
 
 def test_l0_gate_events_and_stage_events_reach_the_trace() -> None:
     """Every stage writes an event; L0 failures also write their GateEvent (type gate)."""
     ctx = make_context(CritiqueConfig(enabled=True), l0=_placeholder_l0([]), fixpoint=_never)
-    run_submission(_sub({"summary": "TODO", "confidence": 0.9}), ctx)
+    run_submission(_sub(PLACEHOLDER_LINE), ctx)
     events = ctx.trace.read("run-1")
     kinds = [(e["type"], e["stage"]) for e in events]
     assert kinds[:3] == [("stage", "l0"), ("gate", "l0"), ("stage", "critic")]
@@ -204,10 +206,10 @@ def test_patterns_are_recorded_per_critique_and_feed_pitfalls() -> None:
     assert [(p.category, p.prevention_rule) for p in top] == [
         ("missing_data", "Always include the 'summary' field in your output")
     ]
-    assert seen_pitfalls[0] == ""
-    assert "- [seen 1x] missing_data: Always include the 'summary' field" in seen_pitfalls[1]
+    assert seen_pitfalls == [""]  # one critique: nothing fixable, so no repair round
     # a second worker in the same run starts with the pitfalls of the first
     run_submission(_sub({"confidence": 0.9}).model_copy(update={"worker_id": "w2"}), ctx)
+    assert "- [seen 1x] missing_data: Always include the 'summary' field" in seen_pitfalls[1]
     assert ctx.patterns.top("run-1")[0].frequency == 2
 
 
@@ -381,11 +383,10 @@ def test_deterministic_pair_with_real_l0_and_fixpoint() -> None:
 
 @real_modules
 def test_real_l0_placeholder_goes_to_repair_token_free() -> None:
-    """A real L0 placeholder failure is repaired without any critic tokens on round 1."""
+    """A real L0 placeholder-only line is repaired without any critic tokens on round 1."""
     critic = SpendingCritic()
     ctx = make_context(CritiqueConfig(enabled=True), critic=critic)
-    output = {"summary": "Sales grew TODO.", "confidence": 0.9}
-    result = run_submission(_sub(output), ctx)
+    result = run_submission(_sub(PLACEHOLDER_LINE, claimed_format="markdown"), ctx)
     assert critic.rounds == [2]
     assert result.status == "repaired"
     assert "TODO" not in json.dumps(result.output)
@@ -428,13 +429,16 @@ def test_cli_json_and_exit_code_on_budget(capsys: pytest.CaptureFixture[str]) ->
 def test_cli_heuristic_with_required_fields(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--critic heuristic --required repairs a worker result and exits 0."""
+    """--critic heuristic --required on a result missing those fields invents nothing: it ends
+    escalated / needs_model with the fields named in the notes, and exits 1."""
     path = tmp_path / "result.json"
     path.write_text(json.dumps({"confidence": 0.9}))
     code = _cli([str(path), "--critic", "heuristic", "--required", "summary", "sources"])
     out = capsys.readouterr().out
-    assert code == 0
-    assert "status: repaired" in out
+    assert code == 1
+    assert "status: escalated" in out and "stop reason: needs_model" in out
+    assert "required field 'summary' is missing" in out
+    assert "required field 'sources' is missing" in out
 
 
 def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -449,11 +453,13 @@ def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_outputs_over_max_output_bytes_are_refused() -> None:
-    """An output over max_output_bytes is a SubmissionError naming the size and the limit."""
+    """A submission (output + task) over max_output_bytes is a SubmissionError naming the
+    size and the limit."""
     from pipeline.errors import SubmissionError
     from pipeline.runner import admit
 
-    config = CritiqueConfig(enabled=True, max_output_bytes=100)
+    limit = 100 + len(TASK.encode())
+    config = CritiqueConfig(enabled=True, max_output_bytes=limit)
     admit(_sub("x" * 100), config)
-    with pytest.raises(SubmissionError, match="101 bytes, over max_output_bytes"):
+    with pytest.raises(SubmissionError, match=f"{limit + 1} bytes, over max_output_bytes"):
         run_submission(_sub("x" * 101), make_context(config, l0=_no_l0, fixpoint=_never))

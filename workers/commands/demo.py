@@ -4,7 +4,8 @@ With no ``REDIS_URL`` in the environment the demo starts a private Redis server
 (:class:`workers.embedded.EmbeddedRedis`) and a real Celery worker inside this process (a
 ``WorkController`` on the threads pool, in a background thread, consuming ``critique.cpu`` and
 ``critique.llm`` from that Redis — not eager mode). With ``REDIS_URL`` set it uses that server
-and the ``critique worker`` processes already consuming it.
+and the ``critique worker`` processes already consuming it. The embedded run signs its stage
+messages as a deployment does: with ``CRITIQUE_SECRET``, or a random one for this process.
 
 It submits the sample run of :mod:`pipeline.samples` (two dozen worker outputs over three
 iterations, heuristic and rubric critics, deterministic revisers: no API key), one iteration
@@ -246,6 +247,22 @@ def _start_embedded(stack: contextlib.ExitStack, progress: Callable[[str], None]
     return server.url
 
 
+def _sign_with_a_private_secret(
+    stack: contextlib.ExitStack, progress: Callable[[str], None]
+) -> None:
+    """Without ``CRITIQUE_SECRET``, give this process (client and in-process worker alike) a
+    random one until the demo ends, so the demo's stage messages are signed and checked as in
+    a deployment."""
+    import secrets
+
+    if os.environ.get("CRITIQUE_SECRET", "").strip():
+        progress("stage messages signed with CRITIQUE_SECRET")
+        return
+    os.environ["CRITIQUE_SECRET"] = secrets.token_hex(32)
+    stack.callback(os.environ.pop, "CRITIQUE_SECRET", None)
+    progress("stage messages signed with a random CRITIQUE_SECRET (this process only)")
+
+
 def _check_redis(url: str) -> None:
     from workers import runtime
 
@@ -396,6 +413,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     if embedded:
         app.conf.broker_url = url
         app.conf.result_backend = url
+        _sign_with_a_private_secret(stack, say)
         try:
             worker = InProcessWorker(app, concurrency=args.workers).start()
         except RuntimeError as exc:

@@ -39,14 +39,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
-def _read(path: str) -> str:
-    """The text of ``path`` (``-`` = stdin); raises OSError/UnicodeDecodeError with context."""
-    if path == "-":
-        return sys.stdin.read()
-    with open(path, encoding="utf-8") as fh:
-        return fh.read()
-
-
 def run(args: argparse.Namespace) -> int:
     if args.previous_size is not None and args.previous_size < 0:
         print("critique l0: --previous-size must be ≥ 0", file=sys.stderr)
@@ -54,23 +46,23 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.contract import ContractInput, build_suite
     from pipeline.errors import CritiqueError
+    from workers.commands._input import InputError, check_config_file, one_line, read_text
 
-    try:
-        suite = build_suite(load_config(args.config).output_contract)
-    except CritiqueError as exc:
-        print(f"critique l0: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     items = []
-    for path in args.paths:
+    try:
+        if args.config:
+            check_config_file(args.config)
+        config = load_config(args.config)
+        suite = build_suite(config.output_contract)
+        # Each input is read up to max_output_bytes: /dev/zero or an endless pipe is refused.
+        texts = [(path, read_text(path, config.max_output_bytes)) for path in args.paths]
+    except (CritiqueError, InputError, RecursionError) as exc:
+        deep = f"--config {args.config}: nested too deeply to parse"
+        why = deep if isinstance(exc, RecursionError) else exc
+        print(f"critique l0: {one_line(why)}", file=sys.stderr)
+        return EXIT_USAGE
+    for path, text in texts:
         label = "<stdin>" if path == "-" else path
-        try:
-            text = _read(path)
-        except UnicodeDecodeError as exc:
-            print(f"critique l0: {label}: not UTF-8 text ({exc.reason})", file=sys.stderr)
-            return EXIT_USAGE
-        except OSError as exc:
-            print(f"critique l0: cannot read {label}: {exc.strerror or exc}", file=sys.stderr)
-            return EXIT_USAGE
         items.append(
             ContractInput(
                 text=text,

@@ -73,12 +73,17 @@ def _overrides(args: argparse.Namespace) -> dict[str, Any]:
     return overrides
 
 
-def _read_output(args: argparse.Namespace, path: Path) -> tuple[str | dict[str, Any], str | None]:
-    """The output and its claimed format; raises ValueError with a message on bad input."""
-    text = path.read_text(encoding="utf-8")
+def _read_output(
+    args: argparse.Namespace, path: Path, limit: int
+) -> tuple[str | dict[str, Any], str | None]:
+    """The output and its claimed format (FILE read up to ``limit`` bytes); raises
+    ValueError or ``InputError`` with a message on bad input."""
+    from workers.commands._input import loads, read_text
+
+    text = read_text(str(path), limit)
     if args.critic == "rubric":
         try:
-            data = json.loads(text)
+            data = loads(text, str(path))
         except ValueError as exc:
             raise ValueError(f"{path} is not a paper: not valid JSON ({exc})") from None
         if not isinstance(data, dict):
@@ -86,7 +91,7 @@ def _read_output(args: argparse.Namespace, path: Path) -> tuple[str | dict[str, 
         return data, "json"
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return text, _FORMATS.get(path.suffix.lower(), "text")
     if isinstance(data, dict):
         return data, "json"
@@ -125,17 +130,21 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.errors import CritiqueError
     from pipeline.models import Submission
     from pipeline.runner import make_context, run_submission
+    from workers.commands._input import InputError, check_config_file, one_line
 
     path = Path(args.file)
     try:
-        output, claimed = _read_output(args, path)
+        if args.config:
+            check_config_file(args.config)
+        limit = load_config(args.config, overrides=_overrides(args)).max_output_bytes
+        output, claimed = _read_output(args, path, limit)
         if args.critic == "rubric":
             parse_paper(output)
-    except OSError as exc:
-        print(f"critique loop: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+    except RecursionError:
+        print(f"critique loop: --config {args.config}: nested too deeply to parse", file=sys.stderr)
         return EXIT_USAGE
-    except (ValueError, CritiqueError) as exc:
-        print(f"critique loop: {exc}", file=sys.stderr)
+    except (ValueError, CritiqueError, InputError) as exc:
+        print(f"critique loop: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     try:
         config = load_config(args.config, overrides=_overrides(args))
@@ -154,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
         )
         result = run_submission(submission, make_context(config))
     except (CritiqueError, ValueError) as exc:
-        print(f"critique loop: {exc}", file=sys.stderr)
+        print(f"critique loop: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.json:
         print(json.dumps(result.model_dump(mode="json"), ensure_ascii=False, indent=2))

@@ -15,6 +15,12 @@ Prints one handle per submission (run_id, iteration, worker_id, task_id). With `
 waits for the results and prints them; exit 0 when every one is accepted, accepted with
 warnings or repaired, 1 when any failed or escalated (or ``--timeout`` passed). Exit 2 on bad
 input or configuration, 3 when Redis cannot be reached.
+
+Bad input is one line on stderr and exit 2, never a traceback: each input is read up to
+``max_output_bytes`` (an endless or larger one — ``/dev/zero``, a pipe that never ends — is
+refused there), and a directory, a missing file, bytes that are not UTF-8, JSON nested past
+the parser's limit, invalid JSON (line and column), a lone surrogate (``"\\ud800"``) or an
+identifier with a newline, and a ``--set`` value the configuration refuses are all named.
 """
 
 from __future__ import annotations
@@ -25,14 +31,24 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers.commands._input import (
+    CONFIG_LIMIT,
+    InputError,
+    check_config_file,
+    label_of,
+    loads,
+    one_line,
+    read_text,
+)
+
 HELP = "enqueue JSON submissions for critique (files or - for stdin); --wait for results"
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 OK_STATUSES = ("accepted", "accepted_with_warnings", "repaired")
+DEFAULT_LIMIT = 16 * 1024 * 1024
+"""Input cap when none is given (``CritiqueConfig.max_output_bytes``'s default)."""
 
-
-class InputError(Exception):
-    """A submission input cannot be used; the message names where and why."""
+__all__ = ["InputError", "build_overrides", "parse_documents", "read_submissions", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,18 +83,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- reading ------------------------------------------------------------------------------------
-def _read(path: str) -> str:
-    if path == "-":
-        return sys.stdin.read()
-    return Path(path).read_text(encoding="utf-8")
-
-
 def parse_documents(text: str, label: str) -> list[tuple[str, Any]]:
     """The JSON values in ``text`` with where each came from: an object, a list, or JSON Lines."""
     if not text.strip():
         raise InputError(f"{label}: empty input (expected a JSON submission)")
     try:
-        doc = json.loads(text)
+        doc = loads(text, label)
     except ValueError as whole:
         lines = [(n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()]
         if len(lines) < 2 or not _parses(lines[0][1]):
@@ -89,7 +99,7 @@ def parse_documents(text: str, label: str) -> list[tuple[str, Any]]:
         items: list[tuple[str, Any]] = []
         for n, line in lines:
             try:
-                items.append((f"{label}:{n}", json.loads(line)))
+                items.append((f"{label}:{n}", loads(line, f"{label}:{n}")))
             except json.JSONDecodeError as exc:
                 raise InputError(
                     f"{label}:{n}: not valid JSON Lines: {exc.msg} at column {exc.colno}"
@@ -104,8 +114,8 @@ def parse_documents(text: str, label: str) -> list[tuple[str, Any]]:
 
 def _parses(line: str) -> bool:
     try:
-        json.loads(line)
-    except ValueError:
+        loads(line, "")
+    except (ValueError, InputError):
         return False
     return True
 
@@ -124,27 +134,24 @@ def validate(where: str, value: Any) -> Any:
         return Submission.model_validate(value)
     except ValidationError as exc:
         problems = []
-        for e in exc.errors()[:3]:
+        errors = exc.errors(include_input=False, include_url=False)
+        for e in errors[:3]:
             field = ".".join(str(p) for p in e["loc"]) or "submission"
-            problems.append(f"field '{field}': {e['msg']}")
-        more = len(exc.errors()) - len(problems)
+            problems.append(f"field {field!r}: {one_line(e['msg'])[:300]}")
+        more = len(errors) - len(problems)
         extra = f" (and {more} more)" if more > 0 else ""
         raise InputError(f"{where}: {'; '.join(problems)}{extra}") from None
 
 
-def read_submissions(paths: list[str]) -> list[Any]:
+def read_submissions(paths: list[str], limit: int = DEFAULT_LIMIT) -> list[Any]:
     """Every submission of every input, validated; raises :class:`InputError` on the first bad
-    one (so nothing is enqueued unless all are good)."""
+    one (so nothing is enqueued unless all are good). Each input is read up to ``limit``
+    bytes (``max_output_bytes``) and refused past it."""
     subs: list[Any] = []
     seen: dict[tuple[str, int, str], str] = {}
     for path in paths:
-        label = "<stdin>" if path == "-" else path
-        try:
-            text = _read(path)
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{label}: not UTF-8 text ({exc.reason})") from None
-        except OSError as exc:
-            raise InputError(f"cannot read {label}: {exc.strerror or exc}") from None
+        label = label_of(path)
+        text = read_text(path, limit)
         for where, value in parse_documents(text, label):
             sub = validate(where, value)
             key = (sub.run_id, sub.iteration, sub.worker_id)
@@ -165,7 +172,7 @@ def _set(overrides: dict[str, Any], assignment: str) -> None:
     if not sep or not all(parts):
         raise InputError(f"--set {assignment!r}: expected KEY=VALUE, e.g. critic=rubric")
     try:
-        value: Any = json.loads(raw)
+        value: Any = loads(raw, f"--set {key}")
     except ValueError:
         value = raw
     node = overrides
@@ -180,17 +187,21 @@ def _set(overrides: dict[str, Any], assignment: str) -> None:
 def build_overrides(config_path: str | None, settings: list[str]) -> dict[str, Any]:
     """The configuration overrides the submissions carry (``enabled`` defaults to true)."""
     from pipeline.config import read_workflow
+    from pipeline.models import check_json_value
 
     overrides: dict[str, Any] = {"enabled": True}
     if config_path:
+        check_config_file(config_path)
         path = Path(config_path)
         if path.suffix.lower() in (".yaml", ".yml"):
-            overrides.update(read_workflow(path))
+            try:
+                overrides.update(read_workflow(path))
+            except RecursionError:
+                raise InputError(f"{path}: YAML nested too deeply to parse") from None
         else:
             try:
-                doc = json.loads(path.read_text(encoding="utf-8"))
-            except OSError as exc:
-                raise InputError(f"cannot read {path}: {exc.strerror or exc}") from None
+                text = read_text(config_path, CONFIG_LIMIT, "the configuration file limit")
+                doc = loads(text, str(path))
             except ValueError as exc:
                 raise InputError(f"{path}: not valid JSON ({exc})") from None
             if not isinstance(doc, dict):
@@ -198,6 +209,10 @@ def build_overrides(config_path: str | None, settings: list[str]) -> dict[str, A
             overrides.update(doc)
     for assignment in settings:
         _set(overrides, assignment)
+    try:
+        check_json_value(overrides, "the configuration")
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
     return overrides
 
 
@@ -214,20 +229,20 @@ def _result_line(result: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     from pipeline.errors import CritiqueError, StoreUnavailableError
 
-    if args.timeout <= 0:
-        print("critique submit: --timeout must be > 0", file=sys.stderr)
+    if not args.timeout > 0:
+        _say("--timeout must be > 0")
         return EXIT_USAGE
     try:
-        subs = read_submissions(args.paths)
         overrides = build_overrides(args.config, args.settings)
+        from workers import runtime
         from workers.client import CritiqueClient
 
         client = CritiqueClient(overrides)
+        limit = runtime.config_for(overrides).max_output_bytes
+        subs = read_submissions(args.paths, limit)
     except (InputError, CritiqueError) as exc:
-        print(f"critique submit: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_USAGE
-
-    from workers import runtime
 
     unavailable: tuple[type[BaseException], ...] = (
         StoreUnavailableError,
@@ -245,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return EXIT_UNAVAILABLE
     except CritiqueError as exc:  # e.g. an output over max_output_bytes: nothing was enqueued
-        print(f"critique submit: {exc}", file=sys.stderr)
+        _say(exc)
         return EXIT_USAGE
     submitted = [
         {
@@ -298,6 +313,11 @@ def _wait(client: Any, handles: list[Any], submitted: list[dict[str, Any]], args
         for r in results:
             print(_result_line(r))
     return EXIT_OK if all(r.status in OK_STATUSES for r in results) else EXIT_FAILED
+
+
+def _say(message: object) -> None:
+    """One line on stderr, prefixed with the command."""
+    print(f"critique submit: {one_line(message)}", file=sys.stderr)
 
 
 def _redis_errors() -> tuple[type[Exception], ...]:

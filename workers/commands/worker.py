@@ -13,7 +13,9 @@ number of CPUs). Scale out by starting more workers, on any machine that reaches
 
 The command checks that Redis answers (exit 3 with the URL when it does not), then replaces
 itself with ``python -m celery -A workers.app worker …`` (options after ``--`` go to Celery), so
-signals (Ctrl-C: warm shutdown; twice: cold) and exit codes are Celery's own.
+signals (Ctrl-C: warm shutdown; twice: cold) and exit codes are Celery's own. Without
+``CRITIQUE_SECRET`` it warns that stage messages go unsigned (anyone with broker access can
+forge a verdict); a secret that is too short exits 2.
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ EXIT_OK, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 2, 3
 KNOWN_QUEUES = ("critique.cpu", "critique.llm", "critique.llm.critic")
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
 THREADS_DEFAULT = 16
+UNSIGNED_WARNING = (
+    "CRITIQUE_SECRET is unset: anyone who can write to the broker can forge verdicts; "
+    "set it on every worker and client"
+)
 
 _DESCRIPTION = f"""{HELP}.
 
@@ -154,9 +160,19 @@ def run(args: argparse.Namespace) -> int:
         print("critique worker: concurrency must be ≥ 1", file=sys.stderr)
         return EXIT_USAGE
     argv = celery_argv(args, queues, concurrency)
+    from pipeline.errors import ConfigError
+    from pipeline.signing import SECRET_ENV, parse_secrets
+
+    try:
+        signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
+    except ConfigError as exc:
+        print(f"critique worker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.dry_run:
         print(" ".join(argv))
         return EXIT_OK
+    if not signed:
+        print(f"critique worker: warning: {UNSIGNED_WARNING}", file=sys.stderr)
     store = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     broker = os.environ.get("CELERY_BROKER_URL", store)
     problem = _unreachable(list(dict.fromkeys([store, broker])))

@@ -1,0 +1,90 @@
+"""Fixtures for the hostile-input suite: a real worker and Redis, attacked as a client would.
+
+Every module here gets one worker process (threads pool) on a database of its own, started with
+``CRITIQUE_SECRET`` set as every deploy sets it, and this process's client pointed at the same
+database with the same secret. Tests attack through the client, the CLI, or raw broker messages
+(:func:`send_raw`), then assert the refusal, its message, and that the worker is still alive and
+an honest submission sent afterwards still gets its result (:func:`assert_still_serving`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.models import CritiqueResult, Submission
+from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+
+SECRET = "hostile-suite-secret-" + uuid.uuid4().hex
+"""The deploy secret the workers and the honest client share (an attacker does not know it)."""
+ENABLED = {"enabled": True}
+
+
+@pytest.fixture(scope="module")
+def hostile_url(redis_url: str) -> str:
+    """The workers' database (the one below the test database)."""
+    return worker_db_url(redis_url)
+
+
+@pytest.fixture(scope="module")
+def hostile_env(hostile_url: str) -> Iterator[dict[str, str]]:
+    """This process's client pointed at the workers' database, with the deploy secret."""
+    with client_on(
+        hostile_url,
+        CRITIQUE_SECRET=SECRET,
+        CRITIQUE_LLM_API_KEY="sk-worker-secret-key",
+        CRITIQUE_STALL_S="600",
+    ) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def hostile_worker(
+    hostile_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """One worker process for the module; its log is kept for the assertions."""
+    log = tmp_path_factory.mktemp("hostile-logs") / "worker.log"
+    w = WorkerProcess(
+        hostile_env["REDIS_URL"], concurrency=4, name="hostile", env=hostile_env, log=log
+    ).start()
+    yield w
+    w.stop()
+
+
+def log_of(worker: WorkerProcess) -> str:
+    """What the worker has logged so far."""
+    return Path(worker.log).read_text(encoding="utf-8", errors="replace") if worker.log else ""
+
+
+def honest_submission(run_id: str | None = None, worker_id: str = "honest") -> Submission:
+    """A clean JSON output that the heuristic critic accepts at 1.0."""
+    return Submission(
+        run_id=run_id or f"honest-{uuid.uuid4().hex[:8]}",
+        worker_id=worker_id,
+        task="Summarise the Q3 sales report.",
+        output={"summary": "Sales rose 4% in Q3.", "confidence": 0.9},
+        required_fields=("summary",),
+    )
+
+
+def assert_still_serving(worker: WorkerProcess, timeout: float = 30.0) -> CritiqueResult:
+    """The worker process is alive and an honest submission still gets its accepted result."""
+    from workers.client import CritiqueClient
+
+    assert worker.proc is not None and worker.proc.poll() is None, "the worker process died"
+    client = CritiqueClient(ENABLED)
+    result = client.wait(client.submit(honest_submission()), timeout=timeout)
+    assert result.status == "accepted", result
+    return result
+
+
+def send_raw(task_name: str, *args: Any, queue: str = "critique.cpu") -> Any:
+    """Publish a plain Celery message as an attacker with broker access would (no client code,
+    no signature); returns the AsyncResult."""
+    from workers.app import app
+
+    return app.send_task(task_name, args=args, queue=queue)
