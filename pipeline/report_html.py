@@ -132,11 +132,14 @@ def _table(head: Sequence[tuple[str, bool]], rows: Iterable[Sequence[str]]) -> s
 # --- sections ----------------------------------------------------------------------------------
 
 
-def _totals(results: Sequence[CritiqueResult], pending: Sequence[str]) -> str:
+def _totals(
+    results: Sequence[CritiqueResult], pending: Sequence[str], failed: Mapping[str, str]
+) -> str:
     statuses: Counter[str] = Counter(r.status for r in results)
     cards = [
-        ("submissions", str(len(results) + len(pending))),
+        ("submissions", str(len(results) + len(failed) + len(pending))),
         ("finished", str(len(results))),
+        ("failed chains", str(len(failed))),
         ("pending", str(len(pending))),
         ("mean original score", _score(_mean(r.original_score for r in results))),
         ("mean best score", _score(_mean(r.best_score for r in results))),
@@ -399,6 +402,17 @@ def _pending(pending: Sequence[str]) -> str:
     )
 
 
+def _failed(failed: Mapping[str, str]) -> str:
+    if not failed:
+        return ""
+    rows = [[f"<code>{esc(k)}</code>", esc(reason)] for k, reason in failed.items()]
+    return (
+        '<section id="failed"><h2>Failed chains</h2><p class="muted">Submitted, no verdict: '
+        "the chain failed or a worker refused it (iteration:worker).</p>"
+        f"{_table([('submission', False), ('reason', False)], rows)}</section>"
+    )
+
+
 def _trace(events: Sequence[Mapping[str, Any]]) -> str:
     counts: Counter[tuple[str, str]] = Counter(
         (str(e.get("type", "?")), str(e.get("stage", "?"))) for e in events
@@ -449,11 +463,13 @@ def render_report_html(
     trace_events: Sequence[Mapping[str, Any]] | None = None,
     *,
     pending: Sequence[str] = (),
+    failed: Mapping[str, str] | None = None,
     generated_at: str | None = None,
 ) -> str:
     """The whole report as one HTML document (UTF-8 text, trailing newline).
 
-    ``pending`` lists submissions without a result (``"<iteration>:<worker_id>"``);
+    ``pending`` lists submissions without a result (``"<iteration>:<worker_id>"``), ``failed``
+    maps those whose chain failed to the reason;
     ``generated_at`` is printed in the header when given (the page has no clock of its own).
     """
     results = _ordered(results_by_iteration)
@@ -474,12 +490,13 @@ def render_report_html(
     body = [
         head,
         header,
-        _totals(results, pending),
+        _totals(results, pending, failed or {}),
         _iteration_tables(results_by_iteration),
         _trajectories(results),
         _top_defects(results),
         _pitfalls(patterns),
         _repairs(results),
+        _failed(failed or {}),
         _pending(pending),
     ]
     if trace_events is not None:

@@ -13,7 +13,11 @@ from typing import Any
 from celery import Celery
 from celery.signals import celeryd_init
 
+from workers import logs
+
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+# Logs: one line per stage at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).
+logs.install()
 
 app = Celery("critique", include=["workers.tasks", "workers.recovery"])
 app.config_from_object("celeryconfig")

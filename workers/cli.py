@@ -1,8 +1,14 @@
 """The ``critique`` command line: a thin dispatcher over :mod:`workers.commands`.
 
-Exit codes shared by every sub-command: 0 success, 1 the thing checked failed (a contract
-violation, a rejected gate, a failed submission), 2 bad usage or unreadable input,
-3 a service (Redis, a worker) could not be reached.
+One exit-code table for every sub-command (:data:`EXIT_CODES`, printed in every ``--help``):
+
+    0  ran: every output has a verdict (accepted, repaired, escalated or failed are outcomes)
+    1  an output failed: its chain failed or was refused, or it was still pending at --timeout;
+       for ``l0``, a check failed
+    2  bad usage or configuration (nothing was enqueued, the worker did not start)
+    3  a service could not be reached (Redis, the broker, a worker)
+
+Sub-commands import these constants from here; no command defines its own.
 """
 
 from __future__ import annotations
@@ -25,9 +31,22 @@ COMMANDS: dict[str, str] = {
     "watch": "watch",
     "report": "report",
     "resume": "resume",
+    "ab": "ab",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT), as a shell reports a process it interrupted."""
+
+EXIT_CODES = """\
+exit codes (every command):
+  0  ran: every output has a verdict (accepted, repaired, escalated and failed are outcomes,
+     not errors; escalated is the manager's cue to act)
+  1  an output failed: its chain failed or was refused by a worker, or it was still pending
+     at --timeout; for `l0`, a check failed
+  2  bad usage or configuration: nothing was enqueued, the worker did not start
+  3  a service could not be reached: Redis, the broker, a worker
+"""
 
 
 def _prepare_environment() -> None:
@@ -35,16 +54,33 @@ def _prepare_environment() -> None:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 
+def version() -> str:
+    """The installed package's version (``critique --version``)."""
+    from pipeline import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="critique",
         description="Critique and repair LLM worker outputs before the manager sees them.",
-        epilog="Exit codes: 0 ok, 1 check failed, 2 bad usage or input, 3 service unavailable.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"%(prog)s {version()}", help="print the version"
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module_name in COMMANDS.items():
         module = importlib.import_module(f"workers.commands.{module_name}")
-        p = sub.add_parser(name, help=module.HELP, description=module.HELP)
+        p = sub.add_parser(
+            name,
+            help=module.HELP,
+            description=module.HELP,
+            epilog=EXIT_CODES,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     return parser
@@ -61,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args._run(args))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`critique status RUN --json | head`): stop quietly, as a
         # SIGPIPE-killed tool would, instead of a traceback.

@@ -109,11 +109,13 @@ def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
 def test_status_json_reports_every_submission(
     finished_run: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """status --json lists each submission's outcome; an escalated one makes the exit code 1."""
+    """status --json lists each submission's outcome; an escalated one is a verdict, not an
+    error: exit 0."""
     rc, out, _ = _cli(capsys, "status", finished_run, "--json")
     doc = json.loads(out)
-    assert rc == 1 and doc["ok"] is False
-    assert (doc["submitted"], doc["finished"], doc["pending"]) == (5, 5, [])
+    assert rc == 0 and doc["ok"] is True
+    assert (doc["submitted"], doc["finished"], doc["failed"], doc["pending"]) == (5, 5, [], [])
+    assert {r["state"] for r in doc["submissions"]} == {"finished"}
     rows = {(r["iteration"], r["worker_id"]): r for r in doc["submissions"]}
     assert rows[(1, "w1")]["status"] == "accepted"
     assert rows[(1, "w2")]["status"] == "repaired" and rows[(1, "w2")]["repairs"] >= 1
@@ -126,8 +128,8 @@ def test_status_json_reports_every_submission(
     assert rc == 0 and [r["worker_id"] for r in doc["submissions"]] == ["w2"]
 
     rc, out, _ = _cli(capsys, "status", finished_run)
-    assert rc == 1
-    assert "5 submitted, 5 finished, 0 pending" in out
+    assert rc == 0
+    assert "5 submitted, 5 finished, 0 failed, 0 pending" in out
     assert "escalated" in out and "→" in out
 
 
@@ -142,7 +144,7 @@ def test_pending_submission_is_shown_not_an_error(
     rc, out, _ = _cli(capsys, "status", run_id, "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["pending"] == ["1:slow"] and doc["finished"] == 0
-    assert doc["submissions"][0]["status"] == "pending"
+    assert doc["submissions"][0]["state"] == "pending"
 
     rc, out, _ = _cli(capsys, "watch", run_id, "--timeout", "0.5", "--json")
     last = json.loads(out.strip().splitlines()[-1])
@@ -151,7 +153,9 @@ def test_pending_submission_is_shown_not_an_error(
         "done": False,
         "submitted": 1,
         "finished": 0,
+        "failed": [],
         "pending": ["1:slow"],
+        "counts": {},
     }
 
 
@@ -229,7 +233,9 @@ def test_watch_follows_live_and_ends_when_every_submission_finished(
         "done": True,
         "submitted": 2,
         "finished": 2,
+        "failed": [],
         "pending": [],
+        "counts": {"accepted": 1, "repaired": 1},
     }
     events = lines[:-1]
     results = [e for e in events if e["type"] == "result"]
@@ -240,7 +246,10 @@ def test_watch_follows_live_and_ends_when_every_submission_finished(
     rc, out, _ = _cli(capsys, "watch", run_id)  # a finished run replays in full, then ends
     assert rc == 0
     assert out.count("RESULT") == 2 and "repair  attempt 1" in out
-    assert out.strip().endswith(f"all 2 submission(s) of run {run_id} finished")
+    assert out.strip().endswith(
+        f"watch: run {run_id}: 2 submission(s): 2 finished (accepted 1, repaired 1), "
+        "0 failed, 0 pending"
+    )
 
 
 def test_unknown_run_and_unreachable_redis(
@@ -260,3 +269,78 @@ def test_unknown_run_and_unreachable_redis(
     finally:
         monkeypatch.setenv("REDIS_URL", env["REDIS_URL"])
         _reset_clients()
+
+
+def _failed_chain(run_id: str, worker_id: str) -> None:
+    """A registered submission whose chain fails on the worker: its first stage message is
+    one the worker refuses (not a stage message), so Celery records FAILURE for it."""
+    from workers import runtime
+    from workers.app import app
+
+    res = app.send_task("critique.l0", args=({"not": "a stage message"},))
+    runtime.stores().runs.mark_submitted(run_id, 1, worker_id, res.id, f"sig-{worker_id}")
+
+
+def test_failed_chains_are_failed_not_pending(
+    worker: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A chain that failed is shown as failed with a one-line reason (no Python repr), never as
+    pending: status exits 1, watch ends at once (no --timeout needed) and exits 1, report lists
+    it apart and exits 1."""
+    from workers.client import CritiqueClient
+
+    run_id = f"fail-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(CONFIG)
+    client.wait(client.submit(_sub(run_id, "good", "clean")), timeout=60)
+    _failed_chain(run_id, "broken")
+    reason = "refused by the worker: not a critique stage message"
+    deadline = time.monotonic() + 30
+    doc: dict[str, Any] = {}
+    while time.monotonic() < deadline and not doc.get("failed"):
+        rc, out, _ = _cli(capsys, "status", run_id, "--json")
+        doc = json.loads(out)
+        time.sleep(0.2)
+    assert rc == 1 and doc["ok"] is False
+    assert (doc["finished"], doc["failed"], doc["pending"]) == (1, ["1:broken"], [])
+    assert doc["errors"]["1:broken"].startswith(reason)
+    row = next(r for r in doc["submissions"] if r["worker_id"] == "broken")
+    assert row["state"] == "failed" and row["error"].startswith(reason)
+    rc, out, _ = _cli(capsys, "status", run_id)
+    assert rc == 1 and "1 finished, 1 failed, 0 pending" in out
+    assert f"FAILED (chain)         {reason}" in out and "Error(" not in out
+
+    began = time.monotonic()
+    rc, out, _ = _cli(capsys, "watch", run_id)
+    assert rc == 1 and time.monotonic() - began < 20
+    assert f"1:broken             FAILED  {reason}" in out
+    assert "1 finished (accepted 1), 1 failed, 0 pending" in out
+    rc, out, _ = _cli(capsys, "watch", run_id, "--json")
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert rc == 1
+    (failed,) = [d for d in lines if d["type"] == "failed"]
+    assert (failed["iteration"], failed["worker_id"]) == (1, "broken")
+    assert failed["error"].startswith(reason)
+    assert lines[-1]["failed"] == ["1:broken"] and lines[-1]["pending"] == []
+
+    rc, out, _ = _cli(capsys, "report", run_id, "--out", str(tmp_path), "--json")
+    assert rc == 1
+    report = json.loads(out)
+    assert report["failed"]["1:broken"].startswith(reason) and report["pending"] == []
+    page = (tmp_path / "runs" / run_id / "report.html").read_text(encoding="utf-8")
+    assert "Failed chains" in page and "not a critique stage message" in page
+
+
+def test_watch_shows_a_repeated_note_once(worker: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Three repairs without budget.total_tokens each note it; watch prints the note once and
+    says how many repeats it left out."""
+    from workers.client import CritiqueClient
+
+    run_id = f"note-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient({"enabled": True})  # no budget: the decide stage notes it
+    client.wait_many(
+        client.submit_many([_sub(run_id, f"w{i}", "looping") for i in range(3)]), timeout=60
+    )
+    rc, out, _ = _cli(capsys, "watch", run_id)
+    assert rc == 0
+    assert out.count("no budget.total_tokens configured") == 1
+    assert "2 repeated note(s) not shown" in out

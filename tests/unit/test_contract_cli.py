@@ -30,26 +30,42 @@ def test_clean_file_exits_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_failure_lines_and_exit_one(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A failing check exits 1 and prints path:offset: severity check: reason."""
+    """A failing check exits 1 and prints path:line:col: severity check: reason (1-based line
+    and column, as compilers print them, never a character offset where the line goes)."""
     path = write(tmp_path, "bad.md", "# A\n\nTODO\n\n# a\n")
     assert main(["l0", path]) == 1
     out = capsys.readouterr().out
-    assert f"{path}:5: error no_placeholder: placeholder 'TODO'" in out
-    assert f"{path}:11: error no_duplicate_headings:" in out
+    assert f"{path}:3:1: error no_placeholder: placeholder 'TODO'" in out
+    assert f"{path}:5:1: error no_duplicate_headings:" in out
     assert "l0 FAILED: 2 error(s)" in out
+
+
+def test_positions_are_line_and_column_in_a_code_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a two-line file the position is on line 2 at the placeholder's column (the offset
+    20 that was printed as a line number before)."""
+    path = write(tmp_path, "code.py", 'x = {"a": 1}\ny = 1  # TODO: fix\n')
+    assert main(["l0", path]) == 1
+    out = capsys.readouterr().out
+    assert f"{path}:2:10: error no_placeholder:" in out
+    assert main(["l0", "--json", path]) == 1
+    [f] = json.loads(capsys.readouterr().out)["failures"]
+    assert (f["offset"], f["line"], f["column"]) == (22, 2, 10)
 
 
 def test_json_output_has_exactly_the_documented_keys(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--json prints {ok, elapsed_ms, failures[{check, severity, reason, path, offset}]}."""
+    """--json prints {ok, elapsed_ms, failures[{check, severity, reason, path, offset, line,
+    column}]}."""
     path = write(tmp_path, "x.json", '{"a": [1,}')
     assert main(["l0", "--json", path]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert set(doc) == {"ok", "elapsed_ms", "failures"}
     assert doc["ok"] is False and isinstance(doc["elapsed_ms"], float)
     assert {tuple(sorted(f)) for f in doc["failures"]} == {
-        ("check", "offset", "path", "reason", "severity")
+        ("check", "column", "line", "offset", "path", "reason", "severity")
     }
     assert {f["check"] for f in doc["failures"]} == {"balanced_delimiters", "json_valid_if_claimed"}
 

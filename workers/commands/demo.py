@@ -14,9 +14,11 @@ progress line per finished submission, then a table per worker, the run's Known 
 repair budget and where the artifacts were written (``critique report``'s tree: ``CRITIQUE.md``
 and ``critique.json`` per iteration, ``report.html``, ``lessons.md``).
 
-Exit codes: 0 the run completed (escalated and failed outputs are the product working),
-1 it did not complete (a submission failed in a worker, or ``--timeout`` passed),
-2 bad usage, 3 Redis or a worker could not be started or reached. The embedded Redis and the
+Exit codes (the table of ``critique --help``): 0 the run completed (every output has a
+verdict: escalated and failed ones are the product working), 1 it did not complete (a chain
+failed in a worker, or ``--timeout`` passed), 2 bad usage or an invalid configuration
+(``CRITIQUE_CONFIG``, a ``CRITIQUE_*`` variable: checked before anything starts), 3 Redis or a
+worker could not be started or reached. The embedded Redis and the
 in-process worker are stopped on every exit, including Ctrl-C and SIGTERM.
 """
 
@@ -36,6 +38,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+
 if TYPE_CHECKING:
     from celery import Celery
 
@@ -45,7 +49,6 @@ if TYPE_CHECKING:
 
 HELP = "run a sample critique run end to end (embedded Redis and worker when REDIS_URL is unset)"
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 QUEUES = ("critique.cpu", "critique.llm")
 _URL_VARS = ("REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
 
@@ -335,10 +338,13 @@ def _wait_iteration(
             for _sample, handle in handles:
                 if handle.worker_id in finished:
                     continue
-                if AsyncResult(handle.task_id, app=app).state == "FAILURE":
+                ar = AsyncResult(handle.task_id, app=app)
+                if ar.state == "FAILURE":
+                    from workers.commands.status import failure_reason
+
                     raise DemoError(
                         f"submission {handle.worker_id} failed in a worker "
-                        f"(task {handle.task_id}); see the worker's log",
+                        f"(task {handle.task_id}): {failure_reason(ar.result)}",
                         EXIT_FAILED,
                     )
         if now >= deadline:
@@ -392,14 +398,28 @@ def run(args: argparse.Namespace) -> int:
         return exc.code
 
 
+def _check_config() -> None:
+    """Refuse an invalid configuration before anything starts (exit 2 naming the key)."""
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+
+    try:
+        load_config()
+    except ConfigError as exc:
+        raise DemoError(f"configuration: {exc}", EXIT_USAGE) from None
+    except RecursionError:
+        raise DemoError("configuration: CRITIQUE_CONFIG nested too deeply", EXIT_USAGE) from None
+
+
 def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[str], None]) -> int:
     began = time.monotonic()
+    _check_config()
     embedded = not os.environ.get("REDIS_URL")
     url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
 
     import redis
 
-    from pipeline.errors import CritiqueError, StoreUnavailableError
+    from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
     from pipeline.pitfalls import render_pitfalls
     from pipeline.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
     from workers import runtime
@@ -434,6 +454,8 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
         spent = stores.budget.spent(run_id)
     except (StoreUnavailableError, redis.exceptions.ConnectionError) as exc:
         raise DemoError(f"lost Redis at {url}: {exc}", EXIT_UNAVAILABLE) from None
+    except (ConfigError, SubmissionError) as exc:  # refused here, before anything ran
+        raise DemoError(str(exc), EXIT_USAGE) from None
     except CritiqueError as exc:
         raise DemoError(str(exc), EXIT_FAILED) from None
     cap = runtime.config_for(overrides_for("heuristic")).repair_token_cap or 0
@@ -463,9 +485,10 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     print()
     print(pitfalls.rstrip() or "## Known Pitfalls\n\n(none recorded)")
     print()
+    why = "; deterministic repairs spend no tokens and are not charged" if spent == 0 else ""
     print(
         f"repair budget: {spent:,} of {cap:,} tokens spent "
-        f"(repair_budget_fraction of budget.total_tokens {DEMO_TOTAL_TOKENS:,})"
+        f"(repair_budget_fraction of budget.total_tokens {DEMO_TOTAL_TOKENS:,}{why})"
     )
     counts: dict[str, int] = {}
     for r in rows:

@@ -1,10 +1,14 @@
 """``critique l0 PATH…``: run the Layer-0 output contract on files (``-`` reads stdin).
 
-Exit 0 when every check passes (warnings are printed but pass, unless ``--strict``), 1 when one
-fails, 2 on bad usage, unreadable input or a broken configuration. ``--json`` prints exactly
-``{"ok", "elapsed_ms", "failures": [{"check", "severity", "reason", "path", "offset"}]}``.
-Offsets are character offsets into the file's text. Checks come from ``--config`` (a
-``workflow.awp.yaml``; default: ``$CRITIQUE_CONFIG`` and the environment), else the six defaults.
+Exit codes (the table of ``critique --help``): 0 every check passes (warnings are printed but
+pass, unless ``--strict``), 1 one fails, 2 bad usage, unreadable input or a broken
+configuration. Each failure prints as ``path:line:col: severity check: reason`` (line and
+column 1-based, as compilers and linters print them; a failure without a position prints
+``path: …``). ``--json`` prints exactly ``{"ok", "elapsed_ms", "failures": [{"check",
+"severity", "reason", "path", "offset", "line", "column"}]}``: ``offset`` is the character
+offset into the file's text, ``line``/``column`` the same position (null without one). Checks
+come from ``--config`` (a ``workflow.awp.yaml``; default: ``$CRITIQUE_CONFIG`` and the
+environment), else the six defaults.
 """
 
 from __future__ import annotations
@@ -15,9 +19,10 @@ import sys
 import time
 from typing import Any
 
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+
 HELP = "run the Layer-0 output contract (deterministic checks) on files"
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 FORMATS = ("json", "markdown", "latex", "text", "python")
 
 
@@ -37,6 +42,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="warnings fail too")
     parser.add_argument("--config", help="workflow.awp.yaml whose output_contract to use")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+
+
+def position(text: str | None, offset: int | None) -> tuple[int | None, int | None]:
+    """The 1-based ``(line, column)`` of a character ``offset`` into ``text``; ``(None, None)``
+    without an offset (or the text it points into)."""
+    if text is None or offset is None:
+        return None, None
+    offset = max(0, min(offset, len(text)))
+    line_start = text.rfind("\n", 0, offset) + 1
+    return text.count("\n", 0, offset) + 1, offset - line_start + 1
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
                 previous_size=args.previous_size,
             )
         )
+    by_label = {item.path: item.text for item in items}
     t0 = time.perf_counter()
     report = suite.run(items)
     elapsed = 1000 * (time.perf_counter() - t0)
@@ -87,6 +103,13 @@ def run(args: argparse.Namespace) -> int:
                     "reason": f.reason,
                     "path": f.path,
                     "offset": f.offset,
+                    **dict(
+                        zip(
+                            ("line", "column"),
+                            position(by_label.get(f.path), f.offset),
+                            strict=True,
+                        )
+                    ),
                 }
                 for f in report.failures
             ],
@@ -95,8 +118,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         for f in report.failures:
             where = f.path or "output"
-            offset = "" if f.offset is None else f"{f.offset}:"
-            print(f"{where}:{offset} {f.severity} {f.check}: {f.reason}")
+            line, col = position(by_label.get(f.path), f.offset)
+            at = "" if line is None else f":{line}:{col}"
+            print(f"{where}{at}: {f.severity} {f.check}: {f.reason}")
         verdict = "ok" if ok else "FAILED"
         print(
             f"l0 {verdict}: {errors} error(s), {warnings} warning(s) in {len(items)} file(s), "

@@ -1,10 +1,15 @@
 """``critique loop FILE``: run the critique loop on one file, broker-free, and show every round.
 
-With ``--critic rubric`` (the default) FILE is a paper draft (JSON) and the deterministic rubric
-critic/reviser pair revises it until the target, a plateau or the round cap; with
-``--critic heuristic`` FILE is a worker result (a JSON object, or text) checked against
-``--required`` fields and repaired by the deterministic reviser. Exit 0 when the result is
-accepted, accepted with warnings or repaired; 1 otherwise; 2 on unreadable or invalid input.
+With ``--critic rubric`` (the default) FILE is a paper draft — JSON (``{title, abstract,
+originality_tag, sections}``) or Markdown (``# Title``, the abstract, ``## Section`` headings:
+:mod:`pipeline.paper_markdown`) — and the deterministic rubric critic/reviser pair revises it
+until the target, a plateau or the round cap; with ``--critic heuristic`` FILE is a worker
+result (a JSON object, or text) checked against ``--required`` fields and repaired by the
+deterministic reviser.
+
+Exit codes (the table of ``critique --help``): 0 the loop ran and gave its verdict (accepted,
+repaired, escalated or failed: read it from the output or ``--json``); 2 unreadable or invalid
+input or configuration.
 """
 
 from __future__ import annotations
@@ -16,15 +21,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from workers.cli import EXIT_OK, EXIT_USAGE
+
 HELP = "run the critique loop on one file (deterministic rubric or heuristic pair)"
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-_OK_STATUSES = ("accepted", "accepted_with_warnings", "repaired")
 _FORMATS = {".json": "json", ".md": "markdown", ".tex": "latex", ".py": "python"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("file", metavar="FILE", help="paper draft (rubric) or worker result")
+    parser.add_argument(
+        "file", metavar="FILE", help="paper draft, JSON or Markdown (rubric), or worker result"
+    )
     parser.add_argument(
         "--critic",
         choices=("rubric", "heuristic"),
@@ -82,10 +89,21 @@ def _read_output(
 
     text = read_text(str(path), limit)
     if args.critic == "rubric":
-        try:
-            data = loads(text, str(path))
-        except ValueError as exc:
-            raise ValueError(f"{path} is not a paper: not valid JSON ({exc})") from None
+        markdown = path.suffix.lower() in (".md", ".markdown")
+        if not markdown:
+            try:
+                data = loads(text, str(path))
+            except ValueError as exc:
+                if text.lstrip().startswith(("{", "[")):
+                    raise ValueError(f"{path} is not a paper: not valid JSON ({exc})") from None
+                markdown = True  # not JSON at all: read it as a Markdown paper
+        if markdown:
+            from pipeline.paper_markdown import MarkdownPaperError, paper_from_markdown
+
+            try:
+                return paper_from_markdown(text), "json"
+            except MarkdownPaperError as exc:
+                raise ValueError(f"{path} is not a Markdown paper: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path} is not a paper: expected a JSON object")
         return data, "json"
@@ -178,4 +196,4 @@ def run(args: argparse.Namespace) -> int:
         )
         for note in result.notes:
             print(f"note: {note}")
-    return EXIT_OK if result.status in _OK_STATUSES else EXIT_FAILED
+    return EXIT_OK

@@ -6,10 +6,13 @@ For every iteration with results, the SPEC §5.8 tree
 self-contained page with each worker's score trajectory as inline SVG) and
 ``<root>/runs/<run-id>/lessons.md`` (failure patterns that recurred across runs, from the
 lessons store that outlives runs). ``<root>`` is ``--out``, else
-``$CRITIQUE_WORKSPACE``, else ``./workspace``. Prints the files written, one per line; ``--json``
-prints ``{"run_id", "root", "report", "files": [...]}``.
+``$CRITIQUE_WORKSPACE``, else ``./workspace``. Artifacts are written for finished submissions;
+the report lists the failed chains (with their one-line reason) and the pending submissions
+apart. Prints the files written, one per line, then a tally; ``--json`` prints ``{"run_id",
+"root", "report", "files": [...], "finished", "failed": {key: reason}, "pending": [...]}``.
 
-Exit codes: 0 written; 2 bad usage, an unknown run, or an unwritable folder; 3 Redis unreachable.
+Exit codes (the table of ``critique --help``): 0 written; 1 written, but a chain failed (it has
+no verdict); 2 bad usage, an unknown run, or an unwritable folder; 3 Redis unreachable.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from workers.commands.status import EXIT_OK, EXIT_USAGE, load_snapshot, service_guard
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from workers.commands.status import RunSnapshot, load_snapshot, service_guard, tally
 
 HELP = "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis"
 
@@ -49,8 +53,12 @@ def _write(path: Path, text: str) -> None:
         raise
 
 
-def write_report(run_id: str, out_dir: Path | str | None = None) -> list[Path]:
+def write_report(
+    run_id: str, out_dir: Path | str | None = None, *, snapshot: RunSnapshot | None = None
+) -> list[Path]:
     """Write the run's artifact tree, ``report.html`` and ``lessons.md``; returns the files.
+
+    ``snapshot`` is the run as already read (:func:`load_snapshot`), else it is read here.
 
     ``out_dir`` is the artifacts root (default :func:`default_root`). Raises
     :class:`~workers.commands.status.UnknownRunError` when Redis holds nothing for the run,
@@ -63,7 +71,7 @@ def write_report(run_id: str, out_dir: Path | str | None = None) -> list[Path]:
     from workers import runtime
 
     root = Path(out_dir) if out_dir is not None else default_root()
-    snap = load_snapshot(run_id, chain_errors=False)
+    snap = snapshot if snapshot is not None else load_snapshot(run_id)
     stores = runtime.stores()
     patterns = stores.patterns.top(run_id, PATTERN_LIMIT)
     events = stores.trace.read(run_id)
@@ -75,7 +83,10 @@ def write_report(run_id: str, out_dir: Path | str | None = None) -> list[Path]:
     for iteration in sorted(by_iteration):
         written += write_artifacts(root, run_id, iteration, by_iteration[iteration], patterns)
     run_dir = root / "runs" / run_id  # a checked identifier (load_snapshot)
-    page = render_report_html(run_id, by_iteration, patterns, events, pending=snap.pending)
+    failed = {k: snap.errors[k] for k in snap.failed}
+    page = render_report_html(
+        run_id, by_iteration, patterns, events, pending=snap.pending, failed=failed
+    )
     report = run_dir / "report.html"
     lessons = run_dir / "lessons.md"
     _write(report, page)
@@ -97,8 +108,9 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.out) if args.out else default_root()
 
     def body() -> int:
+        snap = load_snapshot(args.run_id)
         try:
-            files = write_report(args.run_id, root)
+            files = write_report(args.run_id, root, snapshot=snap)
         except OSError as exc:
             print(f"critique report: cannot write under {root}: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -109,12 +121,18 @@ def run(args: argparse.Namespace) -> int:
                 "root": str(root),
                 "report": str(report),
                 "files": [str(f) for f in files],
+                "finished": len(snap.results),
+                "failed": {k: snap.errors[k] for k in snap.failed},
+                "pending": snap.pending,
             }
             print(json.dumps(doc, ensure_ascii=False))
         else:
             for f in files:
                 print(f)
             print(f"report: {report} ({len(files)} file(s) written)")
-        return EXIT_OK
+            print(f"run {args.run_id}: {tally(snap.results, len(snap.failed), len(snap.pending))}")
+            for key in snap.failed:
+                print(f"failed {key}: {snap.errors[key]}")
+        return EXIT_OK if snap.ok else EXIT_FAILED
 
     return service_guard("report", body)

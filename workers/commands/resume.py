@@ -17,10 +17,10 @@ import argparse
 import json
 import sys
 
+from workers.cli import EXIT_OK, EXIT_USAGE
 from workers.commands.status import load_snapshot, service_guard, split_key
 
 HELP = "resume a run's pending submissions from their last recorded step"
-EXIT_OK, EXIT_USAGE = 0, 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,16 +1,26 @@
-"""``critique status RUN``: what a run submitted, what finished, and how each submission ended.
+"""``critique status RUN``: what a run submitted, and how each submission stands.
 
-One row per submission: iteration, worker, status (or ``pending``), stop reason, score before →
-after, repairs. A pending submission whose chain failed in Celery shows as ``error``.
+Every submission is in one of three states:
 
-Exit codes: 0 every finished submission was accepted or repaired (pending ones are shown, they
-are not an error); 1 some result is ``failed`` or ``escalated``, or a chain errored (needs a
-human); 2 bad usage or an unknown run (nothing submitted, no result); 3 Redis unreachable.
-``--json`` prints one object: ``{run_id, iteration, ok, submitted, finished, pending, errors,
-counts, mean_original_score, mean_best_score, submissions: [...]}``.
+- **finished**: it has a result — a verdict (``accepted``, ``accepted_with_warnings``,
+  ``repaired``, ``escalated`` or ``failed``); escalated is a normal outcome, the manager's cue;
+- **failed**: its Celery chain failed — refused by a worker (a configuration error such as a
+  missing provider key, a forged message), or a stage raised — so it will never have a result;
+  shown with a one-line reason;
+- **pending**: neither yet.
 
-The helpers here (:func:`load_snapshot`, :func:`service_guard`) are shared by ``watch`` and
-``report``.
+One row per submission: iteration, worker, status, stop reason, score before → after, repairs
+(a failed chain: its reason). Exit codes (the table of ``critique --help``): 0 no chain failed
+(pending ones are shown, they are not an error); 1 a chain failed; 2 bad usage or an unknown
+run (nothing submitted, no result); 3 Redis unreachable. ``--json`` prints one object:
+``{run_id, iteration, ok, submitted, finished, failed, pending, errors, counts,
+mean_original_score, mean_best_score, submissions: [...]}`` where ``failed`` and ``pending``
+list ``"<iteration>:<worker>"`` keys, ``errors`` maps each failed key to its reason and every
+row has a ``state`` (``finished`` | ``failed`` | ``pending``). A finished row whose critic or
+reviser fell back says so (``FALLBACK …`` under it; ``fallbacks`` in ``--json``).
+
+The helpers here (:func:`load_snapshot`, :func:`chain_failures`, :func:`failure_reason`,
+:func:`service_guard`) are shared by ``watch`` and ``report``.
 """
 
 from __future__ import annotations
@@ -20,16 +30,17 @@ import json
 import math
 import sys
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.models import CritiqueResult
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 
-HELP = "show what a run submitted and finished, per worker (exit 1 if any failed/escalated)"
+HELP = "show a run's submissions: finished (with their verdict), failed, pending"
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-BAD_STATUSES = ("failed", "escalated")
+REASON_LIMIT = 300
+"""Longest failure reason shown (characters)."""
 
 
 class UnknownRunError(LookupError):
@@ -46,6 +57,10 @@ def split_key(key: str) -> tuple[int, str]:
     return (int(it) if it.isdigit() else 0), worker
 
 
+def _by_key(keys: Sequence[str] | set[str]) -> list[str]:
+    return sorted(keys, key=split_key)
+
+
 @dataclass
 class RunSnapshot:
     """What Redis holds about a run right now."""
@@ -54,20 +69,31 @@ class RunSnapshot:
     submitted: dict[str, dict[str, Any]]
     results: list[CritiqueResult]
     errors: dict[str, str] = field(default_factory=dict)
-    """Pending submissions whose Celery chain failed: key -> error text."""
+    """Submissions without a result whose Celery chain failed: key -> one-line reason."""
 
     @property
     def finished(self) -> set[str]:
         return {key_of(r.iteration, r.worker_id) for r in self.results}
 
     @property
-    def pending(self) -> list[str]:
+    def failed(self) -> list[str]:
         done = self.finished
-        return sorted((k for k in self.submitted if k not in done), key=split_key)
+        return _by_key([k for k in self.errors if k not in done])
+
+    @property
+    def unfinished(self) -> list[str]:
+        """Submitted, no result: failed or pending."""
+        done = self.finished
+        return _by_key([k for k in self.submitted if k not in done])
+
+    @property
+    def pending(self) -> list[str]:
+        return [k for k in self.unfinished if k not in self.errors]
 
     @property
     def ok(self) -> bool:
-        return not self.errors and not any(r.status in BAD_STATUSES for r in self.results)
+        """True when no chain failed (verdicts, escalated and failed ones too, are outcomes)."""
+        return not self.failed
 
 
 def check_run_id(run_id: str) -> str:
@@ -82,8 +108,9 @@ def load_snapshot(
 ) -> RunSnapshot:
     """Submissions and results of ``run_id`` (one iteration when given) from Redis.
 
-    Raises :class:`UnknownRunError` when Redis has neither; with ``chain_errors`` a pending
-    submission's Celery result is checked, so a chain that died shows as an error, not pending.
+    Raises :class:`UnknownRunError` when Redis has neither; with ``chain_errors`` the Celery
+    result of every submission without a result is checked, so a chain that failed shows as
+    failed (with its reason), not pending.
     """
     from workers import runtime
 
@@ -100,29 +127,47 @@ def load_snapshot(
             "(a mistyped run id, another REDIS_URL, or the run's keys expired)"
         )
     snap = RunSnapshot(run_id, submitted, results)
-    if chain_errors and snap.pending:
-        snap.errors = _chain_errors({k: submitted[k] for k in snap.pending})
+    if chain_errors and snap.unfinished:
+        snap.errors = chain_failures({k: submitted[k] for k in snap.unfinished})
     return snap
 
 
-def _chain_errors(pending: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """Pending submissions whose chain's Celery result says FAILURE."""
+def chain_failures(unfinished: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
+    """The submissions (key -> registry record) whose chain's Celery result says FAILURE,
+    each with its one-line reason (:func:`failure_reason`)."""
     from celery.result import AsyncResult
 
     from workers.app import app
 
     out: dict[str, str] = {}
-    for key, doc in pending.items():
+    for key, doc in unfinished.items():
         task_id = doc.get("task_id")
         if not task_id:
             continue
         try:
             ar = AsyncResult(str(task_id), app=app)
             if ar.state == "FAILURE":
-                out[key] = printable(repr(ar.result))
+                out[key] = failure_reason(ar.result)
         except Exception:  # a result backend other than the store may be down: stay pending
             continue
     return out
+
+
+def failure_reason(error: object) -> str:
+    """Why a chain failed, in one terminal-safe line without a Python repr: ``refused by the
+    worker: <message>`` for a refused submission or configuration (a missing provider key, a
+    worker-only field, a forged message), else ``<ExceptionType>: <message>``."""
+    from pipeline.errors import ConfigError, CritiqueError, SubmissionError
+
+    if isinstance(error, CritiqueError):
+        text = error.message
+    elif isinstance(error, BaseException):
+        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+    else:
+        text = str(error)
+    if isinstance(error, SubmissionError | ConfigError):
+        text = f"refused by the worker: {text}"
+    return printable(" ".join(text.split()), REASON_LIMIT) or "failed (no reason recorded)"
 
 
 def printable(text: str, limit: int = 300) -> str:
@@ -161,6 +206,12 @@ def service_guard(command: str, body: Callable[[], int]) -> int:
         return EXIT_USAGE
 
 
+def fallbacks(result: CritiqueResult) -> list[str]:
+    """The result's notes that say a critic or reviser fell back (SPEC §5.2: a fallback is
+    always visible, on the CLI's line for that output too)."""
+    return [n for n in result.notes if n.startswith("critic fallback:") or " reviser used" in n]
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return round(math.fsum(values) / len(values), 6) if values else None
 
@@ -169,32 +220,44 @@ def _score(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
+def tally(results: Sequence[CritiqueResult], failed: int, pending: int) -> str:
+    """``"3 finished (accepted 2, escalated 1), 1 failed, 0 pending"``: the final tally."""
+    counts = Counter(r.status for r in results)
+    verdicts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+    finished = f"{len(results)} finished" + (f" ({verdicts})" if verdicts else "")
+    return f"{finished}, {failed} failed, {pending} pending"
+
+
 def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
     """The JSON document of ``--json``."""
     rows: list[dict[str, Any]] = [
         {
             "iteration": r.iteration,
             "worker_id": r.worker_id,
+            "state": "finished",
             "status": r.status,
             "stop_reason": r.stop_reason,
             "original_score": r.original_score,
             "best_score": r.best_score,
             "repairs": len(r.attempts),
+            "fallbacks": fallbacks(r),
         }
         for r in snap.results
     ]
-    for key in snap.pending:
+    failed = snap.failed
+    for key in snap.unfinished:
         it, worker = split_key(key)
         row: dict[str, Any] = {
             "iteration": it,
             "worker_id": worker,
-            "status": "error" if key in snap.errors else "pending",
+            "state": "failed" if key in failed else "pending",
+            "status": None,
             "stop_reason": None,
             "original_score": None,
             "best_score": None,
             "repairs": None,
         }
-        if key in snap.errors:
+        if key in failed:
             row["error"] = snap.errors[key]
         rows.append(row)
     rows.sort(key=lambda r: (r["iteration"], r["worker_id"]))
@@ -205,8 +268,9 @@ def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
         "ok": snap.ok,
         "submitted": len(snap.submitted.keys() | snap.finished),
         "finished": len(snap.results),
+        "failed": failed,
         "pending": snap.pending,
-        "errors": snap.errors,
+        "errors": {k: snap.errors[k] for k in failed},
         "counts": dict(sorted(counts.items())),
         "mean_original_score": _mean([r.original_score for r in snap.results]),
         "mean_best_score": _mean([r.best_score for r in snap.results]),
@@ -219,29 +283,35 @@ def render_text(doc: dict[str, Any]) -> str:
     scope = "" if doc["iteration"] is None else f", iteration {doc['iteration']}"
     lines = [
         f"run {doc['run_id']}{scope}: {doc['submitted']} submitted, {doc['finished']} finished, "
-        f"{len(doc['pending'])} pending",
+        f"{len(doc['failed'])} failed, {len(doc['pending'])} pending",
         "",
         f"{'iter':>4}  {'worker':<16} {'status':<22} {'stop reason':<24} {'score':<13} repairs",
     ]
     for r in doc["submissions"]:
-        if r["original_score"] is None:
-            score, repairs = "", ""
-        else:
-            score = f"{_score(r['original_score'])} → {_score(r['best_score'])}"
-            repairs = str(r["repairs"])
+        if r["state"] == "failed":
+            lines.append(
+                f"{r['iteration']:>4}  {r['worker_id']:<16} {'FAILED (chain)':<22} {r['error']}"
+            )
+            continue
+        if r["state"] == "pending":
+            lines.append(f"{r['iteration']:>4}  {r['worker_id']:<16} pending")
+            continue
+        score = f"{_score(r['original_score'])} → {_score(r['best_score'])}"
         lines.append(
             f"{r['iteration']:>4}  {r['worker_id']:<16} {r['status']:<22} "
-            f"{r['stop_reason'] or '':<24} {score:<13} {repairs}".rstrip()
+            f"{r['stop_reason'] or '':<24} {score:<13} {r['repairs']}".rstrip()
         )
-        if r.get("error"):
-            lines.append(f"{'':>6}error: {r['error']}")
+        for note in r.get("fallbacks") or ():
+            lines.append(f"{'':>6}FALLBACK {printable(note, 200)}")
     lines.append("")
     counts = ", ".join(f"{k} {v}" for k, v in doc["counts"].items()) or "none yet"
-    lines.append(f"statuses: {counts}")
+    lines.append(f"verdicts: {counts}")
     if doc["mean_best_score"] is not None:
         lines.append(
             f"mean score: {_score(doc['mean_original_score'])} → {_score(doc['mean_best_score'])}"
         )
+    if doc["failed"]:
+        lines.append(f"failed: {', '.join(doc['failed'])} (no verdict: see the reason per row)")
     if doc["pending"]:
         lines.append(f"pending: {', '.join(doc['pending'])}")
     return "\n".join(lines)

@@ -11,10 +11,29 @@ Configuration travels with the submissions as overrides of the workers' configur
 is used) and ``--set key=value`` (dotted keys; JSON values, else strings), later ones winning.
 ``enabled`` defaults to true here: submitting is asking for a critique.
 
-Prints one handle per submission (run_id, iteration, worker_id, task_id). With ``--wait`` it
-waits for the results and prints them; exit 0 when every one is accepted, accepted with
-warnings or repaired, 1 when any failed or escalated (or ``--timeout`` passed). Exit 2 on bad
-input or configuration, 3 when Redis cannot be reached.
+Before anything is enqueued the configuration is validated here, where it enters: this
+process's own (``CRITIQUE_CONFIG``, ``CRITIQUE_*`` variables — a typo is named) and the
+overrides (an unknown key, a worker-only field). A submission that would call a model whose
+provider key is missing is refused too (exit 2 naming the variable, e.g. ``OPENAI_API_KEY``;
+litellm's environment check, ``CRITIQUE_LLM_API_KEY`` serves any provider). That check reads
+*this* process's environment — the best information a client has, since the workers'
+environment cannot be seen from here; when only the workers hold the keys, pass
+``--no-key-check`` (a worker whose key is missing refuses the submission itself, and it shows
+as failed with that reason).
+
+Prints one handle per submission (run_id, iteration, worker_id, task_id) as soon as all are
+enqueued. With ``--wait`` it prints each result the moment it is there (whatever the order),
+each failed chain with a one-line reason, and a final tally; on a terminal a live counter runs
+on stderr. A fallback (a critic or reviser that could not run and was replaced) is named on the
+output's line. ``--json`` prints JSON Lines: ``{"type": "submitted", …handle}`` per submission,
+then with ``--wait`` ``{"type": "result", "task_id", …CritiqueResult}`` or ``{"type": "failed",
+…handle, "error"}`` per submission (``{"type": "pending", …handle}`` for those still running at
+``--timeout``), then ``{"type": "summary", "submitted", "finished", "failed", "pending",
+"counts", "elapsed_s"}`` — every handle and every answer, whatever failed.
+
+Exit codes (the table of ``critique --help``): 0 enqueued (with ``--wait``: every submission
+has a verdict — escalated is a verdict); 1 with ``--wait``, a chain failed or ``--timeout``
+passed; 2 bad input or configuration (nothing enqueued); 3 Redis or the broker unreachable.
 
 Bad input is one line on stderr and exit 2, never a traceback: each input is read up to
 ``max_output_bytes`` (an endless or larger one — ``/dev/zero``, a pipe that never ends — is
@@ -27,10 +46,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from workers.commands._input import (
     CONFIG_LIMIT,
     InputError,
@@ -43,8 +65,6 @@ from workers.commands._input import (
 
 HELP = "enqueue JSON submissions for critique (files or - for stdin); --wait for results"
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-OK_STATUSES = ("accepted", "accepted_with_warnings", "repaired")
 DEFAULT_LIMIT = 16 * 1024 * 1024
 """Input cap when none is given (``CritiqueConfig.max_output_bytes``'s default)."""
 
@@ -79,7 +99,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="with --wait: give up after S seconds (default 300)",
     )
-    parser.add_argument("--json", action="store_true", help="print handles and results as JSON")
+    parser.add_argument(
+        "--json", action="store_true", help="print handles and results as JSON Lines"
+    )
+    parser.add_argument(
+        "--no-key-check",
+        action="store_true",
+        help="skip the provider-key check against this environment (when only the workers "
+        "hold the keys)",
+    )
 
 
 # -- reading ------------------------------------------------------------------------------------
@@ -217,13 +245,74 @@ def build_overrides(config_path: str | None, settings: list[str]) -> dict[str, A
 
 
 # -- output -------------------------------------------------------------------------------------
+FALLBACK_LIMIT = 160
+"""Longest fallback note shown on a result's line (characters)."""
+
+
 def _result_line(result: Any) -> str:
+    from workers.commands.status import fallbacks, printable
+
     repairs = len(result.attempts)
-    return (
+    line = (
         f"{result.run_id}  {result.iteration}  {result.worker_id}  "
         f"{result.original_score:.2f} → {result.best_score:.2f}  {result.status} "
         f"({result.stop_reason}, {repairs} repair{'s' if repairs != 1 else ''})"
     )
+    fell = fallbacks(result)
+    if fell:
+        more = f" (+{len(fell) - 1} more)" if len(fell) > 1 else ""
+        line += f"  [FALLBACK {printable(fell[0], FALLBACK_LIMIT)}{more}]"
+    return line
+
+
+def _handle_doc(h: Any) -> dict[str, Any]:
+    return {
+        "run_id": h.run_id,
+        "iteration": h.iteration,
+        "worker_id": h.worker_id,
+        "task_id": h.task_id,
+    }
+
+
+def _emit(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc, ensure_ascii=False), flush=True)
+
+
+def check_keys_for(subs: list[Any], config: Any) -> None:
+    """Raise ``ConfigError`` when a submission would call a model whose provider key is missing
+    from this process's environment (litellm is imported only when there is a model)."""
+    from pipeline.providers import check_keys, llm_models
+
+    models = dict.fromkeys(m for sub in subs for m in llm_models(config, sub.model))
+    if models:
+        check_keys(models, api_base=config.llm.api_base, where="this client's environment")
+
+
+def broker_url() -> str:
+    """The broker's URL as :mod:`celeryconfig` reads it (``CELERY_BROKER_URL``, else the
+    store's ``REDIS_URL``)."""
+    from workers import runtime
+
+    return os.environ.get("CELERY_BROKER_URL") or runtime.redis_url()
+
+
+def _unreachable(url: str, what: str) -> str | None:
+    """A message when the Redis at ``url`` does not answer PING, else None (another broker
+    transport: Celery reports its own connection errors)."""
+    import redis
+
+    if urlparse(url).scheme not in ("redis", "rediss", "unix"):
+        return None
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        try:
+            client.ping()
+        finally:
+            client.close()
+    except Exception as exc:
+        env = "CELERY_BROKER_URL" if what == "the broker" else "REDIS_URL"
+        return f"cannot reach {what} at {url}: {exc}\nstart Redis there or set {env}"
+    return None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -233,86 +322,170 @@ def run(args: argparse.Namespace) -> int:
         _say("--timeout must be > 0")
         return EXIT_USAGE
     try:
+        from pipeline.config import load_config
+
+        load_config()  # this process's own configuration: CRITIQUE_CONFIG, CRITIQUE_* variables
         overrides = build_overrides(args.config, args.settings)
         from workers import runtime
         from workers.client import CritiqueClient
 
-        client = CritiqueClient(overrides)
-        limit = runtime.config_for(overrides).max_output_bytes
-        subs = read_submissions(args.paths, limit)
+        client = CritiqueClient(overrides)  # this process's configuration + the overrides
+        config = runtime.config_for(overrides)
+        subs = read_submissions(args.paths, config.max_output_bytes)
+    except RecursionError:
+        _say("CRITIQUE_CONFIG: nested too deeply to parse")
+        return EXIT_USAGE
     except (InputError, CritiqueError) as exc:
         _say(exc)
         return EXIT_USAGE
+    if not args.no_key_check:
+        try:
+            check_keys_for(subs, config)
+        except CritiqueError as exc:
+            _say(exc)
+            _say(
+                "checked against this process's environment, the best a client can see; if "
+                "only the workers hold the key, pass --no-key-check"
+            )
+            return EXIT_USAGE
 
+    store, broker = runtime.redis_url(), broker_url()
+    problem = _unreachable(store, "Redis") or (
+        _unreachable(broker, "the broker") if broker != store else None
+    )
+    if problem:
+        print(f"critique submit: {problem}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
     unavailable: tuple[type[BaseException], ...] = (
         StoreUnavailableError,
         OSError,
         *_redis_errors(),
     )
     try:
-        runtime.client().ping()
         handles = client.submit_many(subs)
     except unavailable as exc:
+        on_broker = "broker" in str(exc) and broker != store
+        what, url, env = (
+            ("the broker", broker, "CELERY_BROKER_URL")
+            if on_broker
+            else (
+                "Redis",
+                store,
+                "REDIS_URL",
+            )
+        )
         print(
-            f"critique submit: cannot reach Redis at {runtime.redis_url()}: {exc}\n"
-            "start Redis there or set REDIS_URL",
+            f"critique submit: cannot reach {what} at {url}: {exc}\nstart Redis there or set {env}",
             file=sys.stderr,
         )
         return EXIT_UNAVAILABLE
     except CritiqueError as exc:  # e.g. an output over max_output_bytes: nothing was enqueued
         _say(exc)
         return EXIT_USAGE
-    submitted = [
-        {
-            "run_id": h.run_id,
-            "iteration": h.iteration,
-            "worker_id": h.worker_id,
-            "task_id": h.task_id,
-        }
-        for h in handles
-    ]
-    if not args.json:
-        for h in handles:
-            print(f"submitted {h.run_id}  {h.iteration}  {h.worker_id}  task {h.task_id}")
-    if not args.wait:
+    for h in handles:
         if args.json:
-            print(json.dumps({"submitted": submitted}, ensure_ascii=False, indent=2))
+            _emit({"type": "submitted", **_handle_doc(h)})
+        else:
+            print(f"submitted {h.run_id}  {h.iteration}  {h.worker_id}  task {h.task_id}")
+    sys.stdout.flush()
+    if not args.wait:
         return EXIT_OK
-    return _wait(client, handles, submitted, args)
+    return _wait(client, handles, args)
 
 
-def _wait(client: Any, handles: list[Any], submitted: list[dict[str, Any]], args: Any) -> int:
+def _wait(client: Any, handles: list[Any], args: Any) -> int:
+    """Print every answer as it comes, then the tally; returns the exit code."""
     from pipeline.errors import StoreUnavailableError, SubmissionError
     from workers.client import CritiqueTimeout
+    from workers.commands._progress import Progress
+    from workers.commands.status import tally
 
     unavailable: tuple[type[BaseException], ...] = (StoreUnavailableError, *_redis_errors())
+    progress = Progress("submit --wait")
+    results: list[Any] = []
+    failed: list[tuple[Any, str]] = []
+    answered: set[int] = set()
+    timed_out = False
+
+    def count() -> None:
+        progress.update(len(results), len(failed), len(handles) - len(answered))
+
+    count()
     try:
-        results = client.wait_many(handles, timeout=args.timeout)
+        for h, answer in client.as_completed(handles, timeout=args.timeout):
+            answered.add(id(h))
+            if isinstance(answer, SubmissionError):
+                reason = _reason(h, answer)
+                failed.append((h, reason))
+                if args.json:
+                    progress.line(json.dumps({"type": "failed", **_handle_doc(h), "error": reason}))
+                else:
+                    progress.line(f"{h.run_id}  {h.iteration}  {h.worker_id}  FAILED  {reason}")
+            else:
+                results.append(answer)
+                if args.json:
+                    doc = {"type": "result", "task_id": h.task_id, **answer.model_dump(mode="json")}
+                    progress.line(json.dumps(doc, ensure_ascii=False))
+                else:
+                    progress.line(_result_line(answer))
+            count()
     except CritiqueTimeout:
-        pending = [h.worker_id for h in handles if client.result(h) is None]
-        print(
-            f"critique submit: timed out after {args.timeout:g} s; still pending: "
-            f"{', '.join(pending)} (is a worker consuming critique.cpu and critique.llm? "
-            "start one with `critique worker`)",
-            file=sys.stderr,
-        )
-        return EXIT_FAILED
-    except SubmissionError as exc:
-        print(f"critique submit: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+        timed_out = True
     except unavailable as exc:
+        progress.close()
         print(f"critique submit: lost Redis while waiting: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    finally:
+        progress.close()
+    pending = [h for h in handles if id(h) not in answered]
+    elapsed = progress.clock() - progress.began
     if args.json:
-        doc = {
-            "submitted": submitted,
-            "results": [r.model_dump(mode="json") for r in results],
-        }
-        print(json.dumps(doc, ensure_ascii=False, indent=2))
-    else:
+        for h in pending:
+            _emit({"type": "pending", **_handle_doc(h)})
+        counts: dict[str, int] = {}
         for r in results:
-            print(_result_line(r))
-    return EXIT_OK if all(r.status in OK_STATUSES for r in results) else EXIT_FAILED
+            counts[r.status] = counts.get(r.status, 0) + 1
+        _emit(
+            {
+                "type": "summary",
+                "submitted": len(handles),
+                "finished": len(results),
+                "failed": len(failed),
+                "pending": len(pending),
+                "counts": dict(sorted(counts.items())),
+                "elapsed_s": round(elapsed, 3),
+            }
+        )
+    else:
+        for h in pending:
+            print(f"{h.run_id}  {h.iteration}  {h.worker_id}  pending")
+        print(
+            f"submit: {len(handles)} submission(s): {tally(results, len(failed), len(pending))} "
+            f"in {elapsed:.1f} s"
+        )
+    if timed_out:
+        print(
+            f"critique submit: timed out after {args.timeout:g} s; still pending: "
+            f"{', '.join(h.worker_id for h in pending)} (is a worker consuming critique.cpu "
+            "and critique.llm? start one with `critique worker`)",
+            file=sys.stderr,
+        )
+    return EXIT_FAILED if failed or pending else EXIT_OK
+
+
+def _reason(h: Any, error: Any) -> str:
+    """The one-line reason of a failed chain, without the client's "submission … of run …"."""
+    from workers.commands.status import printable
+
+    message = " ".join(str(getattr(error, "message", error)).split())
+    prefix = f"submission {h.worker_id} of run {h.run_id} "
+    if message.startswith(prefix):
+        message = message[len(prefix) :]
+    if message.startswith("was refused"):
+        message = message[len("was ") :]
+    elif message.startswith("failed: "):
+        message = message[len("failed: ") :]
+    return printable(message, 300)
 
 
 def _say(message: object) -> None:

@@ -1,13 +1,20 @@
-"""``critique watch RUN``: follow a run's trace stream live until every submission has a result.
+"""``critique watch RUN``: follow a run's trace stream live until nothing is pending.
 
 Replays the run's stream from its start, then blocks for new events (``XREAD BLOCK``), one line
-per event: ``<iteration>:<worker> <stage> …`` with the round, score, verdict or result. It ends
-when every submission registered for the run has a result (submissions that arrive while it
-watches are picked up). ``--json`` prints each trace event as one JSON object per line, then a
-last line ``{"type": "watch", "done", "submitted", "finished", "pending"}``.
+per event: ``<iteration>:<worker> <stage> …`` with the round, score, verdict or result. A note
+repeated by many submissions (``no budget.total_tokens configured``) is shown once. About every
+second the run's submissions are checked: a chain that failed (refused by a worker, a stage
+that raised) is shown as ``FAILED`` with a one-line reason and counts as done. The watch ends
+when every submission registered for the run is finished or failed (submissions that arrive
+while it watches are picked up), with a tally. On a terminal a live counter runs on stderr.
 
-Exit codes: 0 everything finished; 1 ``--timeout`` passed with submissions still pending (they
-are listed); 2 bad usage or an unknown run; 3 Redis unreachable; 130 interrupted (Ctrl-C).
+``--json`` prints each trace event as one JSON object per line, a ``{"type": "failed",
+"iteration", "worker_id", "error"}`` line per failed chain, then a last line ``{"type":
+"watch", "done", "submitted", "finished", "failed", "pending", "counts"}``.
+
+Exit codes (the table of ``critique --help``): 0 every submission finished (whatever its
+verdict); 1 a chain failed, or ``--timeout`` passed with submissions still pending (listed);
+2 bad usage or an unknown run; 3 Redis unreachable; 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -16,22 +23,25 @@ import argparse
 import json
 import sys
 import time
+from collections import Counter
 from typing import Any
 
+from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from workers.commands._progress import Progress
 from workers.commands.status import (
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_USAGE,
+    chain_failures,
     key_of,
     load_snapshot,
     printable,
     service_guard,
+    split_key,
 )
 
-HELP = "follow a run's progress live from its trace stream until every submission finished"
+HELP = "follow a run's progress live until no submission is pending (failed ones end too)"
 
-EXIT_INTERRUPTED = 130
 BLOCK_MS = 500
+CHECK_S = 1.0
+"""How often the run's submissions and failed chains are checked while events flow."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,6 +70,8 @@ def format_event(event: dict[str, Any]) -> str:
             f"{_num(event.get('original_score'))} → {_num(event.get('best_score'))}, "
             f"{event.get('attempts', 0)} repair(s)"
         )
+    elif kind == "refused":
+        text = f"REFUSED {stage}: {event.get('reason', '')}"
     elif kind == "round":
         text = f"decide  round {rnd}: score {_num(event.get('score'))}, "
         text += f"verdict {event.get('verdict')}"
@@ -85,16 +97,25 @@ def format_event(event: dict[str, Any]) -> str:
 
 
 class _Watch:
-    """The state of one watch: what was submitted, which results were seen."""
+    """The state of one watch: what was submitted, which results were seen, what failed."""
 
     def __init__(self, run_id: str, as_json: bool) -> None:
         snap = load_snapshot(run_id, chain_errors=False)
         self.run_id = run_id
         self.as_json = as_json
         self.submitted = set(snap.submitted)
+        self.records = dict(snap.submitted)
         self.stored = snap.finished
+        self.statuses: dict[str, str] = {
+            key_of(r.iteration, r.worker_id): r.status for r in snap.results
+        }
         self.seen: set[str] = set()
         """Results whose event was shown: a finished run replays in full before the end."""
+        self.failed: dict[str, str] = {}
+        self.notes: set[str] = set()
+        self.hidden_notes = 0
+        self.progress = Progress(f"watch {run_id}")
+        self.next_check = 0.0
 
     @property
     def finished(self) -> set[str]:
@@ -102,48 +123,102 @@ class _Watch:
 
     @property
     def pending(self) -> list[str]:
-        return sorted(self.submitted - self.finished)
+        return sorted(self.submitted - self.finished - set(self.failed), key=split_key)
+
+    def check(self, force: bool = False) -> None:
+        """Refresh submissions and results from the store, and look for failed chains
+        (about every :data:`CHECK_S`, or now with ``force``)."""
+        now = time.monotonic()
+        if not force and now < self.next_check:
+            return
+        self.next_check = now + CHECK_S
+        snap = load_snapshot(self.run_id, chain_errors=False)
+        self.submitted = set(snap.submitted)
+        self.records.update(snap.submitted)
+        self.stored = snap.finished
+        self.statuses.update({key_of(r.iteration, r.worker_id): r.status for r in snap.results})
+        unfinished = {k: self.records[k] for k in self.pending if k in self.records}
+        for key, reason in sorted(chain_failures(unfinished).items()):
+            self.failed[key] = reason
+            self._show_failure(key, reason)
+        self._count()
 
     def done(self, caught_up: bool) -> bool:
-        """True when every submission has a result.
+        """True when every submission is finished or failed.
 
         While replaying, only results whose event was shown count; once the stream is caught
         up, results in the store count too (a stream trimmed by MAXLEN lost their events).
         """
-        if not caught_up and self.submitted - self.seen:
+        if not caught_up and self.submitted - self.seen - set(self.failed):
             return False
-        snap = load_snapshot(self.run_id, chain_errors=False)
-        self.submitted = set(snap.submitted)
-        self.stored = snap.finished
+        self.check(force=True)
         every = self.submitted | self.stored
-        return not every - (self.finished if caught_up else self.seen)
+        ended = (self.finished if caught_up else self.seen) | set(self.failed)
+        return not every - ended
 
     def show(self, event: dict[str, Any]) -> None:
-        if self.as_json:
-            print(json.dumps(event, ensure_ascii=False, sort_keys=True), flush=True)
-        else:
-            print(format_event(event), flush=True)
         if event.get("type") == "result":
-            self.seen.add(key_of(int(event.get("iteration", 1)), str(event.get("worker_id"))))
+            key = key_of(int(event.get("iteration", 1)), str(event.get("worker_id")))
+            self.seen.add(key)
+            self.statuses[key] = str(event.get("status"))
+        if self.as_json:
+            self.progress.line(json.dumps(event, ensure_ascii=False, sort_keys=True))
+        else:
+            note = event.get("note")
+            if note:
+                said = f"{event.get('stage')}:{note}"
+                if said in self.notes:
+                    self.hidden_notes += 1
+                    return
+                self.notes.add(said)
+            self.progress.line(format_event(event))
+        self._count()
 
-    def end(self, done: bool) -> None:
+    def _show_failure(self, key: str, reason: str) -> None:
+        iteration, worker = split_key(key)
+        if self.as_json:
+            doc = {"type": "failed", "iteration": iteration, "worker_id": worker, "error": reason}
+            self.progress.line(json.dumps(doc, ensure_ascii=False))
+        else:
+            self.progress.line(printable(f"{key:<20} FAILED  {reason}", limit=400))
+
+    def _count(self) -> None:
+        done = len(self.finished & (self.submitted | self.stored))
+        self.progress.update(done, len(self.failed), len(self.pending))
+
+    def end(self, done: bool) -> int:
+        """Print the last line; returns the exit code."""
+        self.progress.close()
         every = self.submitted | self.finished
+        counts = Counter(self.statuses[k] for k in self.finished if k in self.statuses)
         if self.as_json:
             doc = {
                 "type": "watch",
                 "done": done,
                 "submitted": len(every),
                 "finished": len(self.finished),
+                "failed": sorted(self.failed, key=split_key),
                 "pending": self.pending,
+                "counts": dict(sorted(counts.items())),
             }
             print(json.dumps(doc, ensure_ascii=False), flush=True)
-        elif done:
-            print(f"watch: all {len(every)} submission(s) of run {self.run_id} finished")
         else:
-            print(
-                f"watch: timed out with {len(self.pending)} of {len(every)} submission(s) "
-                f"pending: {', '.join(self.pending)}"
+            verdicts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+            line = (
+                f"watch: run {self.run_id}: {len(every)} submission(s): "
+                f"{len(self.finished)} finished"
+                + (f" ({verdicts})" if verdicts else "")
+                + f", {len(self.failed)} failed, {len(self.pending)} pending"
             )
+            if self.hidden_notes:
+                line += f"; {self.hidden_notes} repeated note(s) not shown"
+            print(line)
+            if not done:
+                print(
+                    f"watch: timed out with {len(self.pending)} of {len(every)} submission(s) "
+                    f"pending: {', '.join(self.pending)}"
+                )
+        return EXIT_FAILED if self.failed or not done else EXIT_OK
 
 
 def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = BLOCK_MS) -> int:
@@ -154,21 +229,24 @@ def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = 
     sink = runtime.stores().trace
     deadline = None if timeout is None else time.monotonic() + timeout
     last_id = "0-0"
-    while True:
-        for entry_id, event in sink.iterate(run_id, block_ms, last_id, idle_limit=1):
-            last_id = entry_id
-            w.show(event)
-            if event.get("type") == "result" and w.done(caught_up=False):
-                w.end(True)
-                return EXIT_OK
+    try:
+        while True:
+            for entry_id, event in sink.iterate(run_id, block_ms, last_id, idle_limit=1):
+                last_id = entry_id
+                w.show(event)
+                if event.get("type") == "refused":
+                    w.next_check = 0.0  # its chain has failed: look now
+                if event.get("type") == "result" and w.done(caught_up=False):
+                    return w.end(True)
+                w.check()
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+            if w.done(caught_up=True):
+                return w.end(True)
             if deadline is not None and time.monotonic() >= deadline:
-                break
-        if w.done(caught_up=True):
-            w.end(True)
-            return EXIT_OK
-        if deadline is not None and time.monotonic() >= deadline:
-            w.end(False)
-            return EXIT_FAILED
+                return w.end(False)
+    finally:
+        w.progress.close()
 
 
 def run(args: argparse.Namespace) -> int:

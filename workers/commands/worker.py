@@ -2,8 +2,9 @@
 
 The stages run on separate queues so they scale separately:
 
-    critique.cpu         Layer-0 checks, heuristic and rubric critics, decide, gates (CPU-bound)
-    critique.llm         LLM critic (mode: inline) and repair (long, waiting on the network)
+    critique.cpu         Layer-0 checks, heuristic and rubric critics, token-free repairs,
+                         decide, gates (CPU-bound)
+    critique.llm         LLM critic (mode: inline) and LLM repair (long, waiting on the network)
     critique.llm.critic  the LLM critic in mode: dedicated (its own model and workers)
 
 Defaults: every queue, the threads pool (LLM calls wait on I/O, so threads are cheap), and
@@ -11,11 +12,20 @@ Defaults: every queue, the threads pool (LLM calls wait on I/O, so threads are c
 with processes: ``critique worker -Q critique.cpu -P prefork`` (concurrency defaults to the
 number of CPUs). Scale out by starting more workers, on any machine that reaches the same Redis.
 
-The command checks that Redis answers (exit 3 with the URL when it does not), then replaces
-itself with ``python -m celery -A workers.app worker …`` (options after ``--`` go to Celery), so
-signals (Ctrl-C: warm shutdown; twice: cold) and exit codes are Celery's own. Without
-``CRITIQUE_SECRET`` it warns that stage messages go unsigned (anyone with broker access can
-forge a verdict); a secret that is too short exits 2.
+Before anything starts, the worker's own configuration is checked, so a mistake stops the
+worker instead of failing every chain it would run (exit 2, naming what to fix): the workflow
+file (``CRITIQUE_CONFIG``) and every ``CRITIQUE_*`` variable (a typo such as
+``CRITIQUE_MAX_REPAIRS`` is named), and the provider key of every model the configuration
+names (``model``, ``paired_model``, ``allowed_models``: litellm's environment check, e.g.
+``OPENAI_API_KEY``; ``CRITIQUE_LLM_API_KEY`` serves any provider) when the worker consumes an
+LLM queue (``critique.llm``, ``critique.llm.critic``; a ``critique.cpu`` worker calls no
+model). A secret that is too short exits 2 too; without ``CRITIQUE_SECRET`` it warns that stage
+messages go unsigned (anyone with broker access can forge a verdict). ``--dry-run`` runs these
+checks and prints the command.
+
+Then it checks that Redis answers (exit 3 with the URL when it does not) and replaces itself
+with ``python -m celery -A workers.app worker …`` (options after ``--`` go to Celery), so
+signals (Ctrl-C: warm shutdown; twice: cold) and exit codes are Celery's own.
 """
 
 from __future__ import annotations
@@ -25,12 +35,16 @@ import os
 import sys
 from urllib.parse import urlparse
 
+from workers.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from workers.commands._input import one_line
+
 HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
 
-EXIT_OK, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 2, 3
 # keys.QUEUES, spelled out: importing pipeline.store would load redis on every `critique --help`
 # (tests/unit/test_cli_submit_worker.py pins that the two agree).
 KNOWN_QUEUES = ("critique.cpu", "critique.llm", "critique.llm.critic")
+LLM_QUEUES = ("critique.llm", "critique.llm.critic")
+"""The queues whose stages may call a model: a worker on them needs the provider keys."""
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
 THREADS_DEFAULT = 16
 UNSIGNED_WARNING = (
@@ -41,8 +55,9 @@ UNSIGNED_WARNING = (
 _DESCRIPTION = f"""{HELP}.
 
 queues:
-  critique.cpu         Layer-0 checks, heuristic and rubric critics, decide, gates (CPU-bound)
-  critique.llm         LLM critic (mode: inline) and repair (I/O-bound: threads pool)
+  critique.cpu         Layer-0 checks, heuristic and rubric critics, token-free repairs,
+                       decide, gates (CPU-bound)
+  critique.llm         LLM critic (mode: inline) and LLM repair (I/O-bound: threads pool)
   critique.llm.critic  LLM critic in mode: dedicated (a separate critic model)
 
 examples:
@@ -50,6 +65,10 @@ examples:
   critique worker -Q critique.llm -c 64            # LLM stages only, 64 threads
   critique worker -Q critique.cpu -P prefork -c 4  # CPU stages in 4 processes
   critique worker -- --max-tasks-per-child 100     # pass options on to `celery worker`
+
+checks before it starts (exit 2 naming what to fix): the workflow file ($CRITIQUE_CONFIG),
+every CRITIQUE_* variable, CRITIQUE_SECRET, and on an LLM queue the provider key of every
+configured model (e.g. OPENAI_API_KEY; CRITIQUE_LLM_API_KEY serves any provider).
 
 Redis: $REDIS_URL (default redis://127.0.0.1:6379/0); the broker is the same unless
 $CELERY_BROKER_URL says otherwise. Exit 3 when it cannot be reached.
@@ -123,6 +142,26 @@ def celery_argv(args: argparse.Namespace, queues: list[str], concurrency: int) -
     return argv + list(args.celery_args)
 
 
+def check_own_config(*, keys: bool = True) -> None:
+    """Raise ``ConfigError`` unless this worker's own configuration loads (workflow file and
+    ``CRITIQUE_*`` environment) and, with ``keys`` (a worker that consumes an LLM queue), every
+    model it names has its provider key."""
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
+    from pipeline.providers import check_keys, configured_models
+
+    try:
+        config = load_config()
+    except RecursionError:
+        raise ConfigError(
+            f"CRITIQUE_CONFIG {os.environ.get('CRITIQUE_CONFIG')}: nested too deeply to parse",
+            key="CRITIQUE_CONFIG",
+        ) from None
+    models = configured_models(config) if keys else ()
+    if models:  # litellm is imported only when there is a model to check
+        check_keys(models, api_base=config.llm.api_base, where="this worker's environment")
+
+
 def _unreachable(urls: list[str]) -> str | None:
     """A message for the first Redis URL that does not answer PING, else None."""
     import redis
@@ -164,9 +203,10 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.signing import SECRET_ENV, parse_secrets
 
     try:
+        check_own_config(keys=bool(set(queues) & set(LLM_QUEUES)))
         signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
     except ConfigError as exc:
-        print(f"critique worker: {exc}", file=sys.stderr)
+        print(f"critique worker: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.dry_run:
         print(" ".join(argv))

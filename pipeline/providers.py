@@ -1,0 +1,117 @@
+"""Provider API keys (SPEC §5.2): a configured model whose key is missing is a configuration
+error, never a reason to fall back to the heuristic.
+
+litellm knows which environment variables each provider reads (``OPENAI_API_KEY``,
+``ANTHROPIC_API_KEY``, ``AWS_ACCESS_KEY_ID`` …) and names the missing ones
+(``litellm.validate_environment``). ``CRITIQUE_LLM_API_KEY`` — the product's own variable, sent
+with every call — counts as a key for any provider, and so does ``llm.api_base`` where litellm
+says an address is what the provider needs (e.g. ``ollama``). litellm is imported only when
+there is a model to check, so commands without one stay fast. A variable set to the empty
+string counts as set (litellm's rule).
+
+Where it is checked:
+
+- ``critique worker``, at start: every model the worker's own configuration names
+  (:func:`configured_models`); exit 2 naming the variable;
+- ``critique submit``, before anything is enqueued: the models the submissions would call
+  (:func:`llm_models`), against the *client's* environment — the best information a client
+  has, since the workers' environment cannot be seen from it (``--no-key-check`` when only the
+  workers hold the keys);
+- on a worker, before every litellm call (:class:`pipeline.llm.LiteLLMCompleter`): the stage
+  fails permanently with the same message (the chain ends ``failed``, never a silent
+  heuristic verdict).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+from pipeline.config import CritiqueConfig
+from pipeline.errors import ConfigError
+
+KEY_ENV = "CRITIQUE_LLM_API_KEY"
+"""The product's own key variable (:data:`pipeline.llm.API_KEY_ENV`): a key for any provider."""
+
+
+def llm_models(config: CritiqueConfig, submission_model: str | None) -> tuple[str, ...]:
+    """The litellm models a submission whose own model is ``submission_model`` would call
+    under ``config``: the LLM critic's (and the adjudicator's, with ``paired_critic``) when an
+    LLM critiques it, and the repair model when an LLM repairs it (the pairing of
+    :func:`pipeline.runner.pick_reviser`). Empty for token-free configurations."""
+    models: list[str] = []
+    if config.uses_llm_critic(submission_model):
+        critic = config.critic_model(submission_model)
+        if critic:
+            models.append(critic)
+            if config.paired_critic:
+                models.append(config.paired_model or critic)
+    if _repairs_with_llm(config, submission_model):
+        repair = submission_model or config.model
+        if repair:
+            models.append(repair)
+    return tuple(dict.fromkeys(models))
+
+
+def _repairs_with_llm(config: CritiqueConfig, submission_model: str | None) -> bool:
+    if config.repairer == "llm":
+        return True
+    if config.repairer != "auto":
+        return False  # the deterministic reviser, or a module:function the operator owns
+    if config.critic in ("auto", "llm"):
+        return config.uses_llm_critic(submission_model)
+    if config.critic == "command":
+        return config.critic_model(submission_model) is not None
+    return False
+
+
+def configured_models(config: CritiqueConfig) -> tuple[str, ...]:
+    """Every model a worker's own configuration names (``model``, ``paired_model``,
+    ``allowed_models``): the operator named them, so each must be callable."""
+    named = [config.model, config.paired_model, *config.allowed_models]
+    return tuple(dict.fromkeys(m for m in named if m))
+
+
+def missing_keys(
+    model: str, *, api_base: str | None = None, api_key: str | None = None
+) -> tuple[str, ...]:
+    """The environment variables ``model``'s provider needs and this process lacks, as litellm
+    names them; ``()`` when its keys are there, ``CRITIQUE_LLM_API_KEY`` (or ``api_key``) is
+    set, or litellm cannot tell (an unknown provider: the call reports its own error)."""
+    key = api_key if api_key is not None else os.environ.get(KEY_ENV)
+    if key:
+        return ()
+    from pipeline.llm import _load_litellm
+
+    litellm = _load_litellm()
+    try:
+        info = litellm.validate_environment(model=model, api_base=api_base)
+    except Exception:  # litellm could not parse the model name: nothing to say about keys
+        return ()
+    missing = info.get("missing_keys") if isinstance(info, dict) else None
+    if not missing or info.get("keys_in_environment"):
+        return ()
+    return tuple(str(k) for k in missing)
+
+
+def check_keys(
+    models: Iterable[str],
+    *,
+    api_base: str | None = None,
+    api_key: str | None = None,
+    where: str = "this environment",
+) -> None:
+    """Raise :class:`ConfigError` naming the first model whose provider key is missing and the
+    variable(s) to set (``key`` = the first variable). ``where`` says whose environment it is."""
+    for model in models:
+        missing = missing_keys(model, api_base=api_base, api_key=api_key)
+        if missing:
+            names = " and ".join(missing)
+            shown = model if len(model) <= 100 else model[:100] + "…"
+            raise ConfigError(
+                f"model {shown!r} needs {names}, which {'is' if len(missing) == 1 else 'are'} "
+                f"not set in {where}",
+                key=missing[0],
+                hint=f"set {names} (or {KEY_ENV}, sent to every provider) where the workers "
+                "run, or configure another model",
+            )

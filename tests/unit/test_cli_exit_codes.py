@@ -1,0 +1,76 @@
+"""One exit-code table for every ``critique`` command: defined once (workers/cli.py), printed in
+every ``--help``, and escalated is an outcome, not an error."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline import __version__
+from workers.cli import COMMANDS, EXIT_CODES, build_parser, main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_help_prints_the_exit_code_table() -> None:
+    """`critique --help` and each `critique COMMAND --help` end with the same table."""
+    parser = build_parser()
+    assert EXIT_CODES in parser.format_help()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    choices = sub.choices
+    assert set(choices) == set(COMMANDS)
+    for name, command in choices.items():
+        text = command.format_help()
+        assert EXIT_CODES in text, name
+    for code in ("0  ran", "1  an output failed", "2  bad usage or configuration", "3  a service"):
+        assert code in EXIT_CODES
+
+
+def test_exit_codes_are_defined_in_one_place() -> None:
+    """No command module defines its own EXIT_* numbers: they import workers.cli's."""
+    defining = re.compile(r"^EXIT_[A-Z_]+\s*(?:,\s*EXIT_[A-Z_]+\s*)*=", re.MULTILINE)
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in sorted((ROOT / "workers").rglob("*.py"))
+        if p.name != "cli.py" and defining.search(p.read_text(encoding="utf-8"))
+    ]
+    assert offenders == []
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    """`critique --version` prints the package version and exits 0."""
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"critique {__version__}"
+
+
+def test_version_and_help_stay_light() -> None:
+    """--version imports neither litellm nor celery (the CLI starts fast)."""
+    probe = (
+        "import sys, workers.cli as c\n"
+        "try:\n    c.main(['--version'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('celery', 'litellm') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_loop_exits_0_on_an_escalated_verdict(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`critique loop` on a hopeless result gives its verdict (escalated) and exits 0: an
+    escalation is the manager's cue, not a failure of the command."""
+    path = tmp_path / "hopeless.json"
+    path.write_text(json.dumps({"error": "tool crashed"}), "utf-8")
+    rc = main(["loop", str(path), "--critic", "heuristic", "--required", "summary", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["status"] == "escalated"
+    assert rc == 0
