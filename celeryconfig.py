@@ -120,6 +120,8 @@ task_routes = {
     # The critic runs on the CPU queue unless it calls an LLM: then the chain routes it to
     # critique.llm (mode: inline) or critique.llm.critic (mode: dedicated), per submission.
     "critique.critic": {"queue": "critique.cpu"},
+    # A repair runs on the LLM queue unless its reviser is token-free: then the chain routes it
+    # to critique.cpu (workers.tasks.repair_signature), so it never waits for LLM workers.
     "critique.repair": {"queue": "critique.llm"},
 }
 

@@ -18,6 +18,7 @@ what is allowed. Nothing here reads the network or imports heavy libraries.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import shlex
@@ -319,8 +320,10 @@ def read_env(env: Mapping[str, str]) -> dict[str, Any]:
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         top = parts[0]
         if top not in CritiqueConfig.model_fields:
+            close = difflib.get_close_matches(top, list(CritiqueConfig.model_fields), n=1)
+            guess = f"did you mean {ENV_PREFIX}{close[0].upper()}? " if close else ""
             raise ConfigError(
-                f"unknown environment variable {name}; configuration fields are "
+                f"unknown environment variable {name}; {guess}configuration fields are "
                 f"{_fields_help(CritiqueConfig)} (as CRITIQUE_<FIELD>)",
                 key=name,
             )

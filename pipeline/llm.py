@@ -10,10 +10,22 @@ Error contract of every completer:
   with exponential backoff and full jitter, at most ``max_retries`` times; when every try failed
   it raises :class:`~pipeline.errors.LLMTransientError` (callers fall back to the heuristic);
 - a permanent failure (authentication, bad request, unknown model) raises
-  :class:`~pipeline.errors.LLMPermanentError` at once, with a message that says what to fix.
+  :class:`~pipeline.errors.LLMPermanentError` at once, with a message that says what to fix;
+- a provider key missing from the environment (litellm's own completion only) raises
+  :class:`~pipeline.errors.ConfigError` naming the variable before any call is made
+  (:mod:`pipeline.providers`): a configuration error, never a transient one.
 
 An empty reply (content ``""`` or ``null``, or no choices at all) is *not* an error: the reply's
 text is ``""`` and the caller decides what that means.
+
+**Token allowances** (the repair budget, SPEC §5.3). A repair round runs its LLM calls inside
+:func:`token_allowance`, the tokens its budget reservation has left. Critics and revisers make
+their calls through :func:`complete_within`, which counts the prompt (:func:`count_prompt_tokens`),
+lowers the call's ``max_tokens`` to what the allowance leaves after it, and raises
+:class:`AllowanceSpent` (an :class:`~pipeline.errors.LLMTransientError`: callers fall back to a
+token-free answer) instead of making a call whose prompt alone does not fit. A provider that
+honours ``max_tokens`` and counts the prompt as we do can therefore never bill a repair more
+than was reserved for it. Outside an allowance (the first critique) calls are unchanged.
 
 :class:`LiteLLMCompleter` is the production completer. How it classifies litellm's exceptions
 (litellm maps every provider's errors onto the OpenAI SDK's classes):
@@ -31,13 +43,16 @@ text is ``""`` and the caller decides what that means.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import email.utils
 import importlib
 import os
 import random
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pydantic import Field
@@ -45,6 +60,7 @@ from pydantic import Field
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.models import Frozen, Usage
+from pipeline.tokens import CHARS_PER_TOKEN
 
 Purpose = Literal["critic", "repair", "adjudicate", "generate"]
 
@@ -82,9 +98,115 @@ class LLMReply(Frozen):
 
 
 class Completer(Protocol):
-    """Makes one chat completion (retrying transient errors itself)."""
+    """Makes one chat completion (retrying transient errors itself).
+
+    A completer may also offer ``count_tokens(request) -> int``, the prompt's tokens by the
+    model's own tokenizer (:meth:`LiteLLMCompleter.count_tokens`); :func:`count_prompt_tokens`
+    uses it when present.
+    """
 
     def __call__(self, request: LLMRequest) -> LLMReply: ...
+
+
+# --- token allowances (the repair budget) ------------------------------------------------------
+
+MESSAGE_OVERHEAD_TOKENS = 4
+"""Tokens a chat format adds per message (role, separators), as OpenAI's counting rule says."""
+REPLY_PRIMING_TOKENS = 3
+"""Tokens a chat format adds once per request (the reply's priming)."""
+
+
+def estimate_prompt_tokens(request: LLMRequest) -> int:
+    """The prompt's tokens at one per four characters (rounded up) per message, plus the chat
+    format's overhead: never less than what the fake server (or a provider billing ⌊chars/4⌋)
+    reports."""
+    return (
+        sum(
+            -(-len(m.content) // CHARS_PER_TOKEN) + MESSAGE_OVERHEAD_TOKENS
+            for m in request.messages
+        )
+        + REPLY_PRIMING_TOKENS
+    )
+
+
+def count_prompt_tokens(request: LLMRequest, complete: object = None) -> int:
+    """The prompt's tokens as reserved and checked: the larger of :func:`estimate_prompt_tokens`
+    and the completer's own count (``complete.count_tokens``, the model's tokenizer) when it
+    has one and it answers."""
+    estimate = estimate_prompt_tokens(request)
+    counter = getattr(complete, "count_tokens", None)
+    if counter is None:
+        return estimate
+    try:
+        counted = int(counter(request))
+    except Exception:  # a tokenizer that cannot load or answer: the estimate stands
+        return estimate
+    return max(estimate, counted)
+
+
+@dataclass
+class Allowance:
+    """Tokens a scope (one repair call, or one re-critique) may still spend."""
+
+    tokens: int
+    spent: int = 0
+
+    @property
+    def left(self) -> int:
+        return max(0, self.tokens - self.spent)
+
+
+_allowance: contextvars.ContextVar[Allowance | None] = contextvars.ContextVar(
+    "critique_token_allowance", default=None
+)
+
+
+@contextlib.contextmanager
+def token_allowance(tokens: int | None) -> Iterator[Allowance | None]:
+    """Run the block with ``tokens`` to spend on LLM calls (None: no limit). Per thread and
+    per task (a context variable), so concurrent stages never share one."""
+    allowance = None if tokens is None else Allowance(max(0, int(tokens)))
+    reset = _allowance.set(allowance)
+    try:
+        yield allowance
+    finally:
+        _allowance.reset(reset)
+
+
+class AllowanceSpent(LLMTransientError):
+    """A call was not made: its prompt does not fit in what the repair's budget reservation has
+    left. Callers treat it like an unavailable LLM and answer token-free, saying so."""
+
+
+def complete_within(complete: Completer, request: LLMRequest) -> LLMReply:
+    """``complete(request)`` inside the current :func:`token_allowance`, if any.
+
+    The call's ``max_tokens`` becomes ``min(request.max_tokens, left − counted prompt)``; when
+    that leaves no room for a reply, :class:`AllowanceSpent` is raised and nothing is sent.
+    What the provider reports is taken off the allowance; a reply that reports no usage at all
+    is taken as having spent its whole bound (prompt + ``max_tokens``): never under-counted.
+    """
+    allowance = _allowance.get()
+    if allowance is None:
+        return complete(request)
+    prompt = count_prompt_tokens(request, complete)
+    room = allowance.left - prompt
+    if room < 1:
+        raise AllowanceSpent(
+            f"LLM {request.purpose} call not made: the repair's budget reservation has "
+            f"{allowance.left} token(s) left and the prompt alone counts {prompt}",
+            hint="raise budget.total_tokens or repair_budget_fraction, or lower llm.max_tokens",
+        )
+    wanted = request.max_tokens if request.max_tokens is not None else room
+    fitted = request.model_copy(update={"max_tokens": max(1, min(wanted, room))})
+    reply = complete(fitted)
+    if reply.usage.tokens == 0:
+        bound = prompt + (fitted.max_tokens or 0)
+        reply = reply.model_copy(
+            update={"usage": reply.usage.model_copy(update={"tokens_in": bound})}
+        )
+    allowance.spent += reply.usage.tokens
+    return reply
 
 
 API_KEY_ENV = "CRITIQUE_LLM_API_KEY"
@@ -197,6 +319,9 @@ def _load_litellm() -> Any:
     litellm.telemetry = False
     litellm.suppress_debug_info = True
     litellm.set_verbose = False
+    # Token counts (the repair budget) must never download a tokenizer from inside a task:
+    # models without a bundled one are counted with tiktoken (and never below chars / 4).
+    litellm.disable_hf_tokenizer_download = True
     return litellm
 
 
@@ -242,6 +367,8 @@ class LiteLLMCompleter:
     ) -> None:
         self.config = config
         self._completion = completion
+        self._checks_keys = completion is None
+        """litellm's own completion: check the provider key before each call (SPEC §5.2)."""
         self._cost: Callable[[Any], float] | None = None
         self._sleep = sleep
         self._rng = rng
@@ -250,6 +377,17 @@ class LiteLLMCompleter:
     def warm(self) -> None:
         """Load litellm now, so that the first call's latency is the call's own."""
         self._backend()
+
+    def count_tokens(self, request: LLMRequest) -> int:
+        """The prompt's tokens by the model's tokenizer (``litellm.token_counter``: tiktoken,
+        or the provider's own where litellm bundles it; never a download)."""
+        litellm = sys.modules.get("litellm")
+        if litellm is None:
+            if self._completion is not None:  # a test's completion: never pay for litellm
+                raise LookupError("litellm is not loaded")
+            litellm = _load_litellm()
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        return int(litellm.token_counter(model=request.model, messages=messages))
 
     def _backend(self) -> Callable[..., Any]:
         if self._completion is None:
@@ -296,6 +434,17 @@ class LiteLLMCompleter:
 
     def __call__(self, request: LLMRequest) -> LLMReply:
         completion = self._backend()
+        if self._checks_keys:
+            # A missing provider key is a configuration error (ConfigError, permanent), never
+            # a transient failure that ends in the heuristic fallback (pipeline.providers).
+            from pipeline.providers import check_keys
+
+            check_keys(
+                (request.model,),
+                api_base=self.config.api_base,
+                api_key=self.api_key,
+                where="this worker's environment",
+            )
         kwargs = self.kwargs_for(request)
         attempts = self.config.max_retries + 1
         for attempt in range(1, attempts + 1):

@@ -444,5 +444,10 @@ class CritiqueResult(Frozen):
     usage: Usage = Field(default_factory=Usage)
     repair_usage: Usage = Field(default_factory=Usage)
     """The repair-phase share of ``usage`` (repair calls and re-critiques)."""
+    budget_charged: int = Field(0, ge=0)
+    """Tokens this pass charged to the run's repair budget (what providers reported for its
+    reserved repairs; token-free repairs reserve and charge nothing)."""
+    pass_id: str = ""
+    """The pass (one submit of this submission, SPEC §4) this result belongs to."""
     notes: tuple[str, ...] = ()
     """Things the user should know (e.g. no total budget configured; fallback critic used)."""

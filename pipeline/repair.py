@@ -2,8 +2,14 @@
 
 ``decide`` turns the first critique into accept / repair / escalate; ``build_repair_prompt`` is
 the exact text an LLM repairer is sent (targeted: only critical and warning defects, and the
-instruction to change nothing else); ``repair_token_bound`` is the upper bound the runner reserves
-in the repair-budget semaphore before each repair.
+instruction to change nothing else); ``repair_reply_tokens`` is the ``max_tokens`` of a repair
+call. What a repair round reserves in the repair-budget semaphore is a :class:`RepairBound`:
+the repair call's counted prompt plus its ``max_tokens``, and the re-critique's counted prompt
+(with the repaired output at its largest) plus the critic's ``max_tokens``; each part is 0 when
+the reviser or critic that serves the submission is token-free. LLM revisers and critics size
+their own parts (``repair_bound`` / ``critique_bound``, :mod:`pipeline.critics.llm`); for any
+other (a configured ``module:function`` repairer, a custom critic) the runner falls back to
+:func:`estimated_repair_tokens` and :func:`estimated_critique_tokens`.
 """
 
 from __future__ import annotations
@@ -12,6 +18,8 @@ import hashlib
 import math
 from collections.abc import Sequence
 from typing import Any, Literal
+
+from pydantic import Field
 
 from pipeline.models import (
     CritiqueEnvelope,
@@ -35,7 +43,27 @@ REPAIR_INSTRUCTION = "Fix ONLY these defects. Keep everything else unchanged."
 SIZE_GROWTH_LIMIT = 2.5
 """A repair may grow the output at most this much before L0 ``file_size_delta`` rejects it."""
 CRITIC_OVERHEAD_TOKENS = 1500
-"""Allowance for a re-critique's fixed prompt parts (instructions, schema) and its reply."""
+"""Allowance for a re-critique's fixed prompt parts (instructions, schema) and its reply, for a
+critic that cannot size its own call (see :func:`estimated_critique_tokens`)."""
+SIZE_MIN_GROWTH_TOKENS = 256
+"""Layer-0 never rejects a repair that grew by 1 KiB or less (``SIZE_DELTA_MIN_GROWTH``), about
+this many tokens: a short output may get a section added."""
+
+
+class RepairBound(Frozen):
+    """What one repair round reserves: the repair call and the re-critique of its output."""
+
+    repair: int = Field(0, ge=0)
+    """Tokens for the repair call(s): 0 when the reviser is token-free."""
+    critique: int = Field(0, ge=0)
+    """Tokens for the re-critique: 0 when the critic is token-free."""
+    output_tokens: int = Field(0, ge=0)
+    """The repaired output's size bound (tokens) the re-critique's part was sized with."""
+
+    @property
+    def total(self) -> int:
+        """The reservation: both parts."""
+        return self.repair + self.critique
 
 
 class Decision(Frozen):
@@ -168,6 +196,51 @@ def build_repair_prompt(
     return "\n\n".join(parts) + "\n"
 
 
+def grown_output_tokens(output: str | dict[str, Any]) -> int:
+    """The most tokens (estimated) a repair of ``output`` may write before Layer-0's
+    ``file_size_delta`` rejects it: 2.5× the output's, or the output plus 1 KiB when that is
+    more (:data:`SIZE_MIN_GROWTH_TOKENS`)."""
+    tokens = estimate_tokens(text_of(output))
+    return max(math.ceil(SIZE_GROWTH_LIMIT * tokens), tokens + SIZE_MIN_GROWTH_TOKENS) + 1
+
+
+def estimated_output_tokens(output: str | dict[str, Any]) -> int:
+    """A repaired output's size (tokens, estimated) for revisers that cannot size their own
+    calls: 2.5× the output's, the growth Layer-0 accepts from any but a tiny output."""
+    return math.ceil(SIZE_GROWTH_LIMIT * estimate_tokens(text_of(output))) + 1
+
+
+def repair_reply_tokens(output: str | dict[str, Any], max_tokens: int) -> int:
+    """The ``max_tokens`` of a repair call: room for the repaired output to grow to the size
+    Layer-0 still accepts (:func:`grown_output_tokens`), never more than the configured
+    ``llm.max_tokens``."""
+    return max(1, min(max_tokens, grown_output_tokens(output)))
+
+
+def estimated_repair_tokens(
+    submission: Submission,
+    output: str | dict[str, Any],
+    envelope: CritiqueEnvelope,
+    pitfalls: str,
+    attempts: Sequence[RepairAttempt],
+) -> int:
+    """A repair call's tokens for a reviser that cannot size its own: the repair prompt
+    (estimated) plus the repaired output (:func:`estimated_output_tokens`)."""
+    prompt = estimate_tokens(build_repair_prompt(submission, output, envelope, pitfalls, attempts))
+    return prompt + estimated_output_tokens(output)
+
+
+def estimated_critique_tokens(submission: Submission, output_tokens: int, pitfalls: str) -> int:
+    """A re-critique's tokens for a critic that cannot size its own: the task, the repaired
+    output (``output_tokens``), the pitfalls and a fixed allowance for instructions and reply."""
+    return (
+        estimate_tokens(submission.task)
+        + output_tokens
+        + estimate_tokens(pitfalls)
+        + CRITIC_OVERHEAD_TOKENS
+    )
+
+
 def repair_token_bound(
     submission: Submission,
     output: str | dict[str, Any],
@@ -175,17 +248,8 @@ def repair_token_bound(
     pitfalls: str,
     attempts: Sequence[RepairAttempt],
 ) -> int:
-    """Upper bound of one repair's tokens: the repair call plus the re-critique of its output.
-
-    prompt + repaired output (≤ 2.5× the current one, beyond which L0 rejects it) + a critique
-    of that output (task + output + pitfalls + a fixed allowance for instructions and reply).
-    """
-    prompt = estimate_tokens(build_repair_prompt(submission, output, envelope, pitfalls, attempts))
-    repaired = math.ceil(SIZE_GROWTH_LIMIT * estimate_tokens(text_of(output))) + 1
-    critique = (
-        estimate_tokens(submission.task)
-        + repaired
-        + estimate_tokens(pitfalls)
-        + CRITIC_OVERHEAD_TOKENS
-    )
-    return prompt + repaired + critique
+    """The estimated bound of one repair round whose reviser and critic cannot size their own
+    calls: :func:`estimated_repair_tokens` + :func:`estimated_critique_tokens`."""
+    return estimated_repair_tokens(
+        submission, output, envelope, pitfalls, attempts
+    ) + estimated_critique_tokens(submission, estimated_output_tokens(output), pitfalls)

@@ -42,10 +42,10 @@ from pipeline.convergence import (
 from pipeline.critics.base import Critic, Reviser, RevisionResult, merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
-from pipeline.errors import ConfigError, ExtensionLoadError, SubmissionError
+from pipeline.errors import ExtensionLoadError, SubmissionError, TransientError
 from pipeline.files import FileReader, inline_bytes
 from pipeline.files import read_file as read_file_bytes
-from pipeline.llm import Completer
+from pipeline.llm import Completer, token_allowance
 from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,
@@ -61,8 +61,15 @@ from pipeline.models import (
     effort_for,
 )
 from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
-from pipeline.repair import decide, is_acceptable, repair_token_bound
-from pipeline.store.base import BudgetLedger, PatternStore, TraceSink
+from pipeline.repair import (
+    RepairBound,
+    decide,
+    estimated_critique_tokens,
+    estimated_output_tokens,
+    estimated_repair_tokens,
+    is_acceptable,
+)
+from pipeline.store.base import BudgetLedger, BudgetSnapshot, PatternStore, TraceSink
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore, MemoryTraceSink
 from pipeline.tokens import estimate_usage, text_of
 
@@ -134,7 +141,8 @@ class StageContext:
 
     ``l0`` and ``fixpoint`` default to the real implementations, resolved on first use; tests
     inject fakes. Leases are ``f"{lease_prefix}:{attempt}"``; an empty prefix becomes
-    ``f"{worker_id}:{iteration}"`` so submissions sharing a context never share a lease.
+    ``f"{worker_id}:{iteration}:{pass_id}"`` (:func:`lease_for`), so two submissions, or two
+    passes of one, never share a lease.
     ``read_file`` reads a submission's files (:mod:`pipeline.files`) for :func:`admit` and the
     real Layer-0 step; the default follows no blob reference (a worker passes its store's).
     """
@@ -171,6 +179,9 @@ class LoopState(Frozen):
     """Everything the stages pass along; JSON-safe so a broker can carry it."""
 
     submission: Submission
+    pass_id: str = ""
+    """This pass's id (SPEC §4 "Passes": one per submit): it keys the pass's budget leases,
+    pattern records, trace events and result, so a resubmission never meets an earlier pass's."""
     output: str | dict[str, Any]
     """The current output (the original, then each repair's result)."""
     next: Next = "l0"
@@ -200,7 +211,13 @@ class LoopState(Frozen):
     """Suggestions the last repair applied (reported in the next round's trace)."""
     lease_id: str | None = None
     """The open budget reservation of the repair in flight, committed after its re-critique."""
+    lease_tokens: int = Field(0, ge=0)
+    """Tokens that reservation holds: the repair call's part plus the re-critique's."""
+    repair_allowance: int = Field(0, ge=0)
+    """The repair call's part of it: the most the repair stage's LLM calls may spend."""
     pending_repair_tokens: int = Field(0, ge=0)
+    budget_charged: int = Field(0, ge=0)
+    """Tokens this pass's committed repairs charged to the run's budget so far."""
     notes: tuple[str, ...] = ()
     status: Status | None = None
     stop_reason: StopReason | None = None
@@ -218,6 +235,8 @@ def _emit(ctx: StageContext, state: LoopState, kind: str, stage: str, **fields: 
         "iteration": sub.iteration,
         "round": state.round,
     }
+    if state.pass_id:
+        event["pass_id"] = state.pass_id
     event.update(fields)
     ctx.trace.emit(sub.run_id, event)
 
@@ -303,9 +322,28 @@ def admit(
     )
 
 
-def start(submission: Submission) -> LoopState:
-    """The initial state: the submission's output, about to enter Layer-0."""
-    return LoopState(submission=submission, output=submission.output)
+def start(submission: Submission, pass_id: str = "") -> LoopState:
+    """The initial state of a pass (``pass_id``): the submission's output, about to enter
+    Layer-0."""
+    return LoopState(submission=submission, output=submission.output, pass_id=pass_id)
+
+
+def lease_for(ctx: StageContext, state: LoopState) -> str:
+    """The budget lease of the state's next repair: one per (pass, attempt), so a re-run
+    ``decide`` asks for the same lease again and a resubmission never meets an old one."""
+    sub = state.submission
+    prefix = ctx.lease_prefix or ":".join(
+        p for p in (sub.worker_id, str(sub.iteration), state.pass_id) if p
+    )
+    return f"{prefix}:{state.attempt + 1}"
+
+
+def critique_key(state: LoopState, round_no: int) -> str:
+    """The pattern-memory key of one critique: (worker, iteration, pass, round), recorded once."""
+    sub = state.submission
+    return ":".join(
+        p for p in (sub.worker_id, str(sub.iteration), state.pass_id, str(round_no)) if p
+    )
 
 
 def _passthrough(state: LoopState) -> LoopState:
@@ -359,10 +397,35 @@ def l0_stage(state: LoopState, ctx: StageContext) -> LoopState:
 
 
 def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
-    """Critique the current output (token-free when L0 failed); record its patterns."""
+    """Critique the current output (token-free when L0 failed); record its patterns.
+
+    In a repair round the critique's LLM calls run within what the repair's reservation has
+    left (``lease_tokens`` − the repair's spend), and the lease is committed afterwards with
+    the round's real spend (:func:`_commit`).
+    """
+    sub = state.submission
+    began = ctx.clock()
+    allowance = (
+        max(0, state.lease_tokens - state.pending_repair_tokens)
+        if state.lease_id is not None
+        else None
+    )
+    try:
+        with token_allowance(allowance):
+            envelope = _critique(state, ctx)
+    except BaseException as exc:
+        if state.lease_id is not None and not isinstance(exc, TransientError):
+            # The chain ends here: charge what the repair spent and release the hold.
+            ctx.budget.commit(sub.run_id, state.lease_id, state.pending_repair_tokens)
+        raise
+    return _critiqued(state, ctx, envelope, began)
+
+
+def _critique(state: LoopState, ctx: StageContext) -> CritiqueEnvelope:
+    """The envelope of the current output: the configured critic's, or a token-free one merged
+    with the Layer-0 defects when Layer-0 failed."""
     sub = state.submission
     round_no = state.round + 1
-    began = ctx.clock()
     if _l0_error(state.l0_defects):
         serving: Critic = resolve_for(ctx.critic, sub)
         fallback: Critic = serving if getattr(serving, "token_free", False) else HeuristicCritic()
@@ -377,23 +440,45 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
             envelope = envelope.model_copy(
                 update={"defects": defects, "effort_estimate": effort_for(len(defects))}
             )
-    repairing = state.attempt > 0
+    return envelope
+
+
+def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple[str, ...]]:
+    """Commit the open lease with the round's real spend; returns (charge, notes).
+
+    The ledger charges the real figure even past the reservation (never under-counted); when a
+    provider reported more than was reserved, the note says so, and the run's budget grants no
+    further repairs (SPEC §5.3: the reservation's ``max_tokens`` should have made it impossible).
+    """
+    lease = state.lease_id
+    if lease is None:
+        return 0, state.notes
+    charged = ctx.budget.commit(state.submission.run_id, lease, spent)
     notes = state.notes
+    if charged > state.lease_tokens:
+        notes = _add_note(
+            notes,
+            f"repair {state.attempt}: providers reported {charged} tokens, more than the "
+            f"{state.lease_tokens} reserved (lease {lease}); all {charged} charged, and the "
+            "run's repair budget grants no further repairs",
+        )
+    return charged, notes
+
+
+def _critiqued(
+    state: LoopState, ctx: StageContext, envelope: CritiqueEnvelope, began: float
+) -> LoopState:
+    """Record a critique: commit the repair round's lease, count its patterns, trace it."""
+    sub = state.submission
+    round_no = state.round + 1
+    repairing = state.attempt > 0
+    charged, notes = _commit(state, ctx, state.pending_repair_tokens + envelope.usage.tokens)
     if envelope.fallback_reason and not _l0_error(state.l0_defects):
         notes = _add_note(notes, f"critic fallback: {envelope.fallback_reason}")
-    if state.lease_id is not None:
-        actual = state.pending_repair_tokens + envelope.usage.tokens
-        charged = ctx.budget.commit(sub.run_id, state.lease_id, actual)
-        if charged < actual:
-            notes = _add_note(
-                notes,
-                f"repair {state.lease_id} used {actual} tokens, more than its reservation; "
-                f"{charged} charged",
-            )
     if ctx.config.pattern_memory:
         ctx.patterns.record(
             sub.run_id,
-            f"{sub.worker_id}:{sub.iteration}:{round_no}",
+            critique_key(state, round_no),
             sub.iteration,
             patterns_from_envelope(envelope),
         )
@@ -406,11 +491,17 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
             if repairing
             else state.repair_usage,
             "lease_id": None,
+            "lease_tokens": 0,
+            "repair_allowance": 0,
             "pending_repair_tokens": 0,
+            "budget_charged": state.budget_charged + charged,
             "notes": notes,
             "next": "decide",
         }
     )
+    budget: dict[str, Any] = {}
+    if state.lease_id is not None:
+        budget = {"lease": state.lease_id, "reserved": state.lease_tokens, "charged": charged}
     _emit(
         ctx,
         next_state,
@@ -422,6 +513,7 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
         tokens=envelope.usage.tokens,
         l0_skipped_critic=_l0_error(state.l0_defects),
         elapsed_ms=round((ctx.clock() - began) * 1000.0, 3),
+        **budget,
     )
     return next_state
 
@@ -467,6 +559,68 @@ def _needs_model_notes(
     return notes
 
 
+def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope) -> RepairBound:
+    """What the next repair round reserves (SPEC §5.3): the repair call and its re-critique.
+
+    Each part comes from the reviser or critic that serves the submission: 0 when it is
+    token-free (``token_free = True``); its own count when it can size its calls
+    (``repair_bound`` / ``critique_bound``: counted prompt + the ``max_tokens`` it will call
+    with); else the estimates of :mod:`pipeline.repair`.
+    """
+    sub = state.submission
+    reviser = resolve_for(ctx.reviser, sub)
+    critic = resolve_for(ctx.critic, sub)
+    known: list[str] = []
+
+    def pitfalls_for(reader: object) -> str:
+        if not ctx.config.pattern_memory or not getattr(reader, "reads_pitfalls", True):
+            return ""
+        if not known:
+            known.append(render_pitfalls(ctx.patterns.top(sub.run_id, PITFALLS_LIMIT)))
+        return known[0]
+
+    output_tokens = estimated_output_tokens(state.output)
+    sized = getattr(reviser, "repair_bound", None)
+    if getattr(reviser, "token_free", False):
+        repair = 0
+    elif sized is not None:
+        repair, output_tokens = sized(
+            sub, state.output, envelope, pitfalls=pitfalls_for(reviser), attempts=state.attempts
+        )
+    else:
+        repair = estimated_repair_tokens(
+            sub, state.output, envelope, pitfalls_for(reviser), state.attempts
+        )
+    bound = getattr(critic, "critique_bound", None)
+    if getattr(critic, "token_free", False):
+        critique = 0
+    elif bound is not None:
+        critique = bound(
+            sub,
+            state.output,
+            output_tokens=output_tokens,
+            pitfalls=pitfalls_for(critic),
+            round=state.round + 1,
+        )
+    else:
+        critique = estimated_critique_tokens(sub, output_tokens, pitfalls_for(critic))
+    return RepairBound(repair=repair, critique=critique, output_tokens=output_tokens)
+
+
+def refusal_text(tokens: int, cap: int, snap: BudgetSnapshot) -> str:
+    """Why the budget refused a repair: what it asked for, the cap, what is spent and held."""
+    text = (
+        f"repair budget refused {tokens} tokens: cap {cap}, spent {snap.spent}, "
+        f"held {snap.held} by {snap.holders} repairs in flight"
+    )
+    if snap.overrun:
+        text += (
+            f"; closed since providers reported {snap.overrun} tokens more than was reserved "
+            "for their repairs"
+        )
+    return text
+
+
 def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """Keep the best output, apply the stop rules, reserve the next repair's budget.
 
@@ -476,6 +630,11 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     that cannot help, and nothing is invented (SPEC §5.3). The same holds once
     ``max_repair_attempts`` is reached: ``needs_model`` then says more than
     ``attempts_exhausted``.
+
+    The reservation is :func:`repair_bound` under the lease :func:`lease_for` (one per pass and
+    attempt: a re-run gets the same lease back); a refusal stops the loop
+    ``repair_budget_exhausted`` with :func:`refusal_text` as the reason; a round that spends no
+    tokens reserves nothing.
     """
     envelope = state.envelope
     if envelope is None:
@@ -549,6 +708,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
             reason = STOP_TEXT[stop]
             notes = _needs_model_notes(notes, ctx, sub, envelope, stuck)
     lease_id: str | None = None
+    reserved = RepairBound()
     if stop is None:
         cap = config.repair_token_cap
         if cap is None:
@@ -556,19 +716,14 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
                 notes = _add_note(notes, NO_BUDGET_NOTE)
                 _emit(ctx, state, "stage", "decide", note=NO_BUDGET_NOTE)
         else:
-            prefix = ctx.lease_prefix or f"{sub.worker_id}:{sub.iteration}"
-            lease = f"{prefix}:{state.attempt + 1}"
-            bound = repair_token_bound(
-                sub, state.output, envelope, _pitfalls(ctx, sub, ctx.reviser), state.attempts
-            )
-            if ctx.budget.reserve(sub.run_id, lease, bound, cap, ctx.lease_ttl_s):
-                lease_id = lease
-            else:
-                stop = "repair_budget_exhausted"
-                reason = (
-                    f"repair budget refused {bound} tokens (cap {cap}, "
-                    f"spent {ctx.budget.spent(sub.run_id)})"
-                )
+            bound = repair_bound(ctx, state, envelope)
+            if bound.total > 0:  # a token-free round (reviser and critic) reserves nothing
+                lease = lease_for(ctx, state)
+                if ctx.budget.reserve(sub.run_id, lease, bound.total, cap, ctx.lease_ttl_s):
+                    lease_id, reserved = lease, bound
+                else:
+                    stop = "repair_budget_exhausted"
+                    reason = refusal_text(bound.total, cap, ctx.budget.snapshot(sub.run_id))
 
     actionable_ids = tuple(d.id for d in envelope.actionable)
     attempts = state.attempts
@@ -606,6 +761,8 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         "trace": (*state.trace, round_trace),
         "notes": notes,
         "lease_id": lease_id,
+        "lease_tokens": reserved.total,
+        "repair_allowance": reserved.repair,
         "next": "repair" if stop is None else "done",
     }
     if stop is not None:
@@ -631,22 +788,28 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
 
 
 def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
-    """Revise the current output for the current envelope; the result goes back through L0."""
+    """Revise the current output for the current envelope; the result goes back through L0.
+
+    With a budget reservation, the reviser's LLM calls run within its repair part
+    (``repair_allowance``). A failure that a retry cannot fix releases the reservation; a
+    transient one keeps it for the retry (the same lease, so nothing is reserved twice).
+    """
     envelope = state.envelope
     if envelope is None:
         raise ValueError("repair_stage needs a critiqued state (envelope is missing)")
     sub = state.submission
     began = ctx.clock()
     try:
-        result: RevisionResult = ctx.reviser.revise(
-            sub,
-            state.output,
-            envelope,
-            pitfalls=_pitfalls(ctx, sub, ctx.reviser),
-            attempts=state.attempts,
-        )
-    except BaseException:
-        if state.lease_id is not None:
+        with token_allowance(state.repair_allowance if state.lease_id is not None else None):
+            result: RevisionResult = ctx.reviser.revise(
+                sub,
+                state.output,
+                envelope,
+                pitfalls=_pitfalls(ctx, sub, ctx.reviser),
+                attempts=state.attempts,
+            )
+    except BaseException as exc:
+        if state.lease_id is not None and not isinstance(exc, TransientError):
             ctx.budget.refund(sub.run_id, state.lease_id)
         raise
     current_text = text_of(state.output)
@@ -718,6 +881,8 @@ def finish(state: LoopState) -> CritiqueResult:
         trace=state.trace,
         usage=state.usage,
         repair_usage=state.repair_usage,
+        budget_charged=state.budget_charged,
+        pass_id=state.pass_id,
         notes=state.notes,
     )
 
@@ -727,18 +892,24 @@ def _step_limit(config: CritiqueConfig) -> int:
     return 4 * rounds + 4
 
 
-def run_submission(submission: Submission, ctx: StageContext) -> CritiqueResult:
+def run_submission(submission: Submission, ctx: StageContext, pass_id: str = "") -> CritiqueResult:
     """Run the whole loop in-process and return the result (also written to the trace).
 
-    The first stage admits the submission (:func:`admit`, through ``ctx.read_file``)."""
-    state = start(submission)
+    The first stage admits the submission (:func:`admit`, through ``ctx.read_file``). Nothing
+    retries here, so a stage that raises releases the pass's open reservation first."""
+    state = start(submission, pass_id)
     steps = 0
     limit = _step_limit(ctx.config)
     while state.next != "done":
         steps += 1
         if steps > limit:
             raise RuntimeError(f"critique loop did not finish within {limit} stages")
-        state = STAGES[state.next](state, ctx)
+        try:
+            state = STAGES[state.next](state, ctx)
+        except BaseException:
+            if state.lease_id is not None:
+                ctx.budget.refund(submission.run_id, state.lease_id)
+            raise
     result = finish(state)
     if ctx.config.enabled:
         _emit(
@@ -853,6 +1024,8 @@ class AutoReviser:
         """The reviser for this submission."""
         if self.config.critic in ("auto", "llm") and self.config.uses_llm_critic(submission.model):
             return self.llm
+        if self.config.critic == "command" and self.config.critic_model(submission.model):
+            return self.llm  # a failing test needs a model to fix it (the prompt quotes it)
         return self.deterministic
 
     def revise(
@@ -886,19 +1059,23 @@ def _llm_critic(config: CritiqueConfig, complete: Completer) -> Critic:
     return critic
 
 
-def pick_critic(config: CritiqueConfig, complete: Completer | None = None) -> Critic:
+def pick_critic(
+    config: CritiqueConfig,
+    complete: Completer | None = None,
+    read_file: FileReader | None = None,
+) -> Critic:
     """The critic ``config.critic`` names; ``auto`` resolves per submission (LLM when a model
-    resolves, else the heuristic). ``complete`` defaults to litellm."""
+    resolves, else the heuristic). ``complete`` defaults to litellm. ``command`` runs the
+    worker's command on the submission's files (read through ``read_file``), merged with the
+    heuristic's envelope (:mod:`pipeline.critics.command`)."""
     if config.critic == "heuristic":
         return HeuristicCritic()
     if config.critic == "rubric":
         return RubricCritic(config.rubric)
     if config.critic == "command":
-        raise ConfigError(
-            "critic 'command' is not available in this build",
-            key="critic",
-            hint="use 'auto', 'llm', 'heuristic' or 'rubric'",
-        )
+        from pipeline.critics.command import CommandCritic
+
+        return CommandCritic(config, companion=HeuristicCritic(), read_file=read_file)
     llm = _llm_critic(config, complete or default_completer(config))
     if config.critic == "llm":
         return llm
@@ -951,7 +1128,7 @@ def make_context(
     """
     return StageContext(
         config=config,
-        critic=critic if critic is not None else pick_critic(config, complete),
+        critic=critic if critic is not None else pick_critic(config, complete, read_file),
         reviser=reviser if reviser is not None else pick_reviser(config, complete),
         patterns=patterns if patterns is not None else MemoryPatternStore(),
         budget=budget if budget is not None else MemoryBudgetLedger(),

@@ -33,12 +33,19 @@ from workers import runtime
 
 @dataclass(frozen=True)
 class Handle:
-    """What ``submit`` returns: enough to find the submission's result again."""
+    """What ``submit`` returns: enough to find the result of that submit (its pass) again.
+
+    Each submit of a submission (run, iteration, worker) is a new pass with a fresh
+    ``pass_id`` (SPEC §4): ``wait`` and ``result`` answer with this pass's result, never an
+    earlier or later pass's. A handle without a pass id (one rebuilt from ``run_id``,
+    ``iteration``, ``worker_id`` and ``task_id`` only) reads the latest pass's result.
+    """
 
     run_id: str
     iteration: int
     worker_id: str
     task_id: str
+    pass_id: str = ""
 
 
 class CritiqueTimeout(TimeoutError):
@@ -77,7 +84,7 @@ class CritiqueClient:
             try:
                 admit(sub, config, runtime.file_bytes)
                 check_submission_model(sub.model, runtime.own_config())
-                msg = runtime.encode(start(sub), self.config)
+                msg = runtime.encode(start(sub, runtime.new_pass_id()), self.config)
                 json.dumps(msg, allow_nan=False)  # the broker's JSON must carry it as it is
                 prepared.append((sub, msg, submission_chain(msg, config, sub)))
             except unavailable:
@@ -94,8 +101,12 @@ class CritiqueClient:
         it in the run."""
         from workers.recovery import register
 
+        sid = str(msg["sid"])
         try:
-            register(sub.run_id, sub.iteration, sub.worker_id, str(msg["sid"]))  # pending from now
+            # Before the chain is sent: this pass is the submission's latest (its result, not an
+            # earlier pass's, is the one results() shows) and pending from now.
+            runtime.stores().runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, sid)
+            register(sub.run_id, sub.iteration, sub.worker_id, sid)
             res = chain.apply_async()
             runtime.stores().runs.mark_submitted(
                 sub.run_id,
@@ -103,27 +114,40 @@ class CritiqueClient:
                 sub.worker_id,
                 res.id,
                 sub.subtask_signature,
-                sid=str(msg["sid"]),
+                sid=sid,
                 message=msg,
             )
         except StoreUnavailableError:
             raise
         except Exception as exc:  # kombu/redis connection errors
             if "connect" in str(exc).lower() or "refused" in str(exc).lower():
+                from workers.app import app
+
+                broker = str(app.conf.broker_url or runtime.redis_url())
                 raise StoreUnavailableError(
-                    f"cannot reach the broker: {exc}",
-                    hint=f"is Redis running at {runtime.redis_url()}? set REDIS_URL",
+                    f"cannot reach the broker at {broker}: {exc}",
+                    hint="is it running there? set CELERY_BROKER_URL (or REDIS_URL, which it "
+                    "defaults to)",
                 ) from exc
             raise
-        return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id)
+        return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id, sid)
 
     # -- reading --------------------------------------------------------------------------------
     def result(self, handle: Handle) -> CritiqueResult | None:
-        """The result if it is there, else None."""
-        return runtime.stores().runs.result(handle.run_id, handle.iteration, handle.worker_id)
+        """The result of the handle's pass if it is there, else None (a handle without a pass
+        id: the submission's latest pass's)."""
+        runs = runtime.stores().runs
+        if handle.pass_id:
+            return runs.pass_result(
+                handle.run_id, handle.iteration, handle.worker_id, handle.pass_id
+            )
+        return runs.result(handle.run_id, handle.iteration, handle.worker_id)
 
     def wait(self, handle: Handle, timeout: float | None = 60.0) -> CritiqueResult:
-        """Block until the submission's result is stored (polling Redis), or time out.
+        """Block until the result of the handle's pass is stored (polling Redis), or time out.
+
+        A resubmission's handle never gets the earlier pass's result: until its own pass has
+        finished, ``wait`` keeps waiting (and times out with :class:`CritiqueTimeout`).
 
         A submission whose chain made no progress for :func:`stall_after_s` (no new step
         recorded) is resumed from its last recorded step (:meth:`resume`): the Redis broker can
@@ -177,6 +201,52 @@ class CritiqueClient:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             out.append(self.wait(h, left))
         return out
+
+    def as_completed(
+        self, handles: Sequence[Handle], timeout: float | None = 300.0
+    ) -> Iterator[tuple[Handle, CritiqueResult | SubmissionError]]:
+        """Yield every handle once, as soon as it has an answer: its result, or the
+        :class:`SubmissionError` saying why its chain failed (refused by a worker, a stage that
+        raised). One failure never hides the others' results. Raises :class:`CritiqueTimeout`
+        at ``timeout`` (one shared deadline) while some are still pending; stalled chains are
+        re-driven as in :meth:`wait`."""
+        from celery.result import AsyncResult
+
+        from workers.app import app
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stall_s = stall_after_s()
+        left = {i: (h, _Progress(self, h, stall_s)) for i, h in enumerate(handles)}
+        delay = 0.01
+        next_state_check = time.monotonic()
+        while left:
+            check_states = time.monotonic() >= next_state_check
+            if check_states:
+                next_state_check = time.monotonic() + 0.25
+            for i, (h, progress) in list(left.items()):
+                got = self.result(h)
+                if got is not None:
+                    del left[i]
+                    yield h, got
+                    continue
+                progress.check()
+                if not check_states:
+                    continue
+                ar = AsyncResult(h.task_id, app=app)
+                if ar.state == "FAILURE":
+                    del left[i]
+                    why = _failure_reason(ar.result)
+                    yield h, SubmissionError(f"submission {h.worker_id} of run {h.run_id} {why}")
+            if not left:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                pending = ", ".join(h.worker_id for h, _ in left.values())
+                raise CritiqueTimeout(
+                    f"no result after {timeout} s for: {pending} "
+                    "(is a worker consuming critique.cpu and critique.llm?)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:
         """Every stored result of the run (or of one iteration)."""
@@ -324,10 +394,13 @@ class _Progress:
         s = recovery.default_stores()
         h = self.handle
         if self.member is None:
-            doc = s.runs.submission(h.run_id, h.iteration, h.worker_id) or {}
-            if not doc.get("sid"):
+            sid = h.pass_id
+            if not sid:
+                doc = s.runs.submission(h.run_id, h.iteration, h.worker_id) or {}
+                sid = str(doc.get("sid") or "")
+            if not sid:
                 return
-            self.member = pass_member(h.iteration, h.worker_id, str(doc["sid"]))
+            self.member = pass_member(h.iteration, h.worker_id, sid)
         seen = s.pending.last_progress(h.run_id, self.member)
         if seen is not None:
             recovery.redrive_if_stalled(

@@ -41,6 +41,7 @@ from typing import Any
 import redis
 from celery import bootsteps, shared_task
 from celery.exceptions import CPendingDeprecationWarning
+from celery.signals import worker_ready
 from kombu.transport import redis as kombu_redis
 
 from pipeline.errors import CritiqueError, PermanentError, SubmissionError
@@ -53,13 +54,18 @@ from workers import runtime
 
 log = logging.getLogger(__name__)
 
-# celeryconfig sets worker_cancel_long_running_tasks_on_connection_loss explicitly (False, with
-# its reason); Celery still warns about the coming default on every connection loss.
-warnings.filterwarnings(
-    "ignore",
-    message=r"\s*In Celery 5\.1 we introduced an optional breaking change",
-    category=CPendingDeprecationWarning,
-)
+
+@worker_ready.connect
+def _quiet_the_cancel_on_loss_warning(**_: Any) -> None:
+    """celeryconfig sets worker_cancel_long_running_tasks_on_connection_loss explicitly (False,
+    with its reason), yet Celery warns about its coming default on every connection loss. (Once
+    the worker is ready: Celery's logging setup turns its deprecation warnings to "always".)"""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"\s*In Celery 5\.1 we introduced an optional breaking change",
+        category=CPendingDeprecationWarning,
+    )
+
 
 STALL_ENV = "CRITIQUE_STALL_S"  # seconds without progress before a pass may be re-driven
 SWEEP_ENV = "CRITIQUE_SWEEP_S"  # seconds between sweeps (0: no sweeper, no probes)

@@ -160,18 +160,26 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
     return ctx
 
 
+def new_pass_id() -> str:
+    """A fresh pass id (one per submit of a submission)."""
+    return uuid.uuid4().hex[:16]
+
+
 def encode(
     state: LoopState, overrides: dict[str, Any] | None, sid: str | None = None
 ) -> dict[str, Any]:
     """A message carrying ``state``: inline when small, else by blob reference.
 
-    ``sid`` identifies one submission's pass through the pipeline (new for every ``submit``,
-    kept by every stage after it), so a resubmission never replays an earlier pass's steps.
+    ``sid`` identifies one submission's pass through the pipeline (SPEC §4 "Passes": new for
+    every ``submit``, kept by every stage after it), so a resubmission never replays an earlier
+    pass's steps. Default: the state's ``pass_id``, else a fresh one (:func:`new_pass_id`).
     """
+    if state.pass_id and sid and sid != state.pass_id:
+        raise ValueError(f"message sid {sid!r} is not the state's pass id {state.pass_id!r}")
     raw = state.model_dump_json()
     msg: dict[str, Any] = {
         "v": MESSAGE_VERSION,
-        "sid": sid or uuid.uuid4().hex[:16],
+        "sid": sid or state.pass_id or new_pass_id(),
         "config": overrides or {},
     }
     if len(raw) <= INLINE_LIMIT:

@@ -7,9 +7,11 @@ the rest of the chain, so the loop stays one chain and no task ever waits on ano
 
 Every task: decode the message, run one stage function, encode the new state. A task whose
 stage is not the state's next one passes the state through (e.g. critique disabled). Stages
-are idempotent under redelivery: pattern recording is keyed by critique, budget leases by
-(submission, attempt), results by (iteration, worker). Transient errors (Redis, LLM) are retried
-with exponential backoff and jitter; permanent ones fail the task at once.
+are idempotent under redelivery: step records, pattern records, budget leases, trace events and
+the result are keyed by the submission's pass (SPEC §4: a fresh pass id per submit, the state's
+``pass_id`` and the message's ``sid``), step records and leases also by round and attempt; the
+first record of a step wins and a re-run writes nothing again. Transient errors (Redis, LLM) are
+retried with exponential backoff and jitter; permanent ones fail the task at once.
 
 A message that cannot be trusted or read (unsigned, forged or altered while ``CRITIQUE_SECRET``
 is set, or malformed) is refused: a warning in the log (never the payload), a ``refused`` event
@@ -31,7 +33,7 @@ from pipeline.config import CritiqueConfig, check_submission_model
 from pipeline.errors import CritiqueError, PermanentError, TransientError
 from pipeline.gates import evaluate_completion
 from pipeline.models import Submission, check_identifier
-from pipeline.runner import STAGES, LoopState, StageContext, finish, is_token_free
+from pipeline.runner import STAGES, LoopState, StageContext, finish, is_token_free, resolve_for
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
@@ -60,6 +62,16 @@ def _step_id(sid: str, state: LoopState, stage: str) -> str:
     return f"{sub.iteration}:{sub.worker_id}:{sid}:{state.round}:{state.attempt}:{stage}"
 
 
+def _pass_id(task: Task, msg: dict[str, Any], state: LoopState) -> str:
+    """The message's pass: the state's ``pass_id``, else the message's ``sid``; a message with
+    neither (a chain sent without the client) gets one derived from its task id, which a
+    redelivery keeps, so its first stage runs as one pass however often it is delivered."""
+    sid = state.pass_id or str(msg.get("sid") or "")
+    if not sid and task.request.id:
+        sid = "t" + str(task.request.id).replace("-", "")[:15]
+    return sid
+
+
 def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any], str]:
     """Run one stage exactly once in effect; returns the next message and its next stage.
 
@@ -76,9 +88,12 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
         return msg, state.next
     run_id = state.submission.run_id
     runs = runtime.stores().runs
-    step = _step_id(str(msg.get("sid", "")), state, stage)
+    sid = _pass_id(task, msg, state)
+    if state.pass_id != sid:
+        state = state.model_copy(update={"pass_id": sid})
+    step = _step_id(sid, state, stage)
     shared = runtime.context_for(overrides)
-    if _spends_tokens(stage, shared, state) or _repeated(task):
+    if stage == "decide" or _spends_tokens(stage, shared, state) or _repeated(task):
         recorded = runs.step_output(run_id, step)
         if recorded is not None:
             return _replayed(recorded)
@@ -92,19 +107,25 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
             worker_id=state.submission.worker_id,
             attempt=new.attempt,
         )
-    out = runtime.encode(new, overrides, sid=msg.get("sid"))
+    out = runtime.encode(new, overrides, sid=sid or None)
     first = runs.record_step(run_id, step, json.dumps(out), buffer.payloads.get(run_id, ()))
     if first is None:
         return out, new.next
-    return _replayed(first)
+    replay = _replayed(first)
+    if new.lease_id is not None and runtime.decode(replay[0])[0].lease_id != new.lease_id:
+        # Another delivery of this decide recorded first without this lease (it was refused
+        # the budget, say): the reservation this run made would be held for nothing.
+        shared.budget.refund(run_id, new.lease_id)
+    return replay
 
 
 def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
     """Stages whose re-run would spend tokens again: the repair, and a critic that calls an LLM.
 
-    Only these read the step record before running. Re-running any other stage is harmless
-    (pattern records and budget leases are idempotent, the step record keeps the first output
-    and its events), so they skip that round trip unless the message is a known repeat.
+    Only these (and ``decide``, which may reserve budget) read the step record before running.
+    Re-running any other stage is harmless (pattern records and budget leases are idempotent,
+    the step record keeps the first output and its events), so they skip that round trip
+    unless the message is a known repeat.
     """
     if stage == "repair":
         return True
@@ -264,30 +285,35 @@ def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
 
 @app.task(name=keys.TASK_GATE, bind=True, **RETRY)
 def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """Finish the submission: store its result, write the result event, return a summary.
+    """Finish the submission pass: store its result and write its ``result`` event, both in
+    one atomic step and once per pass (a re-run gate writes nothing); return a summary.
 
     Only from a message that passed its signature check (``CRITIQUE_SECRET``): a forged
     finished state is refused before anything is stored."""
     state, _ = _decoded(self, msg, "gate")
+    sid = _pass_id(self, msg, state)
+    if state.pass_id != sid:
+        state = state.model_copy(update={"pass_id": sid})
     result = finish(state)
-    s = runtime.stores()
-    s.runs.put_result(result, sid=str(msg.get("sid", "")))  # the pass is no longer pending
-    if state.status is not None:
-        s.trace.emit(
-            result.run_id,
-            {
-                "type": "result",
-                "stage": "gate",
-                "worker_id": result.worker_id,
-                "iteration": result.iteration,
-                "round": state.round,
-                "status": result.status,
-                "stop_reason": result.stop_reason,
-                "best_score": result.best_score,
-                "original_score": result.original_score,
-                "attempts": len(result.attempts),
-            },
-        )
+    event = {
+        "type": "result",
+        "stage": "gate",
+        "worker_id": result.worker_id,
+        "iteration": result.iteration,
+        "round": state.round,
+        "status": result.status,
+        "stop_reason": result.stop_reason,
+        "best_score": result.best_score,
+        "original_score": result.original_score,
+        "attempts": len(result.attempts),
+        "tokens": result.usage.tokens,
+        "repair_tokens": result.repair_usage.tokens,
+        "budget_charged": result.budget_charged,
+    }
+    if sid:
+        event["pass_id"] = sid
+    # The pass leaves the pending index in the same step: it can no longer stall.
+    runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)])
     return {
         "run_id": result.run_id,
         "iteration": result.iteration,
@@ -361,6 +387,18 @@ def critic_signature(config: CritiqueConfig, submission: Submission, *args: Any)
     return sig
 
 
+def repair_signature(msg: dict[str, Any], submission: Submission, *args: Any) -> Any:
+    """``critique.repair`` routed for this submission: critique.llm (celeryconfig's route)
+    when its reviser may call a model, critique.cpu when the reviser that serves it is
+    token-free (deterministic), so a token-free repair never waits for LLM workers (KEDA scales
+    critique.llm to zero). ``msg`` carries the submission's configuration overrides."""
+    sig = repair.s(*args)
+    reviser = runtime.context_for(msg.get("config")).reviser
+    if getattr(resolve_for(reviser, submission), "token_free", False):
+        sig = sig.set(queue=keys.QUEUE_CPU)
+    return sig
+
+
 LOOP = ("repair", "l0", "critic", "decide")
 """The loop's stages in the order a chain runs them (a submission enters it at ``l0``)."""
 
@@ -369,12 +407,15 @@ def loop_from(
     stage: str, msg: dict[str, Any], config: CritiqueConfig, submission: Submission
 ) -> list[Any]:
     """Signatures of the loop's stages from ``stage`` through ``decide``, the first carrying
-    ``msg``; the critic routed for the submission (:func:`critic_signature`)."""
+    ``msg``; the critic and the repair routed for the submission (:func:`critic_signature`,
+    :func:`repair_signature`)."""
     sigs: list[Any] = []
     for name in LOOP[LOOP.index(stage) :]:
         args = () if sigs else (msg,)
         if name == "critic":
             sigs.append(critic_signature(config, submission, *args))
+        elif name == "repair":
+            sigs.append(repair_signature(msg, submission, *args))
         else:
             sigs.append(_STAGE_TASKS[name].s(*args))
     return sigs

@@ -6,7 +6,14 @@ critic, a command critic and the heuristic fallback are interchangeable in the l
 
 Optional attribute: a critic that spends no tokens (it reads the output deterministically) sets
 ``token_free = True``; the runner may then run it even when Layer-0 failed (see
-:func:`merge_l0`). Critics without the attribute are treated as token-spending.
+:func:`merge_l0`). Critics without the attribute are treated as token-spending. A reviser that
+calls no model sets it too: its repairs reserve nothing from the repair budget.
+
+Optional sizing methods (the repair budget, SPEC §5.3): a reviser's ``repair_bound(submission,
+output, envelope, *, pitfalls, attempts) -> (tokens, output_tokens)`` and a critic's
+``critique_bound(submission, output, *, output_tokens, pitfalls, round) -> tokens`` say what one
+repair call and one re-critique may spend (counted prompt + the ``max_tokens`` they call with);
+the runner reserves their sum. Without them the runner estimates (:mod:`pipeline.repair`).
 
 Optional method: a reviser that knows in advance what it can fix (a deterministic one) offers
 ``plan(submission, output, envelope) -> RevisionResult``, the revision ``revise`` would return,

@@ -349,6 +349,7 @@ class HeuristicReviser:
     """
 
     name = "deterministic-heuristic"
+    token_free = True  # no model call: a repair by it reserves no repair budget
     reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
 
     def plan(

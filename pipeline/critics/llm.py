@@ -55,7 +55,15 @@ from pipeline.critics.base import Critic, Reviser, RevisionResult, clamp_score
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.errors import LLMTransientError
 from pipeline.grounding import downgrade_defects, ground_envelope, render_ground_truth
-from pipeline.llm import ChatMessage, Completer, LLMReply, LLMRequest
+from pipeline.llm import (
+    AllowanceSpent,
+    ChatMessage,
+    Completer,
+    LLMReply,
+    LLMRequest,
+    complete_within,
+    count_prompt_tokens,
+)
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -68,8 +76,8 @@ from pipeline.models import (
     effort_for,
 )
 from pipeline.pitfalls import PITFALLS_HEADER
-from pipeline.repair import build_repair_prompt
-from pipeline.tokens import text_of
+from pipeline.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
+from pipeline.tokens import CHARS_PER_TOKEN, text_of
 
 INJECTION_SCORE_CAP = 0.59
 """Highest score an output that tries to instruct the critic can get (the repair band)."""
@@ -935,7 +943,7 @@ class LLMCritic:
         )
         replies: list[LLMReply] = []
         try:
-            replies.append(self._complete(request))
+            replies.append(complete_within(self._complete, request))
             try:
                 envelope = self._parse(replies[0].text, submission, model)
             except EnvelopeParseError as first:
@@ -951,12 +959,14 @@ class LLMCritic:
                     }
                 )
                 try:
-                    replies.append(self._complete(retry))
+                    replies.append(complete_within(self._complete, retry))
                 except LLMTransientError as exc:
-                    reason = (
-                        f"LLM critic reply unusable ({first}); the re-ask failed: LLM critic "
-                        f"unavailable after retries: {exc}; heuristic used"
+                    failed = (
+                        f"the re-ask was not made: {exc.message}"
+                        if isinstance(exc, AllowanceSpent)
+                        else f"the re-ask failed: LLM critic unavailable after retries: {exc}"
                     )
+                    reason = f"LLM critic reply unusable ({first}); {failed}; heuristic used"
                     return self._fall_back(
                         submission, output, pitfalls, round, reason, hits, replies
                     )
@@ -970,11 +980,39 @@ class LLMCritic:
                     return self._fall_back(
                         submission, output, pitfalls, round, reason, hits, replies
                     )
+        except AllowanceSpent as exc:
+            reason = f"{exc.message}; heuristic used"
+            return self._fall_back(submission, output, pitfalls, round, reason, hits, replies)
         except LLMTransientError as exc:
             reason = f"LLM critic unavailable after retries: {exc}; heuristic used"
             return self._fall_back(submission, output, pitfalls, round, reason, hits, replies)
         envelope = apply_injections(ground_envelope(envelope, submission.files), hits)
         return envelope.model_copy(update={"usage": _usage(replies), "truncation": truncation})
+
+    def critique_bound(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        *,
+        output_tokens: int,
+        pitfalls: str = "",
+        round: int = 1,
+    ) -> int:
+        """Tokens one critique call of a repaired ``output`` may spend (SPEC §5.3): the prompt,
+        counted with an empty output of the same kind, plus the output at ``output_tokens``
+        (at most what the prompt shows of it, ``llm.max_output_chars``), plus the reply's
+        ``max_tokens``. 0 when no model resolves (the heuristic answers, token-free). A re-ask
+        is not reserved: it is made only within what the first call left."""
+        model = self._config.critic_model(submission.model)
+        if model is None:
+            return 0
+        empty: str | dict[str, Any] = {} if isinstance(output, dict) else ""
+        messages, _ = build_critic_messages(
+            submission, empty, config=self._config, pitfalls=pitfalls, round=round
+        )
+        request = LLMRequest(model=model, messages=messages, max_tokens=self._config.llm.max_tokens)
+        shown = min(output_tokens, -(-self._config.llm.max_output_chars // CHARS_PER_TOKEN) + 16)
+        return count_prompt_tokens(request, self._complete) + shown + self._config.llm.max_tokens
 
     def _parse(self, text: str, submission: Submission, model: str) -> CritiqueEnvelope:
         return parse_envelope(
@@ -1067,8 +1105,8 @@ class LLMReviser:
         attempts: Sequence[RepairAttempt] = (),
     ) -> RevisionResult:
         """One repair call; the reply is the complete repaired output."""
-        model = submission.model or self._config.model
-        if not model:
+        request = self.request(submission, output, envelope, pitfalls, attempts)
+        if request is None:
             return self._fall_back(
                 submission,
                 output,
@@ -1078,23 +1116,17 @@ class LLMReviser:
                 "no repair model (the submission names none and critique.model is not set); "
                 f"{self._fallback.name} reviser used",
             )
-        is_dict = isinstance(output, dict)
-        system = REPAIR_SYSTEM + (" Reply with one JSON object." if is_dict else "")
-        request = LLMRequest(
-            model=model,
-            messages=(
-                ChatMessage(role="system", content=system),
-                ChatMessage(
-                    role="user",
-                    content=build_repair_prompt(submission, output, envelope, pitfalls, attempts),
-                ),
-            ),
-            json_mode=is_dict,
-            max_tokens=self._config.llm.max_tokens,
-            purpose="repair",
-        )
         try:
-            reply = self._complete(request)
+            reply = complete_within(self._complete, request)
+        except AllowanceSpent as exc:
+            return self._fall_back(
+                submission,
+                output,
+                envelope,
+                pitfalls,
+                attempts,
+                f"{exc.message}; {self._fallback.name} reviser used",
+            )
         except LLMTransientError as exc:
             return self._fall_back(
                 submission,
@@ -1124,6 +1156,53 @@ class LLMReviser:
                 )
         applied = len(envelope.actionable) if new != output else 0
         return RevisionResult(output=new, usage=reply.usage, suggestions_applied=applied)
+
+    def request(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+        pitfalls: str = "",
+        attempts: Sequence[RepairAttempt] = (),
+    ) -> LLMRequest | None:
+        """The repair call :meth:`revise` makes (None without a repair model): the SPEC §5.3
+        prompt, and ``max_tokens`` sized to the output (:func:`repair_reply_tokens`)."""
+        model = submission.model or self._config.model
+        if not model:
+            return None
+        is_dict = isinstance(output, dict)
+        system = REPAIR_SYSTEM + (" Reply with one JSON object." if is_dict else "")
+        return LLMRequest(
+            model=model,
+            messages=(
+                ChatMessage(role="system", content=system),
+                ChatMessage(
+                    role="user",
+                    content=build_repair_prompt(submission, output, envelope, pitfalls, attempts),
+                ),
+            ),
+            json_mode=is_dict,
+            max_tokens=repair_reply_tokens(output, self._config.llm.max_tokens),
+            purpose="repair",
+        )
+
+    def repair_bound(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+        *,
+        pitfalls: str = "",
+        attempts: Sequence[RepairAttempt] = (),
+    ) -> tuple[int, int]:
+        """``(tokens, output_tokens)`` of the repair call :meth:`revise` would make: its counted
+        prompt plus its ``max_tokens``, and the repaired output's bound (that ``max_tokens``).
+        ``(0, …)`` without a repair model: the token-free fallback answers."""
+        request = self.request(submission, output, envelope, pitfalls, attempts)
+        if request is None or request.max_tokens is None:
+            return 0, grown_output_tokens(output)
+        prompt = count_prompt_tokens(request, self._complete)
+        return prompt + request.max_tokens, request.max_tokens
 
     def _fall_back(
         self,
@@ -1231,6 +1310,24 @@ class PairedCritic:
         self._config = config
         self._complete = complete
 
+    def critique_bound(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        *,
+        output_tokens: int,
+        pitfalls: str = "",
+        round: int = 1,
+    ) -> int:
+        """The primary critic's bound: the adjudication call runs only within what the primary
+        call left of the reservation (and is skipped, noted, when that is too little)."""
+        bound = getattr(self._primary, "critique_bound", None)
+        if bound is None:
+            return 0
+        return int(
+            bound(submission, output, output_tokens=output_tokens, pitfalls=pitfalls, round=round)
+        )
+
     def critique(
         self,
         submission: Submission,
@@ -1264,7 +1361,9 @@ class PairedCritic:
             purpose="adjudicate",
         )
         try:
-            reply = self._complete(request)
+            reply = complete_within(self._complete, request)
+        except AllowanceSpent as exc:
+            return _note(envelope, f"paired critic skipped: {exc.message}; primary critique kept")
         except LLMTransientError as exc:
             return _note(
                 envelope,

@@ -323,6 +323,7 @@ class DeterministicReviser:
     """
 
     name = "deterministic-rubric"
+    token_free = True  # no model call: a repair by it reserves no repair budget
     reads_pitfalls = False  # deterministic: the Known Pitfalls text would be ignored
 
     def revise(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
@@ -47,13 +48,38 @@ class PatternStore(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class BudgetSnapshot:
+    """A run's repair budget as one read saw it (for refusal messages and status)."""
+
+    spent: int = 0
+    """Tokens charged so far (what providers reported for committed repairs)."""
+    held: int = 0
+    """Tokens held by live (unsettled, unexpired) reservations."""
+    holders: int = 0
+    """How many live reservations hold them (repairs in flight)."""
+    overrun: int = 0
+    """Tokens charged beyond their reservations (a provider reported more than it was allowed);
+    while it is above 0 the run's budget grants no new reservation."""
+
+
 class BudgetLedger(Protocol):
     """The run-wide repair-budget semaphore: reserve → commit or refund, idempotent per lease.
 
-    A lease id is unique per (task id, attempt); reserving, committing or refunding the same
-    lease twice has the effect of doing it once. A reservation whose holder dies expires
-    after ``ttl_s`` and its tokens come back; reserving that lease id again (the redelivered
-    work) reserves afresh against the cap.
+    A lease id is unique per (submission pass, attempt). Lease states: *live* (reserved),
+    *committed* (charged), *refunded* (released uncharged). Rules, the same for every
+    implementation:
+
+    - ``reserve`` of a new lease holds its tokens if spent + held + tokens ≤ cap and no overrun
+      was ever charged in the run; of a live lease, or a committed one, it answers True and
+      holds nothing new (a re-run stage gets the same lease back, never a second one); of a
+      refunded lease, or a live one whose ``ttl_s`` passed (its holder died: the work was
+      redelivered), it reserves afresh against the cap.
+    - ``commit`` charges the real figure it is given, even above the reservation (the run's
+      overrun grows by the excess, which closes the budget to new reservations): a provider's
+      reported usage is never under-counted. A repeated commit charges nothing more and returns
+      the first charge. An unknown lease charges nothing (0).
+    - ``refund`` of a live lease releases its hold; of anything else it does nothing.
     """
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
@@ -61,7 +87,7 @@ class BudgetLedger(Protocol):
         ...
 
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
-        """Charge ``min(actual, reserved)`` and release the hold; returns the charge."""
+        """Charge ``actual_tokens`` once and release the hold; returns the charge."""
         ...
 
     def refund(self, run_id: str, lease_id: str) -> None:
@@ -70,6 +96,10 @@ class BudgetLedger(Protocol):
 
     def spent(self, run_id: str) -> int:
         """Tokens committed so far in the run."""
+        ...
+
+    def snapshot(self, run_id: str) -> BudgetSnapshot:
+        """Spent, held (and by how many leases) and overrun, as of now."""
         ...
 
 

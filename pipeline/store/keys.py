@@ -40,14 +40,16 @@ TASK_PROBE = "critique.probe"  # task: a queue-drain probe (workers.recovery), n
 PATTERNS_FREQ = "patterns:freq"  # sorted set: pattern key -> frequency in the run
 PATTERNS_DETAIL = "patterns:detail"  # hash: pattern key -> JSON details (category, rule, order…)
 PATTERNS_SEEN = "patterns:seen"  # set: critique keys already recorded (exactly-once recording)
-BUDGET = "budget"  # hash: "spent" -> repair tokens committed in the run
-BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:done" (every lease ever)
+BUDGET = "budget"  # hash: "spent" -> repair tokens charged; "overrun" -> charged past reservations
+BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:state:charge" (every lease)
 BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> expiry (µs); expired ones reclaimed
 TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
 TRACE_EVENT_FIELD = "event"  # the one field of each trace stream entry
 TRACE_MAXLEN = 100_000  # approximate cap on a run's trace stream (XADD MAXLEN ~)
 SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, at}
-RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> CritiqueResult JSON (the final answers)
+RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> the latest pass's CritiqueResult JSON
+PASS_RESULTS = "results:pass"  # hash: "<iteration>:<worker>:<sid>" -> that pass's result JSON
+PASSES = "passes"  # hash: "<iteration>:<worker_id>" -> the latest pass id (sid), set at submit
 COMPLETIONS = "completions"  # hash: "rejected" -> gate rejections; "req:<id>" -> counted
 STEPS = "steps"  # hash: "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> step output
 PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress (unix s), unsettled
@@ -63,6 +65,8 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     TRACE,
     SUBMITTED,
     RESULTS,
+    PASS_RESULTS,
+    PASSES,
     COMPLETIONS,
     STEPS,
     PENDING,

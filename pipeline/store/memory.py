@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
-from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, encode_event
+from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, BudgetSnapshot, encode_event
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
 
 
@@ -114,38 +114,48 @@ class MemoryPatternStore:
 class _Lease:
     tokens: int
     expires: float
-    done: bool = False
+    state: str = "live"
+    """``live`` | ``committed`` | ``refunded``."""
+    charge: int = 0
 
 
 @dataclass
 class _Run:
     spent: int = 0
+    overrun: int = 0
     leases: dict[str, _Lease] = field(default_factory=dict)
 
 
 class MemoryBudgetLedger:
-    """The budget semaphore in memory, with the same lease semantics as the Redis one."""
+    """The budget semaphore in memory, with the same lease rules as the Redis one
+    (:class:`~pipeline.store.base.BudgetLedger`)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
 
-    def _held(self, run: _Run, now: float) -> int:
-        return sum(le.tokens for le in run.leases.values() if not le.done and le.expires > now)
+    @staticmethod
+    def _live(run: _Run, now: float) -> list[_Lease]:
+        return [le for le in run.leases.values() if le.state == "live" and le.expires > now]
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
+        if tokens < 0:
+            raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
         with self._lock:
             now = self._clock()
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
             if lease is not None:
-                if lease.done:
-                    return False
-                if lease.expires > now:
+                if lease.state == "committed":
+                    return True  # settled: the same lease back, nothing held anew
+                if lease.state == "live" and lease.expires > now:
                     return True
-                # Expired unsettled: the holder died and the work was redelivered; reserve afresh.
-            if run.spent + self._held(run, now) + tokens > cap:
+                # Refunded, or expired unsettled (its holder died): reserve afresh.
+            if run.overrun > 0:
+                return False
+            held = sum(le.tokens for le in self._live(run, now))
+            if run.spent + held + tokens > cap:
                 return False
             run.leases[lease_id] = _Lease(tokens=tokens, expires=now + ttl_s)
             return True
@@ -154,23 +164,49 @@ class MemoryBudgetLedger:
         with self._lock:
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
-            if lease is None or lease.done:
+            if lease is None:
                 return 0
-            charge = min(max(actual_tokens, 0), lease.tokens)
-            lease.done = True
+            if lease.state == "committed":
+                return lease.charge
+            charge = max(int(actual_tokens), 0)
+            lease.state = "committed"
+            lease.charge = charge
             run.spent += charge
+            run.overrun += max(0, charge - lease.tokens)
             return charge
 
     def refund(self, run_id: str, lease_id: str) -> None:
         with self._lock:
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
-            if lease is not None:
-                lease.done = True
+            if lease is not None and lease.state == "live":
+                lease.state = "refunded"
 
     def spent(self, run_id: str) -> int:
         with self._lock:
             return self._runs.get(run_id, _Run()).spent
+
+    def snapshot(self, run_id: str) -> BudgetSnapshot:
+        with self._lock:
+            run = self._runs.get(run_id, _Run())
+            live = self._live(run, self._clock())
+            return BudgetSnapshot(
+                spent=run.spent,
+                held=sum(le.tokens for le in live),
+                holders=len(live),
+                overrun=run.overrun,
+            )
+
+    def holds(self, run_id: str) -> dict[str, int]:
+        """Live leases and the tokens each holds (as :meth:`RedisBudgetLedger.holds`)."""
+        with self._lock:
+            run = self._runs.get(run_id, _Run())
+            now = self._clock()
+            return {
+                lid: le.tokens
+                for lid, le in run.leases.items()
+                if le.state == "live" and le.expires > now
+            }
 
 
 class MemoryTraceSink:

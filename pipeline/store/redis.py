@@ -17,7 +17,7 @@ import redis
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store import keys
-from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, encode_event
+from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, BudgetSnapshot, encode_event
 from pipeline.store.memory import pattern_key
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
@@ -217,16 +217,19 @@ class RedisPatternStore:
 
 # --- repair-budget semaphore -----------------------------------------------------------------
 
-# One script for the whole lease protocol. KEYS: budget hash, leases hash, live sorted set.
-# ARGV[1] = op ("reserve" | "commit" | "refund" | "holds"), ARGV[2] = run TTL (ms),
+# One script for the whole lease protocol (the rules: pipeline.store.base.BudgetLedger).
+# KEYS: budget hash, leases hash, live sorted set.
+# ARGV[1] = op ("reserve" | "commit" | "refund" | "holds" | "snapshot"), ARGV[2] = run TTL (ms),
 # ARGV[3] = now in µs, or "" to use the server's TIME (the default: one clock for every host).
-#   reserve: ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs) → 1 | 0
-#   commit:  ARGV[4] lease id, ARGV[5] actual tokens → the charge
-#   refund:  ARGV[4] lease id → 0
-#   holds:   → [lease id, tokens, expiry (µs), now (µs)]* of live, unexpired leases
-# A lease record is "tokens:expires_us:done"; records stay until the run expires so that a
-# repeated reserve, commit or refund of the same lease id changes nothing. Reserving a lease
-# that expired unsettled (its holder died; the work was redelivered) reserves it afresh.
+#   reserve:  ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs) → 1 | 0
+#   commit:   ARGV[4] lease id, ARGV[5] actual tokens → the charge (the first one, when repeated)
+#   refund:   ARGV[4] lease id → 0
+#   holds:    → [lease id, tokens, expiry (µs), now (µs)]* of live, unexpired leases
+#   snapshot: → [spent, held, holders, overrun]
+# A lease record is "tokens:expires_us:state:charge" (state 0 live, 1 committed, 2 refunded);
+# records stay until the run expires, so a repeated reserve, commit or refund of a lease id is
+# answered from its record. The budget hash holds "spent" and "overrun" (tokens charged past
+# their reservations; above 0 it refuses every new reservation of the run).
 _BUDGET = """
 local op = ARGV[1]
 local function now_us()
@@ -235,17 +238,27 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 local function parse(rec)
-  local tokens, expires, done = string.match(rec, '^(%d+):(%-?%d+):(%d)$')
-  return tonumber(tokens), tonumber(expires), done == '1'
+  local tokens, expires, state, charge = string.match(rec, '^(%d+):(%-?%d+):(%d):?(%d*)$')
+  if charge == nil or charge == '' then charge = '0' end
+  return tonumber(tokens), tonumber(expires), tonumber(state), tonumber(charge)
+end
+local function record(tokens, expires, state, charge)
+  return string.format('%.0f:%.0f:%d:%.0f', tokens, expires, state, charge)
 end
 local function touch()
   for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
 end
-local function release(lease, rec)
-  local tokens, expires = parse(rec)
-  redis.call('HSET', KEYS[2], lease, string.format('%.0f:%.0f:1', tokens, expires))
-  redis.call('ZREM', KEYS[3], lease)
-  return tokens
+local function live_sum(now)
+  local held, n = 0, 0
+  local live = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. string.format('%.0f', now), '+inf')
+  for _, lease in ipairs(live) do
+    held = held + parse(redis.call('HGET', KEYS[2], lease))
+    n = n + 1
+  end
+  return held, n
+end
+local function number(field)
+  return tonumber(redis.call('HGET', KEYS[1], field) or '0')
 end
 
 if op == 'reserve' then
@@ -253,22 +266,18 @@ if op == 'reserve' then
   local now = now_us()
   local rec = redis.call('HGET', KEYS[2], lease)
   if rec then
-    local _, expires, done = parse(rec)
-    if done then return 0 end
-    if expires > now then return 1 end
-    -- An expired, unsettled lease: its holder died and the work was redelivered. Reserve
+    local _, expires, state = parse(rec)
+    if state == 1 then return 1 end
+    if state == 0 and expires > now then return 1 end
+    -- Refunded, or expired unsettled (its holder died; the work was redelivered): reserve
     -- afresh below, against the cap, as if the lease were new.
   end
+  if number('overrun') > 0 then return 0 end
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('%.0f', now))
-  local held = 0
-  for _, live in ipairs(redis.call('ZRANGE', KEYS[3], 0, -1)) do
-    local live_tokens = parse(redis.call('HGET', KEYS[2], live))
-    held = held + live_tokens
-  end
-  local spent = tonumber(redis.call('HGET', KEYS[1], 'spent') or '0')
-  if spent + held + tokens > cap then return 0 end
+  local held = live_sum(now)
+  if number('spent') + held + tokens > cap then return 0 end
   local expires = now + tonumber(ARGV[7])
-  redis.call('HSET', KEYS[2], lease, string.format('%.0f:%.0f:0', tokens, expires))
+  redis.call('HSET', KEYS[2], lease, record(tokens, expires, 0, 0))
   redis.call('ZADD', KEYS[3], string.format('%.0f', expires), lease)
   redis.call('HSETNX', KEYS[1], 'spent', '0')
   touch()
@@ -277,20 +286,25 @@ elseif op == 'commit' then
   local lease = ARGV[4]
   local rec = redis.call('HGET', KEYS[2], lease)
   if not rec then return 0 end
-  local _, _, done = parse(rec)
-  if done then return 0 end
+  local tokens, expires, state, charge = parse(rec)
+  if state == 1 then return charge end
   local actual = math.max(tonumber(ARGV[5]), 0)
-  local charge = math.min(actual, release(lease, rec))
-  redis.call('HINCRBY', KEYS[1], 'spent', string.format('%.0f', charge))
+  redis.call('HSET', KEYS[2], lease, record(tokens, expires, 1, actual))
+  redis.call('ZREM', KEYS[3], lease)
+  redis.call('HINCRBY', KEYS[1], 'spent', string.format('%.0f', actual))
+  if actual > tokens then
+    redis.call('HINCRBY', KEYS[1], 'overrun', string.format('%.0f', actual - tokens))
+  end
   touch()
-  return charge
+  return actual
 elseif op == 'refund' then
   local lease = ARGV[4]
   local rec = redis.call('HGET', KEYS[2], lease)
   if rec then
-    local _, _, done = parse(rec)
-    if not done then
-      release(lease, rec)
+    local tokens, expires, state = parse(rec)
+    if state == 0 then
+      redis.call('HSET', KEYS[2], lease, record(tokens, expires, 2, 0))
+      redis.call('ZREM', KEYS[3], lease)
       touch()
     end
   end
@@ -307,20 +321,25 @@ elseif op == 'holds' then
     out[#out + 1] = string.format('%.0f', now)
   end
   return out
+elseif op == 'snapshot' then
+  local held, n = live_sum(now_us())
+  return {string.format('%.0f', number('spent')), string.format('%.0f', held), n,
+          string.format('%.0f', number('overrun'))}
 end
 return redis.error_reply('unknown budget op ' .. tostring(op))
 """
 
 
 class RedisBudgetLedger:
-    """The run-wide repair-budget semaphore as one Lua script over three run keys.
+    """The run-wide repair-budget semaphore as one Lua script over three run keys, with the
+    lease rules of :class:`~pipeline.store.base.BudgetLedger` (as
+    :class:`~pipeline.store.memory.MemoryBudgetLedger` has them).
 
     Time comes from the Redis server (``TIME`` inside the script) so every host agrees on lease
     expiry; pass ``clock`` (seconds, any epoch) only for deterministic tests. A commit charges
-    ``min(actual, reserved)`` when the lease exists and is not yet committed or refunded, even
-    after it expired (as :class:`~pipeline.store.memory.MemoryBudgetLedger` does): the tokens were
-    really spent, so the ledger says so. Keep lease TTLs above the task time limit so that only
-    dead holders expire.
+    the real figure when the lease exists and is not yet committed, even after it expired or
+    was refunded: the tokens were really spent, so the ledger says so. Keep lease TTLs above
+    the task time limit so that only dead holders expire.
     """
 
     def __init__(
@@ -346,9 +365,8 @@ class RedisBudgetLedger:
             return self._script(keys=script_keys, args=[op, self._ttl_ms, now, *args])
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
-        """Hold ``tokens`` against ``cap`` (spent + live holds + tokens ≤ cap), or refuse.
-
-        Reserving a lease id again answers whether that lease is still held, holding nothing new.
+        """Hold ``tokens`` against ``cap`` (spent + live holds + tokens ≤ cap, no overrun), or
+        refuse. Reserving a live or committed lease id again answers True, holding nothing new.
         """
         if tokens < 0:
             raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
@@ -356,11 +374,12 @@ class RedisBudgetLedger:
         return int(self._call(run_id, "reserve", lease_id, tokens, cap, ttl_us)) == 1
 
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
-        """Charge ``min(actual, reserved)`` and release the hold; 0 for an unknown or done lease."""
+        """Charge ``actual_tokens`` and release the hold; a repeat returns the first charge;
+        0 for an unknown lease."""
         return int(self._call(run_id, "commit", lease_id, int(actual_tokens)))
 
     def refund(self, run_id: str, lease_id: str) -> None:
-        """Release the lease's hold without charging anything (once; later calls do nothing)."""
+        """Release a live lease's hold without charging anything (later calls do nothing)."""
         self._call(run_id, "refund", lease_id)
 
     def spent(self, run_id: str) -> int:
@@ -369,6 +388,13 @@ class RedisBudgetLedger:
         with store_errors(self._client):
             value = self._client.hget(key, "spent")
         return 0 if value is None else int(value)
+
+    def snapshot(self, run_id: str) -> BudgetSnapshot:
+        """Spent, held (by how many live leases) and overrun, in one atomic read."""
+        spent, held, holders, overrun = self._call(run_id, "snapshot")
+        return BudgetSnapshot(
+            spent=int(spent), held=int(held), holders=int(holders), overrun=int(overrun)
+        )
 
     def holds(self, run_id: str) -> dict[str, int]:
         """Live (uncommitted, unexpired) leases and the tokens each holds — for tests and status."""

@@ -1,8 +1,13 @@
 """The run registry in Redis: what was submitted, and the final result of each submission.
 
-``submitted`` and ``results`` are hashes keyed ``"<iteration>:<worker_id>"``; writes are
-idempotent (a redelivered gate task rewrites the same field with the same value). Every write
-refreshes the run TTL.
+``submitted`` and ``results`` are hashes keyed ``"<iteration>:<worker_id>"``. Each submit of a
+submission starts a *pass* with a fresh pass id (``sid``, SPEC §4 "Passes"): the client records
+it as the submission's latest pass (:meth:`RedisRunStore.begin_pass`, before the chain is
+sent, clearing the previous pass's entry in ``results``), and the gate stores the pass's result
+once (:meth:`RedisRunStore.put_result`): in ``results:pass`` under the pass, with its ``result``
+trace event in the same script, and in ``results`` only while it is the latest pass. So
+``results`` holds the latest pass's result (status, reports, the completion gate), and
+``wait(handle)`` reads its own pass's. Every write refreshes the run TTL.
 """
 
 from __future__ import annotations
@@ -51,6 +56,39 @@ return false
 """
 
 
+# KEYS[1] results, KEYS[2] results:pass, KEYS[3] passes, KEYS[4] pending, KEYS[5] trace.
+# ARGV: submission field, pass field (= the pending member), pass id, result JSON, TTL (ms),
+# stream maxlen, event field, then the encoded events. The first gate of a pass stores its
+# result and appends its events (returns 1); a repeat writes nothing (returns 0). ``results``
+# takes it only while it is the latest pass (or no pass was recorded: a chain sent without the
+# client).
+_PUT_RESULT = """
+if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[4]) == 0 then
+  return 0
+end
+local latest = redis.call('HGET', KEYS[3], ARGV[1])
+if (not latest) or latest == ARGV[3] then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+end
+redis.call('ZREM', KEYS[4], ARGV[2])
+for i = 8, #ARGV do
+  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i])
+end
+for i = 1, 5 do
+  if i ~= 4 then redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+end
+return 1
+"""
+
+# KEYS[1] passes, KEYS[2] results. ARGV: submission field, pass id, TTL (ms).
+_BEGIN_PASS = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+"""
+
+
 _STAGE_RANK = {"l0": 0, "critic": 1, "decide": 2, "repair": 3}
 
 
@@ -93,6 +131,8 @@ class RedisRunStore:
         self._ttl_ms = resolve_ttl_ms(ttl_s)
         self._record_step = client.register_script(_RECORD_STEP)
         self._count_once = client.register_script(_COUNT_ONCE)
+        self._put_result = client.register_script(_PUT_RESULT)
+        self._begin_pass = client.register_script(_BEGIN_PASS)
 
     def _key(self, run_id: str, suffix: str) -> str:
         return keys.run_key(run_id, suffix, self._prefix)
@@ -160,32 +200,87 @@ class RedisRunStore:
             raw = self._r.hgetall(self._key(run_id, keys.SUBMITTED))
         return {text(k): json.loads(text(v)) for k, v in raw.items()}
 
-    def put_result(self, result: CritiqueResult, *, sid: str | None = None) -> None:
-        """Store a submission's final result (idempotent); with its pass id ``sid``, the pass
-        leaves the pending index in the same transaction (it can no longer stall)."""
-        if not sid:
-            self._hset(
-                result.run_id,
-                keys.RESULTS,
-                member(result.iteration, result.worker_id),
-                result.model_dump_json(),
-            )
-            return
-        key = self._key(result.run_id, keys.RESULTS)
+    def begin_pass(self, run_id: str, iteration: int, worker_id: str, sid: str) -> None:
+        """Record ``sid`` as the submission's latest pass (call before its chain is sent): the
+        previous pass's result leaves ``results`` (it stays under its own pass), and only this
+        pass's gate will write there."""
+        field = member(iteration, worker_id)
         with store_errors(self._r):
-            pipe = self._r.pipeline(transaction=True)
-            pipe.hset(key, member(result.iteration, result.worker_id), result.model_dump_json())
-            pipe.pexpire(key, self._ttl_ms)
-            pipe.zrem(
-                self._key(result.run_id, keys.PENDING),
-                pass_member(result.iteration, result.worker_id, sid),
+            self._begin_pass(
+                keys=[self._key(run_id, keys.PASSES), self._key(run_id, keys.RESULTS)],
+                args=[field, sid, self._ttl_ms],
             )
-            pipe.execute()
+
+    def latest_pass(self, run_id: str, iteration: int, worker_id: str) -> str | None:
+        """The submission's latest pass id, or None (never submitted through the client)."""
+        with store_errors(self._r):
+            raw = self._r.hget(self._key(run_id, keys.PASSES), member(iteration, worker_id))
+        return None if raw is None else text(raw)
+
+    def put_result(
+        self, result: CritiqueResult, *, sid: str | None = None, events: Sequence[str] = ()
+    ) -> bool:
+        """Store a submission pass's final result once, with its trace ``events`` (encoded).
+
+        With its pass id ``sid``: one atomic script stores it under the pass, in ``results``
+        while it is the latest pass, takes the pass off the pending index (it can no longer
+        stall) and appends the events; a repeated call (a re-run gate) writes nothing and
+        returns False. Without ``sid``: ``results`` is written (idempotently) with the events.
+        """
+        field = member(result.iteration, result.worker_id)
+        raw = result.model_dump_json()
+        if not sid:
+            key = self._key(result.run_id, keys.RESULTS)
+            trace = self._key(result.run_id, keys.TRACE)
+            with store_errors(self._r):
+                pipe = self._r.pipeline(transaction=True)
+                pipe.hset(key, field, raw)
+                pipe.pexpire(key, self._ttl_ms)
+                for payload in events:
+                    pipe.xadd(
+                        trace,
+                        {keys.TRACE_EVENT_FIELD: payload},
+                        maxlen=keys.TRACE_MAXLEN,
+                        approximate=True,
+                    )
+                if events:
+                    pipe.pexpire(trace, self._ttl_ms)
+                pipe.execute()
+            return True
+        script_keys = [
+            self._key(result.run_id, s)
+            for s in (keys.RESULTS, keys.PASS_RESULTS, keys.PASSES, keys.PENDING, keys.TRACE)
+        ]
+        with store_errors(self._r):
+            got = self._put_result(
+                keys=script_keys,
+                args=[
+                    field,
+                    pass_member(result.iteration, result.worker_id, sid),
+                    sid,
+                    raw,
+                    self._ttl_ms,
+                    keys.TRACE_MAXLEN,
+                    keys.TRACE_EVENT_FIELD,
+                    *events,
+                ],
+            )
+        return bool(int(got))
 
     def result(self, run_id: str, iteration: int, worker_id: str) -> CritiqueResult | None:
-        """One result, or None while it is not there yet."""
+        """The latest pass's result, or None while it is not there yet."""
         with store_errors(self._r):
             raw = self._r.hget(self._key(run_id, keys.RESULTS), member(iteration, worker_id))
+        return None if raw is None else CritiqueResult.model_validate_json(raw)
+
+    def pass_result(
+        self, run_id: str, iteration: int, worker_id: str, sid: str
+    ) -> CritiqueResult | None:
+        """The result of one pass (``sid``), or None while that pass has not finished."""
+        with store_errors(self._r):
+            raw = self._r.hget(
+                self._key(run_id, keys.PASS_RESULTS), pass_member(iteration, worker_id, sid)
+            )
         return None if raw is None else CritiqueResult.model_validate_json(raw)
 
     def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:

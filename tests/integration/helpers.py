@@ -57,6 +57,9 @@ class _Recording(_HeuristicWith):
             fh.write(f"=== {submission.worker_id}\n{pitfalls}\n")
 
 
+estimating_revise = _HeuristicWith("estimating_revise")
+"""The heuristic reviser, not declared token-free: a stand-in for a token-spending reviser (the
+runner reserves the estimate of :mod:`pipeline.repair` and charges its estimated usage)."""
 slow_revise = _Slow("slow_revise")
 """The heuristic reviser after a pause (``SLOW_REVISE_S``)."""
 recording_revise = _Recording("recording_revise")

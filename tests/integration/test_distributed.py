@@ -181,10 +181,15 @@ def test_tiny_budget_ends_repairs_and_keeps_the_best(worker: WorkerProcess) -> N
         assert res.attempts == ()
 
 
-def test_redelivered_task_bodies_change_no_count_or_charge(worker: WorkerProcess) -> None:
+def test_redelivered_task_bodies_change_no_count_or_charge(
+    worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Running each stage body twice with the same message counts patterns and charges once."""
+    from tests.integration.helpers import estimating_revise
     from workers import runtime, tasks
 
+    # A reviser that spends (estimated) tokens, so the repair round reserves and charges.
+    monkeypatch.setattr(runtime.context_for(CONFIG), "reviser", estimating_revise)
     run_id = f"redo-{uuid.uuid4().hex[:8]}"
     sub = make_sub(run_id, "w1", 1, "looping")
     msg = runtime.encode(start(sub), CONFIG)
@@ -210,6 +215,7 @@ def test_redelivered_task_bodies_change_no_count_or_charge(worker: WorkerProcess
     tasks.repair.apply(args=[m], task_id="fixed-repair").get()
     tasks.critic.apply(args=[tasks.l0.apply(args=[repaired]).get()]).get()
     assert s.budget.spent(run_id) == spent_once > 0
+    assert s.budget.holds(run_id) == {}
     assert s.patterns.top(run_id, 100) == patterns_once
     assert runtime.decode(critic_msg)[0].next == "decide"
 

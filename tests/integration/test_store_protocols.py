@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.errors import PermanentError
 from pipeline.models import ReusablePattern
-from pipeline.store.base import BlobStore, BudgetLedger, PatternStore, TraceSink
+from pipeline.store.base import BlobStore, BudgetLedger, BudgetSnapshot, PatternStore, TraceSink
 from pipeline.store.blobs import BlobCorruptError, BlobMissingError, RedisBlobStore, blob_ref
 from pipeline.store.memory import (
     MemoryBlobStore,
@@ -196,36 +196,63 @@ def test_reserve_is_idempotent_per_lease(ledger: BudgetLedger) -> None:
     assert ledger.reserve("run1", "v:1", 1, CAP, 30) is False
 
 
-def test_commit_charges_min_of_actual_and_reserved_once(ledger: BudgetLedger) -> None:
-    """A commit charges min(actual, reserved), releases the hold, and a repeat charges nothing."""
+def test_commit_charges_the_real_figure_once(ledger: BudgetLedger) -> None:
+    """A commit charges what it is given (never under-counted) and releases the hold; a repeat
+    charges nothing more and answers the first charge."""
     ledger.reserve("run1", "t:1", 50, CAP, 30)
-    assert ledger.commit("run1", "t:1", 80) == 50
-    assert ledger.commit("run1", "t:1", 80) == 0
+    assert ledger.commit("run1", "t:1", 40) == 40
+    assert ledger.commit("run1", "t:1", 80) == 40
     ledger.reserve("run1", "t:2", 30, CAP, 30)
     assert ledger.commit("run1", "t:2", 10) == 10
     ledger.reserve("run1", "t:3", 5, CAP, 30)
     assert ledger.commit("run1", "t:3", -4) == 0
-    assert ledger.spent("run1") == 60
-    assert ledger.reserve("run1", "t:4", 40, CAP, 30) is True
+    assert ledger.spent("run1") == 50
+    assert ledger.snapshot("run1") == BudgetSnapshot(spent=50)
+    assert ledger.reserve("run1", "t:4", 50, CAP, 30) is True
 
 
-def test_committed_lease_cannot_be_reserved_again(ledger: BudgetLedger) -> None:
-    """A redelivered reserve after its commit is refused rather than holding anew."""
+def test_an_over_report_is_charged_in_full_and_closes_the_budget(ledger: BudgetLedger) -> None:
+    """A commit above its reservation (a provider reported more than it was allowed) charges
+    the real figure, records the overrun, and no new lease is granted in that run after it;
+    leases already granted still commit."""
+    assert ledger.reserve("run1", "a:1", 30, CAP, 30) is True
+    assert ledger.reserve("run1", "b:1", 20, CAP, 30) is True
+    assert ledger.commit("run1", "a:1", 45) == 45
+    assert ledger.snapshot("run1") == BudgetSnapshot(spent=45, held=20, holders=1, overrun=15)
+    assert ledger.reserve("run1", "c:1", 1, CAP, 30) is False
+    assert ledger.reserve("run1", "b:1", 20, CAP, 30) is True  # its own lease, still held
+    assert ledger.commit("run1", "b:1", 20) == 20
+    assert ledger.spent("run1") == 65
+    assert ledger.reserve("run2", "c:1", 1, CAP, 30) is True  # per run
+
+
+def test_a_committed_lease_is_granted_again_without_holding(ledger: BudgetLedger) -> None:
+    """A re-run reserve after its commit gets the same (settled) lease back: True, and nothing
+    is held or charged anew."""
     ledger.reserve("run1", "t:1", 10, CAP, 30)
     ledger.commit("run1", "t:1", 10)
-    assert ledger.reserve("run1", "t:1", 10, CAP, 30) is False
+    assert ledger.reserve("run1", "t:1", 10, CAP, 30) is True
+    assert ledger.snapshot("run1") == BudgetSnapshot(spent=10)
+    assert ledger.commit("run1", "t:1", 10) == 10
     assert ledger.spent("run1") == 10
 
 
-def test_refund_releases_once_and_charges_nothing(ledger: BudgetLedger) -> None:
-    """Refund frees the hold without charging; repeats and a later commit change nothing."""
+def test_refund_releases_once_and_the_lease_can_be_reserved_afresh(
+    ledger: BudgetLedger,
+) -> None:
+    """Refund frees the hold without charging (repeats do nothing); reserving the lease again
+    reserves afresh, against the cap, and its commit charges once."""
     ledger.reserve("run1", "t:1", 70, CAP, 30)
     ledger.refund("run1", "t:1")
     ledger.refund("run1", "t:1")
-    assert ledger.commit("run1", "t:1", 70) == 0
     assert ledger.spent("run1") == 0
+    assert ledger.snapshot("run1").held == 0
+    assert ledger.reserve("run1", "u:1", 40, CAP, 30) is True
     assert ledger.reserve("run1", "t:1", 70, CAP, 30) is False
-    assert ledger.reserve("run1", "u:1", 100, CAP, 30) is True
+    assert ledger.reserve("run1", "t:1", 60, CAP, 30) is True
+    assert ledger.commit("run1", "t:1", 60) == 60
+    ledger.refund("run1", "t:1")  # committed: a refund changes nothing
+    assert ledger.spent("run1") == 60
 
 
 def test_unknown_lease_commit_and_refund_do_nothing(ledger: BudgetLedger) -> None:
@@ -250,14 +277,14 @@ def test_expired_lease_tokens_come_back(ledger: BudgetLedger, clock: FakeClock) 
     assert ledger.spent("run1") == 60
 
 
-def test_commit_after_expiry_charges_min_of_actual_and_reserved(
+def test_commit_after_expiry_charges_the_real_figure_once(
     ledger: BudgetLedger, clock: FakeClock
 ) -> None:
     """A late commit of an expired, unreleased lease still charges what it really spent, once."""
     ledger.reserve("run1", "slow:1", 40, CAP, 5)
     clock.advance(10)
     assert ledger.commit("run1", "slow:1", 25) == 25
-    assert ledger.commit("run1", "slow:1", 25) == 0
+    assert ledger.commit("run1", "slow:1", 25) == 25
     assert ledger.spent("run1") == 25
 
 
@@ -288,7 +315,7 @@ def test_budget_never_exceeds_cap_under_contention(ledger: BudgetLedger) -> None
             if rng.random() < 0.2:
                 ledger.refund("run1", lease)
                 continue
-            charge = ledger.commit("run1", lease, rng.randint(0, 500))
+            charge = ledger.commit("run1", lease, rng.randint(0, tokens))
             with lock:
                 charges.append(charge)
 

@@ -78,18 +78,19 @@ def exercise_every_store(
     RedisBlobStore(client, prefix=prefix, ttl_s=ttl_s).put(b"blob bytes")
     runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
     runs.mark_submitted(run_id, 1, "w1", "task-1", "sig")
-    runs.put_result(
-        CritiqueResult(
-            run_id=run_id,
-            worker_id="w1",
-            status="accepted",
-            stop_reason="accepted",
-            output="ok",
-            original_score=1.0,
-            best_score=1.0,
-            envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
-        )
+    runs.begin_pass(run_id, 1, "w1", "sid")
+    result = CritiqueResult(
+        run_id=run_id,
+        worker_id="w1",
+        status="accepted",
+        stop_reason="accepted",
+        output="ok",
+        original_score=1.0,
+        best_score=1.0,
+        envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
     )
+    runs.put_result(result)
+    runs.put_result(result, sid="sid")
     runs.count_rejection(run_id)
     runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")
     pending = RedisPendingIndex(client, prefix=prefix, ttl_s=ttl_s)

@@ -1,0 +1,151 @@
+"""Fault-test services: a private ``redis-server`` with AOF that a test kills and restarts, and
+the environment that points this process and real worker processes at it.
+
+Never the shared Redis: each test gets its own server on a free loopback port, in a temp dir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.integration.workers import WorkerProcess, client_on
+from workers.embedded import ping, redis_executable
+
+# Small stall and sweep times, fast restores; a visibility timeout longer than any test, so a
+# message whose ack failed during an outage is not redelivered within it: what a test sees
+# recovered, the sweeper recovered. The publish and backend retry budget stays the default.
+FAULT_ENV = {
+    "CRITIQUE_STALL_S": "3",
+    "CRITIQUE_SWEEP_S": "0.5",
+    "CRITIQUE_VISIBILITY_TIMEOUT_S": "900",
+    "CRITIQUE_RESTORE_INTERVAL_S": "1",
+    "CRITIQUE_RESTORE_MUTEX_S": "3",
+    "CRITIQUE_TASK_TIME_LIMIT_S": "60",
+    "CRITIQUE_LEASE_TTL_S": "5",
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """A ``redis-server`` with ``appendonly yes`` / ``appendfsync always`` that keeps its port and
+    data directory across :meth:`kill` / :meth:`stop` and :meth:`start`."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = _free_port()
+        self.dir = workdir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self, timeout: float = 15.0) -> RedisServer:
+        argv = [
+            redis_executable(),
+            "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
+            "--save", "", "--appendonly", "yes", "--appendfsync", "always",
+            "--dir", str(self.dir),
+        ]  # fmt: skip
+        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it open
+        self.proc = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            if ping("127.0.0.1", self.port):
+                # Answers PING while it loads the AOF (-LOADING to anything else): wait for it.
+                with contextlib.suppress(redis.exceptions.BusyLoadingError):
+                    if redis.Redis(port=self.port).dbsize() >= 0:
+                        return self
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on port {self.port}")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no last fsync (appendfsync always has written every write)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM: Redis's own shutdown."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private Redis with AOF for one test; gone afterwards."""
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _forget_app_connections() -> None:
+    """Drop the Celery app's broker pools and result backend: they were built for the URL of
+    an earlier test's server, and every test has a server (a port) of its own."""
+    from workers.app import app
+
+    app._pool = None
+    app.amqp._producer_pool = None
+    app._backend_cache = None  # the backend: shared when thread-safe, else per thread
+    app._local.__dict__.pop("backend", None)
+
+
+@pytest.fixture
+def fault_env(redis_server: RedisServer) -> Iterator[dict[str, str]]:
+    """This process's client pointed at the private Redis (db 0), with :data:`FAULT_ENV`; the
+    environment for the test's worker processes."""
+    with client_on(redis_server.url(0), **FAULT_ENV) as env:
+        _forget_app_connections()
+        try:
+            yield env
+        finally:
+            _forget_app_connections()
+
+
+@pytest.fixture
+def start_worker(fault_env: dict[str, str], tmp_path: Path) -> Iterator[object]:
+    """``start_worker(name, pool=..., concurrency=...)`` → a started :class:`WorkerProcess`;
+    every one is stopped after the test (and its log printed when the test failed)."""
+    started: list[WorkerProcess] = []
+
+    def start(name: str, *, pool: str = "threads", concurrency: int = 4) -> WorkerProcess:
+        w = WorkerProcess(
+            fault_env["REDIS_URL"],
+            pool=pool,
+            concurrency=concurrency,
+            name=name,
+            env=fault_env,
+            log=tmp_path / f"worker-{name}.log",
+        )
+        started.append(w.start(timeout=60))
+        return w
+
+    yield start
+    for w in started:
+        w.stop()

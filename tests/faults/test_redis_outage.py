@@ -1,0 +1,273 @@
+"""Redis outages and lost messages, with real processes: a private ``redis-server`` (AOF,
+``appendfsync always``) that the test kills or stops and restarts, and real Celery worker
+processes. Nothing is mocked; submissions need no LLM (the heuristic critic)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import redis
+
+from pipeline.errors import StoreUnavailableError
+from pipeline.models import CritiqueResult, Submission
+from pipeline.store import keys
+from pipeline.store.pending import RedisPendingIndex
+from tests.faults.conftest import RedisServer
+from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
+from tests.integration.workers import WorkerProcess
+
+StartWorker = Callable[..., WorkerProcess]
+
+GATE_WRITES_ONCE = True
+"""Flip to True once a gate that runs twice writes its ``result`` trace event once (issue 11,
+"passes": "a re-run stage or gate writes nothing twice"). Until then a gate can write it twice
+under at-least-once delivery, through no fault of the sweeper: when a worker's broker connection
+drops while Redis still answers (a blip, or a shutdown in progress), kombu requeues the
+messages of the tasks still running on it, which then run twice. So the tests allow at most one
+repeat per message that can be in flight at a connection loss, and require that no re-driven
+submission repeats: the sweeper re-drives lost chains only, never live ones."""
+
+
+def _results(run_id: str) -> dict[str, CritiqueResult] | None:
+    """The run's stored results by ``"<iteration>:<worker_id>"``; None while Redis is away."""
+    from workers import runtime
+
+    try:
+        got = runtime.stores().runs.results(run_id)
+    except StoreUnavailableError:
+        return None
+    return {f"{r.iteration}:{r.worker_id}": r for r in got}
+
+
+def _wait_for_results(run_id: str, n: int, timeout: float) -> dict[str, CritiqueResult]:
+    """Poll the results (never ``wait``: no client re-drives anything) until ``n`` are there."""
+    deadline = time.monotonic() + timeout
+    got: dict[str, CritiqueResult] = {}
+    while time.monotonic() < deadline:
+        got = _results(run_id) or got
+        if len(got) >= n:
+            return got
+        time.sleep(0.25)
+    return got
+
+
+def _submissions(run_id: str, n: int) -> list[Submission]:
+    return [make_sub(run_id, f"w{i:03d}", 1, KINDS[i % len(KINDS)]) for i in range(n)]
+
+
+def _check_run(
+    run_id: str,
+    subs: list[Submission],
+    results: dict[str, CritiqueResult],
+    workers: list[WorkerProcess],
+    pids: list[int],
+    *,
+    in_flight_at_losses: int = 0,
+) -> list[dict[str, Any]]:
+    """Every submission ended with its reference result (none failed, none missing), every
+    worker process is the one that started, no gate wrote its result twice (but see
+    :data:`GATE_WRITES_ONCE`: up to ``in_flight_at_losses`` repeats, none for a re-driven
+    submission), nothing is left pending. Returns the run's ``resume`` events."""
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    assert len(results) == len(subs), f"{len(subs) - len(results)} submissions have no result"
+    want, _ = reference(subs, CONFIG)
+    for key, ref in want.items():
+        got = results[key]
+        assert (got.status, got.stop_reason) == (ref.status, ref.stop_reason), key
+    assert "failed" not in Counter(r.status for r in results.values())
+
+    for w, pid in zip(workers, pids, strict=True):
+        assert w.proc is not None and w.proc.poll() is None, "a worker process exited"
+        assert w.proc.pid == pid
+        log = w.log.read_text(errors="replace") if w.log else ""
+        assert "transport:   workers.recovery:RedisTransport://" in log  # the guarded one
+        assert "Unrecoverable error" not in log
+
+    events = list(CritiqueClient(CONFIG).trace(run_id))
+    gates = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
+    assert len(gates) == len(subs)
+    resumes = [e for e in events if e["type"] == "resume"]
+    assert {e["by"] for e in resumes} <= {"sweeper"}
+    repeated = {k: v - 1 for k, v in gates.items() if v > 1}
+    assert not {(e["iteration"], e["worker_id"]) for e in resumes} & set(repeated), repeated
+    allowed = 0 if GATE_WRITES_ONCE else in_flight_at_losses
+    assert sum(repeated.values()) <= allowed, repeated
+    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
+    return resumes
+
+
+def _through_an_outage(
+    server: RedisServer,
+    start_worker: StartWorker,
+    *,
+    down_s: float,
+    graceful: bool,
+    pools: tuple[str, ...],
+    n: int = 300,
+) -> tuple[list[dict[str, Any]], float]:
+    """Submit ``n`` submissions, take Redis down once some results are in (SIGKILL, or its own
+    shutdown when ``graceful``), keep it down ``down_s`` seconds, restart it on the same port
+    and data, and check the run. Returns the resume events and the seconds from the restart
+    to the last result."""
+    from workers.client import CritiqueClient
+
+    concurrency = {"threads": 4, "prefork": 2}
+    workers = [
+        start_worker(f"{pool}{i}", pool=pool, concurrency=concurrency[pool])
+        for i, pool in enumerate(pools)
+    ]
+    pids = [w.proc.pid for w in workers if w.proc is not None]
+    run_id = f"outage-{uuid.uuid4().hex[:8]}"
+    subs = _submissions(run_id, n)
+    CritiqueClient(CONFIG).submit_many(subs)
+    assert len(_wait_for_results(run_id, n // 10, 60)) >= n // 10
+    (server.stop if graceful else server.kill)()
+    time.sleep(down_s)
+    server.start()
+    restarted = time.monotonic()
+    results = _wait_for_results(run_id, n, 120)
+    took = time.monotonic() - restarted
+    in_flight = sum(concurrency[pool] for pool in pools)
+    return _check_run(run_id, subs, results, workers, pids, in_flight_at_losses=in_flight), took
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(180)
+def test_300_submissions_through_a_redis_sigkill_and_restart(
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+) -> None:
+    """Redis SIGKILLed mid-run and restarted 5 s later (AOF): both workers (threads, prefork)
+    keep their process and reconnect, and every submission ends with its normal result, none
+    failed — what the kill lost is re-driven by the sweeper, and only what was lost."""
+    resumes, took = _through_an_outage(
+        redis_server, start_worker, down_s=5, graceful=False, pools=("threads", "prefork")
+    )
+    print(f"SIGKILL + 5 s: all results {took:.1f} s after the restart, {len(resumes)} re-driven")
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+def test_300_submissions_through_a_30_second_redis_outage(
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+) -> None:
+    """Redis shut down mid-run for 32 s, then started again: the worker rides it out (its
+    publishes wait, it reconnects) and every submission ends with its normal result."""
+    resumes, took = _through_an_outage(
+        redis_server, start_worker, down_s=32, graceful=True, pools=("threads",)
+    )
+    print(f"32 s outage: all results {took:.1f} s after the restart, {len(resumes)} re-driven")
+
+
+@pytest.mark.timeout(120)
+def test_300_submissions_through_network_blips(
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+) -> None:
+    """Every client connection to Redis is cut three times mid-run (CLIENT KILL, as a network
+    blip or a proxy restart does): the worker keeps its process, reconnects, and every
+    submission ends with its normal result.
+
+    Redis itself stays up, so kombu requeues the lost connection's unacked messages at once and
+    a stage that was running when the connection was cut runs a second time (at-least-once
+    delivery): see :data:`GATE_WRITES_ONCE`."""
+    from workers.client import CritiqueClient
+
+    worker = start_worker("blip")
+    assert worker.proc is not None
+    pid = worker.proc.pid
+    run_id = f"blip-{uuid.uuid4().hex[:8]}"
+    subs = _submissions(run_id, 300)
+    CritiqueClient(CONFIG).submit_many(subs)
+    admin = redis.Redis(port=redis_server.port)
+    for share in (0.1, 0.3, 0.5):
+        _wait_for_results(run_id, int(len(subs) * share), 60)
+        admin.client_kill_filter(_type="normal", skipme=True)
+    results = _wait_for_results(run_id, len(subs), 90)
+    _check_run(run_id, subs, results, [worker], [pid], in_flight_at_losses=3 * 4)
+
+
+@pytest.mark.timeout(90)
+def test_a_lost_message_is_redriven_by_the_sweeper_with_no_client_waiting(
+    fault_env: dict[str, str], start_worker: StartWorker
+) -> None:
+    """A chain whose next message was lost (l0 ran and recorded its step; its successor is
+    gone) is re-driven by the workers' sweeper from that step, with nobody calling ``wait``:
+    one ``resume`` event by the sweeper, the reference result."""
+    from workers import runtime, tasks
+    from workers.client import CritiqueClient
+
+    worker = start_worker("lost")
+    worker.stop()
+    run_id = f"lost-{uuid.uuid4().hex[:8]}"
+    sub = make_sub(run_id, "w1", 1, "missing")
+    client = CritiqueClient(CONFIG)
+    handle = client.submit(sub)
+    redis.Redis.from_url(fault_env["REDIS_URL"]).delete(keys.QUEUE_CPU)
+    first = runtime.stores().runs.submitted(run_id)["1:w1"]["message"]
+    tasks.l0.apply(args=[first])
+    worker.start(timeout=60)
+
+    deadline = time.monotonic() + 45
+    while (result := client.result(handle)) is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert result is not None, "the sweeper did not re-drive the stalled chain"
+    want = reference([sub], CONFIG)[0]["1:w1"]
+    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
+    resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
+    assert [(e["by"], e["stage"], e["after_step"].rsplit(":", 1)[1]) for e in resumes] == [
+        ("sweeper", "critic", "l0")
+    ]
+    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
+
+
+@pytest.mark.timeout(90)
+def test_a_queue_backlog_is_not_taken_for_a_stall(
+    fault_env: dict[str, str], start_worker: StartWorker
+) -> None:
+    """300 submissions wait in the queue with no worker running for longer than the stall time:
+    when a worker starts, the probes show the queue was not yet drained past them, so none is
+    re-driven (a backlog is never flooded with duplicates) and every one ends once."""
+    from workers.client import CritiqueClient
+
+    worker = start_worker("backlog")
+    worker.stop()
+    run_id = f"backlog-{uuid.uuid4().hex[:8]}"
+    subs = _submissions(run_id, 300)
+    CritiqueClient(CONFIG).submit_many(subs)
+    time.sleep(float(fault_env["CRITIQUE_STALL_S"]) + 2)
+    worker.start(timeout=60)
+    assert worker.proc is not None
+    pid = worker.proc.pid
+    results = _wait_for_results(run_id, len(subs), 60)
+    assert _check_run(run_id, subs, results, [worker], [pid]) == []
+
+
+@pytest.mark.parametrize("how", ["collected", "close_failed_half_way"])
+def test_a_lost_connections_channel_fails_with_a_connection_error(
+    redis_server: RedisServer, how: str
+) -> None:
+    """The transport guard behind "workers survive a Redis outage": once the worker's consumer
+    has collected a lost connection, a channel of it that is used again (its close retried, an
+    ack of a task that ran through the outage) raises a Redis connection error, which kombu and
+    Celery log and survive. kombu's own Redis transport raises AttributeError there ('client'
+    for a closed channel; 'hostname' for one whose close failed half-way, detached from its
+    transport's connection), which ended the worker's main process."""
+    from kombu import Connection
+
+    from workers.recovery import RedisTransport
+
+    conn = Connection(redis_server.url(0), transport=RedisTransport)
+    channel = conn.channel()
+    channel._disconnect_pools()  # as a close, even one that failed half-way, leaves it
+    if how == "collected":
+        conn.collect()  # the consumer's cleanup of a lost connection: closes its channels
+    else:
+        channel.connection.client = None  # its transport detached, the channel still open
+    with pytest.raises(RedisTransport.connection_errors):
+        channel.qos.ack("a-delivery-tag")

@@ -1,0 +1,190 @@
+"""Killed workers lose, leak and repeat nothing: 1,000 submissions on a private Redis (AOF)
+through a SIGKILL of a prefork pool child and then of the worker's main process, with a second
+worker (whose stall sweeper re-drives what the dead one held) finishing the run. Repairs use a
+reviser that spends (estimated) tokens, so every repair round reserves and charges budget."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline.models import CritiqueResult, Submission
+from pipeline.store import keys
+from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
+from tests.integration.workers import WorkerProcess
+
+N = 1000
+DEDUPE_SKIP = {"resume", "stalled", "refused"}
+"""Trace events that may repeat by design (each re-drive writes one ``resume``)."""
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def workers(fault_env: dict[str, str], tmp_path: Path) -> Iterator[dict[str, WorkerProcess]]:
+    """A prefork worker (the victim) and a threads worker (the rescuer); whatever happens, no
+    process of theirs outlives the test."""
+    env = {
+        **fault_env,
+        "CRITIQUE_REPAIRER": "tests.integration.helpers:slow_revise",
+        "SLOW_REVISE_S": "0.01",
+    }
+    made = {
+        "victim": WorkerProcess(
+            fault_env["REDIS_URL"],
+            pool="prefork",
+            concurrency=2,
+            name="victim",
+            env=env,
+            log=tmp_path / "victim.log",
+        ),
+        "rescuer": WorkerProcess(
+            fault_env["REDIS_URL"],
+            pool="threads",
+            concurrency=4,
+            name="rescuer",
+            env=env,
+            log=tmp_path / "rescuer.log",
+        ),
+    }
+    children: set[int] = set()
+    try:
+        for w in made.values():
+            w.start(timeout=60)
+            assert w.proc is not None
+            children.update(_children(w.proc.pid))
+        yield made
+    finally:
+        for w in made.values():
+            if w.proc is not None:
+                children.update(_children(w.proc.pid))
+            w.kill()
+        for pid in children:
+            _kill(pid)
+
+
+def _results(run_id: str) -> dict[str, CritiqueResult]:
+    from workers import runtime
+
+    return {f"{r.iteration}:{r.worker_id}": r for r in runtime.stores().runs.results(run_id)}
+
+
+def _wait_for(run_id: str, n: int, timeout: float) -> dict[str, CritiqueResult]:
+    deadline = time.monotonic() + timeout
+    got: dict[str, CritiqueResult] = {}
+    while time.monotonic() < deadline:
+        got = _results(run_id)
+        if len(got) >= n:
+            break
+        time.sleep(0.2)
+    return got
+
+
+def _event_key(e: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes a trace event unique within a run (its timing fields aside)."""
+    return (
+        e["type"],
+        e.get("stage"),
+        e.get("iteration"),
+        e.get("worker_id"),
+        e.get("pass_id"),
+        e.get("round"),
+        e.get("attempt"),
+        e.get("l0_check"),
+        e.get("violating_path"),
+        e.get("note"),
+    )
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(170)
+def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
+    fault_env: dict[str, str], workers: dict[str, WorkerProcess]
+) -> None:
+    """SIGKILL one prefork child at 10 % of the results, the victim's main process at 40 %:
+    every submission still ends with its normal (reference) result; no lease is held or left
+    unsettled; the budget in Redis is the sum the results charged; pattern counts are the
+    reference's; no trace event is written twice (one ``result`` per submission)."""
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    began = time.monotonic()
+    run_id = f"kills-{uuid.uuid4().hex[:8]}"
+    subs: list[Submission] = [
+        make_sub(run_id, f"w{i:04d}", 1, KINDS[i % len(KINDS)]) for i in range(N)
+    ]
+    CritiqueClient(CONFIG).submit_many(subs)
+    victim = workers["victim"]
+    assert victim.proc is not None
+    main = victim.proc.pid
+
+    assert len(_wait_for(run_id, N // 10, 60)) >= N // 10
+    pool = _children(main)
+    assert pool, "the prefork worker has no pool child to kill"
+    _kill(pool[0])
+    assert len(_wait_for(run_id, 4 * N // 10, 60)) >= 4 * N // 10
+    orphans = _children(main)
+    victim.kill()  # SIGKILL of the main process
+    for pid in orphans:  # its pool dies with it, as with a host crash
+        _kill(pid)
+
+    results = _wait_for(run_id, N, max(10.0, 150 - (time.monotonic() - began)))
+    assert len(results) == N, f"{N - len(results)} submissions have no result"
+    want, ref_patterns = reference(subs, CONFIG)
+    wrong = {
+        k: ((r.status, r.stop_reason), (want[k].status, want[k].stop_reason))
+        for k, r in results.items()
+        if (r.status, r.stop_reason) != (want[k].status, want[k].stop_reason)
+    }
+    assert not wrong, wrong
+    assert "failed" not in Counter(r.status for r in results.values())
+
+    s = runtime.stores()
+    assert s.budget.holds(run_id) == {}
+    leases = {
+        k.decode(): v.decode()
+        for k, v in runtime.client().hgetall(keys.run_key(run_id, keys.BUDGET_LEASES)).items()
+    }
+    unsettled = {k: v for k, v in leases.items() if v.split(":")[2] == "0"}
+    assert not unsettled, unsettled
+    charged = sum(r.budget_charged for r in results.values())
+    assert s.budget.spent(run_id) == charged > 0
+    assert len(leases) >= sum(len(r.attempts) for r in results.values())
+
+    got = {(p.category, p.prevention_rule): p.frequency for p in s.patterns.top(run_id, 1000)}
+    ref = {(p.category, p.prevention_rule): p.frequency for p in ref_patterns.top(run_id, 1000)}
+    assert got == ref
+
+    events = list(CritiqueClient(CONFIG).trace(run_id))
+    counted = Counter(_event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
+    repeated = {k: n for k, n in counted.items() if n > 1}
+    assert not repeated, repeated
+    finals = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
+    assert len(finals) == N and set(finals.values()) == {1}
+    resumes = [e for e in events if e["type"] == "resume"]
+    print(
+        f"\n{N} submissions through two kills in {time.monotonic() - began:.1f} s; "
+        f"{len(resumes)} passes re-driven; {len(leases)} leases, budget {charged} tokens; "
+        f"{json.dumps(Counter(r.status for r in results.values()))}"
+    )

@@ -1,0 +1,272 @@
+"""Passes (SPEC §4) and effects written once, on a real Redis with a real worker process: a
+resubmission is critiqued afresh and ``wait`` answers with its own pass; a stage or gate
+delivered twice leaves no lease held, reserves once, charges once and writes one result event."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pipeline.config import load_config
+from pipeline.models import Submission
+from pipeline.runner import make_context, run_submission, start
+from pipeline.store import keys
+from pipeline.store.memory import MemoryPatternStore
+from tests.integration.helpers import estimating_revise
+from tests.integration.test_distributed import make_sub
+from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+
+pytestmark = pytest.mark.integration
+
+CONFIG: dict[str, Any] = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
+
+
+@pytest.fixture(scope="module")
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    """This process and the worker share the worker database of the test Redis."""
+    with client_on(worker_db_url(redis_url), CRITIQUE_LEASE_TTL_S="30", CRITIQUE_STALL_S="60") as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def worker(
+    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """One worker (threads, 4) whose reviser spends (estimated) tokens, so repair rounds
+    reserve and charge budget (the default deterministic reviser is token-free)."""
+    log = tmp_path_factory.mktemp("passes") / "worker.log"
+    wenv = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:estimating_revise"}
+    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="passes", env=wenv, log=log).start()
+    yield w
+    w.stop()
+
+
+def _run_id(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex[:8]}"
+
+
+def _leases(run_id: str) -> list[str]:
+    from workers import runtime
+
+    raw = runtime.client().hkeys(keys.run_key(run_id, keys.BUDGET_LEASES))
+    return sorted(k.decode() for k in raw)
+
+
+def _reference_patterns(passes: list[tuple[Submission, str]]) -> dict[tuple[str, str], int]:
+    """Pattern frequencies of these passes through the broker-free runner."""
+    patterns = MemoryPatternStore()
+    ctx = make_context(
+        load_config(env={}, overrides=CONFIG), patterns=patterns, reviser=estimating_revise
+    )
+    for sub, pass_id in passes:
+        run_submission(sub, ctx, pass_id=pass_id)
+    run_id = passes[0][0].run_id
+    return {(p.category, p.prevention_rule): p.frequency for p in patterns.top(run_id, 1000)}
+
+
+def test_a_resubmission_is_a_new_pass_and_wait_answers_with_its_own(
+    worker: WorkerProcess,
+) -> None:
+    """Same (run, iteration, worker), a new output: with no worker running, ``wait`` on the new
+    handle times out (never the old verdict) and the old result leaves ``results``; once a
+    worker runs, the new pass gets its own verdict, its own lease and its own pattern counts,
+    while the first handle still reads the first pass's result."""
+    from workers import runtime
+    from workers.client import CritiqueClient, CritiqueTimeout
+
+    client = CritiqueClient(CONFIG)
+    run_id = _run_id("resub")
+    first_sub = make_sub(run_id, "w1", 1, "looping")
+    h1 = client.submit(first_sub)
+    r1 = client.wait(h1, timeout=60)
+    assert r1.status == "repaired" and r1.pass_id == h1.pass_id
+    worker.stop()
+    try:
+        second_sub = make_sub(run_id, "w1", 1, "dup_heading")
+        h2 = client.submit(second_sub)
+        assert h2.pass_id and h2.pass_id != h1.pass_id
+        with pytest.raises(CritiqueTimeout):
+            client.wait(h2, timeout=2)
+        assert client.result(h2) is None
+        assert client.results(run_id) == []  # the latest pass has no result yet
+        assert client.result(h1) == r1  # the first pass's own result stays readable
+    finally:
+        worker.start()
+    r2 = client.wait(h2, timeout=60)
+    assert r2.pass_id == h2.pass_id
+    assert r2.status == "repaired" and "Findings (2)" in str(r2.output)
+    assert r2.output != r1.output
+    assert client.results(run_id) == [r2]
+    assert client.result(h1) == r1
+
+    s = runtime.stores()
+    assert r1.budget_charged > 0 and r2.budget_charged > 0
+    assert s.budget.spent(run_id) == r1.budget_charged + r2.budget_charged
+    assert s.budget.holds(run_id) == {}
+    leases = _leases(run_id)
+    assert leases == sorted(
+        f"w1:1:{h.pass_id}:{a.attempt}" for h, r in ((h1, r1), (h2, r2)) for a in r.attempts
+    )
+    got = {(p.category, p.prevention_rule): p.frequency for p in s.patterns.top(run_id, 1000)}
+    assert got == _reference_patterns([(first_sub, h1.pass_id), (second_sub, h2.pass_id)])
+    events = list(client.trace(run_id))
+    assert Counter(e.get("pass_id") for e in events if e["type"] == "result") == {
+        h1.pass_id: 1,
+        h2.pass_id: 1,
+    }
+    assert all(e.get("pass_id") in (h1.pass_id, h2.pass_id) for e in events)
+
+
+def _decide_message(run_id: str) -> dict[str, Any]:
+    """The message a decide stage gets for a repairable submission (its l0 and critic stages
+    run here, through the task bodies)."""
+    from workers import runtime, tasks
+
+    sub = make_sub(run_id, "w1", 1, "looping")
+    msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
+    for stage in (tasks.l0, tasks.critic):
+        msg = stage.apply(args=[msg]).get()
+    assert runtime.decode(msg)[0].next == "decide"
+    return msg
+
+
+def _settled(run_id: str, step: str, timeout: float = 30) -> None:
+    """Wait until ``step`` is recorded and the run's steps stop changing for a while (the
+    duplicate chains have run out)."""
+    from workers import runtime
+
+    key = keys.run_key(run_id, keys.STEPS)
+    deadline = time.monotonic() + timeout
+    last, quiet = -1, 0
+    while time.monotonic() < deadline and quiet < 6:
+        n = int(runtime.client().hlen(key))
+        done = runtime.client().hexists(key, step)
+        quiet = quiet + 1 if done and n == last else 0
+        last = n
+        time.sleep(0.25)
+    assert quiet >= 6, f"step {step} of run {run_id} did not settle"
+
+
+def test_a_decide_delivered_twice_reserves_once_and_leaves_no_lease(
+    worker: WorkerProcess,
+) -> None:
+    """The same signed decide message sent twice (both run, maybe at once, each replacing
+    itself with the repair loop): one lease per attempt, charged once, none left held."""
+    from workers import runtime
+    from workers.app import app
+
+    run_id = _run_id("twice")
+    msg = _decide_message(run_id)
+    pass_id = runtime.decode(msg)[0].pass_id
+    last = f"1:w1:{pass_id}:2:1:decide"  # the decision after the repair
+    for _ in range(2):
+        app.send_task(keys.TASK_DECIDE, args=[msg])  # decide stores no result: nothing to get
+    _settled(run_id, last)
+    s = runtime.stores()
+    assert _leases(run_id) == [f"w1:1:{pass_id}:1"]
+    assert s.budget.holds(run_id) == {}
+    once = s.budget.spent(run_id)
+    assert once > 0
+    # A third delivery, long after: it replays the recorded decision, reserving nothing.
+    app.send_task(keys.TASK_DECIDE, args=[msg])
+    time.sleep(1.0)
+    _settled(run_id, last)
+    assert (s.budget.spent(run_id), _leases(run_id), s.budget.holds(run_id)) == (
+        once,
+        [f"w1:1:{pass_id}:1"],
+        {},
+    )
+
+
+def test_a_decide_that_lost_the_race_to_a_refusal_releases_its_lease(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two deliveries of one decide race: the first, refused the budget (a filler lease held
+    it), recorded repair_budget_exhausted; the second checked the step record before that
+    record existed (forced here: its check answers "nothing yet"), got the budget and
+    reserved. Its reservation must not stay held: the recorded refusal wins, the lease goes."""
+    from pipeline.store.runs import RedisRunStore
+    from workers import runtime, tasks
+
+    run_id = _run_id("race")
+    tight = {**CONFIG, "budget": {"total_tokens": 200_000}}  # cap 30 000
+    sub = make_sub(run_id, "w1", 1, "looping")
+    msg = runtime.encode(start(sub, runtime.new_pass_id()), tight)
+    for stage in (tasks.l0, tasks.critic):
+        msg = stage.apply(args=[msg]).get()
+    s = runtime.stores()
+    monkeypatch.setattr(runtime.context_for(tight), "reviser", estimating_revise)
+    assert s.budget.reserve(run_id, "filler:1", 30_000, 30_000, 60)
+    first, next_stage = tasks._stage(tasks.decide, msg, "decide")
+    assert next_stage == "done"
+    assert runtime.decode(first)[0].stop_reason == "repair_budget_exhausted"
+    s.budget.refund(run_id, "filler:1")
+    monkeypatch.setattr(RedisRunStore, "step_output", lambda self, run, step: None)
+    again, next_again = tasks._stage(tasks.decide, msg, "decide")
+    assert (again, next_again) == (first, "done")
+    assert s.budget.holds(run_id) == {}
+    assert s.budget.snapshot(run_id).spent == 0
+
+
+def test_a_gate_delivered_twice_writes_one_result_and_one_event(worker: WorkerProcess) -> None:
+    """The same finished state sent to critique.gate twice: one stored result, one ``result``
+    trace event (both written in one atomic step, once per pass)."""
+    from workers import runtime, tasks
+    from workers.app import app
+    from workers.client import CritiqueClient
+
+    run_id = _run_id("gate")
+    sub = make_sub(run_id, "w1", 1, "clean")
+    msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
+    for stage in (tasks.l0, tasks.critic):
+        msg = stage.apply(args=[msg]).get()
+    msg, next_stage = tasks._stage(tasks.decide, msg, "decide")
+    assert next_stage == "done"
+    got = [app.send_task(keys.TASK_GATE, args=[msg]) for _ in range(3)]
+    answers = [res.get(timeout=30) for res in got]
+    assert all(a["status"] == "accepted" for a in answers)
+    events = [e for e in CritiqueClient(CONFIG).trace(run_id) if e["type"] == "result"]
+    assert len(events) == 1
+    assert events[0]["pass_id"] == runtime.decode(msg)[0].pass_id
+    [stored] = CritiqueClient(CONFIG).results(run_id)
+    assert stored.status == "accepted"
+
+
+def test_store_keeps_the_latest_pass_in_results(env: dict[str, str]) -> None:
+    """A pass resubmitted before the first finished: the first's late result is kept under its
+    pass only; ``results`` shows the latest pass's; a repeated put writes nothing."""
+    from pipeline.models import CritiqueEnvelope, CritiqueResult
+    from workers import runtime
+
+    runs = runtime.stores().runs
+    run_id = _run_id("latest")
+
+    def result(pass_id: str, score: float) -> CritiqueResult:
+        return CritiqueResult(
+            run_id=run_id,
+            worker_id="w1",
+            status="accepted",
+            stop_reason="accepted",
+            output="ok",
+            original_score=score,
+            best_score=score,
+            envelope=CritiqueEnvelope(worker_id="w1", score=score),
+            pass_id=pass_id,
+        )
+
+    runs.begin_pass(run_id, 1, "w1", "p1")
+    runs.begin_pass(run_id, 1, "w1", "p2")
+    assert runs.put_result(result("p1", 0.7), sid="p1", events=['{"type":"result"}']) is True
+    assert runs.result(run_id, 1, "w1") is None
+    assert runs.put_result(result("p2", 0.9), sid="p2", events=['{"type":"result"}']) is True
+    assert runs.put_result(result("p2", 0.9), sid="p2", events=['{"type":"result"}']) is False
+    latest = runs.result(run_id, 1, "w1")
+    assert latest is not None and latest.pass_id == "p2"
+    old = runs.pass_result(run_id, 1, "w1", "p1")
+    assert old is not None and old.best_score == 0.7
+    assert len(runtime.stores().trace.read(run_id)) == 2

@@ -1,0 +1,527 @@
+"""Passes and the repair budget in the broker-free runner, with the in-memory stores (which keep
+the Redis stores' rules): every effect keyed by the pass; reservations sized from counted prompts
+plus ``max_tokens``, the calls made with that ``max_tokens``, the unused part refunded; token-free
+repairs reserve nothing; an over-report is charged in full and closes the budget."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from pipeline.config import CritiqueConfig
+from pipeline.critics.base import RevisionResult
+from pipeline.errors import LLMPermanentError, LLMTransientError
+from pipeline.llm import (
+    AllowanceSpent,
+    ChatMessage,
+    LLMReply,
+    LLMRequest,
+    complete_within,
+    count_prompt_tokens,
+    estimate_prompt_tokens,
+    token_allowance,
+)
+from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Usage
+from pipeline.pitfalls import render_pitfalls
+from pipeline.repair import repair_reply_tokens
+from pipeline.runner import (
+    L0Outcome,
+    LoopState,
+    critic_stage,
+    decide_stage,
+    lease_for,
+    make_context,
+    repair_bound,
+    repair_stage,
+    run_submission,
+    start,
+)
+from pipeline.store.base import BudgetSnapshot
+from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore, MemoryTraceSink
+
+MODEL = "openai/critic"
+WORDS = ["north", "south", "region", "store", "online", "order", "growth", "margin", "price"]
+
+
+def _words(seed: int, n: int = 24) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+class Provider:
+    """A completer behaving like a provider: it answers the critic by the round in the prompt
+    (a critical defect until round 3) and the repairer with a fresh output; usage is
+    ⌊chars/4⌋ for the prompt and the reply, or ``max_tokens`` when ``fill`` (a provider that
+    writes as long as it may), times ``over`` (a provider that reports more than it may)."""
+
+    def __init__(self, *, fill: bool = False, over: float = 1.0) -> None:
+        self.fill = fill
+        self.over = over
+        self.requests: list[LLMRequest] = []
+        self.replies: list[LLMReply] = []
+        self.repairs = 0
+
+    def __call__(self, request: LLMRequest) -> LLMReply:
+        self.requests.append(request)
+        user = "\n".join(m.content for m in request.messages if m.role == "user")
+        if request.purpose == "repair":
+            self.repairs += 1
+            text = json.dumps(
+                {"summary": _words(self.repairs), "findings": _words(1000 + self.repairs)}
+            )
+        else:
+            found = re.search(r"Critique round: (\d+)", user)
+            round_no = int(found.group(1)) if found else 1
+            score = {1: 0.4, 2: 0.5}.get(round_no, 0.95)
+            defects = (
+                [
+                    {
+                        "category": "incomplete",
+                        "severity": "critical",
+                        "location": "findings",
+                        "description": f"findings too thin (round {round_no})",
+                    }
+                ]
+                if score < 0.6
+                else []
+            )
+            text = json.dumps({"score": score, "defects": defects, "summary": "ok"})
+        prompt = sum(len(m.content) for m in request.messages) // 4
+        completion = (request.max_tokens or 0) if self.fill else len(text) // 4
+        reply = LLMReply(
+            text=text,
+            usage=Usage(
+                tokens_in=int(prompt * self.over), tokens_out=int(completion * self.over), calls=1
+            ),
+        )
+        self.replies.append(reply)
+        return reply
+
+    def spent_on_repairs(self) -> int:
+        """What the provider billed for repair-phase calls: repairs and re-critiques."""
+        first = re.compile(r"Critique round: 1\b")
+        return sum(
+            r.usage.tokens
+            for q, r in zip(self.requests, self.replies, strict=True)
+            if not first.search("\n".join(m.content for m in q.messages))
+        )
+
+
+def _no_l0(sub: Submission, output: Any, previous_size: int | None) -> L0Outcome:
+    return L0Outcome()
+
+
+def _never(previous: str, current: str) -> bool:
+    return False
+
+
+def _llm_context(
+    provider: Provider,
+    total_tokens: int | None,
+    *,
+    budget: MemoryBudgetLedger | None = None,
+    patterns: MemoryPatternStore | None = None,
+    max_tokens: int = 300,
+    **extra: Any,
+) -> Any:
+    config = CritiqueConfig.model_validate(
+        {
+            "enabled": True,
+            "critic": "llm",
+            "model": MODEL,
+            "max_repair_attempts": 3,
+            "budget": {"total_tokens": total_tokens},
+            "llm": {"max_tokens": max_tokens},
+            **extra,
+        }
+    )
+    return make_context(
+        config,
+        complete=provider,
+        budget=budget or MemoryBudgetLedger(),
+        patterns=patterns,
+        l0=_no_l0,
+        fixpoint=_never,
+    )
+
+
+def _sub(worker: str = "w1", run_id: str = "run-1", **kw: Any) -> Submission:
+    fields: dict[str, Any] = {
+        "run_id": run_id,
+        "worker_id": worker,
+        "task": "Summarise the quarterly sales report: a summary and the findings.",
+        "output": {"summary": _words(7), "findings": "thin"},
+        "required_fields": ("summary", "findings"),
+    }
+    return Submission.model_validate({**fields, **kw})
+
+
+# --- complete_within ---------------------------------------------------------------------------
+
+
+def _request(max_tokens: int | None = 500, chars: int = 400) -> LLMRequest:
+    return LLMRequest(
+        model=MODEL,
+        messages=(ChatMessage(role="user", content="x" * chars),),
+        max_tokens=max_tokens,
+        purpose="repair",
+    )
+
+
+def test_outside_an_allowance_a_call_is_unchanged() -> None:
+    """No allowance (a first critique): the request goes out as it was built."""
+    seen: list[LLMRequest] = []
+
+    def complete(request: LLMRequest) -> LLMReply:
+        seen.append(request)
+        return LLMReply(text="ok", usage=Usage(tokens_in=5, tokens_out=5))
+
+    complete_within(complete, _request())
+    assert seen[0].max_tokens == 500
+
+
+def test_an_allowance_lowers_max_tokens_to_what_is_left_and_counts_the_spend() -> None:
+    """max_tokens = min(asked, left − counted prompt); the reported usage is taken off."""
+    seen: list[LLMRequest] = []
+
+    def complete(request: LLMRequest) -> LLMReply:
+        seen.append(request)
+        return LLMReply(text="ok", usage=Usage(tokens_in=100, tokens_out=30))
+
+    prompt = estimate_prompt_tokens(_request())
+    assert prompt == 100 + 4 + 3
+    with token_allowance(prompt + 200) as allowance:
+        complete_within(complete, _request(max_tokens=500))
+        assert seen[0].max_tokens == 200
+        assert allowance is not None and allowance.left == prompt + 200 - 130
+        complete_within(complete, _request(max_tokens=10))
+        assert seen[1].max_tokens == 10
+
+
+def test_a_call_whose_prompt_does_not_fit_is_not_made() -> None:
+    """A prompt the allowance cannot hold (plus one reply token) raises AllowanceSpent, a
+    transient error the critics and revisers answer token-free; nothing is sent."""
+    calls: list[LLMRequest] = []
+    with token_allowance(50), pytest.raises(AllowanceSpent) as err:
+        complete_within(lambda r: calls.append(r) or LLMReply(text=""), _request())
+    assert isinstance(err.value, LLMTransientError)
+    assert calls == []
+    assert "50 token(s) left" in err.value.message
+
+
+def test_a_reply_without_usage_counts_as_its_whole_bound() -> None:
+    """Never under-counted: a reply reporting no usage spent its prompt + max_tokens."""
+    with token_allowance(1000):
+        reply = complete_within(lambda r: LLMReply(text="ok"), _request(max_tokens=40))
+    assert reply.usage.tokens == estimate_prompt_tokens(_request()) + 40
+
+
+def test_prompt_count_is_the_larger_of_the_estimate_and_the_tokenizer() -> None:
+    """A completer's own count is used when larger; a broken counter leaves the estimate."""
+
+    class Counting:
+        def __init__(self, n: int | None) -> None:
+            self.n = n
+
+        def __call__(self, request: LLMRequest) -> LLMReply:
+            return LLMReply(text="")
+
+        def count_tokens(self, request: LLMRequest) -> int:
+            if self.n is None:
+                raise RuntimeError("no tokenizer")
+            return self.n
+
+    estimate = estimate_prompt_tokens(_request())
+    assert count_prompt_tokens(_request(), Counting(10_000)) == 10_000
+    assert count_prompt_tokens(_request(), Counting(1)) == estimate
+    assert count_prompt_tokens(_request(), Counting(None)) == estimate
+
+
+# --- the reservation ---------------------------------------------------------------------------
+
+
+def test_a_repair_round_reserves_counted_prompts_plus_max_tokens_and_charges_real_spend() -> None:
+    """The lease holds repair prompt + its max_tokens + re-critique prompt (repaired output at
+    its bound) + the critic's max_tokens; the calls go out with those max_tokens; the commit
+    charges what the provider reported (the rest comes back), and the result says so."""
+
+    class Recording(MemoryBudgetLedger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.reserved: list[tuple[str, int]] = []
+
+        def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
+            self.reserved.append((lease_id, tokens))
+            return super().reserve(run_id, lease_id, tokens, cap, ttl_s)
+
+    provider = Provider()
+    ledger = Recording()
+    ctx = _llm_context(provider, 10_000_000, budget=ledger)
+    sub = _sub()
+    result = run_submission(sub, ctx, pass_id="p1")
+
+    assert (result.status, result.stop_reason) == ("repaired", "accepted")
+    assert [lease for lease, _ in ledger.reserved] == ["w1:1:p1:1", "w1:1:p1:2"]
+    repair_calls = [r for r in provider.requests if r.purpose == "repair"]
+    assert repair_calls[0].max_tokens == repair_reply_tokens(sub.output, 300)
+    spent = provider.spent_on_repairs()
+    assert ledger.spent("run-1") == spent == result.budget_charged
+    assert result.repair_usage.tokens == spent
+    assert ledger.snapshot("run-1") == BudgetSnapshot(spent=spent)
+    assert result.pass_id == "p1"
+    assert not any("reserved" in n for n in result.notes)
+    # Each round's commit is in the trace: what was reserved, what it really cost.
+    rounds = [e for e in ctx.trace.read("run-1") if e.get("lease")]
+    assert [(e["lease"], e["reserved"]) for e in rounds] == ledger.reserved
+    assert all(0 < e["charged"] <= e["reserved"] for e in rounds)
+    assert sum(e["charged"] for e in rounds) == spent
+
+
+def test_repair_bound_parts_are_the_calls_the_stages_make() -> None:
+    """The reservation's repair part is the repair call's counted prompt + max_tokens; its
+    critique part the critic call's counted prompt with an empty output + the output bound +
+    the critic's max_tokens."""
+    provider = Provider()
+    ctx = _llm_context(provider, 10_000_000)
+    state = LoopState(submission=_sub(), output=_sub().output, pass_id="p1")
+    state = critic_stage(state, ctx)
+    assert state.envelope is not None
+    bound = repair_bound(ctx, state, state.envelope)
+    pitfalls = render_pitfalls(ctx.patterns.top("run-1", 10))
+    assert pitfalls  # the first critique's patterns
+    reviser = ctx.reviser.resolve(state.submission)
+    request = reviser.request(state.submission, state.output, state.envelope, pitfalls, ())
+    assert request.max_tokens == repair_reply_tokens(state.output, 300)
+    assert bound.output_tokens == request.max_tokens
+    assert bound.repair == count_prompt_tokens(request) + request.max_tokens
+    assert bound.critique > 300 + bound.output_tokens
+    # The repair stage makes exactly the counted call, within the repair part.
+    repaired = repair_stage(decide_stage(state, ctx), ctx)
+    [call] = [r for r in provider.requests if r.purpose == "repair"]
+    assert call == request
+    assert repaired.pending_repair_tokens <= bound.repair
+
+
+def test_a_provider_using_every_allowed_token_never_passes_the_cap() -> None:
+    """Replies as long as max_tokens allows, over many submissions sharing a binding budget:
+    the provider's real spend stays within the cap; the refusals say spent and held."""
+    provider = Provider(fill=True)
+    ctx = _llm_context(provider, 200_000, repair_budget_fraction=0.1)  # cap 20 000
+    results = [run_submission(_sub(f"w{i:02d}"), ctx, pass_id=f"p{i}") for i in range(20)]
+    spent = ctx.budget.spent("run-1")
+    assert spent == provider.spent_on_repairs() == sum(r.budget_charged for r in results)
+    assert 0 < spent <= 20_000
+    refused = [r for r in results if r.stop_reason == "repair_budget_exhausted"]
+    assert refused, "the budget never bound"
+    reasons = [
+        e["reason"]
+        for e in ctx.trace.read("run-1")
+        if e["type"] == "round" and e.get("stop_reason") == "repair_budget_exhausted"
+    ]
+    assert all(
+        re.fullmatch(
+            r"repair budget refused \d+ tokens: cap 20000, spent \d+, held 0 by 0 repairs "
+            r"in flight",
+            reason,
+        )
+        for reason in reasons
+    ), reasons
+
+
+def test_a_binding_budget_refuses_only_near_its_end() -> None:
+    """With realistic usage, the first refusal comes when spent + the refused reservation
+    really is past the cap: at least 85 % of the cap is spent by then."""
+    provider = Provider()
+    ctx = _llm_context(provider, 100_000, repair_budget_fraction=0.1)  # cap 10 000
+    for i in range(30):
+        run_submission(_sub(f"w{i:02d}"), ctx, pass_id=f"p{i}")
+    spent_at_refusal = [
+        int(m.group(1))
+        for e in ctx.trace.read("run-1")
+        if (m := re.search(r"spent (\d+)", str(e.get("reason") or "")))
+    ]
+    assert spent_at_refusal, "the budget never bound"
+    assert min(spent_at_refusal) >= 0.85 * 10_000
+    assert ctx.budget.spent("run-1") <= 10_000
+
+
+def test_an_over_report_is_charged_in_full_noted_and_closes_the_budget() -> None:
+    """A provider that reports more than the call's max_tokens allowed: the whole figure is
+    charged (never under-counted), the result notes it, and the next repair is refused."""
+    provider = Provider(fill=True, over=10.0)
+    ctx = _llm_context(provider, 10_000_000)
+    first = run_submission(_sub("w1"), ctx, pass_id="a")
+    assert ctx.budget.spent("run-1") == provider.spent_on_repairs() == first.budget_charged
+    assert any("more than the" in n and "charged" in n for n in first.notes), first.notes
+    snap = ctx.budget.snapshot("run-1")
+    assert snap.overrun > 0 and snap.held == 0
+    second = run_submission(_sub("w2"), ctx, pass_id="b")
+    assert second.stop_reason == "repair_budget_exhausted"
+    [reason] = [
+        e["reason"]
+        for e in ctx.trace.read("run-1")
+        if e["type"] == "round" and e.get("worker_id") == "w2" and e.get("stop_reason")
+    ]
+    assert "closed since providers reported" in reason
+
+
+def test_a_re_ask_runs_only_within_what_the_reservation_left() -> None:
+    """A re-critique whose first reply is unusable is re-asked only if the prompt fits in what
+    the reservation has left; else the heuristic answers and the reason says why."""
+
+    class Unusable(Provider):
+        def __call__(self, request: LLMRequest) -> LLMReply:
+            reply = super().__call__(request)
+            if request.purpose == "critic" and "Critique round: 2" in request.messages[-1].content:
+                return reply.model_copy(update={"text": "not json at all"})
+            return reply
+
+    provider = Unusable(fill=True)
+    ctx = _llm_context(provider, 10_000_000, max_repair_attempts=1)
+    result = run_submission(_sub(), ctx, pass_id="p")
+    reasons = [n for n in result.notes if "critic fallback" in n]
+    assert reasons and "re-ask was not made" in reasons[0]
+    assert ctx.budget.spent("run-1") == provider.spent_on_repairs()
+    assert ctx.budget.snapshot("run-1").overrun == 0
+
+
+def test_token_free_repairs_reserve_and_charge_nothing() -> None:
+    """The deterministic reviser with the heuristic critic: a cap of one token refuses nothing,
+    no lease is taken, nothing is charged."""
+    looping = "# Q3\n\n## Summary\n\nUp.\n\n## Findings\n\n" + ((_words(3, 30) + "\n\n") * 2)
+    config = CritiqueConfig(enabled=True, critic="heuristic", budget={"total_tokens": 10})
+    ctx = make_context(config)
+    sub = Submission(
+        run_id="run-1",
+        worker_id="w1",
+        task="Report.",
+        output=looping,
+        claimed_format="markdown",
+        required_fields=("summary", "findings"),
+    )
+    result = run_submission(sub, ctx, pass_id="p")
+    assert result.status == "repaired"
+    assert result.budget_charged == 0
+    assert ctx.budget.snapshot("run-1") == BudgetSnapshot()
+
+
+# --- passes ------------------------------------------------------------------------------------
+
+
+class CountingReviser:
+    """A reviser that cannot size its calls (the runner estimates it) and spends 50 tokens."""
+
+    name = "counting"
+
+    def revise(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+        *,
+        pitfalls: str,
+        attempts: Sequence[RepairAttempt],
+    ) -> RevisionResult:
+        return RevisionResult(
+            output={**dict(output), "n": len(attempts) + 1},  # type: ignore[arg-type]
+            usage=Usage(tokens_in=40, tokens_out=10, calls=1),
+        )
+
+
+def _heuristic_ctx(**kw: Any) -> Any:
+    config = CritiqueConfig(
+        enabled=True, critic="heuristic", max_repair_attempts=1, budget={"total_tokens": 10**6}
+    )
+    return make_context(config, reviser=CountingReviser(), l0=_no_l0, fixpoint=_never, **kw)
+
+
+def test_each_pass_has_its_own_leases_patterns_trace_and_result() -> None:
+    """The same submission run twice as two passes: each reserves its own lease, its
+    critiques are counted again, its events and its result carry its pass id."""
+    ctx = _heuristic_ctx()
+    sub = _sub(output={"summary": "x", "confidence": 0.9})
+    first = run_submission(sub, ctx, pass_id="pass-a")
+    freq_once = {p.category: p.frequency for p in ctx.patterns.top("run-1", 50)}
+    second = run_submission(sub, ctx, pass_id="pass-b")
+    freq_twice = {p.category: p.frequency for p in ctx.patterns.top("run-1", 50)}
+    assert freq_twice == {k: 2 * v for k, v in freq_once.items()}
+    assert (first.pass_id, second.pass_id) == ("pass-a", "pass-b")
+    assert first.budget_charged == second.budget_charged == 50
+    assert ctx.budget.spent("run-1") == 100
+    events = ctx.trace.read("run-1")
+    assert {e.get("pass_id") for e in events} == {"pass-a", "pass-b"}
+    assert ctx.budget.holds("run-1") == {}
+
+
+def test_without_a_pass_id_the_keys_are_the_old_ones() -> None:
+    """The broker-free runner called without a pass id keys leases and critiques as before."""
+    ctx = _heuristic_ctx()
+    state = start(_sub())
+    assert lease_for(ctx, state) == "w1:1:1"
+    assert lease_for(ctx, state.model_copy(update={"pass_id": "p9"})) == "w1:1:p9:1"
+
+
+def test_a_re_run_decide_gets_the_same_lease_back() -> None:
+    """decide run twice on one state holds one lease once; after the round was committed a
+    third run still gets it back, holding nothing."""
+    ctx = _heuristic_ctx()
+    state = critic_stage(start(_sub(), "p"), ctx)
+    once = decide_stage(state, ctx)
+    twice = decide_stage(state, ctx)
+    assert once.lease_id == twice.lease_id == "w1:1:p:1"
+    assert ctx.budget.snapshot("run-1").holders == 1
+    after = critic_stage(repair_stage(once, ctx), ctx)
+    assert after.budget_charged == 50
+    again = decide_stage(state, ctx)
+    assert again.lease_id == once.lease_id
+    assert ctx.budget.snapshot("run-1") == BudgetSnapshot(spent=50)
+
+
+@pytest.mark.parametrize(
+    ("error", "held"),
+    [(LLMTransientError("429"), True), (LLMPermanentError("401"), False)],
+)
+def test_a_failed_repair_keeps_its_lease_only_for_a_retry(error: Exception, held: bool) -> None:
+    """A transient failure keeps the lease (the retry uses the same one); a permanent one
+    releases it at once."""
+
+    class Failing(CountingReviser):
+        def revise(self, *args: Any, **kwargs: Any) -> RevisionResult:
+            raise error
+
+    ctx = _heuristic_ctx()
+    ctx.reviser = Failing()
+    state = decide_stage(critic_stage(start(_sub(), "p"), ctx), ctx)
+    with pytest.raises(type(error)):
+        repair_stage(state, ctx)
+    assert (ctx.budget.snapshot("run-1").holders == 1) is held
+
+
+def test_a_critic_failing_for_good_in_a_repair_round_charges_the_repair() -> None:
+    """The re-critique raises a permanent error: the repair's real spend is committed (never
+    lost) and the hold released."""
+
+    class Broken:
+        name = "broken"
+
+        def critique(self, *args: Any, **kwargs: Any) -> CritiqueEnvelope:
+            raise LLMPermanentError("bad key")
+
+    ctx = _heuristic_ctx()
+    state = repair_stage(decide_stage(critic_stage(start(_sub(), "p"), ctx), ctx), ctx)
+    ctx.critic = Broken()
+    with pytest.raises(LLMPermanentError):
+        critic_stage(state, ctx)
+    assert ctx.budget.snapshot("run-1") == BudgetSnapshot(spent=50)
+
+
+def test_memory_trace_and_patterns_defaults_are_fresh() -> None:
+    """(Sanity) a context built without stores gets its own memory stores."""
+    ctx = _heuristic_ctx()
+    assert isinstance(ctx.trace, MemoryTraceSink)
+    assert isinstance(ctx.patterns, MemoryPatternStore)
