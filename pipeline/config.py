@@ -115,6 +115,24 @@ class BudgetConfig(_Block):
     total_tokens: int | None = Field(None, ge=1)
 
 
+class RateLimit(_Block):
+    """A cluster-wide LLM rate limit (SPEC §5.10): requests and tokens per minute, one Redis
+    bucket per model shared by every worker process (:mod:`pipeline.store.ratelimit`)."""
+
+    rpm: int | None = Field(None, gt=0)
+    """Requests per minute (None: no request limit)."""
+    tpm: int | None = Field(None, gt=0)
+    """Tokens per minute, counted at reservation: the prompt's tokens + the call's max_tokens."""
+    burst_s: float = Field(1.0, gt=0, le=60)
+    """Bucket depth in seconds of the rate: how far a quiet fleet may burst ahead (at rpm 120
+    and 1 s, 2 requests at once). A single call over the token depth waits for a full bucket."""
+    max_wait_s: float = Field(120.0, ge=0)
+    """How long a call may wait for its slot; past that it fails as a transient LLM error."""
+
+
+RateLimits = RateLimit | dict[str, RateLimit]
+
+
 class LLMConfig(_Block):
     """How LLM calls are made through litellm (critic, repairer, adjudicator)."""
 
@@ -132,6 +150,27 @@ class LLMConfig(_Block):
     """Cap on each reply's tokens (a repair of a long output needs more: raise it)."""
     max_output_chars: int = Field(24_000, ge=1000)
     """Outputs longer than this reach the critic cut to head (3/4) + tail (1/4), and say so."""
+    rate_limit: RateLimits | None = None
+    """Cluster-wide limits (SPEC §5.10): ``{rpm, tpm}`` for every model, or per model
+    ``{model: {rpm, tpm}}`` (key ``"*"``: every model not named). Worker-only."""
+
+    def rate_limit_for(self, model: str) -> RateLimit | None:
+        """The limit that applies to calls to ``model`` (None: unlimited)."""
+        limits = self.rate_limit
+        if limits is None or isinstance(limits, RateLimit):
+            return limits
+        return limits.get(model, limits.get("*"))
+
+
+class CacheConfig(_Block):
+    """``cache`` (SPEC §5.10): identical outputs critiqued once, the envelope kept in Redis."""
+
+    enabled: bool = False
+    ttl_s: int = Field(86_400, gt=0)
+    """How long a cached critique lives."""
+    lock_s: float = Field(120.0, gt=0)
+    """How long the first of several concurrent identical critiques holds the others off (they
+    wait for its envelope, then critique themselves if none came)."""
 
 
 class ExtraCheck(_Block):
@@ -176,6 +215,8 @@ class CritiqueConfig(_Block):
     command_timeout_s: float = Field(60.0, gt=0)
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    """Worker-only: the critique cache (SPEC §5.10)."""
     paired_critic: bool = False
     """A second critic call adjudicates the first one's defects before repair (SPEC §5.2)."""
     paired_model: str | None = None
@@ -393,8 +434,8 @@ class WorkerOnly:
 
 WORKER_ONLY: tuple[WorkerOnly, ...] = (
     # The whole LLM transport: api_base is where the worker sends its API key; timeouts,
-    # retries, backoff, temperature and the token / size caps spend the operator's money and
-    # time. (``llm.rate_limit`` will fall under this entry.)
+    # retries, backoff, temperature, the token / size caps and ``llm.rate_limit`` spend the
+    # operator's money and time.
     WorkerOnly("llm", "the LLM endpoint that receives the worker's API key, and its limits"),
     # argv the command critic executes on the worker.
     WorkerOnly("command", "a command the worker executes"),
@@ -411,7 +452,8 @@ WORKER_ONLY: tuple[WorkerOnly, ...] = (
     ),
     # The models the operator allows (and pays for): a submission cannot widen its allowance.
     WorkerOnly("allowed_models", "the models the operator allows"),
-    # Future: ``cache`` (where critiques are stored and shared) joins here.
+    # Where critiques are stored and shared across runs, and for how long.
+    WorkerOnly("cache", "where critiques are stored and shared across runs"),
 )
 """Fields a submission may never set: they reach a network address, a secret or code."""
 

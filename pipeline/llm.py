@@ -60,7 +60,7 @@ from pydantic import Field
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.models import Frozen, Usage
-from pipeline.tokens import CHARS_PER_TOKEN
+from pipeline.tokens import CHARS_PER_TOKEN, estimate_tokens
 
 Purpose = Literal["critic", "repair", "adjudicate", "generate"]
 
@@ -354,6 +354,8 @@ class LiteLLMCompleter:
 
     ``completion``, ``sleep`` and ``rng`` are injectable (tests); ``api_key`` defaults to
     ``$CRITIQUE_LLM_API_KEY`` and, when unset, litellm reads the provider's own variable.
+    ``wait_for_slot`` (a worker passes the Redis limiter's) waits for the rate limit's slot
+    before each attempt, reserving the prompt's tokens + ``max_tokens``.
     """
 
     def __init__(
@@ -364,8 +366,12 @@ class LiteLLMCompleter:
         sleep: Callable[[float], None] = time.sleep,
         rng: Callable[[], float] = random.random,
         api_key: str | None = None,
+        wait_for_slot: Callable[[str, int], float] | None = None,
     ) -> None:
         self.config = config
+        self._wait_for_slot = wait_for_slot
+        """``(model, reserved tokens) -> seconds waited``: the cluster-wide rate limit
+        (:mod:`pipeline.store.ratelimit`), called before every attempt; None: no limit."""
         self._completion = completion
         self._checks_keys = completion is None
         """litellm's own completion: check the provider key before each call (SPEC §5.2)."""
@@ -424,6 +430,17 @@ class LiteLLMCompleter:
             kwargs["response_format"] = {"type": "json_object"}
         return kwargs
 
+    def reserved_tokens(self, request: LLMRequest, max_tokens: int) -> int:
+        """What a call reserves of a ``tpm`` limit: the prompt's tokens (the tokenizer's count,
+        else the 4-chars estimate) + ``max_tokens``. 0 when no limit is waited for."""
+        if self._wait_for_slot is None:
+            return 0
+        try:
+            prompt = self.count_tokens(request)
+        except Exception:  # no tokenizer for the model, litellm not loaded: estimate
+            prompt = estimate_tokens("".join(m.content for m in request.messages))
+        return prompt + max_tokens
+
     def delay(self, retry: int, exc: BaseException | None = None) -> float:
         """Seconds to wait before retry number ``retry`` (0-based) after ``exc``."""
         cap = self.config.backoff_max_s
@@ -446,8 +463,11 @@ class LiteLLMCompleter:
                 where="this worker's environment",
             )
         kwargs = self.kwargs_for(request)
+        reserve = self.reserved_tokens(request, int(kwargs["max_tokens"]))
         attempts = self.config.max_retries + 1
         for attempt in range(1, attempts + 1):
+            if self._wait_for_slot is not None:
+                self._wait_for_slot(request.model, reserve)
             try:
                 response = completion(**kwargs)
             except Exception as exc:

@@ -412,6 +412,17 @@ class GateEvent(Frozen):
     violating_path: str | None = None
 
 
+class DefectRef(Frozen):
+    """A defect as the per-round diff matches it: by (category, location) (SPEC §5.4)."""
+
+    category: str
+    location: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.category, self.location or "")
+
+
 class RoundTrace(Frozen):
     """One round of the critique loop (SPEC §5.4)."""
 
@@ -422,6 +433,15 @@ class RoundTrace(Frozen):
     defects: int = Field(ge=0)
     suggestions_applied: int = Field(0, ge=0)
     verdict: Verdict
+    fixed: tuple[DefectRef, ...] | None = None
+    """From the second round on (else None), the defect diff against the previous round over
+    the actionable (critical and warning) defects: gone since the previous round."""
+    remaining: tuple[DefectRef, ...] | None = None
+    """In the previous round and in this one."""
+    new: tuple[DefectRef, ...] | None = None
+    """Here now, not in the previous round, and never fixed before."""
+    regressed: tuple[DefectRef, ...] | None = None
+    """Here now, not in the previous round, but fixed in an earlier round (back again)."""
 
 
 class CritiqueResult(Frozen):

@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipeline.models import CritiqueResult, Pattern, RoundTrace
+from pipeline.models import CritiqueResult, DefectRef, Pattern, RoundTrace
 from pipeline.tokens import text_of
 
 TOP_DEFECTS = 15
@@ -76,7 +76,9 @@ svg .pt-mean { fill:none; stroke:var(--violet); stroke-width:1.5; }
 details { margin-top:6px; } summary { cursor:pointer; color:var(--muted); font-size:12.5px; }
 pre { white-space:pre-wrap; word-break:break-word; background:#f2f3f6; padding:8px;
   border-radius:6px; max-height:260px; overflow:auto; }
-ul.defects { margin:4px 0; padding-left:18px; font-size:12.5px; }
+ul.defects, ul.diffs { margin:4px 0; padding-left:18px; font-size:12.5px; }
+.diff-fixed { color:var(--ok); font-weight:600; } .diff-new { color:var(--warn); font-weight:600; }
+.diff-regressed { color:var(--bad); font-weight:600; }
 footer { margin-top:40px; color:var(--muted); font-size:12px; }
 """
 
@@ -272,6 +274,40 @@ def trajectory_svg(result: CritiqueResult) -> str:
     return "".join(out)
 
 
+def _refs_html(refs: Sequence[DefectRef]) -> str:
+    return ", ".join(
+        f"<code>{esc(d.category)}{' @ ' + esc(d.location) if d.location else ''}</code>"
+        for d in refs
+    )
+
+
+def _defect_diffs(r: CritiqueResult) -> str:
+    """Per repair: the defects it fixed, introduced (new) or brought back (SPEC §5.4)."""
+    items = []
+    for t in r.trace:
+        if t.fixed is None:
+            continue
+        parts = [
+            f'<span class="{cls}">{label}</span> {_refs_html(refs)}'
+            for label, cls, refs in (
+                ("fixed", "diff-fixed", t.fixed),
+                ("introduced", "diff-new", t.new or ()),
+                ("regressed", "diff-regressed", t.regressed or ()),
+            )
+            if refs
+        ]
+        if t.remaining:
+            parts.append(f"remaining {len(t.remaining)}")
+        body = "; ".join(parts) or "no critical or warning defects before or after"
+        items.append(f"<li>repair {t.round - 1} (round {t.round}, {_score(t.score)}): {body}</li>")
+    if not items:
+        return ""
+    return (
+        f"<details open><summary>defect diff per repair ({len(items)})</summary>"
+        f'<ul class="diffs">{"".join(items)}</ul></details>'
+    )
+
+
 def _worker_figure(r: CritiqueResult) -> str:
     rubric = any(t.scores for t in r.trace)
     legend = '<span class="k-score">● score</span>'
@@ -295,6 +331,7 @@ def _worker_figure(r: CritiqueResult) -> str:
         f"{_badge(r.status)} · {_score(r.original_score)} → {_score(r.best_score)}</figcaption>"
         f"{trajectory_svg(r)}"
         f'<div class="legend">{legend} &nbsp; verdicts: {verdicts}</div>{summary}'
+        f"{_defect_diffs(r)}"
         f"<details><summary>defects ({len(r.envelope.defects)})</summary>"
         f'<ul class="defects">{defects or "<li>none</li>"}</ul></details>'
         f"<details><summary>best output{first}</summary><pre>{preview}</pre></details>"

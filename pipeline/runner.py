@@ -20,9 +20,11 @@ appended to its envelope as defects without changing its score.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,6 +52,7 @@ from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,
     Defect,
+    DefectRef,
     Frozen,
     GateEvent,
     RepairAttempt,
@@ -69,8 +72,19 @@ from pipeline.repair import (
     estimated_repair_tokens,
     is_acceptable,
 )
-from pipeline.store.base import BudgetLedger, BudgetSnapshot, PatternStore, TraceSink
-from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore, MemoryTraceSink
+from pipeline.store.base import (
+    BudgetLedger,
+    BudgetSnapshot,
+    CritiqueCache,
+    PatternStore,
+    TraceSink,
+)
+from pipeline.store.memory import (
+    MemoryBudgetLedger,
+    MemoryCritiqueCache,
+    MemoryPatternStore,
+    MemoryTraceSink,
+)
 from pipeline.tokens import estimate_usage, text_of
 
 Next = Literal["l0", "critic", "decide", "repair", "done"]
@@ -161,6 +175,8 @@ class StageContext:
     """How long a repair's budget reservation outlives a holder that died."""
     read_file: FileReader = inline_bytes
     """Reads a submission file's bytes (inline content, or a blob through a store)."""
+    cache: CritiqueCache | None = None
+    """The critique cache (used when ``config.cache.enabled``): in memory by default."""
 
     def l0_fn(self) -> L0Fn:
         """The Layer-0 function, building the real one on first use."""
@@ -197,6 +213,10 @@ class LoopState(Frozen):
     envelope: CritiqueEnvelope | None = None
     previous_defect_ids: tuple[str, ...] = ()
     """Ids of the previous round's critical and warning defects (defects fixed / remaining)."""
+    previous_defects: tuple[DefectRef, ...] = ()
+    """The previous round's critical and warning defects by (category, location)."""
+    ever_fixed: tuple[DefectRef, ...] = ()
+    """Every (category, location) some round fixed: a later return of one is a regression."""
     best_output: str | dict[str, Any] | None = None
     best_score: float | None = None
     best_envelope: CritiqueEnvelope | None = None
@@ -412,20 +432,28 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
     )
     try:
         with token_allowance(allowance):
-            envelope = _critique(state, ctx)
+            envelope, cache = _critique(state, ctx)
     except BaseException as exc:
         if state.lease_id is not None and not isinstance(exc, TransientError):
             # The chain ends here: charge what the repair spent and release the hold.
             ctx.budget.commit(sub.run_id, state.lease_id, state.pending_repair_tokens)
         raise
-    return _critiqued(state, ctx, envelope, began)
+    return _critiqued(state, ctx, envelope, began, cache)
 
 
-def _critique(state: LoopState, ctx: StageContext) -> CritiqueEnvelope:
-    """The envelope of the current output: the configured critic's, or a token-free one merged
-    with the Layer-0 defects when Layer-0 failed."""
+CacheUse = Literal["hit", "miss", ""]
+"""What the critique cache did for a critique: served it, stored it, or was not used."""
+
+CACHE_POLL_S = 0.05
+"""How often a critique waiting on another's claim looks for the cached envelope."""
+
+
+def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, CacheUse]:
+    """The envelope of the current output: the configured critic's (through the critique cache
+    when it is on), or a token-free one merged with the Layer-0 defects when Layer-0 failed."""
     sub = state.submission
     round_no = state.round + 1
+    cache_use: CacheUse = ""
     if _l0_error(state.l0_defects):
         serving: Critic = resolve_for(ctx.critic, sub)
         fallback: Critic = serving if getattr(serving, "token_free", False) else HeuristicCritic()
@@ -434,13 +462,87 @@ def _critique(state: LoopState, ctx: StageContext) -> CritiqueEnvelope:
         envelope = merge_l0(base, state.l0_defects)
     else:
         pitfalls = _pitfalls(ctx, sub, ctx.critic)
-        envelope = ctx.critic.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
+
+        def critique() -> CritiqueEnvelope:
+            return ctx.critic.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
+
+        if (
+            ctx.cache is not None
+            and ctx.config.cache.enabled
+            and not is_token_free(ctx.critic, sub)
+        ):
+            envelope, cache_use = _cached_critique(ctx, ctx.cache, state, critique)
+        else:
+            envelope = critique()
         if state.l0_defects:
             defects = (*state.l0_defects, *envelope.defects)
             envelope = envelope.model_copy(
                 update={"defects": defects, "effort_estimate": effort_for(len(defects))}
             )
-    return envelope
+    return envelope, cache_use
+
+
+def critique_cache_key(ctx: StageContext, submission: Submission, output: Any) -> str:
+    """The cache key of a critique (SPEC §5.10): a hash of the output, the files (their
+    digests or content), the task and contract, the critic configuration and the model. Who
+    sent it (run, worker, iteration) is not part of it."""
+    serving = resolve_for(ctx.critic, submission)
+    doc = {
+        "output": output,
+        "submission": submission.model_dump(
+            mode="json", exclude={"run_id", "worker_id", "iteration", "subtask_signature", "output"}
+        ),
+        "config": ctx.config.model_dump(mode="json", exclude={"cache", "budget"}),
+        "critic": getattr(serving, "name", type(serving).__name__),
+    }
+    raw = json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
+
+
+def _cached_critique(
+    ctx: StageContext,
+    cache: CritiqueCache,
+    state: LoopState,
+    critique: Callable[[], CritiqueEnvelope],
+) -> tuple[CritiqueEnvelope, CacheUse]:
+    """Serve the critique from the cache, or critique once and store it. Of several
+    concurrent identical critiques the first claims the key and the others wait (up to
+    ``cache.lock_s``) for its envelope. A fallback envelope is never stored."""
+    sub = state.submission
+    settings = ctx.config.cache
+    key = critique_cache_key(ctx, sub, state.output)
+
+    def cached() -> CritiqueEnvelope | None:
+        raw = cache.get(key)
+        if raw is None:
+            return None
+        hit = CritiqueEnvelope.model_validate_json(raw)
+        return hit.model_copy(update={"worker_id": sub.worker_id, "usage": Usage()})
+
+    hit = cached()
+    if hit is not None:
+        return hit, "hit"
+    claimed = cache.claim(key, settings.lock_s)
+    deadline = time.monotonic() + settings.lock_s
+    while not claimed and time.monotonic() < deadline:
+        time.sleep(CACHE_POLL_S)
+        hit = cached()
+        if hit is not None:
+            return hit, "hit"
+        claimed = cache.claim(key, settings.lock_s)
+    if claimed:  # the previous holder may have stored it and let go since our first look
+        hit = cached()
+        if hit is not None:
+            cache.release(key)
+            return hit, "hit"
+    try:
+        envelope = critique()
+        if envelope.fallback_reason is None:
+            cache.put(key, envelope.model_dump_json(), settings.ttl_s)
+    finally:
+        if claimed:
+            cache.release(key)
+    return envelope, "miss"
 
 
 def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple[str, ...]]:
@@ -466,13 +568,23 @@ def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple
 
 
 def _critiqued(
-    state: LoopState, ctx: StageContext, envelope: CritiqueEnvelope, began: float
+    state: LoopState,
+    ctx: StageContext,
+    envelope: CritiqueEnvelope,
+    began: float,
+    cache: CacheUse = "",
 ) -> LoopState:
     """Record a critique: commit the repair round's lease, count its patterns, trace it."""
     sub = state.submission
     round_no = state.round + 1
     repairing = state.attempt > 0
     charged, notes = _commit(state, ctx, state.pending_repair_tokens + envelope.usage.tokens)
+    if cache == "hit":
+        notes = _add_note(
+            notes,
+            f"round {round_no}: critique cache hit (an identical output was critiqued before; "
+            "no tokens spent)",
+        )
     if envelope.fallback_reason and not _l0_error(state.l0_defects):
         notes = _add_note(notes, f"critic fallback: {envelope.fallback_reason}")
     if ctx.config.pattern_memory:
@@ -514,6 +626,7 @@ def _critiqued(
         l0_skipped_critic=_l0_error(state.l0_defects),
         elapsed_ms=round((ctx.clock() - began) * 1000.0, 3),
         **budget,
+        **({"cache": cache} if cache else {}),
     )
     return next_state
 
@@ -744,6 +857,12 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     if stop is not None and not reason:
         reason = STOP_TEXT[stop]
     verdict = verdict_for(stop)
+    current_refs = _defect_refs(envelope.actionable)
+    diff: dict[str, tuple[DefectRef, ...]] = {}
+    ever_fixed = state.ever_fixed
+    if state.trace:
+        diff = defect_diff(state.previous_defects, current_refs, state.ever_fixed)
+        ever_fixed = _sorted_refs({*state.ever_fixed, *diff["fixed"]})
     round_trace = RoundTrace(
         round=state.round,
         score=score,
@@ -752,11 +871,14 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         defects=len(envelope.defects),
         suggestions_applied=state.suggestions_applied,
         verdict=verdict,
+        **diff,
     )
     update: dict[str, Any] = {
         **best,
         "original_score": state.original_score if state.original_score is not None else score,
         "previous_defect_ids": actionable_ids,
+        "previous_defects": current_refs,
+        "ever_fixed": ever_fixed,
         "attempts": attempts,
         "trace": (*state.trace, round_trace),
         "notes": notes,
@@ -780,11 +902,42 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         next_state,
         "round",
         "decide",
-        **round_trace.model_dump(mode="json"),
+        **round_trace.model_dump(mode="json", exclude_none=True),
         stop_reason=stop,
         reason=reason,
     )
     return next_state
+
+
+def _sorted_refs(refs: Iterable[DefectRef]) -> tuple[DefectRef, ...]:
+    return tuple(sorted(set(refs), key=lambda r: r.key))
+
+
+def _defect_refs(defects: Iterable[Defect]) -> tuple[DefectRef, ...]:
+    """Defects by (category, location), deduplicated and sorted."""
+    return _sorted_refs(DefectRef(category=d.category, location=d.location) for d in defects)
+
+
+def defect_diff(
+    previous: Iterable[DefectRef],
+    current: Iterable[DefectRef],
+    ever_fixed: Iterable[DefectRef] = (),
+) -> dict[str, tuple[DefectRef, ...]]:
+    """The round's defect diff (SPEC §5.4), matched by (category, location).
+
+    ``fixed``: in the previous round, gone now; ``remaining``: in both; ``new``: here now, not
+    in the previous round and never fixed before; ``regressed``: here now, not in the previous
+    round, but fixed in an earlier round. ``new`` and ``regressed`` are disjoint."""
+    before = {r.key: r for r in previous}
+    now = {r.key: r for r in current}
+    fixed_before = {r.key for r in ever_fixed}
+    appeared = [r for k, r in now.items() if k not in before]
+    return {
+        "fixed": _sorted_refs(r for k, r in before.items() if k not in now),
+        "remaining": _sorted_refs(r for k, r in now.items() if k in before),
+        "new": _sorted_refs(r for r in appeared if r.key not in fixed_before),
+        "regressed": _sorted_refs(r for r in appeared if r.key in fixed_before),
+    }
 
 
 def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
@@ -1118,6 +1271,7 @@ def make_context(
     lease_ttl_s: float = REPAIR_LEASE_TTL_S,
     complete: Completer | None = None,
     read_file: FileReader | None = None,
+    cache: CritiqueCache | None = None,
 ) -> StageContext:
     """A context from configuration; anything given explicitly replaces the default.
 
@@ -1139,4 +1293,5 @@ def make_context(
         clock=clock if clock is not None else time.monotonic,
         lease_ttl_s=lease_ttl_s,
         read_file=read_file if read_file is not None else inline_bytes,
+        cache=cache if cache is not None else MemoryCritiqueCache(),
     )

@@ -18,6 +18,7 @@ blob must hash to it, so neither the reference nor the bytes behind it can be sw
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -31,9 +32,12 @@ from pydantic import Field
 from pipeline import signing
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
+from pipeline.llm import Completer, LiteLLMCompleter
 from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext, make_context
 from pipeline.store.blobs import BlobCorruptError, RedisBlobStore
+from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.ratelimit import RedisRateLimiter
 from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
 from pipeline.store.runs import RedisRunStore
 
@@ -145,8 +149,11 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
         ctx = _contexts.get(key)
     if ctx is None:
         s = stores()
+        config = config_for(overrides)
         ctx = make_context(
-            config_for(overrides),
+            config,
+            complete=rate_limited_completer(config),
+            cache=RedisCritiqueCache(client()),
             patterns=s.patterns,
             budget=s.budget,
             trace=s.trace,
@@ -158,6 +165,30 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
         with _config_lock:
             ctx = _contexts.setdefault(key, ctx)
     return ctx
+
+
+def _progress_wait(model: str, seconds: float) -> None:
+    """A ``task-progress`` event (Flower shows it) while a call waits for its rate-limit slot."""
+    from celery import current_task
+
+    task = current_task
+    if task is None or not getattr(task.request, "id", None):
+        return
+    with contextlib.suppress(Exception):  # best-effort: never fail the stage over an event
+        task.send_event(
+            "task-progress", waiting_for="llm.rate_limit", model=model, wait_s=round(seconds, 3)
+        )
+
+
+def rate_limited_completer(config: CritiqueConfig) -> Completer | None:
+    """litellm behind the cluster-wide rate limit of ``llm.rate_limit`` (SPEC §5.10): one
+    Redis bucket per model shared by every worker; None (the default completer) without one."""
+    if config.llm.rate_limit is None:
+        return None
+    limiter = RedisRateLimiter(client())
+    return LiteLLMCompleter(
+        config.llm, wait_for_slot=limiter.waiter(config.llm.rate_limit_for, _progress_wait)
+    )
 
 
 def new_pass_id() -> str:

@@ -115,6 +115,27 @@ class TraceSink(Protocol):
         ...
 
 
+class CritiqueCache(Protocol):
+    """Critique envelopes by content key (SPEC §5.10), shared by every run and worker."""
+
+    def get(self, key: str) -> str | None:
+        """The cached envelope JSON, or None."""
+        ...
+
+    def put(self, key: str, envelope_json: str, ttl_s: float) -> None:
+        """Keep ``envelope_json`` under ``key`` for ``ttl_s`` seconds."""
+        ...
+
+    def claim(self, key: str, ttl_s: float) -> bool:
+        """Claim the right to critique ``key`` for ``ttl_s`` (True: this caller critiques,
+        others wait for its envelope)."""
+        ...
+
+    def release(self, key: str) -> None:
+        """Drop this key's claim (after :meth:`put`, or on failure)."""
+        ...
+
+
 class BlobStore(Protocol):
     """Content-addressed bytes: large outputs and files travel as ``sha256:<hex>`` references."""
 

@@ -80,6 +80,9 @@ LESSONS_RUNS = "lessons:runs"  # sorted set: pattern key -> runs it occurred in 
 LESSONS_DETAIL = "lessons:detail"  # hash: pattern key -> JSON {category, rule, first/last run}
 PENDING_RUNS = "pending:runs"  # sorted set: run id -> last submit; runs the stall sweeper scans
 SWEEP_LOCK = "sweep:lock"  # string: token of the worker sweeping for stalls now (expires)
+CACHE = "cache:critique"  # string ``<prefix>:cache:critique:<sha256>``: envelope JSON (TTL)
+CACHE_CLAIM = "cache:claim"  # string ``<prefix>:cache:claim:<sha256>``: who critiques it (TTL)
+RATELIMIT = "ratelimit"  # hash ``<prefix>:ratelimit:<model>``: "rpm", "tpm" -> GCRA TAT (ms)
 PROBE = "probe"  # hash ``<prefix>:probe:{<queue>}``: "sent", "done" -> last probe sent, run
 PROBE_DRAINED = "drained"  # sorted set ``<prefix>:probe:{<queue>}:drained``: probe sent -> ran
 
@@ -133,6 +136,11 @@ def run_key_pattern(run_id: str, prefix: str | None = None) -> str:
     """A SCAN ``MATCH`` pattern for every key of one run."""
     check_identifier(run_id, "run_id")
     return f"{prefix or key_prefix()}:{{{run_id}}}:*"
+
+
+def ratelimit_key(model: str, prefix: str | None = None) -> str:
+    """The rate-limit bucket of one LLM model (shared by every worker and run)."""
+    return shared_key(f"{RATELIMIT}:{model}", prefix)
 
 
 def blob_key(sha256_hex: str, prefix: str | None = None) -> str:

@@ -266,3 +266,36 @@ class MemoryBlobStore:
         if data is None:
             raise BlobMissingError(ref)
         return verified(ref, data)
+
+
+class MemoryCritiqueCache:
+    """In-process :class:`~pipeline.store.base.CritiqueCache` (tests, the broker-free loop)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._lock = threading.Lock()
+        self._clock = clock
+        self._items: dict[str, tuple[str, float]] = {}
+        self._claims: dict[str, float] = {}
+
+    def get(self, key: str) -> str | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None or item[1] <= self._clock():
+                return None
+            return item[0]
+
+    def put(self, key: str, envelope_json: str, ttl_s: float) -> None:
+        with self._lock:
+            self._items[key] = (envelope_json, self._clock() + ttl_s)
+
+    def claim(self, key: str, ttl_s: float) -> bool:
+        with self._lock:
+            now = self._clock()
+            if self._claims.get(key, 0.0) > now:
+                return False
+            self._claims[key] = now + ttl_s
+            return True
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._claims.pop(key, None)

@@ -337,7 +337,8 @@ class FakeOpenAIServer:
     @property
     def requests(self) -> list[dict[str, Any]]:
         """Every request received: ``path``, ``headers`` (lower-case names), ``body`` (parsed
-        JSON), ``status`` answered, ``usage`` reported (None on errors), ``delivered``."""
+        JSON), ``status`` answered, ``usage`` reported (None on errors), ``delivered``, ``at``
+        (arrival, ``time.monotonic()``)."""
         with self._lock:
             return [dict(r) for r in self._records]
 
@@ -523,6 +524,7 @@ def _handler_for(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
                 "status": None,
                 "usage": None,
                 "delivered": False,
+                "at": time.monotonic(),
             }
             n = server._record(record)
             if not isinstance(body, dict):

@@ -47,9 +47,11 @@ def test_every_field_is_declared_worker_only_or_policy_exactly_once() -> None:
 
 
 def test_the_worker_only_list_names_what_the_spec_names() -> None:
-    """llm, command, command_timeout_s, output_contract.extra, repairer, allowed_models."""
+    """llm (with llm.rate_limit), command, command_timeout_s, output_contract.extra, repairer,
+    allowed_models, cache (SPEC §3, §5.10)."""
     assert {w.path for w in WORKER_ONLY} == {
         "llm",
+        "cache",
         "command",
         "command_timeout_s",
         "output_contract.extra",

@@ -220,6 +220,41 @@ def _score(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
+def _ref(ref: dict[str, Any]) -> str:
+    loc = ref.get("location")
+    return f"{ref['category']}@{loc}" if loc else str(ref["category"])
+
+
+def round_diffs(result: CritiqueResult) -> list[dict[str, Any]]:
+    """The defect diff of each round after a repair (SPEC §5.4), JSON-ready."""
+    return [
+        {
+            "round": t.round,
+            "score": t.score,
+            "verdict": t.verdict,
+            **{
+                name: [r.model_dump(mode="json") for r in getattr(t, name) or ()]
+                for name in ("fixed", "remaining", "new", "regressed")
+            },
+        }
+        for t in result.trace
+        if t.fixed is not None
+    ]
+
+
+def diff_line(diff: dict[str, Any]) -> str:
+    """``round 2 (0.45): fixed missing_data@summary; new hallucination@line 7; remaining 1``."""
+    parts = [
+        f"{name} {', '.join(_ref(r) for r in diff[name])}"
+        for name in ("fixed", "new", "regressed")
+        if diff[name]
+    ]
+    if diff["remaining"]:
+        parts.append(f"remaining {len(diff['remaining'])}")
+    body = "; ".join(parts) or "no actionable defects before or after"
+    return f"round {diff['round']} ({_score(diff['score'])}): {body}"
+
+
 def tally(results: Sequence[CritiqueResult], failed: int, pending: int) -> str:
     """``"3 finished (accepted 2, escalated 1), 1 failed, 0 pending"``: the final tally."""
     counts = Counter(r.status for r in results)
@@ -241,6 +276,7 @@ def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
             "best_score": r.best_score,
             "repairs": len(r.attempts),
             "fallbacks": fallbacks(r),
+            "rounds": round_diffs(r),
         }
         for r in snap.results
     ]
@@ -303,6 +339,8 @@ def render_text(doc: dict[str, Any]) -> str:
         )
         for note in r.get("fallbacks") or ():
             lines.append(f"{'':>6}FALLBACK {printable(note, 200)}")
+        for diff in r.get("rounds") or ():
+            lines.append(f"{'':>6}{printable(diff_line(diff), 300)}")
     lines.append("")
     counts = ", ".join(f"{k} {v}" for k, v in doc["counts"].items()) or "none yet"
     lines.append(f"verdicts: {counts}")

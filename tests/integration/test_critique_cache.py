@@ -1,0 +1,98 @@
+"""The critique cache (SPEC §5.10) on a real Redis and through real workers: 20 identical
+outputs submitted at once reach the (fake) LLM once."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from pipeline.models import Submission
+from pipeline.store.cache import RedisCritiqueCache
+from tests.fakes.openai_server import FakeOpenAIServer
+from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+
+CRITIC_MODEL = "openai/critic-model"
+
+
+def test_redis_cache_get_put_ttl_and_claims(redis_client: redis.Redis) -> None:
+    a = RedisCritiqueCache(redis_client, prefix="t")
+    b = RedisCritiqueCache(redis_client, prefix="t")
+    assert a.get("k") is None
+    assert a.claim("k", 5) and not b.claim("k", 5)
+    a.put("k", '{"x": 1}', 60)
+    a.release("k")
+    assert b.get("k") == '{"x": 1}' and b.claim("k", 5)
+    assert 0 < redis_client.pttl("t:cache:critique:k") <= 60_000
+    assert 0 < redis_client.pttl("t:cache:claim:k") <= 5_000
+
+
+@pytest.fixture()
+def fake() -> Iterator[FakeOpenAIServer]:
+    with FakeOpenAIServer() as server:
+        server.set_default(
+            json.dumps(
+                {
+                    "score": 0.95,
+                    "defects": [],
+                    "prescriptions": [],
+                    "reusable_patterns": [],
+                    "summary": "fine",
+                }
+            )
+        )
+        yield server
+
+
+@pytest.fixture()
+def workers(
+    redis_url: str, fake: FakeOpenAIServer, tmp_path: Path
+) -> Iterator[list[WorkerProcess]]:
+    with client_on(
+        worker_db_url(redis_url),
+        CRITIQUE_LLM_API_KEY="sk-test",
+        CRITIQUE_LLM__API_BASE=fake.api_base,
+        CRITIQUE_LLM__TIMEOUT_S="5",
+        CRITIQUE_CACHE__ENABLED="true",
+    ) as env:
+        procs = [
+            WorkerProcess(
+                env["REDIS_URL"], concurrency=4, name=f"cc{i}", env=env, log=tmp_path / f"w{i}.log"
+            ).start()
+            for i in range(2)
+        ]
+        try:
+            yield procs
+        finally:
+            for w in procs:
+                w.stop()
+
+
+@pytest.mark.integration
+def test_twenty_identical_outputs_one_llm_critique(
+    workers: list[WorkerProcess], fake: FakeOpenAIServer
+) -> None:
+    from workers.client import CritiqueClient
+
+    run_id = f"cc-{uuid.uuid4().hex[:8]}"
+    subs = [
+        Submission(
+            run_id=run_id,
+            worker_id=f"w{i:02d}",
+            task="Summarise the report.",
+            output={"summary": "Sales rose 4%.", "confidence": 0.9},
+            required_fields=("summary",),
+        )
+        for i in range(20)
+    ]
+    client = CritiqueClient({"enabled": True, "critic": "llm", "model": CRITIC_MODEL})
+    results = client.wait_many(client.submit_many(subs), timeout=90)
+    assert len(fake.completions) == 1
+    assert all(r.envelope.critic == f"llm:{CRITIC_MODEL}" for r in results)
+    hits = [r for r in results if any("critique cache hit" in n for n in r.notes)]
+    assert len(hits) == 19 and all(r.usage.tokens == 0 for r in hits)
+    assert sum(r.usage.tokens for r in results) > 0
