@@ -64,3 +64,19 @@ slow_revise = _Slow("slow_revise")
 """The heuristic reviser after a pause (``SLOW_REVISE_S``)."""
 recording_revise = _Recording("recording_revise")
 """The heuristic reviser that first records the Known Pitfalls it was given."""
+
+
+def swap_revise(
+    submission: Submission,
+    output: str | dict[str, Any],
+    envelope: CritiqueEnvelope,
+    *,
+    pitfalls: str,
+    attempts: Sequence[RepairAttempt],
+) -> Any:
+    """A repair that fixes the missing ``findings`` field and introduces an ``error`` field:
+    one defect fixed, one new (for the round's defect diff)."""
+    fixed = dict(output) if isinstance(output, dict) else {}
+    fixed["findings"] = "Sales rose 4% in Q3."
+    fixed["error"] = "tool timed out"
+    return fixed
