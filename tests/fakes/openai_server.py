@@ -354,7 +354,14 @@ class FakeOpenAIServer:
     def sum_usage(self) -> dict[str, int]:
         """Token usage of every reply delivered to a client (timed-out ones excluded)."""
         total = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "replies": 0}
-        for r in self.requests:
+        # A client can read a reply before the handler thread has marked it delivered: give
+        # replies still being written a moment to finish, so the sum never races the client.
+        deadline = time.monotonic() + 2.0
+        records = self.requests
+        while any(r.get("sending") for r in records) and time.monotonic() < deadline:
+            time.sleep(0.005)
+            records = self.requests
+        for r in records:
             usage = r.get("usage")
             if usage and r.get("delivered"):
                 for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
@@ -553,7 +560,11 @@ def _handler_for(server: FakeOpenAIServer) -> type[BaseHTTPRequestHandler]:
             else:
                 payload = json.dumps(error_body(item)).encode()
             record["status"] = status
-            record["delivered"] = self._send(status, payload, headers)
+            record["sending"] = True
+            try:
+                record["delivered"] = self._send(status, payload, headers)
+            finally:
+                record["sending"] = False
 
     return Handler
 
