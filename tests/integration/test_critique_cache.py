@@ -3,7 +3,6 @@ outputs submitted at once reach the (fake) LLM once."""
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,7 @@ import redis
 from pipeline.models import Submission
 from pipeline.store.cache import RedisCritiqueCache
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
 
 CRITIC_MODEL = "openai/critic-model"
 
@@ -34,17 +33,7 @@ def test_redis_cache_get_put_ttl_and_claims(redis_client: redis.Redis) -> None:
 @pytest.fixture()
 def fake() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as server:
-        server.set_default(
-            json.dumps(
-                {
-                    "score": 0.95,
-                    "defects": [],
-                    "prescriptions": [],
-                    "reusable_patterns": [],
-                    "summary": "fine",
-                }
-            )
-        )
+        server.set_default(ACCEPTING_CRITIQUE)
         yield server
 
 
@@ -52,24 +41,10 @@ def fake() -> Iterator[FakeOpenAIServer]:
 def workers(
     redis_url: str, fake: FakeOpenAIServer, tmp_path: Path
 ) -> Iterator[list[WorkerProcess]]:
-    with client_on(
-        worker_db_url(redis_url),
-        CRITIQUE_LLM_API_KEY="sk-test",
-        CRITIQUE_LLM__API_BASE=fake.api_base,
-        CRITIQUE_LLM__TIMEOUT_S="5",
-        CRITIQUE_CACHE__ENABLED="true",
-    ) as env:
-        procs = [
-            WorkerProcess(
-                env["REDIS_URL"], concurrency=4, name=f"cc{i}", env=env, log=tmp_path / f"w{i}.log"
-            ).start()
-            for i in range(2)
-        ]
-        try:
-            yield procs
-        finally:
-            for w in procs:
-                w.stop()
+    with llm_workers(
+        redis_url, fake.api_base, tmp_path, name="cc", CRITIQUE_CACHE__ENABLED="true"
+    ) as procs:
+        yield procs
 
 
 @pytest.mark.integration

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.models import Submission
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
 
 pytestmark = pytest.mark.integration
 
@@ -26,17 +26,7 @@ BURST = 2  # rpm 120 × burst_s 1.0
 @pytest.fixture()
 def fake() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as server:
-        server.set_default(
-            json.dumps(
-                {
-                    "score": 0.95,
-                    "defects": [],
-                    "prescriptions": [],
-                    "reusable_patterns": [],
-                    "summary": "fine",
-                }
-            )
-        )
+        server.set_default(ACCEPTING_CRITIQUE)
         yield server
 
 
@@ -44,24 +34,14 @@ def fake() -> Iterator[FakeOpenAIServer]:
 def workers(
     redis_url: str, fake: FakeOpenAIServer, tmp_path: Path
 ) -> Iterator[list[WorkerProcess]]:
-    with client_on(
-        worker_db_url(redis_url),
-        CRITIQUE_LLM_API_KEY="sk-test",
-        CRITIQUE_LLM__API_BASE=fake.api_base,
-        CRITIQUE_LLM__TIMEOUT_S="5",
+    with llm_workers(
+        redis_url,
+        fake.api_base,
+        tmp_path,
+        name="rl",
         CRITIQUE_LLM__RATE_LIMIT=json.dumps({"rpm": RPM}),
-    ) as env:
-        procs = [
-            WorkerProcess(
-                env["REDIS_URL"], concurrency=4, name=f"rl{i}", env=env, log=tmp_path / f"w{i}.log"
-            ).start()
-            for i in range(2)
-        ]
-        try:
-            yield procs
-        finally:
-            for w in procs:
-                w.stop()
+    ) as procs:
+        yield procs
 
 
 def test_two_workers_share_one_rpm_bucket(

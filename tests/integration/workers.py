@@ -131,3 +131,37 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=5)
+
+
+ACCEPTING_CRITIQUE = (
+    '{"score": 0.95, "defects": [], "prescriptions": [], "reusable_patterns": [], '
+    '"summary": "fine"}'
+)
+"""A critic reply that accepts the output (the default answer of a fake LLM server)."""
+
+
+@contextlib.contextmanager
+def llm_workers(
+    redis_url: str, api_base: str, logs: Path, *, name: str, count: int = 2, **extra: str
+) -> Iterator[list[WorkerProcess]]:
+    """``count`` worker processes (threads × 4) on the workers' database of ``redis_url``, their
+    LLM calls sent to ``api_base`` (worker-only configuration, so through the environment) with
+    ``extra`` environment; this process's client points at the same database."""
+    with client_on(
+        worker_db_url(redis_url),
+        CRITIQUE_LLM_API_KEY="sk-test",
+        CRITIQUE_LLM__API_BASE=api_base,
+        CRITIQUE_LLM__TIMEOUT_S="5",
+        **extra,
+    ) as env:
+        procs = [
+            WorkerProcess(
+                env["REDIS_URL"], concurrency=4, name=f"{name}{i}", env=env, log=logs / f"w{i}.log"
+            ).start()
+            for i in range(count)
+        ]
+        try:
+            yield procs
+        finally:
+            for w in procs:
+                w.stop()
