@@ -1,4 +1,4 @@
-"""Build hook for the optional C accelerator of the Layer-0 contract (pipeline.contract._fastscan).
+"""Build hook for the optional C accelerator (pipeline._fastscan: the Layer-0 scan and simhash).
 
 All metadata lives in pyproject.toml; this file only declares the extension. It is optional:
 without a C compiler the install still succeeds and the pure-Python scanner is used instead.
@@ -9,8 +9,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "pipeline.contract._fastscan",
-            sources=["pipeline/contract/_fastscan.c"],
+            "pipeline._fastscan",
+            sources=["pipeline/_fastscan.c"],
             optional=True,
         )
     ]

@@ -227,7 +227,7 @@ def output_from_reply(item: ABInput, text: str) -> str | dict[str, Any]:
     is not one — the contract then counts it), the text for ``markdown``, the module (a reply
     wrapped whole in a code fence unwrapped) for ``python``."""
     if item.kind == "json":
-        from pipeline.critics.llm import EnvelopeParseError, json_object
+        from pipeline.critics.llm_reply import EnvelopeParseError, json_object
 
         try:
             return json_object(text)

@@ -10,11 +10,13 @@ deterministic (sorted keys, indent 2, trailing newline) so reruns produce identi
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import os
 import tempfile
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -201,20 +203,89 @@ def dumps(data: Any) -> str:
     return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder and rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+def atomic_write(path: Path, text: str) -> None:
+    """Write one file atomically and durably: see :func:`atomic_write_many`."""
+    atomic_write_many([(path, text)])
+
+
+def atomic_write_many(files: Sequence[tuple[Path, str]]) -> None:
+    """Write each ``(path, text)`` atomically (UTF-8, ``\\n`` newlines), the batch durably.
+
+    Each text goes to a temp file in its target's folder, which is then renamed over the
+    target: a reader sees the old file or the new one, never half of one. Durable means the
+    data is on disk before any rename, and the renames are on disk before this returns. For
+    one file that is an fsync of the file and of its folder. For a batch (``critique report``
+    writes dozens of files into as many folders) an fsync per file and per folder costs a
+    journal commit each, so on Linux the batch syncs each filesystem it wrote to once before
+    the renames and once after them (``syncfs``) instead. On an error the temp files are
+    removed and the targets not yet renamed are unchanged.
+    """
+    syncfs = _syncfs() if len(files) > 1 else None
+    pending: list[tuple[str, Path]] = []
     try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        for path, text in files:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            pending.append((tmp, path))
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
+                fh.write(text)
+                fh.flush()
+                if syncfs is None:
+                    os.fsync(fh.fileno())
+        folders = list(dict.fromkeys(path.parent for path, _ in files))
+        if syncfs is not None:
+            syncfs(folders)
+        while pending:
+            tmp, path = pending[0]
+            os.replace(tmp, path)
+            pending.pop(0)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        for tmp, _ in pending:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
+    if syncfs is not None:
+        syncfs(folders)
+    else:
+        for folder in folders:
+            _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the folder's entries (a rename) durable; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return  # e.g. Windows: renames there are as durable as the platform makes them
+    try:
+        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _syncfs() -> Callable[[Sequence[Path]], None] | None:
+    """Linux ``syncfs(2)`` over the filesystems holding some folders, or None where the C
+    library has no such call (then every file and folder is fsynced on its own)."""
+    try:
+        call = ctypes.CDLL(None, use_errno=True).syncfs
+    except (AttributeError, OSError):
+        return None
+
+    def sync(folders: Sequence[Path]) -> None:
+        devices: set[int] = set()
+        for folder in folders:
+            fd = os.open(folder, os.O_RDONLY)
+            try:
+                if os.fstat(fd).st_dev not in devices:
+                    devices.add(os.fstat(fd).st_dev)
+                    if call(fd) != 0:
+                        os.sync()  # refused (seccomp, old kernel): flush everything instead
+            finally:
+                os.close(fd)
+
+    return sync
 
 
 def _ident(value: str, what: str) -> str:
@@ -252,19 +323,31 @@ def write_delegation_artifacts(
     Workers on a shared volume can call this for their own output; a stale ``repairs.json``
     from an earlier write of the same worker is removed when there were no repairs.
     """
+    files, stale = _delegation_files(root, run_id, iteration, result)
+    atomic_write_many(files)
+    _remove(stale)
+    return [path for path, _ in files]
+
+
+def _delegation_files(
+    root: Path, run_id: str, iteration: int, result: CritiqueResult
+) -> tuple[list[tuple[Path, str]], Path | None]:
+    """One worker's files to write, and its ``repairs.json`` to remove when it had no repairs."""
     worker = _ident(result.worker_id, "worker_id")
     folder = _confined(root, iteration_dir(root, run_id, iteration) / "delegations" / worker)
-    written = [folder / "critique.json"]
-    _atomic_write(written[0], dumps(result.model_dump(mode="json")))
+    files = [(folder / "critique.json", dumps(result.model_dump(mode="json")))]
     repairs = folder / "repairs.json"
-    if result.attempts:
-        attempts = [a.model_dump(mode="json", exclude_none=True) for a in result.attempts]
-        _atomic_write(repairs, dumps(attempts))
-        written.append(repairs)
-    else:
+    if not result.attempts:
+        return files, repairs
+    attempts = [a.model_dump(mode="json", exclude_none=True) for a in result.attempts]
+    files.append((repairs, dumps(attempts)))
+    return files, None
+
+
+def _remove(path: Path | None) -> None:
+    if path is not None:
         with contextlib.suppress(FileNotFoundError):
-            repairs.unlink()
-    return written
+            path.unlink()
 
 
 def write_artifacts(
@@ -274,7 +357,10 @@ def write_artifacts(
     results: Sequence[CritiqueResult],
     patterns: Sequence[Pattern],
 ) -> list[Path]:
-    """Write the iteration's artifact tree under ``root``; returns the files written, in order."""
+    """Write the iteration's artifact tree under ``root``; returns the files written, in order.
+
+    One batch (:func:`atomic_write_many`): each file atomic, the tree durable once written.
+    """
     folder = _confined(root, iteration_dir(root, run_id, iteration))
     ordered = _sorted_results(results)
     for r in ordered:
@@ -291,9 +377,16 @@ def write_artifacts(
         "summary": summary,
         "critiques": [r.model_dump(mode="json") for r in ordered],
     }
-    written = [folder / "critique.json", folder / "CRITIQUE.md"]
-    _atomic_write(written[0], dumps(document))
-    _atomic_write(written[1], render_critique_md(summary, ordered))
+    files = [
+        (folder / "critique.json", dumps(document)),
+        (folder / "CRITIQUE.md", render_critique_md(summary, ordered)),
+    ]
+    stale: list[Path | None] = []
     for r in ordered:
-        written += write_delegation_artifacts(root, run_id, iteration, r)
-    return written
+        worker_files, worker_stale = _delegation_files(root, run_id, iteration, r)
+        files += worker_files
+        stale.append(worker_stale)
+    atomic_write_many(files)
+    for path in stale:
+        _remove(path)
+    return [path for path, _ in files]

@@ -33,6 +33,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pipeline.errors import ConfigError, RefusedOverrideError
 from pipeline.models import DEFAULT_DEFECT_CATEGORIES
 
+BUILTIN_CHECK_NAMES: tuple[str, ...] = (
+    "no_placeholder",
+    "no_text_loop",
+    "file_size_delta",
+    "no_duplicate_headings",
+    "balanced_delimiters",
+    "json_valid_if_claimed",
+)
+"""The built-in Layer-0 checks by name, in the order they run (``pipeline.contract.checks``
+implements them and refuses to import if its registry ever differs from this list)."""
+
 RUBRIC_DIMENSIONS: tuple[str, ...] = (
     "clarity",
     "novelty",
@@ -49,6 +60,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_WORKSPACE",  # root folder for artifacts
         "CRITIQUE_QUEUES",  # queues a `critique worker` consumes
         "CRITIQUE_CONCURRENCY",  # worker concurrency
+        "CRITIQUE_PROCESSES",  # worker processes (`critique worker --processes`)
         "CRITIQUE_LOG_LEVEL",
         "CRITIQUE_KEY_PREFIX",  # Redis key prefix
         "CRITIQUE_RUN_TTL_S",  # expiry of every run key
@@ -609,13 +621,11 @@ def check_submission_overrides(overrides: Mapping[str, Any], worker: CritiqueCon
         if field in overrides and model is not None and allowed and model not in allowed:
             raise _not_allowed(field, model, allowed)
     if "output_contract" in overrides:
-        from pipeline.contract.checks import BUILTIN_CHECKS
-
         for name in merged.output_contract.checks:
-            if name != "default" and name not in BUILTIN_CHECKS:
+            if name != "default" and name not in BUILTIN_CHECK_NAMES:
                 raise RefusedOverrideError(
                     f"submission may not set 'output_contract.checks': {name[:100]!r} is not "
-                    f"a built-in check (allowed: default, {', '.join(BUILTIN_CHECKS)})",
+                    f"a built-in check (allowed: default, {', '.join(BUILTIN_CHECK_NAMES)})",
                     key="output_contract.checks",
                 )
 

@@ -1,25 +1,26 @@
 """Filesystem grounding (SPEC §5.5): the workspace snapshot is the truth a critic must respect.
 
-Three jobs: confine every file reference to the submission's workspace (``..``, absolute paths
-and symlinks that leave it raise :class:`~pipeline.errors.PathEscapeError`); snapshot the
-workspace (path, size, sha256) for the critic prompt; and overrule a critic that claims a file
-is missing when the snapshot lists it with content (a hallucination: downgraded to ``info``).
+The snapshot is the submission's ``files`` (path, size, sha256): the worker's workspace as the
+manager sent it. Two jobs: render it into the critic prompt as authoritative
+(:func:`render_ground_truth`), and overrule a critic that claims a file is missing when the
+snapshot lists it with content (a hallucination: downgraded to ``info``,
+:func:`ground_envelope`).
+
+Confinement is enforced where a path enters: :class:`~pipeline.models.FileRef` refuses an
+empty, absolute or ``..`` path (and control characters) when a submission is validated, so
+every path here is already relative to the workspace. Files travel by content (inline or as
+a blob), never as a path on the worker's disk, so there is no symlink to follow; where they are
+written out again (the command critic's sandbox, :func:`pipeline.sandbox.write_workspace`) a
+symlink or an escaping path raises :class:`~pipeline.errors.PathEscapeError`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
 import re
-import stat
 from collections.abc import Callable, Sequence
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 
-from pipeline.errors import PathEscapeError, SubmissionError
-from pipeline.models import CritiqueEnvelope, Defect, FileRef, Frozen, band_for, effort_for
-
-log = logging.getLogger(__name__)
+from pipeline.models import CritiqueEnvelope, Defect, FileRef
 
 # Score handed back per downgraded claim: what a critical / warning defect typically cost.
 CRITICAL_REFUND = 0.2
@@ -28,8 +29,6 @@ WARNING_REFUND = 0.1
 MIN_STEM_LEN = 3
 GROUNDING_MARK = "[grounding: false positive]"
 
-_CHUNK = 1 << 16
-_DRIVE = re.compile(r"^[A-Za-z]:")
 # Whole-name tokens of a claim, and the ones that look like a file name (name.ext).
 _TOKEN = re.compile(r"[\w./\\-]+")
 _FILE_LIKE = re.compile(r"\w\.[a-z][a-z0-9]{0,7}$")
@@ -48,150 +47,6 @@ _CONTENT_WORDS = re.compile(
     r"attributes?|headings?|records?|cells?|pages?|chapters?|paragraphs?)\b",
     re.IGNORECASE,
 )
-
-
-class Snapshot(Frozen):
-    """A workspace listing plus what was left out of it and why."""
-
-    files: tuple[FileRef, ...] = ()
-    skipped: tuple[str, ...] = ()
-    """One line per entry not listed: escaping or broken symlinks, special files, unreadable."""
-    truncated: bool = False
-    """True when ``max_files`` stopped the walk early."""
-
-
-def _reject_form(rel: str) -> None:
-    """Refuse references that are outside the workspace by their very form."""
-    if not rel or not rel.strip():
-        raise PathEscapeError("empty file path", hint="name a file relative to the workspace")
-    if "\x00" in rel:
-        raise PathEscapeError(f"file path {rel!r} contains a NUL byte")
-    if rel.startswith(("/", "\\")) or _DRIVE.match(rel):
-        raise PathEscapeError(
-            f"file path {rel!r} is absolute; paths must be relative to the workspace",
-            hint="drop the leading '/' or drive letter",
-        )
-    if ".." in re.split(r"[\\/]", rel):
-        raise PathEscapeError(
-            f"file path {rel!r} contains '..' and could leave the workspace",
-            hint="name the file by its path inside the workspace",
-        )
-
-
-def resolve_in_workspace(root: Path, rel: str) -> Path:
-    """Resolve ``rel`` under ``root``, following symlinks, and refuse anything that leaves it.
-
-    Returns the real (symlink-free) path. The target need not exist; a symlink on the way
-    whose target is outside ``root`` raises :class:`PathEscapeError` naming both paths.
-    """
-    _reject_form(rel)
-    base = root.resolve()
-    real = (base / rel).resolve()
-    if real != base and not real.is_relative_to(base):
-        raise PathEscapeError(
-            f"file path {rel!r} resolves to {str(real)!r}, outside the workspace {str(base)!r}",
-            hint="a symlink in the path points outside the workspace",
-        )
-    return real
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _inline_text(path: Path, size: int, limit: int) -> str | None:
-    """The file as text when it is small and valid UTF-8 without NUL bytes, else None."""
-    if limit <= 0 or size > limit:
-        return None
-    data = path.read_bytes()
-    if b"\x00" in data:
-        return None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        return None
-
-
-def scan_workspace(root: Path, *, max_files: int = 10_000, inline_text_max: int = 0) -> Snapshot:
-    """Walk ``root`` deterministically and describe every regular file inside it.
-
-    Symlinks to files inside the workspace are listed under the link's path; symlinks that
-    leave it, broken links and special files are skipped and named in ``skipped``. Symlinked
-    directories are not followed (their targets inside the workspace are walked anyway).
-    Text files up to ``inline_text_max`` bytes carry their ``content``.
-    """
-    if not root.is_dir():
-        raise SubmissionError(
-            f"workspace {str(root)!r} is not a directory", hint="check the workspace path"
-        )
-    base = root.resolve()
-    found: list[FileRef] = []
-    skipped: list[str] = []
-    truncated = False
-    for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
-        dirnames.sort()
-        here = Path(dirpath)
-        for name in dirnames:
-            link = here / name
-            if link.is_symlink() and not link.resolve().is_relative_to(base):
-                rel = link.relative_to(base).as_posix()
-                skipped.append(f"{rel}/: symlinked directory leaves the workspace")
-        for name in sorted(filenames):
-            if len(found) >= max_files:
-                truncated = True
-                break
-            path = here / name
-            rel = path.relative_to(base).as_posix()
-            try:
-                real = path.resolve(strict=True)
-            except (OSError, RuntimeError):
-                skipped.append(f"{rel}: broken symlink")
-                continue
-            if not real.is_relative_to(base):
-                skipped.append(f"{rel}: symlink leaves the workspace")
-                continue
-            try:
-                st = real.stat()
-                if not stat.S_ISREG(st.st_mode):
-                    skipped.append(f"{rel}: not a regular file")
-                    continue
-                content = _inline_text(real, st.st_size, inline_text_max)
-                found.append(
-                    FileRef(path=rel, size=st.st_size, sha256=_sha256(real), content=content)
-                )
-            except OSError as exc:
-                skipped.append(f"{rel}: unreadable ({exc.strerror or exc})")
-            except ValueError:
-                skipped.append(f"{rel}: name cannot be a workspace-relative path")
-        if truncated:
-            break
-    for line in skipped:
-        log.warning("snapshot of %s skipped %s", base, line)
-    if truncated:
-        log.warning("snapshot of %s stopped at max_files=%d", base, max_files)
-    found.sort(key=lambda f: f.path)
-    return Snapshot(files=tuple(found), skipped=tuple(skipped), truncated=truncated)
-
-
-def snapshot(root: Path, *, max_files: int = 10_000) -> tuple[FileRef, ...]:
-    """(path, size, sha256) of every regular file under ``root``, sorted by path.
-
-    Skipped entries are logged; call :func:`scan_workspace` to get them as data.
-    """
-    return scan_workspace(root, max_files=max_files).files
-
-
-def read_workspace_bytes(root: Path, rel: str, *, max_bytes: int = 1 << 20) -> bytes | None:
-    """The first ``max_bytes`` of a confined workspace file, or None when it is not a file."""
-    real = resolve_in_workspace(root, rel)
-    if not real.is_file():
-        return None
-    with real.open("rb") as fh:
-        return fh.read(max_bytes)
 
 
 def render_ground_truth(files: Sequence[FileRef], *, limit: int = 200) -> str:
@@ -348,15 +203,7 @@ def downgrade_defects(
     if not changed:
         return envelope, 0
     score = round(min(1.0, envelope.score + refund), 6)
-    actionable = sum(1 for d in defects if d.severity in ("critical", "warning"))
-    downgraded = envelope.model_copy(
-        update={
-            "defects": tuple(defects),
-            "score": score,
-            "band": band_for(score),
-            "effort_estimate": effort_for(actionable),
-        }
-    )
+    downgraded = envelope.model_copy(update={"defects": tuple(defects), "score": score})
     return downgraded, changed
 
 

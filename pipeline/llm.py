@@ -46,7 +46,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import email.utils
-import importlib
 import os
 import random
 import sys
@@ -60,6 +59,7 @@ from pydantic import Field
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.models import Frozen, Usage
+from pipeline.providers import check_keys, load_litellm
 from pipeline.tokens import CHARS_PER_TOKEN, estimate_tokens
 
 Purpose = Literal["critic", "repair", "adjudicate", "generate"]
@@ -312,17 +312,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _load_litellm() -> Any:
-    """Import litellm quietly: offline cost map, no telemetry, no debug banners."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    litellm: Any = importlib.import_module("litellm")
-    litellm.telemetry = False
-    litellm.suppress_debug_info = True
-    litellm.set_verbose = False
-    # Token counts (the repair budget) must never download a tokenizer from inside a task:
-    # models without a bundled one are counted with tiktoken (and never below chars / 4).
-    litellm.disable_hf_tokenizer_download = True
-    return litellm
+"""litellm's loggers, held at WARNING (it logs every call at INFO)."""
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -391,13 +381,13 @@ class LiteLLMCompleter:
         if litellm is None:
             if self._completion is not None:  # a test's completion: never pay for litellm
                 raise LookupError("litellm is not loaded")
-            litellm = _load_litellm()
+            litellm = load_litellm()
         messages = [{"role": m.role, "content": m.content} for m in request.messages]
         return int(litellm.token_counter(model=request.model, messages=messages))
 
     def _backend(self) -> Callable[..., Any]:
         if self._completion is None:
-            litellm = _load_litellm()
+            litellm = load_litellm()
             self._completion = litellm.completion
             self._cost = _cost_with(litellm)
         return self._completion
@@ -454,8 +444,6 @@ class LiteLLMCompleter:
         if self._checks_keys:
             # A missing provider key is a configuration error (ConfigError, permanent), never
             # a transient failure that ends in the heuristic fallback (pipeline.providers).
-            from pipeline.providers import check_keys
-
             check_keys(
                 (request.model,),
                 api_base=self.config.api_base,
@@ -505,13 +493,21 @@ class LiteLLMCompleter:
 
 
 def _cost_with(litellm: Any) -> Callable[[Any], float]:
-    """``litellm.completion_cost`` from the offline cost map; unknown models cost 0.0."""
+    """``litellm.completion_cost`` from the offline cost map; unknown models cost 0.0.
+
+    ``litellm.completion`` already priced its response (``_hidden_params["response_cost"]``:
+    the same calculation, None for a model the map does not know): that figure is used, so a
+    call is not priced twice; a response without it (a test's completion) is priced here."""
 
     def cost(response: Any) -> float:
-        try:
-            value = litellm.completion_cost(completion_response=response)
-        except Exception:  # unknown model, missing usage: the cost is unknown, not an error
-            return 0.0
+        hidden = getattr(response, "_hidden_params", None)
+        if isinstance(hidden, Mapping) and "response_cost" in hidden:
+            value = hidden["response_cost"]
+        else:
+            try:
+                value = litellm.completion_cost(completion_response=response)
+            except Exception:  # unknown model, missing usage: the cost is unknown, not an error
+                return 0.0
         return float(value) if isinstance(value, int | float) and value > 0 else 0.0
 
     return cost

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationInfo,
+    computed_field,
     field_validator,
     model_validator,
 )
@@ -287,9 +288,15 @@ class Defect(Frozen):
     source: DefectSource
     false_positive: bool = False
     """Set by grounding when the critic claimed something the filesystem contradicts."""
+    check: str | None = None
+    """The Layer-0 check that reported it (``no_placeholder``, …): set exactly when ``source``
+    is ``l0`` by :meth:`pipeline.contract.models.ContractFailure.to_defect`; None otherwise and
+    in payloads written before the field existed."""
 
     @model_validator(mode="after")
     def _fill_id(self) -> Defect:
+        if self.check is not None and self.source != "l0":
+            raise ValueError(f"check {self.check!r} is set on a {self.source!r} defect (l0 only)")
         if not self.id:
             object.__setattr__(
                 self, "id", defect_id(self.category, self.location, self.description)
@@ -325,7 +332,7 @@ def band_for(score: float) -> Band:
 
 
 def effort_for(defect_count: int) -> Effort:
-    """``trivial`` for ≤1 defect, ``moderate`` for ≤3, ``major`` otherwise."""
+    """``trivial`` for ≤1 defect, ``moderate`` for ≤3, ``major`` otherwise (SPEC §2)."""
     if defect_count <= 1:
         return "trivial"
     if defect_count <= 3:
@@ -333,8 +340,17 @@ def effort_for(defect_count: int) -> Effort:
     return "major"
 
 
+_DERIVED = frozenset({"band", "effort_estimate"})
+
+
 class CritiqueEnvelope(Frozen):
-    """What a critic says about one output."""
+    """What a critic says about one output.
+
+    ``band`` and ``effort_estimate`` are derived, never stored: ``band_for(score)`` and
+    ``effort_for`` over the actionable (critical and warning) defects. They are in every dump;
+    a payload that carries them (every one written before they were derived) still validates,
+    and they are recomputed from its score and defects.
+    """
 
     worker_id: str
     score: float = Field(ge=0.0, le=1.0)
@@ -342,9 +358,7 @@ class CritiqueEnvelope(Frozen):
     defects: tuple[Defect, ...] = ()
     prescriptions: tuple[str, ...] = ()
     reusable_patterns: tuple[ReusablePattern, ...] = ()
-    effort_estimate: Effort = "trivial"
     summary: str = ""
-    band: Band = "accept"
     usage: Usage = Field(default_factory=Usage)
     suggestions: tuple[Suggestion, ...] = ()
     critic: str = "heuristic"
@@ -353,6 +367,26 @@ class CritiqueEnvelope(Frozen):
     """Why a fallback critic answered instead of the configured one, if it did."""
     truncation: str | None = None
     """How the output was cut for the critic, if it was (e.g. ``head 6000 + tail 2000 chars``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_derived(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not _DERIVED.isdisjoint(data):
+            return {k: v for k, v in data.items() if k not in _DERIVED}
+        return data
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def band(self) -> Band:
+        """The score band (SPEC §5.2): :func:`band_for` of ``score``."""
+        return band_for(self.score)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def effort_estimate(self) -> Effort:
+        """:func:`effort_for` of the actionable defect count (info defects, grounding's false
+        positives among them, cost no repair effort)."""
+        return effort_for(len(self.actionable))
 
     @property
     def critical(self) -> tuple[Defect, ...]:
@@ -471,3 +505,26 @@ class CritiqueResult(Frozen):
     """The pass (one submit of this submission, SPEC §4) this result belongs to."""
     notes: tuple[str, ...] = ()
     """Things the user should know (e.g. no total budget configured; fallback critic used)."""
+
+    def trace_event(self, *, round: int, stage: str) -> dict[str, Any]:
+        """The pass's ``result`` trace event: one shape whoever writes it (the in-process
+        runner with stage ``result``, the distributed gate with stage ``gate``); ``pass_id``
+        only when the pass has one."""
+        event: dict[str, Any] = {
+            "type": "result",
+            "stage": stage,
+            "worker_id": self.worker_id,
+            "iteration": self.iteration,
+            "round": round,
+            "status": self.status,
+            "stop_reason": self.stop_reason,
+            "best_score": self.best_score,
+            "original_score": self.original_score,
+            "attempts": len(self.attempts),
+            "tokens": self.usage.tokens,
+            "repair_tokens": self.repair_usage.tokens,
+            "budget_charged": self.budget_charged,
+        }
+        if self.pass_id:
+            event["pass_id"] = self.pass_id
+        return event

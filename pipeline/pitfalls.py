@@ -6,14 +6,14 @@ is fixed byte for byte (the seed's ``- [seen Nx] category: prevention_rule`` lin
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pipeline.injection import detect_injection
 from pipeline.models import CritiqueEnvelope, Defect, Lesson, Pattern, ReusablePattern
 from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
-from pipeline.store.memory import pattern_key
+from pipeline.store.keys import pattern_key
 
 PITFALLS_HEADER = (
     "## Known Pitfalls\n"
@@ -49,16 +49,14 @@ L0_RULES: dict[str, str] = {
 """Fixed prevention rules for Layer-0 defects, so the same check failing in different outputs
 (different offsets, different text) is one pattern with a growing count, not many."""
 
-_L0_CHECK = re.compile(r"^L0 ([a-z0-9_]+):")
 
-
-def prevention_rule_for(description: str) -> str:
-    """A prevention rule derived from a defect description (when the critic gave none); a
-    built-in Layer-0 check's defect gets that check's fixed rule."""
-    m = _L0_CHECK.match(description)
-    if m and m.group(1) in L0_RULES:
-        return L0_RULES[m.group(1)]
-    desc = _one_line(description).rstrip(".")
+def prevention_rule_for(defect: Defect) -> str:
+    """A prevention rule derived from a defect (when the critic gave none): a built-in
+    Layer-0 check's defect (:attr:`Defect.check`) gets that check's fixed rule, any other one
+    a rule quoting its description."""
+    if defect.check in L0_RULES:
+        return L0_RULES[defect.check]
+    desc = _one_line(defect.description).rstrip(".")
     return f"Check your output for this before returning it: {desc}"
 
 
@@ -94,7 +92,6 @@ def patterns_from_envelope(
     category in turn — so 20,000 missing fields cannot crowd out the one injection or format
     pattern — and within a category in envelope order (reusable patterns, then defects).
     """
-    from pipeline.critics.llm import detect_injection
 
     def instructs(*texts: str) -> bool:
         # Patterns reach later prompts OUTSIDE the untrusted-data block: text an LLM critic
@@ -118,7 +115,7 @@ def patterns_from_envelope(
     for d in counted:
         if (d.category, _one_line(d.description).casefold()) in covered:
             continue
-        rule = prevention_rule_for(d.description)
+        rule = prevention_rule_for(d)
         key = pattern_key(d.category, rule)
         got = found.get(key)
         if got is None:

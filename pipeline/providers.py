@@ -24,8 +24,11 @@ Where it is checked:
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 from collections.abc import Iterable
+from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.errors import ConfigError
@@ -38,7 +41,7 @@ def llm_models(config: CritiqueConfig, submission_model: str | None) -> tuple[st
     """The litellm models a submission whose own model is ``submission_model`` would call
     under ``config``: the LLM critic's (and the adjudicator's, with ``paired_critic``) when an
     LLM critiques it, and the repair model when an LLM repairs it (the pairing of
-    :func:`pipeline.runner.pick_reviser`). Empty for token-free configurations."""
+    :func:`pipeline.wiring.pick_reviser`). Empty for token-free configurations."""
     models: list[str] = []
     if config.uses_llm_critic(submission_model):
         critic = config.critic_model(submission_model)
@@ -81,9 +84,7 @@ def missing_keys(
     key = api_key if api_key is not None else os.environ.get(KEY_ENV)
     if key:
         return ()
-    from pipeline.llm import _load_litellm
-
-    litellm = _load_litellm()
+    litellm = load_litellm()
     try:
         info = litellm.validate_environment(model=model, api_base=api_base)
     except Exception:  # litellm could not parse the model name: nothing to say about keys
@@ -115,3 +116,28 @@ def check_keys(
                 hint=f"set {names} (or {KEY_ENV}, sent to every provider) where the workers "
                 "run, or configure another model",
             )
+
+
+def load_litellm() -> Any:
+    """Import litellm quietly: offline cost map, no telemetry, no debug banners, no per-call
+    INFO logs (idempotent; a worker on an LLM queue calls it while it starts)."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    litellm: Any = importlib.import_module("litellm")
+    litellm.telemetry = False
+    litellm.suppress_debug_info = True
+    litellm.set_verbose = False
+    # Token counts (the repair budget) must never download a tokenizer from inside a task:
+    # models without a bundled one are counted with tiktoken (and never below chars / 4).
+    litellm.disable_hf_tokenizer_download = True
+    # Nothing of a call (messages, replies) is kept for logging callbacks, and litellm's
+    # per-call INFO lines (a record and a handler run on every call, in a worker at INFO)
+    # are off: its warnings and errors still show.
+    litellm.turn_off_message_logging = True
+    for name in LITELLM_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.getEffectiveLevel() < logging.WARNING:
+            logger.setLevel(logging.WARNING)
+    return litellm
+
+
+LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")

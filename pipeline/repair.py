@@ -1,15 +1,19 @@
-"""The repair policy (SPEC §5.3): decide after the first critique, the repair prompt, its cost.
+"""The repair policy's pieces (SPEC §5.3): the band thresholds, the repair prompt, its cost.
 
-``decide`` turns the first critique into accept / repair / escalate; ``build_repair_prompt`` is
-the exact text an LLM repairer is sent (targeted: only critical and warning defects, and the
-instruction to change nothing else); ``repair_reply_tokens`` is the ``max_tokens`` of a repair
-call. What a repair round reserves in the repair-budget semaphore is a :class:`RepairBound`:
-the repair call's counted prompt plus its ``max_tokens``, and the re-critique's counted prompt
-(with the repaired output at its largest) plus the critic's ``max_tokens``; each part is 0 when
-the reviser or critic that serves the submission is token-free. LLM revisers and critics size
-their own parts (``repair_bound`` / ``critique_bound``, :mod:`pipeline.critics.llm`); for any
-other (a configured ``module:function`` repairer, a custom critic) the runner falls back to
-:func:`estimated_repair_tokens` and :func:`estimated_critique_tokens`.
+The round's decision itself (accept / repair / stop) is :func:`pipeline.convergence.decide_round`,
+which uses the thresholds here. ``build_repair_prompt`` is the exact text an LLM repairer is sent
+(targeted: only critical and warning defects, and the instruction to change nothing else);
+``repair_reply_tokens`` is the ``max_tokens`` of a repair call. A repair round is ordered once,
+in the decide stage, as a :class:`RepairOrder`: the Known Pitfalls the reviser gets, the
+prompt rendered once (for a reviser that sends it to a model), and the :class:`RepairBound`
+the round reserves in the repair-budget semaphore — the repair call's counted prompt plus its
+``max_tokens``, and the re-critique's counted prompt (with the repaired output at its largest)
+plus the critic's ``max_tokens``; each part is 0 when the reviser or critic that serves the
+submission is token-free. LLM revisers and critics size their own parts (``repair_bound`` /
+``critique_bound``, :mod:`pipeline.critics.llm`); for any other (a configured
+``module:function`` repairer, a custom critic) the runner falls back to
+:func:`estimated_repair_tokens` and :func:`estimated_critique_tokens`. The repair stage then
+hands the same pitfalls and prompt to the reviser, so what was sized is what is sent.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import Field
 
@@ -25,8 +29,6 @@ from pipeline.models import (
     CritiqueEnvelope,
     Frozen,
     RepairAttempt,
-    Status,
-    StopReason,
     Submission,
 )
 from pipeline.tokens import estimate_tokens, text_of
@@ -66,50 +68,23 @@ class RepairBound(Frozen):
         return self.repair + self.critique
 
 
-class Decision(Frozen):
-    """The first critique's outcome: what to do next and, when it ends here, how."""
+class RepairOrder(Frozen):
+    """One repair round as the decide stage ordered it, carried to the repair stage: what the
+    reviser is handed, and what the round reserved. Built once per round (:func:`repair_order`
+    in :mod:`pipeline.runner`)."""
 
-    action: Literal["accept", "repair", "escalate"]
-    status: Status | None = None
-    stop_reason: StopReason | None = None
-    reason: str
+    pitfalls: str = ""
+    """The Known Pitfalls text the serving reviser gets ("" when it does not read them)."""
+    prompt: str | None = None
+    """The SPEC §5.3 repair prompt, rendered once to size the round, for a reviser that sends
+    it to a model (None: the reviser renders nothing, or the round was not sized)."""
+    bound: RepairBound = Field(default_factory=RepairBound)
+    """What the round may spend (all zero when it was not sized: no budget cap)."""
 
 
 def is_acceptable(score: float, envelope: CritiqueEnvelope, l0_failed: bool) -> bool:
     """Acceptable = score ≥ 0.6, no critical defect and no Layer-0 error."""
     return score >= REPAIR_BELOW and not envelope.critical and not l0_failed
-
-
-def decide(score: float, envelope: CritiqueEnvelope, l0_failed: bool) -> Decision:
-    """Band policy for the first critique (SPEC §5.3, §7).
-
-    score < 0.3 → escalate (no repair); else any critical defect or an L0 error, or a score
-    < 0.6 → repair; else accept (≥ 0.9 ``accepted``, otherwise ``accepted_with_warnings``).
-    """
-    if score < ESCALATE_BELOW:
-        return Decision(
-            action="escalate",
-            status="escalated",
-            stop_reason="escalate_band",
-            reason=f"score {score:.2f} is in the escalate band (< {ESCALATE_BELOW:g})",
-        )
-    critical = len(envelope.critical)
-    if critical or l0_failed or score < REPAIR_BELOW:
-        why = []
-        if critical:
-            why.append(f"{critical} critical defect(s)")
-        if l0_failed:
-            why.append("a Layer-0 error")
-        if score < REPAIR_BELOW:
-            why.append(f"score {score:.2f} < {REPAIR_BELOW:g}")
-        return Decision(action="repair", reason="repair: " + ", ".join(why))
-    status: Status = "accepted" if score >= ACCEPT_CLEAN_FROM else "accepted_with_warnings"
-    return Decision(
-        action="accept",
-        status=status,
-        stop_reason="accepted",
-        reason=f"score {score:.2f}, no critical defect",
-    )
 
 
 def output_marker_tag(text: str) -> str:
@@ -217,17 +192,10 @@ def repair_reply_tokens(output: str | dict[str, Any], max_tokens: int) -> int:
     return max(1, min(max_tokens, grown_output_tokens(output)))
 
 
-def estimated_repair_tokens(
-    submission: Submission,
-    output: str | dict[str, Any],
-    envelope: CritiqueEnvelope,
-    pitfalls: str,
-    attempts: Sequence[RepairAttempt],
-) -> int:
-    """A repair call's tokens for a reviser that cannot size its own: the repair prompt
-    (estimated) plus the repaired output (:func:`estimated_output_tokens`)."""
-    prompt = estimate_tokens(build_repair_prompt(submission, output, envelope, pitfalls, attempts))
-    return prompt + estimated_output_tokens(output)
+def estimated_repair_tokens(prompt: str, output: str | dict[str, Any]) -> int:
+    """A repair call's tokens for a reviser that cannot size its own: the rendered repair
+    ``prompt`` (estimated) plus the repaired output (:func:`estimated_output_tokens`)."""
+    return estimate_tokens(prompt) + estimated_output_tokens(output)
 
 
 def estimated_critique_tokens(submission: Submission, output_tokens: int, pitfalls: str) -> int:
@@ -250,6 +218,7 @@ def repair_token_bound(
 ) -> int:
     """The estimated bound of one repair round whose reviser and critic cannot size their own
     calls: :func:`estimated_repair_tokens` + :func:`estimated_critique_tokens`."""
-    return estimated_repair_tokens(
-        submission, output, envelope, pitfalls, attempts
-    ) + estimated_critique_tokens(submission, estimated_output_tokens(output), pitfalls)
+    prompt = build_repair_prompt(submission, output, envelope, pitfalls, attempts)
+    return estimated_repair_tokens(prompt, output) + estimated_critique_tokens(
+        submission, estimated_output_tokens(output), pitfalls
+    )

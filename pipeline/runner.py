@@ -7,9 +7,11 @@ stages across workers, carrying ``LoopState`` in its messages::
 
     l0 → critic → decide → (repair → l0 → critic → decide)* → done
 
-Policy lives in :mod:`pipeline.repair` (the first decision, the prompt, the token bound) and
-:mod:`pipeline.convergence` (stop rules, status); this module only sequences them, keeps the
-best output, charges the budget and writes the trace.
+Policy lives in :mod:`pipeline.convergence` (:func:`~pipeline.convergence.decide_round`, the
+one pure round decision) and :mod:`pipeline.repair` (the prompt, the token bound); this module
+only sequences them, gathers the facts a decision asks for, keeps the best output, charges the
+budget and writes the trace. What the stages run with (critic, reviser, stores, the real Layer-0
+step) is built from configuration by :mod:`pipeline.wiring`, the composition root.
 
 Layer-0 rule: when L0 reports an error, the configured critic is not called (no critic tokens):
 the envelope is a token-free critic's (the configured one if it is token-free, else the
@@ -21,7 +23,6 @@ appended to its envelope as defects without changing its score.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import json
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -32,22 +33,29 @@ from pydantic import Field
 
 from pipeline.config import CritiqueConfig
 from pipeline.convergence import (
-    STOP_TEXT,
+    Ask,
+    RoundDecision,
     RoundFacts,
-    final_status,
-    first_round_stop,
-    round_stop,
+    decide_round,
     target_met,
     verdict_for,
     weighted_mean,
 )
-from pipeline.critics.base import Critic, Reviser, RevisionResult, merge_l0
-from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
-from pipeline.critics.rubric import DeterministicReviser, RubricCritic
-from pipeline.errors import ExtensionLoadError, SubmissionError, TransientError
+from pipeline.critics.base import (
+    Critic,
+    Planner,
+    PromptedReviser,
+    Reviser,
+    RevisionResult,
+    SizedCritic,
+    merge_l0,
+)
+from pipeline.critics.base import resolve_for as resolve_for  # re-exported: workers.tasks
+from pipeline.critics.heuristic import HeuristicCritic
+from pipeline.errors import SubmissionError, TransientError
 from pipeline.files import FileReader, inline_bytes
 from pipeline.files import read_file as read_file_bytes
-from pipeline.llm import Completer, token_allowance
+from pipeline.llm import token_allowance
 from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,
@@ -61,12 +69,12 @@ from pipeline.models import (
     StopReason,
     Submission,
     Usage,
-    effort_for,
 )
 from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
 from pipeline.repair import (
     RepairBound,
-    decide,
+    RepairOrder,
+    build_repair_prompt,
     estimated_critique_tokens,
     estimated_output_tokens,
     estimated_repair_tokens,
@@ -79,13 +87,7 @@ from pipeline.store.base import (
     PatternStore,
     TraceSink,
 )
-from pipeline.store.memory import (
-    MemoryBudgetLedger,
-    MemoryCritiqueCache,
-    MemoryPatternStore,
-    MemoryTraceSink,
-)
-from pipeline.tokens import estimate_usage, text_of
+from pipeline.tokens import text_of
 
 Next = Literal["l0", "critic", "decide", "repair", "done"]
 
@@ -113,48 +115,13 @@ FixpointFn = Callable[[str, str], bool]
 """``fixpoint(previous_repair_text, current_text) -> bool`` (similarity ≥ 0.95)."""
 
 
-def contract_l0(config: CritiqueConfig, read_file: FileReader | None = None) -> L0Fn:
-    """The real Layer-0 step over :mod:`pipeline.contract` (imported here, lazily).
-
-    Every file of the submission is read through ``read_file`` (default: inline content only,
-    so a file held by reference raises :class:`~pipeline.files.UnreadableFileError`).
-    """
-    from pipeline.contract import build_suite, check_submission
-
-    suite = build_suite(config.output_contract)
-
-    def run(
-        submission: Submission, output: str | dict[str, Any], previous_size: int | None
-    ) -> L0Outcome:
-        report = check_submission(
-            suite, submission, output=output, previous_size=previous_size, read_file=read_file
-        )
-        return L0Outcome(
-            defects=tuple(f.to_defect() for f in report.failures),
-            gate_events=tuple(
-                f.to_gate_event(submission.iteration, submission.worker_id) for f in report.failures
-            ),
-        )
-
-    return run
-
-
-def simhash_fixpoint() -> FixpointFn:
-    """The real fixpoint test, :func:`pipeline.simhash.is_fixpoint` (imported lazily)."""
-    from pipeline.simhash import is_fixpoint
-
-    def fixpoint(previous_text: str, current_text: str) -> bool:
-        return bool(is_fixpoint(previous_text, current_text))
-
-    return fixpoint
-
-
 @dataclass
 class StageContext:
-    """Everything a stage needs besides the state: configuration, critic pair, stores, clock.
+    """Everything a stage needs besides the state: configuration, critic pair, stores, the
+    Layer-0 step, the fixpoint test, clock. Built from configuration by
+    :func:`pipeline.wiring.make_context` (tests inject fakes through it).
 
-    ``l0`` and ``fixpoint`` default to the real implementations, resolved on first use; tests
-    inject fakes. Leases are ``f"{lease_prefix}:{attempt}"``; an empty prefix becomes
+    Leases are ``f"{lease_prefix}:{attempt}"``; an empty prefix becomes
     ``f"{worker_id}:{iteration}:{pass_id}"`` (:func:`lease_for`), so two submissions, or two
     passes of one, never share a lease.
     ``read_file`` reads a submission's files (:mod:`pipeline.files`) for :func:`admit` and the
@@ -167,9 +134,11 @@ class StageContext:
     patterns: PatternStore
     budget: BudgetLedger
     trace: TraceSink
+    l0: L0Fn
+    """The Layer-0 step (:func:`pipeline.wiring.contract_l0`)."""
+    fixpoint: FixpointFn
+    """The fixpoint test (:func:`pipeline.wiring.simhash_fixpoint`)."""
     lease_prefix: str = ""
-    l0: L0Fn | None = None
-    fixpoint: FixpointFn | None = None
     clock: Callable[[], float] = field(default=time.monotonic)
     lease_ttl_s: float = REPAIR_LEASE_TTL_S
     """How long a repair's budget reservation outlives a holder that died."""
@@ -177,18 +146,6 @@ class StageContext:
     """Reads a submission file's bytes (inline content, or a blob through a store)."""
     cache: CritiqueCache | None = None
     """The critique cache (used when ``config.cache.enabled``): in memory by default."""
-
-    def l0_fn(self) -> L0Fn:
-        """The Layer-0 function, building the real one on first use."""
-        if self.l0 is None:
-            self.l0 = contract_l0(self.config, self.read_file)
-        return self.l0
-
-    def fixpoint_fn(self) -> FixpointFn:
-        """The fixpoint test, importing the real one on first use."""
-        if self.fixpoint is None:
-            self.fixpoint = simhash_fixpoint()
-        return self.fixpoint
 
 
 class LoopState(Frozen):
@@ -235,6 +192,10 @@ class LoopState(Frozen):
     """Tokens that reservation holds: the repair call's part plus the re-critique's."""
     repair_allowance: int = Field(0, ge=0)
     """The repair call's part of it: the most the repair stage's LLM calls may spend."""
+    repair_order: RepairOrder | None = None
+    """The next repair as the decide stage ordered it (pitfalls, the prompt rendered once, the
+    bound it was sized at); None outside a repair round, or in a state sent by an older
+    worker (the repair stage then reads the pitfalls itself)."""
     pending_repair_tokens: int = Field(0, ge=0)
     budget_charged: int = Field(0, ge=0)
     """Tokens this pass's committed repairs charged to the run's budget so far."""
@@ -261,24 +222,18 @@ def _emit(ctx: StageContext, state: LoopState, kind: str, stage: str, **fields: 
     ctx.trace.emit(sub.run_id, event)
 
 
-def resolve_for(obj: Any, submission: Submission) -> Any:
-    """The critic or reviser that actually serves ``submission``: ``auto`` ones (see
-    :class:`AutoCritic`) pick per submission, everything else is itself."""
-    resolve = getattr(obj, "resolve", None)
-    return resolve(submission) if resolve is not None else obj
-
-
 def is_token_free(critic: Critic, submission: Submission) -> bool:
     """True when the critic that serves ``submission`` spends no tokens (deterministic)."""
-    return bool(getattr(resolve_for(critic, submission), "token_free", False))
+    serving: Critic = resolve_for(critic, submission)
+    return serving.token_free
 
 
-def _pitfalls(ctx: StageContext, submission: Submission, reader: object) -> str:
+def _pitfalls(ctx: StageContext, submission: Submission, reader: Critic | Reviser) -> str:
     """The Known Pitfalls text for ``reader`` (a critic or reviser); empty when pattern memory
     is off or the reader declares ``reads_pitfalls = False`` (deterministic ones ignore it,
     so the store is not read for them)."""
-    reader = resolve_for(reader, submission)
-    if not ctx.config.pattern_memory or not getattr(reader, "reads_pitfalls", True):
+    serving: Critic | Reviser = resolve_for(reader, submission)
+    if not ctx.config.pattern_memory or not serving.reads_pitfalls:
         return ""
     return render_pitfalls(ctx.patterns.top(submission.run_id, PITFALLS_LIMIT))
 
@@ -399,7 +354,7 @@ def l0_stage(state: LoopState, ctx: StageContext) -> LoopState:
     if not ctx.config.enabled:
         return _passthrough(state)
     began = ctx.clock()
-    outcome = ctx.l0_fn()(state.submission, state.output, state.previous_size)
+    outcome = ctx.l0(state.submission, state.output, state.previous_size)
     errors = sum(1 for d in outcome.defects if d.severity == "critical")
     _emit(
         ctx,
@@ -456,7 +411,7 @@ def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, Ca
     cache_use: CacheUse = ""
     if _l0_error(state.l0_defects):
         serving: Critic = resolve_for(ctx.critic, sub)
-        fallback: Critic = serving if getattr(serving, "token_free", False) else HeuristicCritic()
+        fallback: Critic = serving if serving.token_free else HeuristicCritic()
         pitfalls = _pitfalls(ctx, sub, fallback)
         base = fallback.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
         envelope = merge_l0(base, state.l0_defects)
@@ -476,9 +431,7 @@ def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, Ca
             envelope = critique()
         if state.l0_defects:
             defects = (*state.l0_defects, *envelope.defects)
-            envelope = envelope.model_copy(
-                update={"defects": defects, "effort_estimate": effort_for(len(defects))}
-            )
+            envelope = envelope.model_copy(update={"defects": defects})
     return envelope, cache_use
 
 
@@ -486,14 +439,14 @@ def critique_cache_key(ctx: StageContext, submission: Submission, output: Any) -
     """The cache key of a critique (SPEC §5.10): a hash of the output, the files (their
     digests or content), the task and contract, the critic configuration and the model. Who
     sent it (run, worker, iteration) is not part of it."""
-    serving = resolve_for(ctx.critic, submission)
+    serving: Critic = resolve_for(ctx.critic, submission)
     doc = {
         "output": output,
         "submission": submission.model_dump(
             mode="json", exclude={"run_id", "worker_id", "iteration", "subtask_signature", "output"}
         ),
         "config": ctx.config.model_dump(mode="json", exclude={"cache", "budget"}),
-        "critic": getattr(serving, "name", type(serving).__name__),
+        "critic": serving.name,
     }
     raw = json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(raw.encode("utf-8")).hexdigest()
@@ -638,12 +591,12 @@ def unfixable_plan(
     envelope: CritiqueEnvelope,
 ) -> RevisionResult | None:
     """The serving reviser's plan when it would change nothing (the loop then stops
-    ``needs_model``); None when it would fix something, or cannot tell (no ``plan``, or a plan
-    of None: a model may fix anything)."""
-    plan = getattr(resolve_for(ctx.reviser, submission), "plan", None)
-    if plan is None:
+    ``needs_model``); None when it would fix something, or cannot tell (no
+    :class:`~pipeline.critics.base.Planner`, or a plan of None: a model may fix anything)."""
+    reviser = resolve_for(ctx.reviser, submission)
+    if not isinstance(reviser, Planner):
         return None
-    result: RevisionResult | None = plan(submission, output, envelope)
+    result = reviser.plan(submission, output, envelope)
     return result if result is not None and result.output == output else None
 
 
@@ -655,7 +608,7 @@ def _needs_model_notes(
     plan: RevisionResult,
 ) -> tuple[str, ...]:
     """One note saying a model or a person must act, then one per defect left unfixed."""
-    reviser = getattr(resolve_for(ctx.reviser, submission), "name", "the reviser")
+    reviser: Reviser = resolve_for(ctx.reviser, submission)
     lines = [r.line() for r in plan.unfixable] or [
         f"[{d.severity}] {d.category}"
         + (f" at {d.location}" if d.location else "")
@@ -664,60 +617,77 @@ def _needs_model_notes(
     ]
     notes = _add_note(
         notes,
-        f"needs_model: {reviser} can fix none of the {len(lines)} remaining defect(s) without "
-        "inventing content; a model or a person must act on:",
+        f"needs_model: {reviser.name} can fix none of the {len(lines)} remaining defect(s) "
+        "without inventing content; a model or a person must act on:",
     )
     for line in lines:
         notes = _add_note(notes, f"needs_model: {line}")
     return notes
 
 
-def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope) -> RepairBound:
-    """What the next repair round reserves (SPEC §5.3): the repair call and its re-critique.
+def repair_order(
+    ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope, *, sized: bool = True
+) -> RepairOrder:
+    """The next repair round, ordered once (SPEC §5.3): the one place a repair is sized.
 
-    Each part comes from the reviser or critic that serves the submission: 0 when it is
-    token-free (``token_free = True``); its own count when it can size its calls
-    (``repair_bound`` / ``critique_bound``: counted prompt + the ``max_tokens`` it will call
-    with); else the estimates of :mod:`pipeline.repair`.
+    The Known Pitfalls the serving reviser gets are read once. With ``sized``, the round's
+    :class:`~pipeline.repair.RepairBound` is the repair call plus its re-critique, each part
+    from the reviser or critic that serves the submission: 0 when it is token-free; its own
+    count when it can size its calls (:class:`~pipeline.critics.base.PromptedReviser` /
+    :class:`~pipeline.critics.base.SizedCritic`: counted prompt + the ``max_tokens`` it will
+    call with); else the estimates of :mod:`pipeline.repair`. The repair prompt is rendered
+    here, once, only for a token-spending reviser; a prompted reviser is handed that same
+    prompt by :func:`repair_stage`, so what was sized is what is sent.
     """
     sub = state.submission
-    reviser = resolve_for(ctx.reviser, sub)
-    critic = resolve_for(ctx.critic, sub)
-    known: list[str] = []
-
-    def pitfalls_for(reader: object) -> str:
-        if not ctx.config.pattern_memory or not getattr(reader, "reads_pitfalls", True):
-            return ""
-        if not known:
-            known.append(render_pitfalls(ctx.patterns.top(sub.run_id, PITFALLS_LIMIT)))
-        return known[0]
-
+    reviser: Reviser = resolve_for(ctx.reviser, sub)
+    pitfalls = _pitfalls(ctx, sub, reviser)
+    if not sized:
+        return RepairOrder(pitfalls=pitfalls)
+    critic: Critic = resolve_for(ctx.critic, sub)
     output_tokens = estimated_output_tokens(state.output)
-    sized = getattr(reviser, "repair_bound", None)
-    if getattr(reviser, "token_free", False):
+    prompt: str | None = None
+    if reviser.token_free:
         repair = 0
-    elif sized is not None:
-        repair, output_tokens = sized(
-            sub, state.output, envelope, pitfalls=pitfalls_for(reviser), attempts=state.attempts
-        )
     else:
-        repair = estimated_repair_tokens(
-            sub, state.output, envelope, pitfalls_for(reviser), state.attempts
-        )
-    bound = getattr(critic, "critique_bound", None)
-    if getattr(critic, "token_free", False):
+        prompt = build_repair_prompt(sub, state.output, envelope, pitfalls, state.attempts)
+        if isinstance(reviser, PromptedReviser):
+            repair, output_tokens = reviser.repair_bound(
+                sub,
+                state.output,
+                envelope,
+                pitfalls=pitfalls,
+                attempts=state.attempts,
+                prompt=prompt,
+            )
+        else:
+            repair = estimated_repair_tokens(prompt, state.output)
+            prompt = None  # this reviser renders nothing: the prompt only sized its call
+    if critic.token_free:
         critique = 0
-    elif bound is not None:
-        critique = bound(
-            sub,
-            state.output,
-            output_tokens=output_tokens,
-            pitfalls=pitfalls_for(critic),
-            round=state.round + 1,
-        )
     else:
-        critique = estimated_critique_tokens(sub, output_tokens, pitfalls_for(critic))
-    return RepairBound(repair=repair, critique=critique, output_tokens=output_tokens)
+        critic_pitfalls = (
+            pitfalls
+            if critic.reads_pitfalls == reviser.reads_pitfalls
+            else _pitfalls(ctx, sub, critic)
+        )
+        if isinstance(critic, SizedCritic):
+            critique = critic.critique_bound(
+                sub,
+                state.output,
+                output_tokens=output_tokens,
+                pitfalls=critic_pitfalls,
+                round=state.round + 1,
+            )
+        else:
+            critique = estimated_critique_tokens(sub, output_tokens, critic_pitfalls)
+    bound = RepairBound(repair=repair, critique=critique, output_tokens=output_tokens)
+    return RepairOrder(pitfalls=pitfalls, prompt=prompt, bound=bound)
+
+
+def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope) -> RepairBound:
+    """What the next repair round reserves: :func:`repair_order`'s bound."""
+    return repair_order(ctx, state, envelope).bound
 
 
 def refusal_text(tokens: int, cap: int, snap: BudgetSnapshot) -> str:
@@ -734,20 +704,68 @@ def refusal_text(tokens: int, cap: int, snap: BudgetSnapshot) -> str:
     return text
 
 
+@dataclass
+class _Gathered:
+    """What :func:`decide_stage` looked up for :func:`~pipeline.convergence.decide_round`, and
+    what the lookups left behind (notes, the reservation, the repair order)."""
+
+    notes: tuple[str, ...]
+    lease_id: str | None = None
+    order: RepairOrder | None = None
+
+
+def _answer(
+    ask: Ask,
+    facts: RoundFacts,
+    gathered: _Gathered,
+    ctx: StageContext,
+    state: LoopState,
+    envelope: CritiqueEnvelope,
+) -> RoundFacts:
+    """Look up the fact a decision asked for (the decide stage's I/O)."""
+    sub = state.submission
+    if ask == "fixpoint":
+        previous = state.previous_repair_text
+        hit = previous is not None and ctx.fixpoint(previous, text_of(state.output))
+        return facts.model_copy(update={"fixpoint": hit})
+    if ask == "plan":
+        stuck = unfixable_plan(ctx, sub, state.output, envelope)
+        if stuck is not None:
+            gathered.notes = _needs_model_notes(gathered.notes, ctx, sub, envelope, stuck)
+        return facts.model_copy(update={"unfixable": stuck is not None})
+    cap = ctx.config.repair_token_cap
+    if cap is None:
+        if NO_BUDGET_NOTE not in gathered.notes:
+            gathered.notes = _add_note(gathered.notes, NO_BUDGET_NOTE)
+            _emit(ctx, state, "stage", "decide", note=NO_BUDGET_NOTE)
+        gathered.order = repair_order(ctx, state, envelope, sized=False)
+        return facts.model_copy(update={"budget": "granted"})
+    order = repair_order(ctx, state, envelope)
+    total = order.bound.total
+    if total > 0:  # a token-free round (reviser and critic) reserves nothing
+        lease = lease_for(ctx, state)
+        refused = ctx.budget.try_reserve(sub.run_id, lease, total, cap, ctx.lease_ttl_s)
+        if refused is not None:
+            refusal = refusal_text(total, cap, refused)
+            return facts.model_copy(update={"budget": "refused", "refusal": refusal})
+        gathered.lease_id = lease
+    gathered.order = order
+    return facts.model_copy(update={"budget": "granted"})
+
+
 def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
-    """Keep the best output, apply the stop rules, reserve the next repair's budget.
+    """Keep the best output, decide the round, reserve the next repair's budget.
 
-    Before a repair is reserved, a reviser with a ``plan`` (the deterministic ones) is asked
-    what it would fix; when that is nothing, the loop stops ``needs_model`` (status
-    ``escalated``) with the defects it left listed in the notes: no round is spent on a repair
-    that cannot help, and nothing is invented (SPEC §5.3). The same holds once
-    ``max_repair_attempts`` is reached: ``needs_model`` then says more than
-    ``attempts_exhausted``.
+    The decision is :func:`~pipeline.convergence.decide_round` (pure); this stage gathers the
+    facts it asks for, in its order: the fixpoint test, the serving reviser's plan (a reviser
+    with a ``plan`` that fixes nothing stops the loop ``needs_model``, status ``escalated``,
+    with the defects it left listed in the notes: no round is spent on a repair that cannot
+    help, and nothing is invented, SPEC §5.3), and the budget's answer.
 
-    The reservation is :func:`repair_bound` under the lease :func:`lease_for` (one per pass and
-    attempt: a re-run gets the same lease back); a refusal stops the loop
+    The reservation is :func:`repair_order`'s bound under the lease :func:`lease_for` (one per
+    pass and attempt: a re-run gets the same lease back); a refusal stops the loop
     ``repair_budget_exhausted`` with :func:`refusal_text` as the reason; a round that spends no
-    tokens reserves nothing.
+    tokens reserves nothing. The order travels in the state to :func:`repair_stage`.
     """
     envelope = state.envelope
     if envelope is None:
@@ -785,58 +803,29 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         "best_target": best_target,
     }
 
-    def fixpoint() -> bool:
-        if state.previous_repair_text is None:
-            return False
-        return ctx.fixpoint_fn()(state.previous_repair_text, text_of(state.output))
-
-    reason = ""
-    stop: StopReason | None
-    if rubric is None and state.attempt == 0:
-        decision = decide(score, envelope, l0_failed)
-        stop = first_round_stop(decision, config.max_repair_attempts)
-        reason = decision.reason
-    else:
-        facts = RoundFacts(
-            round=state.round,
-            score=score,
-            previous_score=previous_score,
-            means=(*(t.mean for t in state.trace), mean),
-            acceptable=acceptable,
-            target=target,
-            repairs_done=state.attempt,
-        )
-        stop = round_stop(
-            facts,
-            rubric=rubric,
-            max_repair_attempts=config.max_repair_attempts,
-            fixpoint=fixpoint,
-        )
-
-    notes = state.notes
-    if stop is None or (stop == "attempts_exhausted" and state.attempt > 0):
-        stuck = unfixable_plan(ctx, sub, state.output, envelope)
-        if stuck is not None:
-            stop = "needs_model"
-            reason = STOP_TEXT[stop]
-            notes = _needs_model_notes(notes, ctx, sub, envelope, stuck)
-    lease_id: str | None = None
-    reserved = RepairBound()
-    if stop is None:
-        cap = config.repair_token_cap
-        if cap is None:
-            if NO_BUDGET_NOTE not in notes:
-                notes = _add_note(notes, NO_BUDGET_NOTE)
-                _emit(ctx, state, "stage", "decide", note=NO_BUDGET_NOTE)
-        else:
-            bound = repair_bound(ctx, state, envelope)
-            if bound.total > 0:  # a token-free round (reviser and critic) reserves nothing
-                lease = lease_for(ctx, state)
-                if ctx.budget.reserve(sub.run_id, lease, bound.total, cap, ctx.lease_ttl_s):
-                    lease_id, reserved = lease, bound
-                else:
-                    stop = "repair_budget_exhausted"
-                    reason = refusal_text(bound.total, cap, ctx.budget.snapshot(sub.run_id))
+    facts = RoundFacts(
+        round=state.round,
+        repairs_done=state.attempt,
+        score=score,
+        previous_score=previous_score,
+        means=(*(t.mean for t in state.trace), mean),
+        critical=len(envelope.critical),
+        l0_failed=l0_failed,
+        acceptable=acceptable,
+        target=target,
+        best_score=best_score,
+        best_acceptable=best_acceptable,
+        best_target=best_target,
+    )
+    gathered = _Gathered(notes=state.notes)
+    decision: RoundDecision = decide_round(facts, config)
+    while decision.ask is not None:
+        facts = _answer(decision.ask, facts, gathered, ctx, state, envelope)
+        decision = decide_round(facts, config)
+    stop = decision.stop_reason
+    repairing = decision.action == "repair"
+    order = gathered.order if repairing else None
+    reserved = order.bound if order is not None and gathered.lease_id is not None else None
 
     actionable_ids = tuple(d.id for d in envelope.actionable)
     attempts = state.attempts
@@ -854,8 +843,6 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
                 stop_reason=stop,
             ),
         )
-    if stop is not None and not reason:
-        reason = STOP_TEXT[stop]
     verdict = verdict_for(stop)
     current_refs = _defect_refs(envelope.actionable)
     diff: dict[str, tuple[DefectRef, ...]] = {}
@@ -881,21 +868,16 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         "ever_fixed": ever_fixed,
         "attempts": attempts,
         "trace": (*state.trace, round_trace),
-        "notes": notes,
-        "lease_id": lease_id,
-        "lease_tokens": reserved.total,
-        "repair_allowance": reserved.repair,
-        "next": "repair" if stop is None else "done",
+        "notes": gathered.notes,
+        "lease_id": gathered.lease_id if repairing else None,
+        "lease_tokens": reserved.total if reserved is not None else 0,
+        "repair_allowance": reserved.repair if reserved is not None else 0,
+        "repair_order": order,
+        "next": "repair" if repairing else "done",
     }
-    if stop is not None:
+    if decision.done:
         update["stop_reason"] = stop
-        update["status"] = final_status(
-            stop,
-            repairs_done=state.attempt,
-            best_score=best_score,
-            best_acceptable=best_acceptable,
-            best_target=best_target,
-        )
+        update["status"] = decision.status
     next_state = state.model_copy(update=update)
     _emit(
         ctx,
@@ -904,7 +886,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         "decide",
         **round_trace.model_dump(mode="json", exclude_none=True),
         stop_reason=stop,
-        reason=reason,
+        reason=decision.reason,
     )
     return next_state
 
@@ -943,33 +925,49 @@ def defect_diff(
 def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """Revise the current output for the current envelope; the result goes back through L0.
 
-    With a budget reservation, the reviser's LLM calls run within its repair part
-    (``repair_allowance``). A failure that a retry cannot fix releases the reservation; a
-    transient one keeps it for the retry (the same lease, so nothing is reserved twice).
+    The reviser gets what the decide stage ordered (``state.repair_order``): the pitfalls read
+    then and, for a :class:`~pipeline.critics.base.PromptedReviser`, the prompt rendered then
+    (so the call made is the call sized). With a budget reservation, the reviser's LLM calls
+    run within its repair part (``repair_allowance``). A failure that a retry cannot fix
+    releases the reservation; a transient one keeps it for the retry (the same lease, so
+    nothing is reserved twice).
     """
     envelope = state.envelope
     if envelope is None:
         raise ValueError("repair_stage needs a critiqued state (envelope is missing)")
     sub = state.submission
     began = ctx.clock()
+    order = state.repair_order
+    pitfalls = order.pitfalls if order is not None else _pitfalls(ctx, sub, ctx.reviser)
     try:
         with token_allowance(state.repair_allowance if state.lease_id is not None else None):
-            result: RevisionResult = ctx.reviser.revise(
-                sub,
-                state.output,
-                envelope,
-                pitfalls=_pitfalls(ctx, sub, ctx.reviser),
-                attempts=state.attempts,
-            )
+            result: RevisionResult
+            serving = resolve_for(ctx.reviser, sub)
+            if (
+                order is not None
+                and order.prompt is not None
+                and isinstance(serving, PromptedReviser)
+            ):
+                result = serving.revise(
+                    sub,
+                    state.output,
+                    envelope,
+                    pitfalls=pitfalls,
+                    attempts=state.attempts,
+                    prompt=order.prompt,
+                )
+            else:
+                result = ctx.reviser.revise(
+                    sub, state.output, envelope, pitfalls=pitfalls, attempts=state.attempts
+                )
     except BaseException as exc:
         if state.lease_id is not None and not isinstance(exc, TransientError):
             ctx.budget.refund(sub.run_id, state.lease_id)
         raise
     current_text = text_of(state.output)
     notes = state.notes
-    note = getattr(result, "note", None)
-    if note:
-        notes = _add_note(notes, f"repair {state.attempt + 1}: {note}")
+    if result.note:
+        notes = _add_note(notes, f"repair {state.attempt + 1}: {result.note}")
     next_state = state.model_copy(
         update={
             "notes": notes,
@@ -981,6 +979,7 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
             "repair_usage": state.repair_usage + result.usage,
             "pending_repair_tokens": result.usage.tokens,
             "suggestions_applied": result.suggestions_applied,
+            "repair_order": None,
             "next": "l0",
         }
     )
@@ -990,7 +989,7 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
         "stage",
         "repair",
         attempt=state.attempt + 1,
-        reviser=getattr(ctx.reviser, "name", type(ctx.reviser).__name__),
+        reviser=ctx.reviser.name,
         suggestions_applied=result.suggestions_applied,
         tokens=result.usage.tokens,
         elapsed_ms=round((ctx.clock() - began) * 1000.0, 3),
@@ -1065,233 +1064,5 @@ def run_submission(submission: Submission, ctx: StageContext, pass_id: str = "")
             raise
     result = finish(state)
     if ctx.config.enabled:
-        _emit(
-            ctx,
-            state,
-            "result",
-            "result",
-            status=result.status,
-            stop_reason=result.stop_reason,
-            best_score=result.best_score,
-            original_score=result.original_score,
-            attempts=len(result.attempts),
-            tokens=result.usage.tokens,
-            repair_tokens=result.repair_usage.tokens,
-        )
+        ctx.trace.emit(submission.run_id, result.trace_event(round=state.round, stage="result"))
     return result
-
-
-class CallableReviser:
-    """Adapts a configured ``module:function`` repairer to the :class:`Reviser` protocol.
-
-    The function is called like ``Reviser.revise`` and may return a :class:`RevisionResult` or
-    just the new output (its usage is then estimated).
-    """
-
-    def __init__(self, fn: Callable[..., Any], name: str) -> None:
-        self._fn = fn
-        self.name = name
-
-    def revise(
-        self,
-        submission: Submission,
-        output: str | dict[str, Any],
-        envelope: CritiqueEnvelope,
-        *,
-        pitfalls: str,
-        attempts: Sequence[RepairAttempt],
-    ) -> RevisionResult:
-        """Call the configured function and normalise its answer."""
-        got = self._fn(submission, output, envelope, pitfalls=pitfalls, attempts=attempts)
-        if isinstance(got, RevisionResult):
-            return got
-        if isinstance(got, str | dict):
-            return RevisionResult(
-                output=got,
-                usage=estimate_usage(text_of(output), text_of(got)),
-                suggestions_applied=len(envelope.actionable),
-            )
-        raise ExtensionLoadError(
-            f"repairer {self.name!r} returned {type(got).__name__}; expected a "
-            "RevisionResult, a string or a dict"
-        )
-
-
-def load_reviser(spec: str) -> Reviser:
-    """Load a ``package.module:function`` repairer (a Reviser object or a revise-like callable)."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-        obj = getattr(module, attr)
-    except (ImportError, AttributeError) as exc:
-        raise ExtensionLoadError(
-            f"cannot load repairer {spec!r}: {exc}", hint="check the 'repairer' setting"
-        ) from exc
-    if hasattr(obj, "revise"):
-        reviser: Reviser = obj
-        return reviser
-    if callable(obj):
-        return CallableReviser(obj, spec)
-    raise ExtensionLoadError(f"repairer {spec!r} is neither a Reviser nor callable")
-
-
-class AutoCritic:
-    """``critic: auto`` (SPEC §3): the LLM critic for a submission whose model resolves
-    (``model``, else the worker's own in inline mode); the heuristic otherwise."""
-
-    name = "auto"
-
-    def __init__(self, config: CritiqueConfig, llm: Critic, heuristic: Critic) -> None:
-        self.config = config
-        self.llm = llm
-        self.heuristic = heuristic
-
-    def resolve(self, submission: Submission) -> Critic:
-        """The critic for this submission."""
-        return self.llm if self.config.uses_llm_critic(submission.model) else self.heuristic
-
-    def critique(
-        self,
-        submission: Submission,
-        output: str | dict[str, Any],
-        *,
-        pitfalls: str,
-        round: int,
-    ) -> CritiqueEnvelope:
-        """Critique with the resolved critic."""
-        return self.resolve(submission).critique(submission, output, pitfalls=pitfalls, round=round)
-
-
-class AutoReviser:
-    """``repairer: auto``: the LLM reviser (inline: the worker's model) for a submission the
-    LLM critic serves, the deterministic reviser that pairs with the critic otherwise."""
-
-    name = "auto"
-
-    def __init__(self, config: CritiqueConfig, llm: Reviser, deterministic: Reviser) -> None:
-        self.config = config
-        self.llm = llm
-        self.deterministic = deterministic
-
-    def resolve(self, submission: Submission) -> Reviser:
-        """The reviser for this submission."""
-        if self.config.critic in ("auto", "llm") and self.config.uses_llm_critic(submission.model):
-            return self.llm
-        if self.config.critic == "command" and self.config.critic_model(submission.model):
-            return self.llm  # a failing test needs a model to fix it (the prompt quotes it)
-        return self.deterministic
-
-    def revise(
-        self,
-        submission: Submission,
-        output: str | dict[str, Any],
-        envelope: CritiqueEnvelope,
-        *,
-        pitfalls: str,
-        attempts: Sequence[RepairAttempt],
-    ) -> RevisionResult:
-        """Revise with the resolved reviser."""
-        return self.resolve(submission).revise(
-            submission, output, envelope, pitfalls=pitfalls, attempts=attempts
-        )
-
-
-def default_completer(config: CritiqueConfig) -> Completer:
-    """litellm behind the retry policy of ``config.llm`` (litellm loads on the first call)."""
-    from pipeline.llm import LiteLLMCompleter
-
-    return LiteLLMCompleter(config.llm)
-
-
-def _llm_critic(config: CritiqueConfig, complete: Completer) -> Critic:
-    from pipeline.critics.llm import LLMCritic, PairedCritic
-
-    critic: Critic = LLMCritic(config, complete)
-    if config.paired_critic:
-        critic = PairedCritic(critic, config, complete)
-    return critic
-
-
-def pick_critic(
-    config: CritiqueConfig,
-    complete: Completer | None = None,
-    read_file: FileReader | None = None,
-) -> Critic:
-    """The critic ``config.critic`` names; ``auto`` resolves per submission (LLM when a model
-    resolves, else the heuristic). ``complete`` defaults to litellm. ``command`` runs the
-    worker's command on the submission's files (read through ``read_file``), merged with the
-    heuristic's envelope (:mod:`pipeline.critics.command`)."""
-    if config.critic == "heuristic":
-        return HeuristicCritic()
-    if config.critic == "rubric":
-        return RubricCritic(config.rubric)
-    if config.critic == "command":
-        from pipeline.critics.command import CommandCritic
-
-        return CommandCritic(config, companion=HeuristicCritic(), read_file=read_file)
-    llm = _llm_critic(config, complete or default_completer(config))
-    if config.critic == "llm":
-        return llm
-    return AutoCritic(config, llm, HeuristicCritic())
-
-
-def pick_reviser(config: CritiqueConfig, complete: Completer | None = None) -> Reviser:
-    """The reviser ``config.repairer`` names: ``auto`` pairs with the critic (the LLM reviser for
-    LLM-critiqued submissions, else the deterministic one), ``llm``, ``deterministic``, or a
-    configured ``package.module:function``."""
-    deterministic: Reviser = (
-        DeterministicReviser() if config.critic == "rubric" else HeuristicReviser()
-    )
-    if config.repairer == "deterministic":
-        return deterministic
-    if config.repairer in ("auto", "llm"):
-        from pipeline.critics.llm import LLMReviser
-
-        llm = LLMReviser(config, complete or default_completer(config), fallback=deterministic)
-        if config.repairer == "llm":
-            return llm
-        if config.critic in ("heuristic", "rubric"):
-            return deterministic
-        return AutoReviser(config, llm, deterministic)
-    return load_reviser(config.repairer)
-
-
-def make_context(
-    config: CritiqueConfig,
-    *,
-    critic: Critic | None = None,
-    reviser: Reviser | None = None,
-    patterns: PatternStore | None = None,
-    budget: BudgetLedger | None = None,
-    trace: TraceSink | None = None,
-    lease_prefix: str = "",
-    l0: L0Fn | None = None,
-    fixpoint: FixpointFn | None = None,
-    clock: Callable[[], float] | None = None,
-    lease_ttl_s: float = REPAIR_LEASE_TTL_S,
-    complete: Completer | None = None,
-    read_file: FileReader | None = None,
-    cache: CritiqueCache | None = None,
-) -> StageContext:
-    """A context from configuration; anything given explicitly replaces the default.
-
-    Defaults: critic and reviser from ``config.critic`` / ``config.repairer`` (LLM calls through
-    ``complete``, litellm by default), in-memory
-    stores, the real L0 and fixpoint functions (loaded on first use), ``time.monotonic``, and
-    a file reader that follows no blob reference (:func:`pipeline.files.inline_bytes`).
-    """
-    return StageContext(
-        config=config,
-        critic=critic if critic is not None else pick_critic(config, complete, read_file),
-        reviser=reviser if reviser is not None else pick_reviser(config, complete),
-        patterns=patterns if patterns is not None else MemoryPatternStore(),
-        budget=budget if budget is not None else MemoryBudgetLedger(),
-        trace=trace if trace is not None else MemoryTraceSink(),
-        lease_prefix=lease_prefix,
-        l0=l0,
-        fixpoint=fixpoint,
-        clock=clock if clock is not None else time.monotonic,
-        lease_ttl_s=lease_ttl_s,
-        read_file=read_file if read_file is not None else inline_bytes,
-        cache=cache if cache is not None else MemoryCritiqueCache(),
-    )

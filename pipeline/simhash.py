@@ -7,7 +7,7 @@ when more than half of the features have it set. Texts of one or two words use t
 as features; an empty text has fingerprint 0. Shingles rather than single words because distinct
 paragraphs of real prose share most of their vocabulary but few of their word triples (SPEC §5.1).
 
-The compiled module ``pipeline.contract._fastscan`` computes the same numbers when it is built;
+The compiled module ``pipeline._fastscan`` computes the same numbers when it is built;
 this module is the reference (numpy is imported lazily, only for large inputs without it).
 
 Near duplicates (:func:`near_duplicate_pairs`, :func:`nearest_earlier`) use multi-index
@@ -46,7 +46,7 @@ _BRUTE_FORCE_MAX = 256
 def _ext() -> Any:
     """The compiled accelerator, or None when it is not built."""
     try:
-        from pipeline.contract import _fastscan
+        from pipeline import _fastscan
     except ImportError:
         return None
     return _fastscan

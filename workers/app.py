@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from celery import Celery
-from celery.signals import celeryd_init
+from celery.signals import celeryd_init, worker_init
 
 from workers import logs
 
@@ -37,3 +37,23 @@ def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
         return  # an operator's own choice of transport wins
     if str(conf.broker_url or "").partition("://")[0] in ("redis", "rediss"):
         conf.broker_transport = GUARDED_TRANSPORT
+
+
+LLM_QUEUES = ("critique.llm", "critique.llm.critic")
+"""The queues whose stages call a model (``keys.QUEUE_LLM``, ``keys.QUEUE_CRITIC``)."""
+
+
+@worker_init.connect
+def _load_litellm_on_llm_workers(sender: Any = None, **_: Any) -> None:
+    """A worker that consumes an LLM queue imports litellm while it starts, before it takes a
+    message: otherwise its first LLM calls would all wait seconds on the import (every thread
+    blocked on the import lock). Only stages that may call a model are routed to these queues,
+    so such a worker needs litellm for its first message. Other processes (``critique --help``,
+    ``critique l0``, a ``critique.cpu`` worker) never import it."""
+    queues = getattr(getattr(getattr(sender, "app", None), "amqp", None), "queues", None)
+    consumed = set(getattr(queues, "consume_from", None) or ())
+    if not consumed & set(LLM_QUEUES):
+        return
+    from pipeline.providers import load_litellm
+
+    load_litellm()

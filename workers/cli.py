@@ -37,6 +37,8 @@ COMMANDS: dict[str, str] = {
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
 EXIT_INTERRUPTED = 130
 """Ctrl-C (SIGINT), as a shell reports a process it interrupted."""
+EXIT_BROKEN_PIPE = 141
+"""The reader of stdout went away (``critique status RUN --json | head``): as SIGPIPE would."""
 
 EXIT_CODES = """\
 exit codes (every command):
@@ -103,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # SIGPIPE-killed tool would, instead of a traceback.
         with contextlib.suppress(OSError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 141
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import admit, start
 from pipeline.store import keys
 from workers import runtime
+from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class CritiqueClient:
         from workers.tasks import submission_chain
 
         config = runtime.config_for(self.config)
-        unavailable: tuple[type[Exception], ...] = (StoreUnavailableError, *_redis_errors())
+        unavailable = unreachable_errors()
         prepared: list[tuple[Submission, dict[str, Any], Any]] = []
         for index, value in enumerate(submissions):
             sub = _as_submission(value, index)
@@ -118,18 +119,19 @@ class CritiqueClient:
                 message=msg,
             )
         except StoreUnavailableError:
-            raise
-        except Exception as exc:  # kombu/redis connection errors
-            if "connect" in str(exc).lower() or "refused" in str(exc).lower():
-                from workers.app import app
+            raise  # the stores name Redis themselves
+        except Exception as exc:
+            if not is_unreachable(exc):
+                raise
+            # Not a store's (mapped above): the publish, so the broker.
+            from workers.app import app
 
-                broker = str(app.conf.broker_url or runtime.redis_url())
-                raise StoreUnavailableError(
-                    f"cannot reach the broker at {broker}: {exc}",
-                    hint="is it running there? set CELERY_BROKER_URL (or REDIS_URL, which it "
-                    "defaults to)",
-                ) from exc
-            raise
+            broker = str(app.conf.broker_url or runtime.redis_url())
+            raise BrokerUnavailableError(
+                f"cannot reach the broker at {broker}: {exc}",
+                hint="is it running there? set CELERY_BROKER_URL (or REDIS_URL, which it "
+                "defaults to)",
+            ) from exc
         return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id, sid)
 
     # -- reading --------------------------------------------------------------------------------
@@ -480,10 +482,3 @@ def _naming(exc: BaseException, index: int, worker_id: str) -> SubmissionError:
     return SubmissionError(
         f"{what} cannot be serialised for the broker: {_one_line(exc)}", hint=_FIX_HINT
     )
-
-
-def _redis_errors() -> tuple[type[Exception], ...]:
-    """Connection failures of the store while preparing (blob reads and uploads)."""
-    import redis
-
-    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)

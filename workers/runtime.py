@@ -32,14 +32,17 @@ from pydantic import Field
 from pipeline import signing
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
-from pipeline.llm import Completer, LiteLLMCompleter
 from pipeline.models import FileRef, Frozen
-from pipeline.runner import LoopState, StageContext, make_context
-from pipeline.store.blobs import BlobCorruptError, RedisBlobStore
+from pipeline.runner import LoopState, StageContext
+from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
-from pipeline.store.ratelimit import RedisRateLimiter
-from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
-from pipeline.store.runs import RedisRunStore
+from pipeline.wiring import (
+    RedisStores,
+    contract_l0,
+    make_context,
+    rate_limited_completer,
+    simhash_fixpoint,
+)
 
 MESSAGE_VERSION = 1
 INLINE_LIMIT = int(os.environ.get("CRITIQUE_INLINE_LIMIT", str(16 * 1024)))
@@ -83,20 +86,14 @@ def client() -> redis.Redis:
     )
 
 
-class Stores:
-    """The Redis stores of this process."""
-
-    def __init__(self, r: redis.Redis) -> None:
-        self.patterns = RedisPatternStore(r)
-        self.budget = RedisBudgetLedger(r)
-        self.trace = RedisTraceSink(r)
-        self.blobs = RedisBlobStore(r)
-        self.runs = RedisRunStore(r)
+Stores = RedisStores
+"""The Redis stores of a process (built in :mod:`pipeline.wiring`)."""
 
 
 @functools.lru_cache(maxsize=1)
-def stores() -> Stores:
-    return Stores(client())
+def stores() -> RedisStores:
+    """This process's Redis stores, on :func:`client`."""
+    return RedisStores(client())
 
 
 _config_lock = threading.Lock()
@@ -141,9 +138,9 @@ _contexts: dict[str, StageContext] = {}
 
 def context_for(overrides: dict[str, Any] | None) -> StageContext:
     """The stage context for a configuration, wired to the Redis stores (one per configuration
-    per process: the critic, reviser and Layer-0 suite are built once). :func:`config_for`
-    runs first, so refused overrides never reach ``make_context`` (which imports extension
-    checks and callable repairers)."""
+    per process: the critic, reviser and Layer-0 suite are built once, by
+    :func:`pipeline.wiring.make_context`). :func:`config_for` runs first, so refused overrides
+    never reach ``make_context`` (which imports extension checks and callable repairers)."""
     key = json.dumps(overrides or {}, sort_keys=True)
     with _config_lock:
         ctx = _contexts.get(key)
@@ -152,16 +149,16 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
         config = config_for(overrides)
         ctx = make_context(
             config,
-            complete=rate_limited_completer(config),
+            complete=rate_limited_completer(config, client(), _progress_wait),
             cache=RedisCritiqueCache(client()),
             patterns=s.patterns,
             budget=s.budget,
             trace=s.trace,
             lease_ttl_s=float(os.environ.get("CRITIQUE_LEASE_TTL_S", "900")),
             read_file=file_bytes,
+            l0=contract_l0(config, file_bytes, eager=True),
+            fixpoint=simhash_fixpoint(eager=True),
         )
-        ctx.l0_fn()
-        ctx.fixpoint_fn()
         with _config_lock:
             ctx = _contexts.setdefault(key, ctx)
     return ctx
@@ -178,17 +175,6 @@ def _progress_wait(model: str, seconds: float) -> None:
         task.send_event(
             "task-progress", waiting_for="llm.rate_limit", model=model, wait_s=round(seconds, 3)
         )
-
-
-def rate_limited_completer(config: CritiqueConfig) -> Completer | None:
-    """litellm behind the cluster-wide rate limit of ``llm.rate_limit`` (SPEC §5.10): one
-    Redis bucket per model shared by every worker; None (the default completer) without one."""
-    if config.llm.rate_limit is None:
-        return None
-    limiter = RedisRateLimiter(client())
-    return LiteLLMCompleter(
-        config.llm, wait_for_slot=limiter.waiter(config.llm.rate_limit_for, _progress_wait)
-    )
 
 
 def new_pass_id() -> str:

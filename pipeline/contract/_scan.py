@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_left
-from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -145,7 +144,7 @@ class ScanResult:
 
 def _ext() -> Any:
     try:
-        from pipeline.contract import _fastscan
+        from pipeline import _fastscan
     except ImportError:
         return None
     return _fastscan
@@ -491,8 +490,3 @@ def scan_py(
         headings=heads,
         delimiters=d.result(),
     )
-
-
-def scan_many(texts: Sequence[str], mode: int, engine: str = "auto") -> list[ScanResult]:
-    """Scan several texts with the same mode (a convenience for tests and benchmarks)."""
-    return [scan(t, mode, engine=engine) for t in texts]

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pipeline import simhash, textnorm
+from pipeline.config import BUILTIN_CHECK_NAMES
 from pipeline.contract import _scan
 from pipeline.contract._scan import ScanResult
 from pipeline.contract.models import ContractFailure, ContractInput, L0Severity
@@ -346,3 +347,8 @@ BUILTIN_CHECKS: dict[str, type[BuiltinCheck]] = {
     )
 }
 """The default checks by name, in the order they run."""
+if tuple(BUILTIN_CHECKS) != BUILTIN_CHECK_NAMES:  # one vocabulary: the configuration's
+    raise ImportError(
+        f"pipeline.contract.checks implements {tuple(BUILTIN_CHECKS)} but the configuration "
+        f"names {BUILTIN_CHECK_NAMES} (pipeline.config.BUILTIN_CHECK_NAMES)"
+    )

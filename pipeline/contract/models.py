@@ -59,6 +59,7 @@ class ContractFailure(Frozen):
             location=self.location,
             description=f"L0 {self.check}: {self.reason}",
             source="l0",
+            check=self.check,
         )
 
     def to_gate_event(self, iteration: int, worker_id: str | None) -> GateEvent:

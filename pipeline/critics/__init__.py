@@ -1,16 +1,13 @@
-"""Critics (one protocol, several implementations) and the revisers that pair with them."""
+"""Critics (one protocol, several implementations) and the revisers that pair with them.
+
+The token-free critics are re-exported here. The LLM critics are not: import them from
+:mod:`pipeline.critics.llm` (with their prompts in :mod:`pipeline.critics.llm_prompts` and
+reply parsing in :mod:`pipeline.critics.llm_reply`), so that importing this package never
+loads the model-calling code.
+"""
 
 from pipeline.critics.base import Critic, Refusal, Reviser, RevisionResult, merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
-from pipeline.critics.llm import (
-    EnvelopeParseError,
-    LLMCritic,
-    LLMReviser,
-    PairedCritic,
-    build_critic_messages,
-    detect_injection,
-    parse_envelope,
-)
 from pipeline.critics.rubric import (
     DeterministicReviser,
     Paper,
@@ -23,22 +20,15 @@ from pipeline.critics.rubric import (
 __all__ = [
     "Critic",
     "DeterministicReviser",
-    "EnvelopeParseError",
     "HeuristicCritic",
     "HeuristicReviser",
-    "LLMCritic",
-    "LLMReviser",
-    "PairedCritic",
     "Paper",
     "Refusal",
     "Reviser",
     "RevisionResult",
     "RubricCritic",
-    "build_critic_messages",
-    "detect_injection",
     "make_deterministic_pair",
     "merge_l0",
-    "parse_envelope",
     "parse_paper",
     "score_paper",
 ]

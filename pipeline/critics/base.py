@@ -4,29 +4,40 @@ A critic scores one output and lists its defects; a reviser applies a critique's
 produce the next output. Both are plain objects with one method, so an LLM critic, the rubric
 critic, a command critic and the heuristic fallback are interchangeable in the loop.
 
-Optional attribute: a critic that spends no tokens (it reads the output deterministically) sets
-``token_free = True``; the runner may then run it even when Layer-0 failed (see
-:func:`merge_l0`). Critics without the attribute are treated as token-spending. A reviser that
-calls no model sets it too: its repairs reserve nothing from the repair budget.
+Capabilities are attributes every critic and reviser declares (part of the protocols):
 
-Optional sizing methods (the repair budget, SPEC §5.3): a reviser's ``repair_bound(submission,
-output, envelope, *, pitfalls, attempts) -> (tokens, output_tokens)`` and a critic's
-``critique_bound(submission, output, *, output_tokens, pitfalls, round) -> tokens`` say what one
-repair call and one re-critique may spend (counted prompt + the ``max_tokens`` they call with);
-the runner reserves their sum. Without them the runner estimates (:mod:`pipeline.repair`).
+- ``token_free``: it spends no tokens (it reads the output deterministically, or calls no
+  model). A token-free critic may run even when Layer-0 failed (see :func:`merge_l0`); a
+  token-free reviser's repairs reserve nothing from the repair budget.
+- ``reads_pitfalls``: it reads the Known Pitfalls text. Deterministic ones say False, so the
+  runner does not even read pattern memory for them (they are handed ``""``).
 
-Optional method: a reviser that knows in advance what it can fix (a deterministic one) offers
-``plan(submission, output, envelope) -> RevisionResult``, the revision ``revise`` would return,
-without side effects. The runner asks it before spending a repair round: when the plan fixes
-nothing, the loop stops with ``needs_model`` and lists the plan's ``unfixable`` defects
-(SPEC §5.3). Revisers without ``plan``, or whose plan is None (an LLM with a model), are
-assumed able to try every defect.
+A reviser loaded from configuration (``repairer: package.module:function``) that declares
+neither is adapted by :func:`pipeline.wiring.load_reviser` as token-spending and
+pitfall-reading.
+
+Optional capabilities are protocols of their own, checked with ``isinstance``:
+
+- :class:`PerSubmission` (``resolve(submission)``): a wrapper that picks the critic or reviser
+  per submission (``critic: auto``); the runner asks :func:`resolve_for` for the one that
+  serves a submission and reads the capabilities there.
+- :class:`Planner` (``plan(submission, output, envelope)``): a reviser that knows in advance
+  what it can fix (a deterministic one) returns the revision ``revise`` would return, without
+  side effects. The runner asks it before spending a repair round: when the plan fixes nothing,
+  the loop stops with ``needs_model`` and lists the plan's ``unfixable`` defects (SPEC §5.3).
+  A plan of None (an LLM with a model) means it may fix anything.
+- :class:`PromptedReviser` and :class:`SizedCritic` (the repair budget, SPEC §5.3): a reviser
+  that sends the SPEC §5.3 repair prompt to a model sizes its call from that prompt
+  (``repair_bound(..., prompt=...) -> (tokens, output_tokens)``) and takes it ready-made
+  (``revise(..., prompt=...)``), so the runner renders it once per round; a critic's
+  ``critique_bound(submission, output, *, output_tokens, pitfalls, round) -> tokens`` sizes a
+  re-critique. Without them the runner estimates (:mod:`pipeline.repair`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import Field
 
@@ -37,8 +48,6 @@ from pipeline.models import (
     RepairAttempt,
     Submission,
     Usage,
-    band_for,
-    effort_for,
 )
 
 L0_ERROR_PENALTY = 0.2
@@ -51,6 +60,10 @@ class Critic(Protocol):
     """Scores one output and lists its defects."""
 
     name: str
+    token_free: bool
+    """True when it spends no tokens (deterministic): it may run even when Layer-0 failed."""
+    reads_pitfalls: bool
+    """False when it ignores the Known Pitfalls text (pattern memory is then not read for it)."""
 
     def critique(
         self,
@@ -94,6 +107,10 @@ class Reviser(Protocol):
     """Repairs an output: fixes only the defects the envelope names, keeps everything else."""
 
     name: str
+    token_free: bool
+    """True when it calls no model: its repairs reserve nothing from the repair budget."""
+    reads_pitfalls: bool
+    """False when it ignores the Known Pitfalls text (pattern memory is then not read for it)."""
 
     def revise(
         self,
@@ -105,6 +122,84 @@ class Reviser(Protocol):
         attempts: Sequence[RepairAttempt],
     ) -> RevisionResult:
         """Return the repaired output for ``envelope``'s critical and warning defects."""
+        ...
+
+
+@runtime_checkable
+class PerSubmission(Protocol):
+    """A critic or reviser that picks, per submission, the one that serves it (``auto``)."""
+
+    def resolve(self, submission: Submission) -> Any:
+        """The critic or reviser that serves ``submission``."""
+        ...
+
+
+def resolve_for(obj: Any, submission: Submission) -> Any:
+    """The critic or reviser that actually serves ``submission``: a :class:`PerSubmission`
+    wrapper picks per submission, everything else is itself."""
+    return obj.resolve(submission) if isinstance(obj, PerSubmission) else obj
+
+
+@runtime_checkable
+class Planner(Protocol):
+    """A reviser that can say, without side effects, what ``revise`` would return."""
+
+    def plan(
+        self, submission: Submission, output: str | dict[str, Any], envelope: CritiqueEnvelope
+    ) -> RevisionResult | None:
+        """The revision ``revise`` would return; None when it cannot tell (a model may fix
+        anything)."""
+        ...
+
+
+@runtime_checkable
+class PromptedReviser(Protocol):
+    """A reviser that sends the SPEC §5.3 repair prompt to a model: the runner renders the
+    prompt once per round (:func:`pipeline.repair.build_repair_prompt`), sizes the call with
+    :meth:`repair_bound` and hands the same prompt to ``revise(..., prompt=...)``."""
+
+    def repair_bound(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+        *,
+        pitfalls: str = "",
+        attempts: Sequence[RepairAttempt] = (),
+        prompt: str | None = None,
+    ) -> tuple[int, int]:
+        """``(tokens, output_tokens)``: the repair call's counted prompt plus its
+        ``max_tokens``, and the repaired output's size bound."""
+        ...
+
+    def revise(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        envelope: CritiqueEnvelope,
+        *,
+        pitfalls: str = "",
+        attempts: Sequence[RepairAttempt] = (),
+        prompt: str | None = None,
+    ) -> RevisionResult:
+        """Repair with ``prompt`` (rendered by the caller) when given."""
+        ...
+
+
+@runtime_checkable
+class SizedCritic(Protocol):
+    """A critic that can size one critique call of a repaired output (SPEC §5.3)."""
+
+    def critique_bound(
+        self,
+        submission: Submission,
+        output: str | dict[str, Any],
+        *,
+        output_tokens: int,
+        pitfalls: str = "",
+        round: int = 1,
+    ) -> int:
+        """Tokens one critique of ``output`` grown to ``output_tokens`` may spend."""
         ...
 
 
@@ -143,8 +238,6 @@ def merge_l0(envelope: CritiqueEnvelope, l0_defects: Sequence[Defect]) -> Critiq
             "score": score,
             "defects": defects,
             "prescriptions": prescriptions,
-            "band": band_for(score),
-            "effort_estimate": effort_for(len(defects)),
             "summary": summary,
             "usage": Usage(),
             "fallback_reason": "layer-0 contract failed: no critic tokens spent",

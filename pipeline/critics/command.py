@@ -26,7 +26,7 @@ with fewer failures, so a repair that fixes some of them is an improvement.
 
 **Composition.** The command critic wraps a *companion* critic and merges: the command's
 defects first, then the companion's; the score is the lower of the two; usage, patterns and any
-fallback reason are the companion's. :func:`pipeline.runner.pick_critic` gives it the heuristic
+fallback reason are the companion's. :func:`pipeline.wiring.pick_critic` gives it the heuristic
 (token-free, so ``critic: command`` spends no tokens and runs on ``critique.cpu``); code may
 pass any critic (an :class:`~pipeline.critics.llm.LLMCritic` for "tests, then the LLM's
 judgement"). Repairs pair with the LLM reviser when the submission's model resolves, else the
@@ -61,8 +61,6 @@ from pipeline.models import (
     Defect,
     ReusablePattern,
     Submission,
-    band_for,
-    effort_for,
 )
 from pipeline.sandbox import (
     Isolation,
@@ -180,8 +178,8 @@ class CommandCritic:
         self.limits = limits if limits is not None else Limits.for_timeout(self.timeout_s)
         self.environ = environ
         self.tool = detect_tool(self.argv)
-        self.token_free = bool(getattr(self.companion, "token_free", False))
-        self.reads_pitfalls = bool(getattr(self.companion, "reads_pitfalls", True))
+        self.token_free: bool = self.companion.token_free
+        self.reads_pitfalls: bool = self.companion.reads_pitfalls
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, submission: Submission, output: str | dict[str, Any]) -> CommandOutcome:
@@ -325,9 +323,7 @@ class CommandCritic:
                 "defects": defects,
                 "prescriptions": (*prescriptions, *base.prescriptions),
                 "reusable_patterns": (*patterns, *base.reusable_patterns),
-                "effort_estimate": effort_for(len(defects)),
                 "summary": summary,
-                "band": band_for(score),
                 "critic": self.name,
             }
         )

@@ -21,7 +21,7 @@ JSON that is not recoverable exactly, defects in a submission's files (only the 
 edited) and any check these rules do not know.
 
 Defects are read as :meth:`pipeline.contract.models.ContractFailure.to_defect` writes them:
-description ``L0 <check>: …``, location ``output:<character offset>``.
+the check in :attr:`~pipeline.models.Defect.check`, location ``output:<character offset>``.
 """
 
 from __future__ import annotations
@@ -36,7 +36,6 @@ from typing import Any
 from pipeline.critics.base import Refusal
 from pipeline.models import Defect
 
-_L0_CHECK = re.compile(r"^L0 (?P<check>[^\s:]+):")
 _OUTPUT_LOCATION = re.compile(r"^output(?::(?P<offset>\d+))?$")
 _FENCED_JSON = re.compile(
     r"(?P<fence>`{3,}|~{3,})[ \t]*(?:json)?[ \t]*\r?\n(?P<body>.*?)\r?\n[ \t]*(?P=fence)[ \t]*",
@@ -80,10 +79,7 @@ class TextOutcome:
 
 def l0_check(defect: Defect) -> str | None:
     """The Layer-0 check that reported ``defect`` (None for other sources)."""
-    if defect.source != "l0":
-        return None
-    m = _L0_CHECK.match(defect.description)
-    return m.group("check") if m else None
+    return defect.check if defect.source == "l0" else None
 
 
 def output_offset(defect: Defect) -> tuple[bool, int | None]:

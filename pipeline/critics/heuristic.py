@@ -39,8 +39,6 @@ from pipeline.models import (
     RepairAttempt,
     ReusablePattern,
     Submission,
-    band_for,
-    effort_for,
 )
 from pipeline.tokens import estimate_usage, text_of
 
@@ -276,11 +274,9 @@ class HeuristicCritic:
             defects=defects,
             prescriptions=tuple(f.prescription for f in found),
             reusable_patterns=tuple(dict.fromkeys(f.pattern for f in found)),
-            effort_estimate=effort_for(len(defects)),
             summary=(
                 f"heuristic: {len(defects)} defect(s), {critical} critical; score {score:.2f}"
             ),
-            band=band_for(score),
             critic="heuristic",
         )
 

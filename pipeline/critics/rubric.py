@@ -38,8 +38,6 @@ from pipeline.models import (
     ReusablePattern,
     Submission,
     Suggestion,
-    band_for,
-    effort_for,
 )
 from pipeline.tokens import estimate_usage, text_of
 
@@ -270,12 +268,10 @@ class RubricCritic:
             defects=defects,
             prescriptions=tuple(s.edit for s in suggestions),
             reusable_patterns=patterns,
-            effort_estimate=effort_for(len(defects)),
             summary=(
                 f"rubric round {round}: mean {mean:.2f}/10, "
                 f"{len(low)} dimension(s) below {target:g}"
             ),
-            band=band_for(score),
             usage=estimate_usage(text_of(output), reply),
             suggestions=suggestions,
             critic="rubric",

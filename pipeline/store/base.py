@@ -86,6 +86,14 @@ class BudgetLedger(Protocol):
         """Hold ``tokens`` against ``cap`` (spent + held + tokens ≤ cap), or refuse."""
         ...
 
+    def try_reserve(
+        self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
+    ) -> BudgetSnapshot | None:
+        """:meth:`reserve`, answering None when granted and, when refused, the budget as the
+        refusal saw it (read in the same atomic step, so a refusal's reason is never a later
+        state: spent + held + tokens > cap, or an overrun, holds in it)."""
+        ...
+
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
         """Charge ``actual_tokens`` once and release the hold; returns the charge."""
         ...

@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import hashlib
 import re
-
-import redis
+from typing import TYPE_CHECKING
 
 from pipeline.errors import ConfigError, PermanentError
 from pipeline.store import keys
-from pipeline.store.base import BlobStore
-from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors
+
+if TYPE_CHECKING:
+    import redis
 
 REF_PREFIX = "sha256:"
-DEFAULT_INLINE_LIMIT = 32 * 1024
 _REF = re.compile(r"sha256:([0-9a-f]{64})")  # fullmatch: "$" would accept a trailing newline
 
 
@@ -58,25 +57,6 @@ def verified(ref: str, data: bytes) -> bytes:
     return data
 
 
-def externalize(
-    text: str, store: BlobStore, inline_limit: int = DEFAULT_INLINE_LIMIT
-) -> tuple[str | None, str | None]:
-    """``(text, None)`` when its UTF-8 size is within ``inline_limit``, else ``(None, ref)``."""
-    data = text.encode("utf-8")
-    if len(data) <= inline_limit:
-        return text, None
-    return None, store.put(data)
-
-
-def materialize(inline: str | None, ref: str | None, store: BlobStore) -> str | None:
-    """The text that ``externalize`` split: ``inline``, else the referenced blob, else None."""
-    if inline is not None:
-        return inline
-    if ref is None:
-        return None
-    return store.get(ref).decode("utf-8")
-
-
 class RedisBlobStore:
     """Blobs as plain Redis strings under their content hash, with a TTL refreshed on ``put``.
 
@@ -86,6 +66,10 @@ class RedisBlobStore:
     def __init__(
         self, client: redis.Redis, prefix: str | None = None, ttl_s: float | None = None
     ) -> None:
+        # Imported here, not above: the reference functions serve the in-process stores,
+        # which must import without redis installed (tests/unit/test_layering.py).
+        from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors
+
         if client.connection_pool.connection_kwargs.get("decode_responses"):
             raise ConfigError(
                 "RedisBlobStore needs a Redis client with decode_responses=False",
@@ -94,12 +78,13 @@ class RedisBlobStore:
         self._client = client
         self._prefix = resolve_prefix(prefix)
         self._ttl_ms = resolve_ttl_ms(ttl_s)
+        self._errors = store_errors
 
     def put(self, data: bytes) -> str:
         """Store ``data`` (once per content) and return its reference; refreshes the TTL."""
         ref = blob_ref(data)
         key = keys.blob_key(parse_ref(ref), self._prefix)
-        with store_errors(self._client):
+        with self._errors(self._client):
             # Refresh first: a blob already there costs one round trip and no upload.
             if not self._client.pexpire(key, self._ttl_ms):
                 self._client.set(key, data, px=self._ttl_ms, nx=True)
@@ -108,7 +93,7 @@ class RedisBlobStore:
     def get(self, ref: str) -> bytes:
         """The bytes ``ref`` names; BlobMissingError if absent, BlobCorruptError if altered."""
         key = keys.blob_key(parse_ref(ref), self._prefix)
-        with store_errors(self._client):
+        with self._errors(self._client):
             data = self._client.get(key)
         if data is None:
             raise BlobMissingError(ref)

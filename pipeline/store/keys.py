@@ -143,6 +143,12 @@ def ratelimit_key(model: str, prefix: str | None = None) -> str:
     return shared_key(f"{RATELIMIT}:{model}", prefix)
 
 
+def pattern_key(category: str, prevention_rule: str) -> str:
+    """Identity of a pattern (a field of ``patterns:freq``/``patterns:detail``/``lessons:*``):
+    its category and its whitespace/case-folded prevention rule."""
+    return f"{category}|{' '.join(prevention_rule.lower().split())}"
+
+
 def blob_key(sha256_hex: str, prefix: str | None = None) -> str:
     """The key of a content-addressed blob (no hash tag: blobs are shared across runs)."""
     return shared_key(f"{BLOB}:{sha256_hex}", prefix)

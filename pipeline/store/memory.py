@@ -16,11 +16,7 @@ from typing import Any
 from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, BudgetSnapshot, encode_event
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
-
-
-def pattern_key(category: str, prevention_rule: str) -> str:
-    """Identity of a pattern: its category and its whitespace/case-folded prevention rule."""
-    return f"{category}|{' '.join(prevention_rule.lower().split())}"
+from pipeline.store.keys import pattern_key
 
 
 @dataclass
@@ -140,6 +136,11 @@ class MemoryBudgetLedger:
         return [le for le in run.leases.values() if le.state == "live" and le.expires > now]
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
+        return self.try_reserve(run_id, lease_id, tokens, cap, ttl_s) is None
+
+    def try_reserve(
+        self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
+    ) -> BudgetSnapshot | None:
         if tokens < 0:
             raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
         with self._lock:
@@ -148,17 +149,18 @@ class MemoryBudgetLedger:
             lease = run.leases.get(lease_id)
             if lease is not None:
                 if lease.state == "committed":
-                    return True  # settled: the same lease back, nothing held anew
+                    return None  # settled: the same lease back, nothing held anew
                 if lease.state == "live" and lease.expires > now:
-                    return True
+                    return None
                 # Refunded, or expired unsettled (its holder died): reserve afresh.
-            if run.overrun > 0:
-                return False
-            held = sum(le.tokens for le in self._live(run, now))
-            if run.spent + held + tokens > cap:
-                return False
+            live = self._live(run, now)
+            held = sum(le.tokens for le in live)
+            if run.overrun > 0 or run.spent + held + tokens > cap:
+                return BudgetSnapshot(
+                    spent=run.spent, held=held, holders=len(live), overrun=run.overrun
+                )
             run.leases[lease_id] = _Lease(tokens=tokens, expires=now + ttl_s)
-            return True
+            return None
 
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
         with self._lock:

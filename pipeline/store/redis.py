@@ -18,7 +18,7 @@ import redis
 from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store import keys
 from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, BudgetSnapshot, encode_event
-from pipeline.store.memory import pattern_key
+from pipeline.store.keys import pattern_key
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
 # --- pattern memory --------------------------------------------------------------------------
@@ -221,7 +221,8 @@ class RedisPatternStore:
 # KEYS: budget hash, leases hash, live sorted set.
 # ARGV[1] = op ("reserve" | "commit" | "refund" | "holds" | "snapshot"), ARGV[2] = run TTL (ms),
 # ARGV[3] = now in µs, or "" to use the server's TIME (the default: one clock for every host).
-#   reserve:  ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs) → 1 | 0
+#   reserve:  ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs) → 1, or
+#             when refused the budget the refusal saw: [spent, held, holders, overrun]
 #   commit:   ARGV[4] lease id, ARGV[5] actual tokens → the charge (the first one, when repeated)
 #   refund:   ARGV[4] lease id → 0
 #   holds:    → [lease id, tokens, expiry (µs), now (µs)]* of live, unexpired leases
@@ -272,10 +273,13 @@ if op == 'reserve' then
     -- Refunded, or expired unsettled (its holder died; the work was redelivered): reserve
     -- afresh below, against the cap, as if the lease were new.
   end
-  if number('overrun') > 0 then return 0 end
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('%.0f', now))
-  local held = live_sum(now)
-  if number('spent') + held + tokens > cap then return 0 end
+  local held, n = live_sum(now)
+  local spent, overrun = number('spent'), number('overrun')
+  if overrun > 0 or spent + held + tokens > cap then
+    return {string.format('%.0f', spent), string.format('%.0f', held), n,
+            string.format('%.0f', overrun)}
+  end
   local expires = now + tonumber(ARGV[7])
   redis.call('HSET', KEYS[2], lease, record(tokens, expires, 0, 0))
   redis.call('ZADD', KEYS[3], string.format('%.0f', expires), lease)
@@ -368,10 +372,23 @@ class RedisBudgetLedger:
         """Hold ``tokens`` against ``cap`` (spent + live holds + tokens ≤ cap, no overrun), or
         refuse. Reserving a live or committed lease id again answers True, holding nothing new.
         """
+        return self.try_reserve(run_id, lease_id, tokens, cap, ttl_s) is None
+
+    def try_reserve(
+        self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
+    ) -> BudgetSnapshot | None:
+        """:meth:`reserve`: None when granted; when refused, the budget the script's refusal
+        saw (the same atomic step)."""
         if tokens < 0:
             raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
         ttl_us = int(ttl_s * 1_000_000)
-        return int(self._call(run_id, "reserve", lease_id, tokens, cap, ttl_us)) == 1
+        answer = self._call(run_id, "reserve", lease_id, tokens, cap, ttl_us)
+        if not isinstance(answer, list):
+            return None
+        spent, held, holders, overrun = answer
+        return BudgetSnapshot(
+            spent=int(spent), held=int(held), holders=int(holders), overrun=int(overrun)
+        )
 
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
         """Charge ``actual_tokens`` and release the hold; a repeat returns the first charge;
@@ -400,14 +417,6 @@ class RedisBudgetLedger:
         """Live (uncommitted, unexpired) leases and the tokens each holds — for tests and status."""
         flat = self._call(run_id, "holds")
         return {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 4)}
-
-    def lease_ttl_remaining(self, run_id: str, lease_id: str) -> float | None:
-        """Seconds until a live lease expires, or None when it is not live."""
-        flat = self._call(run_id, "holds")
-        for i in range(0, len(flat), 4):
-            if text(flat[i]) == lease_id:
-                return (int(flat[i + 2]) - int(flat[i + 3])) / 1_000_000
-        return None
 
 
 # --- trace stream ----------------------------------------------------------------------------

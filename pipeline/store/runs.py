@@ -326,16 +326,6 @@ class RedisRunStore:
             )
         return None if got is None else text(got)
 
-    def count_rejection(self, run_id: str) -> int:
-        """Add one completion-gate rejection; returns the count before this one."""
-        key = self._key(run_id, keys.COMPLETIONS)
-        with store_errors(self._r):
-            pipe = self._r.pipeline(transaction=True)
-            pipe.hincrby(key, "rejected", 1)
-            pipe.pexpire(key, self._ttl_ms)
-            after, _ = pipe.execute()
-        return int(after) - 1
-
     def count_rejection_once(self, run_id: str, request_id: str) -> int:
         """Count one completion-gate rejection for ``request_id`` unless it was counted already
         (a redelivered gate task counts nothing); returns the count after it."""

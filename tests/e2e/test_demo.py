@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.samples import demo_samples
 from workers.embedded import ping
+from workers.samples import demo_samples
 
 pytestmark = pytest.mark.e2e
 

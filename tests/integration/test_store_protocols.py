@@ -188,6 +188,19 @@ def test_reserve_refuses_past_cap(ledger: BudgetLedger) -> None:
     assert ledger.spent("run1") == 60
 
 
+def test_try_reserve_answers_the_budget_its_refusal_saw(ledger: BudgetLedger) -> None:
+    """A refused try_reserve returns spent/held/holders as of the refusal (so a refusal's
+    reason can never show a later state in which the reservation would have fitted);
+    a grant returns None and holds the tokens."""
+    assert ledger.try_reserve("run1", "a:1", 60, CAP, 30) is None
+    refused = ledger.try_reserve("run1", "b:1", 41, CAP, 30)
+    assert refused == BudgetSnapshot(spent=0, held=60, holders=1, overrun=0)
+    assert refused.spent + refused.held + 41 > CAP
+    ledger.commit("run1", "a:1", 70)  # an overrun closes the budget
+    closed = ledger.try_reserve("run1", "c:1", 1, CAP, 30)
+    assert closed == BudgetSnapshot(spent=70, held=0, holders=0, overrun=10)
+
+
 def test_reserve_is_idempotent_per_lease(ledger: BudgetLedger) -> None:
     """Reserving the same lease twice holds its tokens once."""
     assert ledger.reserve("run1", "t:1", 60, CAP, 30) is True

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.artifacts import (
+    atomic_write_many,
     manager_summary,
     render_critique_md,
     write_artifacts,
@@ -47,7 +48,6 @@ REPAIRED = CritiqueResult(
     envelope=CritiqueEnvelope(
         worker_id="analyst_01",
         score=0.82,
-        band="accept_with_warnings",
         defects=(_defect("warning", "summary is thin | short"), _defect("info", "x", fp=True)),
         prescriptions=("Include the 'summary' field", "Cite a source"),
         summary="Mostly fine.",
@@ -240,3 +240,25 @@ def test_symlinked_runs_folder_leaving_root_refused(tmp_path: Path) -> None:
     with pytest.raises(PathEscapeError):
         write_artifacts(root, "run-7", 1, [CLEAN], ())
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_atomic_batch_writes_every_file_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    """A batch over several folders writes each text exactly (UTF-8, \\n) and nothing else."""
+    a, b = tmp_path / "x" / "a.md", tmp_path / "y" / "z" / "b.json"
+    atomic_write_many([(a, "é\nline\n"), (b, "{}\n")])
+    assert a.read_bytes() == "é\nline\n".encode() and b.read_text(encoding="utf-8") == "{}\n"
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["a.md", "b.json"]
+
+
+def test_a_failed_atomic_batch_changes_no_target_and_leaves_no_temp_files(
+    tmp_path: Path,
+) -> None:
+    """When a later file of the batch cannot be written, an earlier target keeps its old
+    content (nothing is renamed before every file is written) and no temp file stays."""
+    a = tmp_path / "a.md"
+    a.write_text("old\n", encoding="utf-8")
+    (tmp_path / "blocker").write_text("a file, not a folder", encoding="utf-8")
+    with pytest.raises(OSError):
+        atomic_write_many([(a, "new\n"), (tmp_path / "blocker" / "b.md", "x")])
+    assert a.read_text(encoding="utf-8") == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.md", "blocker"]

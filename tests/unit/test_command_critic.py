@@ -28,8 +28,9 @@ from pipeline.critics.llm import LLMReviser
 from pipeline.errors import ConfigError
 from pipeline.models import FileRef, Submission
 from pipeline.repair import build_repair_prompt
-from pipeline.runner import make_context, resolve_for, run_submission
+from pipeline.runner import resolve_for, run_submission
 from pipeline.sandbox import NO_ISOLATION
+from pipeline.wiring import make_context
 
 PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider")
 TEST = "from solution import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"

@@ -9,16 +9,17 @@ import pytest
 
 from pipeline.config import RUBRIC_DIMENSIONS, CritiqueConfig, RubricConfig
 from pipeline.convergence import (
+    RoundDecision,
     RoundFacts,
-    final_status,
+    decide_round,
     plateau_detected,
-    round_stop,
     target_met,
     weighted_mean,
 )
 from pipeline.critics.base import RevisionResult
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Suggestion
-from pipeline.runner import L0Outcome, make_context, run_submission
+from pipeline.runner import L0Outcome, run_submission
+from pipeline.wiring import make_context
 
 
 def test_plateau_needs_the_full_window() -> None:
@@ -58,57 +59,80 @@ def _facts(**kw: Any) -> RoundFacts:
     return RoundFacts(**base)
 
 
-def _boom() -> bool:
-    raise AssertionError("fixpoint must not be evaluated here")
+def settle(
+    facts: RoundFacts,
+    config: CritiqueConfig,
+    *,
+    fixpoint: bool | None = False,
+    unfixable: bool = False,
+) -> RoundDecision:
+    """decide_round, answering what it asks: the fixpoint (None: it must not be asked), the
+    plan, and a granted budget."""
+    decision = decide_round(facts, config)
+    while decision.ask is not None:
+        if decision.ask == "fixpoint":
+            assert fixpoint is not None, "fixpoint must not be evaluated here"
+            facts = facts.model_copy(update={"fixpoint": fixpoint})
+        elif decision.ask == "plan":
+            facts = facts.model_copy(update={"unfixable": unfixable})
+        else:
+            facts = facts.model_copy(update={"budget": "granted"})
+        decision = decide_round(facts, config)
+    return decision
+
+
+def _stop(decision: RoundDecision) -> str | None:
+    return decision.stop_reason
+
+
+RUBRIC3 = CritiqueConfig(critic="rubric", max_repair_attempts=2, rubric=RubricConfig(max_rounds=3))
+GENERIC2 = CritiqueConfig(critic="heuristic", max_repair_attempts=2)
 
 
 def test_rubric_order_target_then_plateau_then_budget() -> None:
     """Target beats plateau; plateau beats budget; fixpoint is not consulted once target holds."""
-    rubric = RubricConfig(max_rounds=3)
-    kw: dict[str, Any] = {"rubric": rubric, "max_repair_attempts": 2}
-    assert round_stop(_facts(target=True), fixpoint=_boom, **kw) == "target"
-    assert round_stop(_facts(), fixpoint=lambda: False, **kw) == "plateau"
-    assert round_stop(_facts(), fixpoint=lambda: True, **kw) == "repair_fixpoint_detected"
+    assert _stop(settle(_facts(target=True), RUBRIC3, fixpoint=None)) == "target"
+    assert _stop(settle(_facts(), RUBRIC3, fixpoint=False)) == "plateau"
+    assert _stop(settle(_facts(), RUBRIC3, fixpoint=True)) == "repair_fixpoint_detected"
     rising = _facts(means=(3.0, 5.0, 7.0))
-    assert round_stop(rising, fixpoint=lambda: False, **kw) == "budget"
-    assert round_stop(_facts(round=2, means=(3.0, 5.0)), fixpoint=lambda: False, **kw) is None
+    assert _stop(settle(rising, RUBRIC3)) == "budget"
+    going = settle(_facts(round=2, means=(3.0, 5.0)), RUBRIC3)
+    assert going.action == "repair" and going.stop_reason is None
 
 
 def test_generic_order() -> None:
     """accepted > fixpoint > no_improvement > attempts_exhausted for generic critics."""
-    kw: dict[str, Any] = {"rubric": None, "max_repair_attempts": 2}
     acc = _facts(acceptable=True, previous_score=0.9, repairs_done=2)
-    assert round_stop(acc, fixpoint=_boom, **kw) == "accepted"
+    assert _stop(settle(acc, GENERIC2, fixpoint=None)) == "accepted"
     same = _facts(score=0.5, previous_score=0.5, repairs_done=2)
-    assert round_stop(same, fixpoint=lambda: True, **kw) == "repair_fixpoint_detected"
-    assert round_stop(same, fixpoint=lambda: False, **kw) == "no_improvement"
+    assert _stop(settle(same, GENERIC2, fixpoint=True)) == "repair_fixpoint_detected"
+    assert _stop(settle(same, GENERIC2)) == "no_improvement"
     up = _facts(score=0.55, previous_score=0.5, repairs_done=2)
-    assert round_stop(up, fixpoint=lambda: False, **kw) == "attempts_exhausted"
-    assert (
-        round_stop(up.model_copy(update={"repairs_done": 1}), fixpoint=lambda: False, **kw) is None
-    )
+    assert _stop(settle(up, GENERIC2)) == "attempts_exhausted"
+    assert settle(up.model_copy(update={"repairs_done": 1}), GENERIC2).action == "repair"
+
+
+def _status(stop_facts: dict[str, Any], config: CritiqueConfig = GENERIC2, **kw: Any) -> str:
+    decision = settle(_facts(**stop_facts), config, **kw)
+    assert decision.done and decision.status is not None
+    return decision.status
 
 
 def test_final_status() -> None:
     """Round-1 accepts by band; repairs that end acceptable are repaired; fixpoint fails."""
-    kw: dict[str, Any] = {"best_acceptable": False, "best_target": False}
-    assert final_status("accepted", repairs_done=0, best_score=0.95, **kw) == "accepted"
-    assert (
-        final_status("accepted", repairs_done=0, best_score=0.7, **kw) == "accepted_with_warnings"
-    )
-    assert final_status("target", repairs_done=0, best_score=0.85, **kw) == "accepted"
-    assert final_status("target", repairs_done=2, best_score=0.85, **kw) == "repaired"
-    assert final_status("repair_fixpoint_detected", repairs_done=2, best_score=0.9, **kw) == (
-        "failed"
-    )
-    assert final_status("plateau", repairs_done=2, best_score=0.5, **kw) == "escalated"
-    assert (
-        final_status(
-            "plateau", repairs_done=2, best_score=0.7, best_acceptable=True, best_target=False
-        )
-        == "repaired"
-    )
-    assert final_status("no_improvement", repairs_done=1, best_score=0.5, **kw) == "escalated"
+    first = {"round": 1, "repairs_done": 0, "means": ()}
+    assert _status({**first, "score": 0.95, "best_score": 0.95}) == "accepted"
+    assert _status({**first, "score": 0.7, "best_score": 0.7}) == "accepted_with_warnings"
+    target = {"target": True, "best_target": True, "best_score": 0.85}
+    assert _status({**first, **target}, RUBRIC3) == "accepted"
+    assert _status({**target, "repairs_done": 2}, RUBRIC3) == "repaired"
+    fixed_point = {"repairs_done": 2, "previous_score": 0.4, "best_score": 0.9}
+    assert _status(fixed_point, fixpoint=True) == "failed"
+    assert _status({"repairs_done": 2, "best_score": 0.5}, RUBRIC3) == "escalated"  # plateau
+    plateau_ok = {"repairs_done": 2, "best_score": 0.7, "best_acceptable": True}
+    assert _status(plateau_ok, RUBRIC3) == "repaired"
+    flat = {"repairs_done": 1, "score": 0.5, "previous_score": 0.5, "best_score": 0.5}
+    assert _status(flat) == "escalated"  # no_improvement
 
 
 # --- the rubric loop with a scripted critic --------------------------------------------------
@@ -118,6 +142,8 @@ class ScriptedRubricCritic:
     """Returns, per round, all five dimensions at the scripted mean (or explicit score dicts)."""
 
     name = "scripted-rubric"
+    token_free = False
+    reads_pitfalls = True
 
     def __init__(self, rounds: Sequence[float | dict[str, float]]) -> None:
         self.rounds = list(rounds)
@@ -143,6 +169,8 @@ class NoteReviser:
     """Changes the draft each round (a new note) without helping any dimension."""
 
     name = "note"
+    token_free = False
+    reads_pitfalls = True
 
     def __init__(self) -> None:
         self.calls = 0

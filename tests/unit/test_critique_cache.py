@@ -8,14 +8,17 @@ from typing import Any
 from pipeline.config import CritiqueConfig
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.models import CritiqueEnvelope, Submission, Usage
-from pipeline.runner import L0Outcome, critique_cache_key, make_context, run_submission
+from pipeline.runner import L0Outcome, critique_cache_key, run_submission
 from pipeline.store.memory import MemoryCritiqueCache
+from pipeline.wiring import make_context
 
 
 class CountingCritic:
     """A token-spending critic that counts its calls (optionally slowly)."""
 
     name = "llm:fake"
+    token_free = False
+    reads_pitfalls = True
 
     def __init__(self, delay_s: float = 0.0, fallback: bool = False) -> None:
         self.calls = 0

@@ -8,7 +8,8 @@ from typing import Any
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import RevisionResult
 from pipeline.models import CritiqueEnvelope, Defect, DefectRef, RepairAttempt, Submission
-from pipeline.runner import L0Outcome, defect_diff, make_context, run_submission
+from pipeline.runner import L0Outcome, defect_diff, run_submission
+from pipeline.wiring import make_context
 
 MISSING = ("missing_data", "summary")
 FORMAT = ("format", "line 3")
@@ -56,6 +57,7 @@ class ScriptedReviser:
 
     name = "scripted"
     reads_pitfalls = False
+    token_free = False
 
     def revise(
         self,
@@ -161,7 +163,7 @@ def test_status_shows_a_compact_line_per_repaired_round() -> None:
 
 def test_html_report_shows_what_each_repair_fixed_or_introduced() -> None:
     """The worker's figure lists, per repair, the defects fixed, introduced and regressed."""
-    from pipeline.report_html import render_report_html
+    from workers.report_html import render_report_html
 
     ctx = make_context(
         CritiqueConfig(enabled=True, max_repair_attempts=3),

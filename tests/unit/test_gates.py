@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import struct
 import zlib
 from collections.abc import Sequence
@@ -517,14 +516,9 @@ def test_redundancy_guard_disabled() -> None:
     assert redundancy_guard("", {""}, 0.1, CFG).verdict == "skip"
 
 
-# --- the real contract (when it is installed) --------------------------------------------
+# --- the real contract -------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("pipeline.contract") is None
-    or not hasattr(importlib.import_module("pipeline.contract"), "run_contract"),
-    reason="pipeline.contract not available yet",
-)
 def test_default_runner_uses_real_contract() -> None:
     """Without an injected runner, the real Layer-0 contract rejects a TODO."""
     d = evaluate_completion(

@@ -16,8 +16,9 @@ from pipeline.critics.base import merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DEMO_NOTE
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Submission
-from pipeline.runner import contract_l0, make_context, run_submission
+from pipeline.runner import run_submission
 from pipeline.tokens import text_of
+from pipeline.wiring import contract_l0, make_context
 
 TASK = "Summarise the Q3 sales report for the south region."
 LOOP = (
@@ -293,7 +294,7 @@ def test_quickstart_default_configuration_invents_nothing() -> None:
 def test_rubric_demo_reviser_says_its_text_is_stock_text() -> None:
     """The rubric demo pair still reaches its target, and its notes say the added text is the
     demo reviser's stock text, not the author's."""
-    from pipeline.samples import PAPER_DRAFT, overrides_for
+    from workers.samples import PAPER_DRAFT, overrides_for
 
     ctx = make_context(load_config(env={}, overrides=overrides_for("rubric")))
     result = run_submission(_sub(PAPER_DRAFT, claimed="json"), ctx)

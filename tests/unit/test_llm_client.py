@@ -112,6 +112,48 @@ def test_known_model_is_priced_from_the_offline_cost_map(fake_llm: FakeOpenAISer
     assert 0.0 < out.usage.cost < 0.01
 
 
+def test_the_cost_is_litellms_own_figure_for_the_response(fake_llm: FakeOpenAIServer) -> None:
+    """The cost reported is what ``litellm.completion_cost`` says for the same response (taken
+    from the price litellm already put on it, not computed a second time), for a known model."""
+    import litellm
+
+    responses: list[Any] = []
+
+    def completion(**kwargs: Any) -> Any:
+        responses.append(litellm.completion(**kwargs))
+        return responses[-1]
+
+    fake_llm.script(reply("{}", prompt_tokens=1000, completion_tokens=500))
+    known = LLMRequest(
+        model="openai/gpt-4o-mini", messages=(ChatMessage(role="user", content="x"),)
+    )
+    out = LiteLLMCompleter(
+        LLMConfig(api_base=fake_llm.api_base, max_retries=0), completion=completion, api_key="k"
+    )(known)
+    [response] = responses
+    assert out.usage.cost == pytest.approx(litellm.completion_cost(completion_response=response))
+    assert out.usage.cost > 0.0
+
+
+def test_litellm_logs_no_line_per_call(
+    fake_llm: FakeOpenAIServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Loaded by the completer, litellm logs nothing below WARNING (it would log every call,
+    with its parameters, at INFO in a worker that logs at INFO) and keeps no messages for
+    logging callbacks."""
+    import logging
+
+    from pipeline.providers import LITELLM_LOGGERS, load_litellm
+
+    litellm = load_litellm()
+    assert litellm.turn_off_message_logging is True
+    fake_llm.script(reply("{}"))
+    with caplog.at_level(logging.INFO):
+        completer(fake_llm)(request())
+    assert not [r for r in caplog.records if r.name in LITELLM_LOGGERS and r.levelno < 30]
+    assert all(logging.getLogger(n).getEffectiveLevel() >= logging.WARNING for n in LITELLM_LOGGERS)
+
+
 def test_request_carries_model_messages_settings_and_key(fake_llm: FakeOpenAIServer) -> None:
     """The HTTP request reaches api_base with the model, messages, temperature, max_tokens and
     the API key; no response_format unless json_mode."""

@@ -60,6 +60,49 @@ def test_defect_id_is_stable_and_content_derived() -> None:
     assert a.id.startswith("missing_data:-:")
 
 
+def test_band_and_effort_are_derived_from_score_and_actionable_defects() -> None:
+    """band follows the score and effort_estimate counts critical and warning defects only,
+    after any change of either; both are in the JSON dump."""
+
+    def d(severity: str, n: int) -> Defect:
+        return Defect.model_validate(
+            {"category": "x", "severity": severity, "description": f"d{n}", "source": "llm"}
+        )
+
+    env = CritiqueEnvelope(
+        worker_id="w1", score=0.7, defects=(d("critical", 1), d("info", 2), d("info", 3))
+    )
+    assert (env.band, env.effort_estimate) == ("accept_with_warnings", "trivial")
+    worse = env.model_copy(update={"score": 0.1, "defects": (*env.defects, d("warning", 4))})
+    assert (worse.band, worse.effort_estimate) == ("escalate", "moderate")
+    dumped = worse.model_dump(mode="json")
+    assert (dumped["band"], dumped["effort_estimate"]) == ("escalate", "moderate")
+
+
+def test_envelope_payloads_with_stored_band_and_effort_still_validate() -> None:
+    """A payload written when band and effort_estimate were stored fields validates; the
+    stored values are recomputed, so a stale or contradictory one cannot survive."""
+    old = {"worker_id": "w1", "score": 0.95, "band": "escalate", "effort_estimate": "major"}
+    env = CritiqueEnvelope.model_validate(old)
+    assert (env.band, env.effort_estimate) == ("accept", "trivial")
+    again = CritiqueEnvelope.model_validate_json(env.model_dump_json())
+    assert again == env
+
+
+def test_defect_check_names_the_layer0_check_and_is_optional() -> None:
+    """An L0 defect carries its check; a payload without the field validates (None), and a
+    check on a non-L0 defect is refused."""
+    from pipeline.contract.models import ContractFailure
+
+    d = ContractFailure(check="no_placeholder", severity="error", reason="TODO").to_defect()
+    assert d.check == "no_placeholder"
+    assert Defect.model_validate_json(d.model_dump_json()) == d
+    old = {"category": "incomplete", "severity": "critical", "description": "L0 x", "source": "l0"}
+    assert Defect.model_validate(old).check is None
+    with pytest.raises(ValidationError, match="l0 only"):
+        Defect.model_validate({**old, "source": "llm", "check": "no_placeholder"})
+
+
 def test_submission_round_trips_through_json() -> None:
     """A submission survives JSON serialization unchanged (what crosses the broker)."""
     s = sub(output={"summary": "ok", "confidence": 0.8}, files=[{"path": "out/a.csv", "size": 3}])
@@ -119,3 +162,29 @@ def test_score_must_lie_in_unit_interval() -> None:
     """An envelope score outside [0, 1] is invalid."""
     with pytest.raises(ValidationError):
         CritiqueEnvelope(worker_id="w", score=1.2)
+
+
+def test_result_trace_event_has_one_shape_for_runner_and_gate() -> None:
+    """The result event carries the same keys whoever writes it; only ``stage`` differs, and
+    ``pass_id`` is there exactly when the pass has one."""
+    from pipeline.models import CritiqueResult
+
+    result = CritiqueResult(
+        run_id="r1",
+        worker_id="w1",
+        status="accepted",
+        stop_reason="accepted",
+        output="ok",
+        original_score=0.9,
+        best_score=0.95,
+        envelope=CritiqueEnvelope(worker_id="w1", score=0.95),
+        budget_charged=12,
+        pass_id="p1",
+    )
+    here = result.trace_event(round=2, stage="result")
+    there = result.trace_event(round=2, stage="gate")
+    assert {**here, "stage": "gate"} == there
+    assert here["type"] == "result" and here["budget_charged"] == 12 and here["pass_id"] == "p1"
+    assert "pass_id" not in result.model_copy(update={"pass_id": ""}).trace_event(
+        round=2, stage="result"
+    )

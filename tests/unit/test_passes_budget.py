@@ -35,7 +35,6 @@ from pipeline.runner import (
     critic_stage,
     decide_stage,
     lease_for,
-    make_context,
     repair_bound,
     repair_stage,
     run_submission,
@@ -43,6 +42,7 @@ from pipeline.runner import (
 )
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore, MemoryTraceSink
+from pipeline.wiring import make_context
 
 MODEL = "openai/critic"
 WORDS = ["north", "south", "region", "store", "online", "order", "growth", "margin", "price"]
@@ -255,9 +255,11 @@ def test_a_repair_round_reserves_counted_prompts_plus_max_tokens_and_charges_rea
             super().__init__()
             self.reserved: list[tuple[str, int]] = []
 
-        def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
+        def try_reserve(
+            self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
+        ) -> BudgetSnapshot | None:
             self.reserved.append((lease_id, tokens))
-            return super().reserve(run_id, lease_id, tokens, cap, ttl_s)
+            return super().try_reserve(run_id, lease_id, tokens, cap, ttl_s)
 
     provider = Provider()
     ledger = Recording()
@@ -417,6 +419,8 @@ class CountingReviser:
     """A reviser that cannot size its calls (the runner estimates it) and spends 50 tokens."""
 
     name = "counting"
+    token_free = False
+    reads_pitfalls = True
 
     def revise(
         self,
@@ -508,6 +512,8 @@ def test_a_critic_failing_for_good_in_a_repair_round_charges_the_repair() -> Non
 
     class Broken:
         name = "broken"
+        token_free = False
+        reads_pitfalls = True
 
         def critique(self, *args: Any, **kwargs: Any) -> CritiqueEnvelope:
             raise LLMPermanentError("bad key")

@@ -157,6 +157,7 @@ def test_layer0_defects_share_one_fixed_rule_per_check() -> None:
             location=f"output@{offset}",
             description=f"L0 no_text_loop: paragraph at offset {offset} repeats paragraph 1",
             source="l0",
+            check="no_text_loop",
         )
         return CritiqueEnvelope(worker_id="w", score=0.5, defects=(d,))
 

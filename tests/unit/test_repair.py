@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from pipeline.config import CritiqueConfig
+from pipeline.convergence import RoundFacts, decide_round
 from pipeline.critics.base import RevisionResult
 from pipeline.models import (
     CritiqueEnvelope,
@@ -20,11 +21,13 @@ from pipeline.models import (
 from pipeline.repair import (
     REPAIR_INSTRUCTION,
     build_repair_prompt,
-    decide,
+    is_acceptable,
     repair_token_bound,
 )
-from pipeline.runner import NO_BUDGET_NOTE, L0Outcome, make_context, run_submission
+from pipeline.runner import NO_BUDGET_NOTE, L0Outcome, run_submission
+from pipeline.store.base import BudgetSnapshot
 from pipeline.store.memory import MemoryBudgetLedger
+from pipeline.wiring import make_context
 
 
 def _env(score: float, *severities: str) -> CritiqueEnvelope:
@@ -46,8 +49,8 @@ def _env(score: float, *severities: str) -> CritiqueEnvelope:
 @pytest.mark.parametrize(
     ("score", "severities", "l0", "action", "status"),
     [
-        (0.29, (), False, "escalate", "escalated"),
-        (0.1, ("critical",), True, "escalate", "escalated"),
+        (0.29, (), False, "stop", "escalated"),
+        (0.1, ("critical",), True, "stop", "escalated"),
         (0.3, (), False, "repair", None),
         (0.59, ("warning",), False, "repair", None),
         (0.95, ("critical",), False, "repair", None),
@@ -60,8 +63,21 @@ def _env(score: float, *severities: str) -> CritiqueEnvelope:
 def test_decide_bands(
     score: float, severities: tuple[str, ...], l0: bool, action: str, status: str | None
 ) -> None:
-    """Escalate < 0.3; repair on critical, L0 error or < 0.6; else accept by band."""
-    decision = decide(score, _env(score, *severities), l0)
+    """Round 1 of a generic critic (decide_round's band policy): escalate < 0.3; repair on
+    critical, L0 error or < 0.6; else accept by band. Every answer says why."""
+    env = _env(score, *severities)
+    facts = RoundFacts(
+        round=1,
+        score=score,
+        means=(score,),
+        critical=len(env.critical),
+        l0_failed=l0,
+        acceptable=is_acceptable(score, env, l0),
+        best_score=score,
+        unfixable=False,
+        budget="granted",
+    )
+    decision = decide_round(facts, CritiqueConfig(critic="heuristic"))
     assert decision.action == action
     assert decision.status == status
     assert decision.reason
@@ -127,6 +143,8 @@ class ScriptedCritic:
     """Returns the scripted score for each round; a critical defect whenever score < 0.6."""
 
     name = "scripted"
+    token_free = False
+    reads_pitfalls = True
 
     def __init__(self, scores: Sequence[float], tokens: int = 30) -> None:
         self.scores = list(scores)
@@ -146,6 +164,8 @@ class CountingReviser:
     """Returns a new, distinct output each call and reports ``tokens`` of usage."""
 
     name = "counting"
+    token_free = False
+    reads_pitfalls = True
 
     def __init__(self, tokens: int = 50) -> None:
         self.calls = 0
@@ -330,9 +350,11 @@ def test_reservation_uses_lease_ids_per_attempt() -> None:
             super().__init__()
             self.leases: list[str] = []
 
-        def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
+        def try_reserve(
+            self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
+        ) -> BudgetSnapshot | None:
             self.leases.append(lease_id)
-            return super().reserve(run_id, lease_id, tokens, cap, ttl_s)
+            return super().try_reserve(run_id, lease_id, tokens, cap, ttl_s)
 
     ledger = Recording()
     ctx = make_context(

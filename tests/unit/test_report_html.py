@@ -14,7 +14,7 @@ from pipeline.models import (
     RoundTrace,
     Usage,
 )
-from pipeline.report_html import render_report_html, trajectory_svg
+from workers.report_html import render_report_html, trajectory_svg
 
 EVIL = '<script>alert("x")</script>'
 

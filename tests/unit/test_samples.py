@@ -11,15 +11,16 @@ from pipeline.config import load_config
 from pipeline.critics.base import RevisionResult
 from pipeline.critics.heuristic import HeuristicReviser
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
-from pipeline.runner import make_context, run_submission
-from pipeline.samples import (
+from pipeline.runner import run_submission
+from pipeline.store.memory import MemoryPatternStore
+from pipeline.wiring import make_context
+from workers.samples import (
     DEMO_TOTAL_TOKENS,
     Sample,
     demo_samples,
     iterations,
     overrides_for,
 )
-from pipeline.store.memory import MemoryPatternStore
 
 SAMPLES = demo_samples()
 
@@ -88,6 +89,8 @@ class _Recording:
     """The heuristic reviser, remembering the pitfalls each repair was given."""
 
     name = "recording"
+    token_free = False
+    reads_pitfalls = True
 
     def __init__(self) -> None:
         self.seen: dict[str, str] = {}

@@ -315,15 +315,9 @@ def _one(
 
 def _failure(exc: BaseException) -> ABError:
     """A row's exception as the run's exit (module docstring's exit codes)."""
-    import redis
-
-    from pipeline.errors import (
-        CritiqueError,
-        LLMPermanentError,
-        LLMTransientError,
-        StoreUnavailableError,
-    )
+    from pipeline.errors import CritiqueError, LLMPermanentError, LLMTransientError
     from workers.client import CritiqueTimeout
+    from workers.unreachable import is_unreachable
 
     if isinstance(exc, LLMPermanentError):
         return ABError(f"the worker model's provider refused the call: {exc}", EXIT_USAGE)
@@ -331,7 +325,7 @@ def _failure(exc: BaseException) -> ABError:
         return ABError(f"the worker model could not be reached: {exc}", EXIT_UNAVAILABLE)
     if isinstance(exc, CritiqueTimeout):
         return ABError(str(exc), EXIT_UNAVAILABLE)
-    if isinstance(exc, StoreUnavailableError | redis.exceptions.ConnectionError):
+    if is_unreachable(exc):
         return ABError(f"lost Redis: {exc}", EXIT_UNAVAILABLE)
     if isinstance(exc, CritiqueError):
         return ABError(str(exc), EXIT_USAGE)

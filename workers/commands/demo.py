@@ -7,7 +7,7 @@ With no ``REDIS_URL`` in the environment the demo starts a private Redis server
 and the ``critique worker`` processes already consuming it. The embedded run signs its stage
 messages as a deployment does: with ``CRITIQUE_SECRET``, or a random one for this process.
 
-It submits the sample run of :mod:`pipeline.samples` (two dozen worker outputs over three
+It submits the sample run of :mod:`workers.samples` (two dozen worker outputs over three
 iterations, heuristic and rubric critics, deterministic revisers: no API key), one iteration
 after the other so the Known Pitfalls of earlier iterations reach later repairs, prints one
 progress line per finished submission, then a table per worker, the run's Known Pitfalls, the
@@ -38,18 +38,19 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from pipeline.store.keys import QUEUE_CPU, QUEUE_LLM
 from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 
 if TYPE_CHECKING:
     from celery import Celery
 
     from pipeline.models import CritiqueResult
-    from pipeline.samples import Sample
     from workers.client import CritiqueClient, Handle
+    from workers.samples import Sample
 
 HELP = "run a sample critique run end to end (embedded Redis and worker when REDIS_URL is unset)"
 
-QUEUES = ("critique.cpu", "critique.llm")
+QUEUES = (QUEUE_CPU, QUEUE_LLM)
 _URL_VARS = ("REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
 
 
@@ -361,8 +362,8 @@ def _wait_iteration(
 def _run_samples(
     run_id: str, samples: Sequence[Sample], args: argparse.Namespace, say: Callable[[str], None]
 ) -> list[tuple[Sample, CritiqueResult]]:
-    from pipeline.samples import iterations, overrides_for
     from workers.client import CritiqueClient
+    from workers.samples import iterations, overrides_for
 
     clients = {
         critic: CritiqueClient(overrides_for(critic)) for critic in {s.critic for s in samples}
@@ -417,13 +418,12 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     embedded = not os.environ.get("REDIS_URL")
     url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
 
-    import redis
-
-    from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
+    from pipeline.errors import ConfigError, CritiqueError, SubmissionError
     from pipeline.pitfalls import render_pitfalls
-    from pipeline.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
     from workers import runtime
     from workers.commands.report import write_report
+    from workers.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
+    from workers.unreachable import unreachable_errors
 
     runtime.client.cache_clear()
     runtime.stores.cache_clear()
@@ -452,7 +452,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
         stores = runtime.stores()
         pitfalls = render_pitfalls(stores.patterns.top(run_id, 10))
         spent = stores.budget.spent(run_id)
-    except (StoreUnavailableError, redis.exceptions.ConnectionError) as exc:
+    except unreachable_errors() as exc:
         raise DemoError(f"lost Redis at {url}: {exc}", EXIT_UNAVAILABLE) from None
     except (ConfigError, SubmissionError) as exc:  # refused here, before anything ran
         raise DemoError(str(exc), EXIT_USAGE) from None

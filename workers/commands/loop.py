@@ -147,7 +147,8 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.critics.rubric import parse_paper
     from pipeline.errors import CritiqueError
     from pipeline.models import Submission
-    from pipeline.runner import make_context, run_submission
+    from pipeline.runner import run_submission
+    from pipeline.wiring import make_context
     from workers.commands._input import InputError, check_config_file, one_line
 
     path = Path(args.file)

@@ -18,11 +18,9 @@ no verdict); 2 bad usage, an unknown run, or an unwritable folder; 3 Redis unrea
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,20 +37,6 @@ def default_root() -> Path:
     return Path(os.environ.get("CRITIQUE_WORKSPACE") or "workspace")
 
 
-def _write(path: Path, text: str) -> None:
-    """Atomic write (temp file + rename in the same folder)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def write_report(
     run_id: str, out_dir: Path | str | None = None, *, snapshot: RunSnapshot | None = None
 ) -> list[Path]:
@@ -64,11 +48,11 @@ def write_report(
     :class:`~workers.commands.status.UnknownRunError` when Redis holds nothing for the run,
     ``StoreUnavailableError`` when Redis cannot be reached.
     """
-    from pipeline.artifacts import write_artifacts
+    from pipeline.artifacts import atomic_write_many, write_artifacts
     from pipeline.models import CritiqueResult
     from pipeline.pitfalls import render_lessons
-    from pipeline.report_html import render_report_html
     from workers import runtime
+    from workers.report_html import render_report_html
 
     root = Path(out_dir) if out_dir is not None else default_root()
     snap = snapshot if snapshot is not None else load_snapshot(run_id)
@@ -89,8 +73,9 @@ def write_report(
     )
     report = run_dir / "report.html"
     lessons = run_dir / "lessons.md"
-    _write(report, page)
-    _write(lessons, render_lessons(stores.patterns.lessons(PATTERN_LIMIT)))
+    atomic_write_many(
+        [(report, page), (lessons, render_lessons(stores.patterns.lessons(PATTERN_LIMIT)))]
+    )
     return [*written, report, lessons]
 
 

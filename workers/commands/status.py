@@ -180,10 +180,9 @@ def printable(text: str, limit: int = 300) -> str:
 
 def service_guard(command: str, body: Callable[[], int]) -> int:
     """Run a command body, mapping an unreachable Redis to exit 3 and an unknown run to 2."""
-    import redis
-
     from pipeline.errors import CritiqueError, StoreUnavailableError
     from workers import runtime
+    from workers.unreachable import unreachable_errors
 
     try:
         return body()
@@ -193,7 +192,7 @@ def service_guard(command: str, body: Callable[[], int]) -> int:
     except StoreUnavailableError as exc:  # its message names the URL and REDIS_URL
         print(f"critique {command}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
+    except unreachable_errors() as exc:
         url = runtime.redis_url()
         print(
             f"critique {command}: cannot reach Redis at {url}: {exc} "

@@ -316,7 +316,8 @@ def _unreachable(url: str, what: str) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.errors import CritiqueError, StoreUnavailableError
+    from pipeline.errors import CritiqueError
+    from workers.unreachable import BrokerUnavailableError, unreachable_errors
 
     if not args.timeout > 0:
         _say("--timeout must be > 0")
@@ -356,15 +357,11 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"critique submit: {problem}", file=sys.stderr)
         return EXIT_UNAVAILABLE
-    unavailable: tuple[type[BaseException], ...] = (
-        StoreUnavailableError,
-        OSError,
-        *_redis_errors(),
-    )
+    unavailable: tuple[type[BaseException], ...] = (OSError, *unreachable_errors())
     try:
         handles = client.submit_many(subs)
     except unavailable as exc:
-        on_broker = "broker" in str(exc) and broker != store
+        on_broker = isinstance(exc, BrokerUnavailableError) and broker != store
         what, url, env = (
             ("the broker", broker, "CELERY_BROKER_URL")
             if on_broker
@@ -395,12 +392,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _wait(client: Any, handles: list[Any], args: Any) -> int:
     """Print every answer as it comes, then the tally; returns the exit code."""
-    from pipeline.errors import StoreUnavailableError, SubmissionError
+    from pipeline.errors import SubmissionError
     from workers.client import CritiqueTimeout
     from workers.commands._progress import Progress
     from workers.commands.status import tally
+    from workers.unreachable import unreachable_errors
 
-    unavailable: tuple[type[BaseException], ...] = (StoreUnavailableError, *_redis_errors())
+    unavailable = unreachable_errors()
     progress = Progress("submit --wait")
     results: list[Any] = []
     failed: list[tuple[Any, str]] = []
@@ -491,9 +489,3 @@ def _reason(h: Any, error: Any) -> str:
 def _say(message: object) -> None:
     """One line on stderr, prefixed with the command."""
     print(f"critique submit: {one_line(message)}", file=sys.stderr)
-
-
-def _redis_errors() -> tuple[type[Exception], ...]:
-    import redis
-
-    return (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError)
