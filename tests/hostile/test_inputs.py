@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -204,8 +203,7 @@ def test_worker_refuses_an_oversized_raw_chain(worker: WorkerProcess, part: str)
     error = _refusal(send_raw("critique.l0", msg))
     assert "over max_output_bytes (16777216)" in error, error
     assert "20000" in error  # the sizes are named
-    time.sleep(0.3)
-    assert _stored(run_id)[1] == []
+    assert _stored(run_id)[1] == []  # the chain ended with the refused task: no result comes
 
 
 def test_client_refuses_an_oversized_task_and_blob_file(worker: WorkerProcess) -> None:
@@ -237,8 +235,7 @@ def test_submit_many_with_a_lone_surrogate_enqueues_nothing(worker: WorkerProces
         CritiqueClient(ENABLED).submit_many([good, bad])
     text = str(err.value)
     assert "submission 1" in text and "'bad'" in text and "lone surrogate" in text
-    time.sleep(0.5)
-    assert _stored(run_id) == ({}, [])
+    assert _stored(run_id) == ({}, [])  # a send would have been marked submitted at once
 
 
 def test_submit_many_revalidates_instances_built_without_validation(
@@ -252,8 +249,7 @@ def test_submit_many_revalidates_instances_built_without_validation(
     forged = Submission.model_construct(**{**dict(good), "worker_id": "bad\n"})
     with pytest.raises(SubmissionError, match=r"submission 1 .*worker_id.*not a valid identifier"):
         CritiqueClient(ENABLED).submit_many([good, forged])
-    time.sleep(0.3)
-    assert _stored(run_id) == ({}, [])
+    assert _stored(run_id) == ({}, [])  # a send would have been marked submitted at once
 
 
 def test_submit_many_refuses_values_json_cannot_carry(worker: WorkerProcess) -> None:

@@ -30,6 +30,7 @@ from tests.hostile.conftest import (
     send_raw,
 )
 from tests.integration.workers import WorkerProcess
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -394,8 +395,8 @@ def test_refusal_is_logged_once_without_the_payload_and_never_retried(
     payload, and does not retry it."""
     run_id = new_run("logged")
     ar = send_raw(keys.TASK_GATE, stage_message(forged_finished_state(run_id)))
-    refusal(ar)
-    time.sleep(0.3)
+    refusal(ar)  # FAILURE is final: a retried task would be RETRY (and log "Retry in")
+    wait_until(lambda: ar.id in log_of(worker), 10, what="the refusal in the worker's log")
     lines = [ln for ln in log_of(worker).splitlines() if ar.id in ln]
     warnings = [ln for ln in lines if "refused a gate message" in ln]
     assert len(warnings) == 1, lines

@@ -17,6 +17,11 @@ class _HeuristicWith:
     with the default) with something done first on every ``revise``: a Reviser object, loaded
     from the worker's ``repairer`` setting."""
 
+    token_free = False
+    """Declared token-spending, so the runner reserves and charges its estimate."""
+    reads_pitfalls = True
+    """It is handed the Known Pitfalls text (the recording one writes it down)."""
+
     def __init__(self, name: str) -> None:
         self.name = name
         self._inner = HeuristicReviser()

@@ -15,7 +15,6 @@ import json
 import re
 import shlex
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -140,22 +139,20 @@ from solution import add
 
 
 def test_hangs():
-    time.sleep(120)
+    time.sleep(3600)
     assert add(1, 1) == 2
 """
 
 
 def test_a_hanging_test_is_cut_at_the_limit_and_the_worker_survives(worker: WorkerProcess) -> None:
-    """A test that sleeps for minutes is killed at command_timeout_s (a time-out defect); the
-    worker process is the same one afterwards and serves the next submission."""
+    """A test that sleeps for an hour is killed at command_timeout_s (a time-out defect; the
+    result arrives within the client's 60 s wait only because it was cut); the worker process
+    is the same one afterwards and serves the next submission."""
     assert worker.proc is not None
     pid = worker.proc.pid
-    began = time.monotonic()
     result = critique(
         python_sub("def add(a, b):\n    return a + b\n", ("test_hangs.py", HANGING_TEST))
     )
-    elapsed = time.monotonic() - began
-    assert elapsed < TIMEOUT_S + 10
     [defect] = [d for d in result.envelope.defects if d.source == "command"]
     assert f"did not finish within {TIMEOUT_S} s" in defect.description
     assert "process group was killed" in defect.description

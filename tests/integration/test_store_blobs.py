@@ -1,8 +1,6 @@
-"""Content-addressed blobs in Redis: TTLs, hash verification, and the inline/reference split."""
+"""Content-addressed blobs in Redis: shared keys, TTLs and hash verification."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import redis
@@ -13,11 +11,8 @@ from pipeline.store.blobs import (
     BlobCorruptError,
     BlobMissingError,
     RedisBlobStore,
-    blob_ref,
-    externalize,
-    materialize,
 )
-from pipeline.store.memory import MemoryBlobStore
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +62,7 @@ def test_expired_blob_is_missing(store: RedisBlobStore, redis_client: redis.Redi
     """Once a blob's TTL has passed, get raises BlobMissingError with a hint about the TTL."""
     ref = store.put(b"short-lived")
     redis_client.pexpire(key_of(ref), 1)
-    time.sleep(0.05)
+    wait_until(lambda: not redis_client.exists(key_of(ref)), 10, what="the blob to expire")
     with pytest.raises(BlobMissingError) as err:
         store.get(ref)
     assert err.value.hint is not None and keys.RUN_TTL_ENV in err.value.hint
@@ -77,27 +72,3 @@ def test_blob_store_requires_a_bytes_client(redis_text_client: redis.Redis) -> N
     """A decode_responses=True client would mangle binary blobs, so it is refused up front."""
     with pytest.raises(ConfigError):
         RedisBlobStore(redis_text_client, prefix=PREFIX, ttl_s=TTL_S)
-
-
-@pytest.mark.parametrize("impl", ["memory", "redis"])
-def test_externalize_splits_at_the_inline_limit_in_bytes(
-    impl: str, request: pytest.FixtureRequest
-) -> None:
-    """Text within the limit (UTF-8 bytes) stays inline; longer text becomes a readable ref."""
-    blobs = MemoryBlobStore() if impl == "memory" else request.getfixturevalue("store")
-    assert externalize("a" * 8, blobs, inline_limit=8) == ("a" * 8, None)
-    inline, ref = externalize("é" * 5, blobs, inline_limit=8)
-    assert inline is None
-    assert ref == blob_ref(("é" * 5).encode("utf-8"))
-    assert materialize(inline, ref, blobs) == "é" * 5
-    big = "x" * (40 * 1024)
-    inline, ref = externalize(big, blobs)
-    assert (inline, materialize(inline, ref, blobs)) == (None, big)
-    assert materialize(None, None, blobs) is None
-    assert materialize("inline wins", ref, blobs) == "inline wins"
-
-
-def test_materialize_of_a_missing_ref_raises(store: RedisBlobStore) -> None:
-    """A reference to bytes that are gone is an error, not an empty text."""
-    with pytest.raises(BlobMissingError):
-        materialize(None, blob_ref(b"gone"), store)

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
@@ -17,11 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker_db_url(test_url: str) -> str:
-    """The database worker tests use: the one below the test database (15 → 14), so sessions
-    that run side by side with different ``CRITIQUE_TEST_REDIS_URL`` databases never collide."""
-    base, _, db = test_url.rpartition("/")
-    n = int(db) if db.isdigit() else 15
-    return f"{base}/{max(n - 1, 0)}"
+    """The database worker tests use: the one below the test database (1 → 0 on the session's
+    own server; N → N-1 with ``CRITIQUE_TEST_REDIS_URL=.../N``; db 1 when the test database is
+    0), so the two never collide, nor sessions that share one Redis with different databases."""
+    u = urlsplit(test_url)
+    db = u.path.strip("/")
+    n = int(db) if db.isdigit() else 0
+    return urlunsplit(u._replace(path=f"/{n - 1 if n > 0 else 1}"))
 
 
 @contextlib.contextmanager
@@ -85,9 +88,10 @@ class WorkerProcess:
         log: Path | None = None,
     ) -> None:
         self.redis_url = redis_url
+        self.name_pattern = f"{name}@%h"
         self.args = [
             sys.executable, "-m", "celery", "-A", "workers.app", "worker",
-            "-Q", queues, "-P", pool, "-c", str(concurrency), "-n", f"{name}@%h",
+            "-Q", queues, "-P", pool, "-c", str(concurrency), "-n", self.name_pattern,
             "--without-gossip", "--without-mingle", "-l", "WARNING",
         ]  # fmt: skip
         self.env = worker_env(redis_url, **(env or {}))
@@ -102,20 +106,30 @@ class WorkerProcess:
         self._wait_ready(timeout)
         return self
 
+    @property
+    def nodename(self) -> str:
+        """The worker's node name (``name@host``), as remote control addresses it."""
+        from celery.utils.nodenames import host_format
+
+        return host_format(self.name_pattern)
+
     def _wait_ready(self, timeout: float) -> None:
-        """Ready when the worker has registered a consumer on the CPU queue's binding."""
-        r = redis.Redis.from_url(self.redis_url)
+        """Ready when the worker answers a remote-control ping: its event loop is running, so
+        it is consuming its queues (a reply is handled by the same loop as the tasks)."""
+        from celery import Celery
+
+        probe = Celery("probe", broker=self.redis_url, set_as_current=False)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited early with code {self.proc.returncode}")
-            # kombu's Redis transport registers queue bindings in _kombu.binding.<queue>.
-            if r.exists("_kombu.binding.critique.cpu"):
-                time.sleep(0.5)
-                return
-            time.sleep(0.1)
-        raise RuntimeError("worker did not become ready")
+        try:
+            while time.monotonic() < deadline:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited early with code {self.proc.returncode}")
+                if probe.control.ping(destination=[self.nodename], timeout=0.25, limit=1):
+                    return
+        finally:
+            probe.close()
+        raise RuntimeError(f"worker {self.nodename} did not answer a ping within {timeout} s")
 
     def kill(self) -> None:
         """SIGKILL the whole worker (main process and pool children)."""

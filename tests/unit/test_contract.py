@@ -15,18 +15,16 @@ from pipeline.contract import (
     ContractSuite,
     build_suite,
     check_submission,
-    compiled_available,
     output_text,
     run_contract,
 )
 from pipeline.errors import ConfigError, ExtensionLoadError
 from pipeline.models import FileRef, Submission
+from tests.support import require_fastscan
 
 ENGINES = [
     "python",
-    pytest.param(
-        "c", marks=pytest.mark.skipif(not compiled_available(), reason="compiled scanner not built")
-    ),
+    pytest.param("c", marks=pytest.mark.fastscan),
 ]
 
 LONG = (
@@ -466,8 +464,7 @@ def test_duplicate_extension_names_are_rejected() -> None:
 
 def test_engines_agree_on_a_mixed_document() -> None:
     """The compiled and pure-Python scanners give the same failures for every check."""
-    if not compiled_available():
-        pytest.skip("compiled scanner not built")
+    require_fastscan()
     text = (
         f"# Intro\n\nTODO: {LONG}\n\n## intro\n\n```py\n# Intro\nx = (\n```\n\n"
         f"Unclosed (paren and `code [` span.\n\n{LONG}\n\n\\section{{Intro}}\n"

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline import simhash
-from pipeline.contract import ContractInput, build_suite, compiled_available
+from pipeline.contract import ContractInput, build_suite
+from tests.support import require_fastscan
 
 PROSE = [
     "The harbour was quiet in the early morning, and the only sound came from the gulls "
@@ -111,8 +112,8 @@ def test_fixture_is_thirty_long_distinct_paragraphs() -> None:
 @pytest.mark.parametrize("engine", ["python", "c"])
 def test_distinct_prose_is_not_a_loop(engine: str) -> None:
     """Thirty distinct real-prose paragraphs in one document raise no text-loop failure."""
-    if engine == "c" and not compiled_available():
-        pytest.skip("compiled scanner not built")
+    if engine == "c":
+        require_fastscan()
     suite = build_suite(engine=engine)
     report = suite.run([ContractInput(text="\n\n".join(PROSE), claimed_format="markdown")])
     assert [f for f in report.failures if f.check == "no_text_loop"] == []

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from pipeline.contract import _scan
 from pipeline.contract._scan import (
     MODE_JSON,
     MODE_LATEX,
@@ -18,7 +17,7 @@ from pipeline.contract._scan import (
     scan_py,
 )
 
-needs_c = pytest.mark.skipif(not _scan.compiled_available(), reason="compiled scanner not built")
+needs_c = pytest.mark.fastscan
 
 # Pieces chosen to hit every rule: fences, escapes, code spans, strings, comments, headings,
 # sections, placeholders, Unicode whitespace and word characters, CR and odd spacing.
@@ -178,3 +177,19 @@ def test_unknown_engine_is_rejected() -> None:
     """engine must be auto, c or python."""
     with pytest.raises(ValueError):
         scan("x", MODE_MD, engine="rust")
+
+
+@needs_c
+def test_compiled_placeholder_table_is_the_python_one() -> None:
+    """``_scan.PLACEHOLDERS`` is the one placeholder list: the C table (a copy the compiler
+    needs) reports every entry under the same pattern id, with the same case rule."""
+    from pipeline.contract._scan import PLACEHOLDERS, WANT_PLACEHOLDERS
+
+    for pid, (pattern, case_insensitive) in enumerate(PLACEHOLDERS):
+        for variant in {pattern, pattern.swapcase()}:
+            text = f"see {variant} here"
+            found = scan_py(text, MODE_OTHER, WANT_PLACEHOLDERS).hits
+            compiled = scan(text, MODE_OTHER, WANT_PLACEHOLDERS, engine="c").hits
+            assert compiled == found, (pattern, variant)
+            if variant == pattern or case_insensitive:
+                assert (pid, 4, 4 + len(variant)) in found, (pattern, variant)

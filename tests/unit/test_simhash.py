@@ -7,9 +7,8 @@ import random
 import pytest
 
 from pipeline import simhash
-from pipeline.contract import compiled_available
 
-needs_c = pytest.mark.skipif(not compiled_available(), reason="compiled scanner not built")
+needs_c = pytest.mark.fastscan
 
 
 def brute_pairs(fps: list[int], k: int) -> list[tuple[int, int]]:

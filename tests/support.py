@@ -1,0 +1,61 @@
+"""Small helpers the tests share: waiting on a condition, and the compiled-scanner requirement."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import pytest
+
+T = TypeVar("T")
+
+REQUIRE_FASTSCAN_ENV = "CRITIQUE_REQUIRE_FASTSCAN"
+"""Set to ``1`` (CI does) to make tests of the compiled scanner fail, not skip, when it is not
+built."""
+
+
+def wait_until(
+    condition: Callable[[], T],
+    timeout: float = 10.0,
+    *,
+    what: str | None = None,
+    interval: float = 0.02,
+) -> T:
+    """Poll ``condition`` until it returns something truthy and return that; fail the test
+    naming ``what`` (or the callable) when ``timeout`` seconds pass first.
+
+    The timeout only bounds a hang: a test asserts the condition, never how long it took.
+    """
+    deadline = time.monotonic() + timeout
+    delay = min(interval, 0.005)
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() >= deadline:
+            name = what or getattr(condition, "__name__", repr(condition))
+            pytest.fail(f"timed out after {timeout:g} s waiting for {name}", pytrace=False)
+        time.sleep(delay)
+        delay = min(delay * 2, interval)
+
+
+def require_fastscan() -> None:
+    """Skip the calling test when the compiled scanner (the ``_fastscan`` extension) is not
+    built, saying so and how to build it; fail it instead under ``CRITIQUE_REQUIRE_FASTSCAN=1``.
+
+    The extension is optional in ``setup.py`` (an install without a C compiler still works, on
+    the pure-Python twin), so a plain run may lack it; CI requires it.
+    """
+    from pipeline.contract._scan import compiled_available
+
+    if compiled_available():
+        return
+    reason = (
+        "the compiled scanner (the _fastscan extension) is not built: it needs a C "
+        "compiler at install time (pip install -e . or python setup.py build_ext --inplace)"
+    )
+    if os.environ.get(REQUIRE_FASTSCAN_ENV) == "1":
+        pytest.fail(f"{reason}; {REQUIRE_FASTSCAN_ENV}=1 requires it", pytrace=False)
+    pytest.skip(reason)
