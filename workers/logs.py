@@ -2,8 +2,10 @@
 
 Celery's own ``Task … succeeded in …: <result>`` line carries the task's return value: for a
 stage, the whole stage state with the worker's output (1.4 MB of log for ~210 submissions). It
-is demoted to DEBUG here (dropped at INFO, kept with ``-l DEBUG``), and every ``critique.*``
-task logs one compact line instead, on the ``critique.stages`` logger::
+is demoted to DEBUG here (dropped at INFO, kept with ``-l DEBUG``), as are Celery's other
+per-task INFO lines (``received``, ``retry``, ``ignored``: not even built at INFO, see
+:data:`QUIET_BELOW_DEBUG`), and every ``critique.*`` task logs one compact line instead, on the
+``critique.stages`` logger::
 
     critique.critic[b4048db1] run=r1 it=1 worker=w1 pass=8cabde8b SUCCESS 6.1 ms
     critique.gate[fd9239fa] run=r1 it=1 worker=w1 pass=8cabde8b SUCCESS 5.4 ms escalated/needs_model
@@ -23,7 +25,7 @@ import threading
 import time
 from typing import Any
 
-from celery.signals import task_postrun, task_prerun
+from celery.signals import after_setup_logger, task_postrun, task_prerun
 
 log = logging.getLogger("critique.stages")
 
@@ -109,8 +111,8 @@ def _one_line(text: str) -> str:
 
 def _outcome(state: str | None, retval: Any) -> str:
     """What the task ended with, in a few words: a gate's verdict, a failure's reason."""
-    if state == "IGNORED":  # Task.replace: decide handed the chain to a repair round
-        return "replaced"
+    if state == "IGNORED" or (isinstance(retval, dict) and retval.get("replaced") is True):
+        return "replaced"  # Task.replace: the decision handed the chain on to a repair round
     if isinstance(retval, BaseException):
         message = getattr(retval, "message", None) or str(retval)
         return _one_line(f"{type(retval).__name__}: {message}")
@@ -169,6 +171,27 @@ def _on_postrun(
         log.debug("could not log a stage line", exc_info=True)
 
 
+QUIET_BELOW_DEBUG = ("celery.app.trace", "celery.worker.strategy")
+"""Celery loggers whose INFO lines repeat what the stage line says, per task: ``Task …
+received`` and ``Task … succeeded in …: <result>`` (the payload), ``… retry: …``, ``… ignored``
+(the stage line has the state, the timing and the reason). Held at WARNING unless the worker
+logs at DEBUG: Celery then never builds those records (nor the result's repr), and their
+warnings and errors still show."""
+
+
+def _quiet_celery_info(loglevel: Any = None, **_: Any) -> None:
+    """After Celery set up logging: at INFO and above, :data:`QUIET_BELOW_DEBUG` at WARNING."""
+    try:
+        level = int(loglevel) if loglevel is not None else logging.getLogger().level
+    except (TypeError, ValueError):
+        level = logging.getLevelName(str(loglevel).upper())
+    if isinstance(level, int) and level > logging.DEBUG:
+        for name in QUIET_BELOW_DEBUG:
+            logger = logging.getLogger(name)
+            if logger.level < logging.WARNING:
+                logger.setLevel(logging.WARNING)
+
+
 def install() -> None:
     """Demote Celery's payload-carrying success line and log one line per stage (idempotent)."""
     global _installed
@@ -176,5 +199,6 @@ def install() -> None:
         return
     _installed = True
     logging.getLogger("celery.app.trace").addFilter(PayloadsAtDebug())
+    after_setup_logger.connect(_quiet_celery_info, weak=False)
     task_prerun.connect(_on_prerun, weak=False)
     task_postrun.connect(_on_postrun, weak=False)

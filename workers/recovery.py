@@ -555,6 +555,21 @@ class _Channel(kombu_redis.Channel):
         parent: Any = super()  # kombu's _connparams is untyped
         return parent._connparams(asynchronous=asynchronous)
 
+    def _create_client(self, asynchronous: bool = False) -> Any:
+        """kombu builds a new Redis client for every publish, ack and event (a client's
+        constructor costs more than the command); one client per connection pool serves them
+        all here (a Redis client is safe to share between threads). ``self.pool`` is read each
+        time, so a closed connection still refuses (:meth:`_connparams`)."""
+        parent: Any = super()
+        if asynchronous:
+            return parent._create_client(asynchronous=True)
+        pool = self.pool
+        cached = self.__dict__.get("_critique_client")
+        if cached is None or cached[0] is not pool:
+            cached = (pool, parent._create_client(asynchronous=False))
+            self.__dict__["_critique_client"] = cached
+        return cached[1]
+
 
 class RedisTransport(kombu_redis.Transport):
     """kombu's Redis transport (``redis://``, ``rediss://``) with :class:`_Channel`, so that a

@@ -1,9 +1,12 @@
 """Thin Celery tasks over the pure stages (DESIGN habit 1).
 
-Per submission one chain: ``critique.l0 → critique.critic → critique.decide → critique.gate``.
-When ``decide`` chooses a repair, it replaces itself (``Task.replace``) with
-``critique.repair → critique.l0 → critique.critic → critique.decide``; the replacement inherits
-the rest of the chain, so the loop stays one chain and no task ever waits on another.
+Per submission one chain: ``critique.l0 → critique.critic → critique.gate``. The critic task
+runs the ``decide`` stage inline after the critique (SPEC §4: decide is pure and cheap), each
+stage with its own step record; when decide chooses a repair, the critic task replaces itself
+(``Task.replace``) with ``critique.repair → critique.l0 → critique.critic``; the replacement
+inherits the rest of the chain, so the loop stays one chain and no task ever waits on another.
+Accepted and stopped outputs never pay for a replacement. ``critique.decide`` remains a task
+for a pass resumed between its critic and its decision, and for messages already queued.
 
 Every task: decode the message, run one stage function, encode the new state. A task whose
 stage is not the state's next one passes the state through (e.g. critique disabled). Stages
@@ -56,6 +59,30 @@ RETRY = {
 STAGE = {**RETRY, "ignore_result": True, "store_errors_even_if_ignored": True}
 log = get_task_logger(__name__)
 
+REPLACED: dict[str, Any] = {"replaced": True}
+"""What a stage task that handed its chain to a repair round returns (nothing receives it)."""
+
+
+class ReplacingStage(Task):  # type: ignore[misc]
+    """A stage task that may hand its chain on to a repair round (``Task.replace``).
+
+    ``Task.replace`` builds the replacement (the rest of the chain, callbacks, errbacks and ids
+    moved onto it) and calls :meth:`on_replace`, which publishes it and, in Celery's own,
+    raises ``Ignore``; Celery then builds two ``ExceptionInfo`` of that exception (formatted
+    tracebacks: milliseconds each, on every repair round). Here the task ends normally
+    instead: the replacement is published the same way, then this task's own chain and
+    callbacks are dropped (the replacement carries them), so Celery sends nothing after it and,
+    with ``ignore_result``, stores nothing. Run eagerly (``apply``), Celery's own runs the
+    replacement in place."""
+
+    def on_replace(self, sig: Any) -> Any:
+        if self.request.is_eager:
+            return super().on_replace(sig)
+        sig.delay()
+        self.request.chain = None
+        self.request.callbacks = None
+        return dict(REPLACED)
+
 
 def _step_id(sid: str, state: LoopState, stage: str) -> str:
     sub = state.submission
@@ -81,11 +108,32 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
     repeat returns that output unchanged (and writes no event), so every duplicate downstream
     of it replays too and the result is the same.
     """
-    state, overrides = _decoded(task, msg, stage)
-    sub = state.submission
-    _boundary_config(task, overrides, stage, sub.run_id, sub.iteration, sub.worker_id, sub.model)
+    out, next_stage, _ = _run_stage(task, msg, stage)
+    return out, next_stage
+
+
+Decoded = tuple[LoopState, dict[str, Any]]
+"""A message's state and configuration overrides, once decoded and past the trust boundary."""
+
+
+def _run_stage(
+    task: Task, msg: dict[str, Any], stage: str, decoded: Decoded | None = None
+) -> tuple[dict[str, Any], str, Decoded | None]:
+    """:func:`_stage`, also returning the new state and overrides when this run produced and
+    recorded the output first (None when it was replayed or passed through), so a task that
+    runs the next stage inline (the critic runs ``decide``) hands it on without decoding the
+    message it just encoded. ``decoded``: the state and overrides of ``msg``, when ``msg`` is
+    such a fresh output of this task (then no earlier record of this step can exist)."""
+    if decoded is None:
+        state, overrides = _decoded(task, msg, stage)
+        sub = state.submission
+        _boundary_config(
+            task, overrides, stage, sub.run_id, sub.iteration, sub.worker_id, sub.model
+        )
+    else:
+        state, overrides = decoded
     if state.next != stage:
-        return msg, state.next
+        return msg, state.next, None
     run_id = state.submission.run_id
     runs = runtime.stores().runs
     sid = _pass_id(task, msg, state)
@@ -93,10 +141,13 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
         state = state.model_copy(update={"pass_id": sid})
     step = _step_id(sid, state, stage)
     shared = runtime.context_for(overrides)
-    if stage == "decide" or _spends_tokens(stage, shared, state) or _repeated(task):
+    # A decide run inline on the output this task just recorded cannot have a record yet
+    # (a duplicate racing it is settled by record_step below): no read.
+    reads = stage == "decide" and decoded is None
+    if reads or _spends_tokens(stage, shared, state) or _repeated(task):
         recorded = runs.step_output(run_id, step)
         if recorded is not None:
-            return _replayed(recorded)
+            return (*_replayed(recorded), None)
     buffer = BufferedTraceSink()
     ctx = dataclasses.replace(shared, trace=buffer)
     new = STAGES[stage](state, ctx)
@@ -110,13 +161,13 @@ def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any],
     out = runtime.encode(new, overrides, sid=sid or None)
     first = runs.record_step(run_id, step, json.dumps(out), buffer.payloads.get(run_id, ()))
     if first is None:
-        return out, new.next
+        return out, new.next, (new, overrides)
     replay = _replayed(first)
     if new.lease_id is not None and runtime.decode(replay[0])[0].lease_id != new.lease_id:
         # Another delivery of this decide recorded first without this lease (it was refused
         # the budget, say): the reservation this run made would be held for nothing.
         shared.budget.refund(run_id, new.lease_id)
-    return replay
+    return (*replay, None)
 
 
 def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
@@ -258,10 +309,17 @@ def l0(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     return _stage(self, msg, "l0")[0]
 
 
-@app.task(name=keys.TASK_CRITIC, bind=True, **STAGE)
+@app.task(name=keys.TASK_CRITIC, bind=True, base=ReplacingStage, **STAGE)
 def critic(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """The configured critic (heuristic, rubric, LLM)."""
-    return _stage(self, msg, "critic")[0]
+    """The configured critic (heuristic, rubric, LLM), then ``decide`` inline (SPEC §4: it is
+    pure and cheap): an accepted or stopped output goes straight on to the gate, and the task
+    replaces itself with the repair round (``Task.replace``) only when a repair follows. Each
+    of the two stages keeps its own step record and trace events, so a redelivery replays
+    both, and a pass stopped between them resumes at ``critique.decide``."""
+    out, next_stage, decoded = _run_stage(self, msg, "critic")
+    if next_stage != "decide":
+        return out
+    return _decide(self, out, decoded)
 
 
 @app.task(name=keys.TASK_REPAIR, bind=True, **STAGE)
@@ -270,17 +328,26 @@ def repair(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     return _stage(self, msg, "repair")[0]
 
 
-@app.task(name=keys.TASK_DECIDE, bind=True, **STAGE)
+@app.task(name=keys.TASK_DECIDE, bind=True, base=ReplacingStage, **STAGE)
 def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``)."""
-    out, next_stage = _stage(self, msg, "decide")
-    if next_stage == "repair":
-        state, overrides = runtime.decode(out)
-        loop = loop_from("repair", out, runtime.config_for(overrides), state.submission)
-        # Raises Ignore under a worker (the replacement inherits the rest of the chain).
-        replaced: dict[str, Any] = self.replace(chain(*loop))
-        return replaced
-    return out
+    """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``).
+
+    The critic task runs this stage itself; the task stays for a pass resumed between the
+    two (:func:`continuation` from a recorded critic step) and for messages already queued."""
+    return _decide(self, msg)
+
+
+def _decide(task: Task, msg: dict[str, Any], decoded: Decoded | None = None) -> dict[str, Any]:
+    """Run ``decide`` on ``msg`` in ``task``; replace the task with the repair round when one
+    follows (the replacement inherits the rest of the chain: the gate)."""
+    out, next_stage, new = _run_stage(task, msg, "decide", decoded)
+    if next_stage != "repair":
+        return out
+    state, overrides = new if new is not None else runtime.decode(out)
+    loop = loop_from("repair", out, runtime.config_for(overrides), state.submission)
+    # Under a worker: REPLACED (ReplacingStage.on_replace); eagerly: the replacement's answer.
+    replaced: dict[str, Any] = task.replace(chain(*loop))
+    return replaced
 
 
 @app.task(name=keys.TASK_GATE, bind=True, **RETRY)
@@ -295,23 +362,7 @@ def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     if state.pass_id != sid:
         state = state.model_copy(update={"pass_id": sid})
     result = finish(state)
-    event = {
-        "type": "result",
-        "stage": "gate",
-        "worker_id": result.worker_id,
-        "iteration": result.iteration,
-        "round": state.round,
-        "status": result.status,
-        "stop_reason": result.stop_reason,
-        "best_score": result.best_score,
-        "original_score": result.original_score,
-        "attempts": len(result.attempts),
-        "tokens": result.usage.tokens,
-        "repair_tokens": result.repair_usage.tokens,
-        "budget_charged": result.budget_charged,
-    }
-    if sid:
-        event["pass_id"] = sid
+    event = result.trace_event(round=state.round, stage="gate")
     # The pass leaves the pending index in the same step: it can no longer stall.
     runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)])
     return {
@@ -394,21 +445,25 @@ def repair_signature(msg: dict[str, Any], submission: Submission, *args: Any) ->
     critique.llm to zero). ``msg`` carries the submission's configuration overrides."""
     sig = repair.s(*args)
     reviser = runtime.context_for(msg.get("config")).reviser
-    if getattr(resolve_for(reviser, submission), "token_free", False):
+    if resolve_for(reviser, submission).token_free:
         sig = sig.set(queue=keys.QUEUE_CPU)
     return sig
 
 
-LOOP = ("repair", "l0", "critic", "decide")
-"""The loop's stages in the order a chain runs them (a submission enters it at ``l0``)."""
+LOOP = ("repair", "l0", "critic")
+"""The loop's tasks in the order a chain runs them (a submission enters it at ``l0``); the
+critic task runs ``decide`` itself."""
 
 
 def loop_from(
     stage: str, msg: dict[str, Any], config: CritiqueConfig, submission: Submission
 ) -> list[Any]:
-    """Signatures of the loop's stages from ``stage`` through ``decide``, the first carrying
-    ``msg``; the critic and the repair routed for the submission (:func:`critic_signature`,
-    :func:`repair_signature`)."""
+    """Signatures of the loop's tasks from ``stage`` through the critic (which decides), the
+    first carrying ``msg``; the critic and the repair routed for the submission
+    (:func:`critic_signature`, :func:`repair_signature`). From ``decide`` (a pass stopped
+    between its critic and its decision): the ``critique.decide`` task alone."""
+    if stage == "decide":
+        return [decide.s(msg)]
     sigs: list[Any] = []
     for name in LOOP[LOOP.index(stage) :]:
         args = () if sigs else (msg,)

@@ -159,7 +159,10 @@ def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None
         return counts if enough and counts["critique.l0"] >= 3 else None
 
     counts = _until("the pipeline's tasks in Flower's task list", tasks_seen)
-    assert counts["critique.critic"] >= 3
+    # three critic runs: w2's, and w1's before and after its repair; the critic that handed its
+    # chain to the repair round (Task.replace) lends its task id to the round's last task, the
+    # re-critique, so Flower lists two distinct critic tasks
+    assert counts["critique.critic"] >= 2
 
     _, raw = _get(f"{base}/api/tasks?taskname=critique.repair")
     repair = next(iter(json.loads(raw).values()))
@@ -176,7 +179,7 @@ def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None
 
     _, raw = _get(f"{base}/api/task/types")
     types = set(json.loads(raw)["task-types"])
-    assert {"critique.l0", "critique.critic", "critique.decide", "critique.gate"} <= types
+    assert {"critique.l0", "critique.critic", "critique.repair", "critique.gate"} <= types
 
     for path in ("/api/workers", "/api/tasks", "/api/task/types", "/"):
         assert _get(f"{base}{path}", None)[0] == 401, path

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import functools
 import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -15,10 +15,12 @@ import redis
 
 from pipeline.config import load_config
 from pipeline.models import CritiqueResult, Submission
-from pipeline.runner import make_context, run_submission, start
+from pipeline.runner import run_submission, start
 from pipeline.store import keys
 from pipeline.store.memory import MemoryPatternStore
+from pipeline.wiring import make_context
 from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -195,10 +197,16 @@ def test_redelivered_task_bodies_change_no_count_or_charge(
     msg = runtime.encode(start(sub), CONFIG)
     s = runtime.stores()
     m = msg
-    for stage in (tasks.l0, tasks.critic):
-        first = stage.apply(args=[m], task_id=f"fixed-{stage.name}").get()
+    # The critic stage alone (its task also decides, and replaces itself with the repair).
+    critic_stage = functools.partial(tasks._stage, tasks.critic, stage="critic")
+    runs = (
+        lambda m: tasks.l0.apply(args=[m], task_id="fixed-l0").get(),
+        lambda m: critic_stage(m)[0],
+    )
+    for run in runs:
+        first = run(m)
         before = (s.patterns.top(run_id, 100), s.budget.spent(run_id))
-        again = stage.apply(args=[m], task_id=f"fixed-{stage.name}").get()
+        again = run(m)
         assert (s.patterns.top(run_id, 100), s.budget.spent(run_id)) == before
         assert again == first
         m = first
@@ -208,12 +216,12 @@ def test_redelivered_task_bodies_change_no_count_or_charge(
     assert tasks._stage(tasks.decide, m, "decide") == (m, "repair")
     assert next_stage == runtime.decode(m)[0].next == "repair"
     repaired = tasks.repair.apply(args=[m], task_id="fixed-repair").get()
-    critic_msg = tasks.critic.apply(args=[tasks.l0.apply(args=[repaired]).get()]).get()
+    critic_msg = critic_stage(tasks.l0.apply(args=[repaired]).get())[0]
     spent_once = s.budget.spent(run_id)
     patterns_once = s.patterns.top(run_id, 100)
     # Redeliver the repair and its re-critique: the same lease, so no second charge.
     tasks.repair.apply(args=[m], task_id="fixed-repair").get()
-    tasks.critic.apply(args=[tasks.l0.apply(args=[repaired]).get()]).get()
+    critic_stage(tasks.l0.apply(args=[repaired]).get())
     assert s.budget.spent(run_id) == spent_once > 0
     assert s.budget.holds(run_id) == {}
     assert s.patterns.top(run_id, 100) == patterns_once
@@ -243,14 +251,11 @@ def test_killed_worker_loses_nothing(
         client = CritiqueClient(config)
         handles = client.submit_many(subs)
         s = runtime.stores()
-        deadline = time.monotonic() + 30
-        while not s.budget.holds(run_id) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert s.budget.holds(run_id), "no repair was in flight to kill"
+        wait_until(lambda: s.budget.holds(run_id), 30, what="a repair in flight to kill")
         victim.kill()
         assert s.budget.holds(run_id)
-        time.sleep(2.5)  # the lease TTL (CRITIQUE_LEASE_TTL_S=2) passes
-        assert s.budget.holds(run_id) == {}
+        # The dead worker's lease comes back once its TTL (CRITIQUE_LEASE_TTL_S=2) passes.
+        wait_until(lambda: s.budget.holds(run_id) == {}, 30, what="the dead lease to expire")
         rescuer.start()
         results = client.wait_many(handles, timeout=120)
     finally:
@@ -272,10 +277,12 @@ def test_large_output_travels_by_reference(worker: WorkerProcess, dist_url: str)
 
     sizes: list[int] = []
     stop = threading.Event()
+    monitoring = threading.Event()
     mon_client = redis.Redis.from_url(dist_url)
 
     def watch() -> None:
-        with mon_client.monitor() as m:
+        with mon_client.monitor() as m:  # MONITOR is on once the server has said OK
+            monitoring.set()
             for cmd in m.listen():
                 if stop.is_set():
                     return
@@ -285,7 +292,7 @@ def test_large_output_travels_by_reference(worker: WorkerProcess, dist_url: str)
 
     t = threading.Thread(target=watch, daemon=True)
     t.start()
-    time.sleep(0.3)
+    assert monitoring.wait(30), "MONITOR did not start"
     run_id = f"big-{uuid.uuid4().hex[:8]}"
     para = " ".join(f"word{i} measured value {i * 7} grows" for i in range(60))
     body = "\n\n".join(f"## Section {i}\n\n{para} section {i} tail." for i in range(5000))

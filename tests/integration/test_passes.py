@@ -14,12 +14,14 @@ import pytest
 
 from pipeline.config import load_config
 from pipeline.models import Submission
-from pipeline.runner import make_context, run_submission, start
+from pipeline.runner import run_submission, start
 from pipeline.store import keys
 from pipeline.store.memory import MemoryPatternStore
+from pipeline.wiring import make_context
 from tests.integration.helpers import estimating_revise
 from tests.integration.test_distributed import make_sub
 from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -129,8 +131,8 @@ def _decide_message(run_id: str) -> dict[str, Any]:
 
     sub = make_sub(run_id, "w1", 1, "looping")
     msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
-    for stage in (tasks.l0, tasks.critic):
-        msg = stage.apply(args=[msg]).get()
+    msg = tasks.l0.apply(args=[msg]).get()
+    msg = tasks._stage(tasks.critic, msg, "critic")[0]  # the stage alone (its task decides too)
     assert runtime.decode(msg)[0].next == "decide"
     return msg
 
@@ -150,6 +152,17 @@ def _settled(run_id: str, step: str, timeout: float = 30) -> None:
         last = n
         time.sleep(0.25)
     assert quiet >= 6, f"step {step} of run {run_id} did not settle"
+
+
+def _left_the_broker(task_id: str) -> bool:
+    """The message of ``task_id`` is neither waiting on the CPU queue nor delivered and still
+    unacknowledged: a worker took it and (acks_late) acknowledged it after the task ran."""
+    from workers import runtime
+
+    r = runtime.client()
+    tid = task_id.encode()
+    queued = any(tid in m for m in r.lrange(keys.QUEUE_CPU, 0, -1))
+    return not queued and not any(tid in m for m in r.hvals("unacked"))
 
 
 def test_a_decide_delivered_twice_reserves_once_and_leaves_no_lease(
@@ -173,14 +186,39 @@ def test_a_decide_delivered_twice_reserves_once_and_leaves_no_lease(
     once = s.budget.spent(run_id)
     assert once > 0
     # A third delivery, long after: it replays the recorded decision, reserving nothing.
-    app.send_task(keys.TASK_DECIDE, args=[msg])
-    time.sleep(1.0)
+    third = app.send_task(keys.TASK_DECIDE, args=[msg])
+    wait_until(lambda: _left_the_broker(third.id), 30, what="the third decide to run")
     _settled(run_id, last)
     assert (s.budget.spent(run_id), _leases(run_id), s.budget.holds(run_id)) == (
         once,
         [f"w1:1:{pass_id}:1"],
         {},
     )
+
+
+def test_a_critic_delivered_twice_decides_once_and_reserves_once(worker: WorkerProcess) -> None:
+    """The critic task decides inline and replaces itself with the repair round. The same
+    critic message sent twice (both run, maybe at once): each step (critic, decide) is
+    recorded and traced once per round, one lease per attempt, charged once, none held."""
+    from workers import runtime, tasks
+    from workers.app import app
+    from workers.client import CritiqueClient
+
+    run_id = _run_id("critic2")
+    sub = make_sub(run_id, "w1", 1, "looping")
+    msg = tasks.l0.apply(args=[runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)]).get()
+    pass_id = runtime.decode(msg)[0].pass_id
+    for _ in range(2):
+        app.send_task(keys.TASK_CRITIC, args=[msg])  # stores no result: nothing to get
+    _settled(run_id, f"1:w1:{pass_id}:2:1:decide")  # the decision after the repair
+    s = runtime.stores()
+    assert _leases(run_id) == [f"w1:1:{pass_id}:1"]
+    assert s.budget.holds(run_id) == {}
+    assert s.budget.spent(run_id) > 0
+    events = list(CritiqueClient(CONFIG).trace(run_id))
+    decided = Counter(e["round"] for e in events if e.get("stage") == "decide")
+    critiqued = Counter(e["round"] for e in events if e.get("stage") == "critic")
+    assert list(decided.values()) == list(critiqued.values()) == [1, 1]  # two rounds, once each
 
 
 def test_a_decide_that_lost_the_race_to_a_refusal_releases_its_lease(
@@ -197,8 +235,8 @@ def test_a_decide_that_lost_the_race_to_a_refusal_releases_its_lease(
     tight = {**CONFIG, "budget": {"total_tokens": 200_000}}  # cap 30 000
     sub = make_sub(run_id, "w1", 1, "looping")
     msg = runtime.encode(start(sub, runtime.new_pass_id()), tight)
-    for stage in (tasks.l0, tasks.critic):
-        msg = stage.apply(args=[msg]).get()
+    msg = tasks.l0.apply(args=[msg]).get()
+    msg = tasks._stage(tasks.critic, msg, "critic")[0]  # the stage alone (its task decides too)
     s = runtime.stores()
     monkeypatch.setattr(runtime.context_for(tight), "reviser", estimating_revise)
     assert s.budget.reserve(run_id, "filler:1", 30_000, 30_000, 60)
@@ -223,8 +261,8 @@ def test_a_gate_delivered_twice_writes_one_result_and_one_event(worker: WorkerPr
     run_id = _run_id("gate")
     sub = make_sub(run_id, "w1", 1, "clean")
     msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
-    for stage in (tasks.l0, tasks.critic):
-        msg = stage.apply(args=[msg]).get()
+    msg = tasks.l0.apply(args=[msg]).get()
+    msg = tasks._stage(tasks.critic, msg, "critic")[0]  # the stage alone (its task decides too)
     msg, next_stage = tasks._stage(tasks.decide, msg, "decide")
     assert next_stage == "done"
     got = [app.send_task(keys.TASK_GATE, args=[msg]) for _ in range(3)]

@@ -12,7 +12,13 @@ from celery.app import trace
 
 from pipeline.models import CritiqueEnvelope, CritiqueResult
 from workers.commands.submit import _result_line
-from workers.logs import PayloadsAtDebug, message_ids, stage_line
+from workers.logs import (
+    QUIET_BELOW_DEBUG,
+    PayloadsAtDebug,
+    _quiet_celery_info,
+    message_ids,
+    stage_line,
+)
 
 STATE = json.dumps(
     {
@@ -53,6 +59,31 @@ def test_celery_success_line_only_at_debug(level: int, kept: bool) -> None:
         assert PayloadsAtDebug().filter(other) is True
     finally:
         logger.setLevel(saved)
+
+
+@pytest.mark.parametrize(
+    ("loglevel", "quiet"), [(logging.INFO, True), ("WARNING", True), (logging.DEBUG, False)]
+)
+def test_celerys_per_task_info_lines_are_off_unless_the_worker_logs_at_debug(
+    loglevel: int | str, quiet: bool
+) -> None:
+    """A worker at INFO (or above) holds Celery's ``received`` / ``succeeded`` loggers at
+    WARNING, so those per-task records (and the result's repr) are never built, while their
+    errors still show; at DEBUG they stay as they are."""
+    loggers = [logging.getLogger(name) for name in QUIET_BELOW_DEBUG]
+    saved = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.NOTSET)
+        _quiet_celery_info(loglevel=loglevel)
+        for lg in loggers:
+            assert lg.isEnabledFor(logging.INFO) is not quiet or lg.level == logging.NOTSET
+            assert (lg.level == logging.WARNING) is quiet
+            if quiet:
+                assert lg.isEnabledFor(logging.ERROR)
+    finally:
+        for lg, level in zip(loggers, saved, strict=True):
+            lg.setLevel(level)
 
 
 def test_the_stage_line_has_ids_status_timing_and_no_payload() -> None:

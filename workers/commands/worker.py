@@ -1,4 +1,4 @@
-"""``critique worker``: start a Celery worker for the pipeline's queues.
+"""``critique worker``: start Celery workers for the pipeline's queues.
 
 The stages run on separate queues so they scale separately:
 
@@ -8,9 +8,35 @@ The stages run on separate queues so they scale separately:
     critique.llm.critic  the LLM critic in mode: dedicated (its own model and workers)
 
 Defaults: every queue, the threads pool (LLM calls wait on I/O, so threads are cheap), and
-``$CRITIQUE_CONCURRENCY`` threads, else 16. A worker for ``critique.cpu`` alone is better off
-with processes: ``critique worker -Q critique.cpu -P prefork`` (concurrency defaults to the
-number of CPUs). Scale out by starting more workers, on any machine that reaches the same Redis.
+``$CRITIQUE_CONCURRENCY`` threads, else 32, in each of ``--processes`` worker processes. A
+worker for ``critique.cpu`` alone is better off with processes: ``critique worker -Q
+critique.cpu -P prefork`` (concurrency defaults to the number of CPUs). Scale out by starting
+more workers, on any machine that reaches the same Redis.
+
+Processes (``--processes N``, ``$CRITIQUE_PROCESSES``, default ``auto``): one Python process
+runs one core's worth of Python however many threads it has (the GIL), so a threads worker on
+an LLM queue defaults to one process per usable CPU (the affinity mask, capped by a cgroup CPU
+quota: a container limited to 2 CPUs gets 2). Threads carry the waits on the network,
+processes carry the CPU. Any other worker (``critique.cpu`` only; the prefork or solo pool)
+defaults to 1 process, as before: prefork already forks one child per CPU. With N = 1 the
+command replaces itself with ``celery worker`` (as it always did). With N > 1 it becomes a
+small supervisor (like gunicorn's arbiter) of N ``celery worker`` processes, each its own node
+(``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>@<host>``):
+
+* SIGTERM, SIGINT and SIGQUIT are forwarded to every child (SIGHUP as SIGTERM), so Ctrl-C or a
+  service manager's stop is Celery's warm shutdown in every process (twice: cold); the
+  children run in their own session, so a terminal's Ctrl-C reaches them once, through the
+  supervisor, and they get SIGTERM if the supervisor itself dies (Linux ``PR_SET_PDEATHSIG``).
+  It exits when every child has, with 0 when all exited 0, else the first child's non-zero
+  status (a signal N as 128 + N).
+* A child that dies unexpectedly (non-zero status or a signal: OOM-killed, segfault) is
+  reported on stderr (which process, its node and pid, how it ended) and restarted: its
+  siblings keep their running tasks (LLM calls of minutes) instead of being drained for a
+  restart of the whole service, and with late acks the dead child's messages come back to the
+  queue. More than :data:`MAX_RESTARTS` unexpected exits within :data:`RESTART_WINDOW_S`
+  seconds is a crash loop that restarting will not fix: the rest are stopped (warm) and the
+  command exits 1, for the service manager to see. A child that exits 0 on its own was shut
+  down on purpose (``celery control shutdown``, a signal sent to it): it is not restarted.
 
 Before anything starts, the worker's own configuration is checked, so a mistake stops the
 worker instead of failing every chain it would run (exit 2, naming what to fix): the workflow
@@ -21,32 +47,51 @@ names (``model``, ``paired_model``, ``allowed_models``: litellm's environment ch
 LLM queue (``critique.llm``, ``critique.llm.critic``; a ``critique.cpu`` worker calls no
 model). A secret that is too short exits 2 too; without ``CRITIQUE_SECRET`` it warns that stage
 messages go unsigned (anyone with broker access can forge a verdict). ``--dry-run`` runs these
-checks and prints the command.
+checks and prints the command (one line per process).
 
 Then it checks that Redis answers (exit 3 with the URL when it does not) and replaces itself
 with ``python -m celery -A workers.app worker …`` (options after ``--`` go to Celery), so
-signals (Ctrl-C: warm shutdown; twice: cold) and exit codes are Celery's own.
+signals (Ctrl-C: warm shutdown; twice: cold) and exit codes are Celery's own; with N > 1 it
+replaces itself with the supervisor (``python -m workers.commands.worker --supervise``, which
+imports nothing heavy: the checks' imports, litellm among them, are not kept in memory).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import math
 import os
+import signal
+import socket
+import subprocess
 import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from urllib.parse import urlparse
 
-from workers.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from workers.commands._input import one_line
 
 HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
 
-# keys.QUEUES, spelled out: importing pipeline.store would load redis on every `critique --help`
-# (tests/unit/test_cli_submit_worker.py pins that the two agree).
-KNOWN_QUEUES = ("critique.cpu", "critique.llm", "critique.llm.critic")
-LLM_QUEUES = ("critique.llm", "critique.llm.critic")
+KNOWN_QUEUES = QUEUES  # pipeline.store.keys is redis-free: `critique --help` stays light
+LLM_QUEUES = (QUEUE_LLM, QUEUE_CRITIC)
 """The queues whose stages may call a model: a worker on them needs the provider keys."""
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
-THREADS_DEFAULT = 16
+THREADS_DEFAULT = 32
+THREAD_POOLS = ("threads", "gevent", "eventlet")
+"""Pools whose concurrency is threads (or greenlets) of one process: one process per CPU."""
+PROCESSES_ENV = "CRITIQUE_PROCESSES"
+MAX_RESTARTS = 5
+"""Unexpected child exits tolerated within :data:`RESTART_WINDOW_S` (more: a crash loop)."""
+RESTART_WINDOW_S = 60.0
+MIN_UPTIME_S = 5.0
+"""A child that dies sooner than this after its start is restarted after a 1 s pause."""
 UNSIGNED_WARNING = (
     "CRITIQUE_SECRET is unset: anyone who can write to the broker can forge verdicts; "
     "set it on every worker and client"
@@ -61,10 +106,23 @@ queues:
   critique.llm.critic  LLM critic in mode: dedicated (a separate critic model)
 
 examples:
-  critique worker                                  # every queue, threads pool
-  critique worker -Q critique.llm -c 64            # LLM stages only, 64 threads
+  critique worker                                  # every queue, threads pool, 1 process/CPU
+  critique worker -Q critique.llm -c 64            # LLM stages only, 64 threads per process
+  critique worker --processes 4 -c 32              # 4 processes x 32 threads, one command
   critique worker -Q critique.cpu -P prefork -c 4  # CPU stages in 4 processes
   critique worker -- --max-tasks-per-child 100     # pass options on to `celery worker`
+
+sizing: capacity = processes x threads (-c). On the LLM queues the threads carry the waits
+(one per LLM call in flight: ~ calls/s you need x seconds per call) and the processes carry
+the CPU (each process runs one core's worth of Python; the pipeline's own work per output is
+milliseconds of CPU), so the default is one process per usable CPU (affinity mask and cgroup
+quota) with $CRITIQUE_CONCURRENCY (else 32) threads each; raise -c for slow models or many
+calls in flight, keep --processes at the CPU count. A critique.cpu-only or prefork/solo worker
+defaults to 1 process (prefork forks one child per CPU itself). With --processes N > 1 this
+command supervises N `celery worker` nodes (<name>-1@<host> ... <name>-N@<host>, name from -n,
+else "critique"): SIGTERM/SIGINT reach all of them (warm shutdown), a child that dies is
+reported on stderr and restarted (more than 5 in 60 s: the others are stopped, exit 1). A
+--logfile or --pidfile after -- needs %n in it (the node name) to be one file per process.
 
 checks before it starts (exit 2 naming what to fix): the workflow file ($CRITIQUE_CONFIG),
 every CRITIQUE_* variable, CRITIQUE_SECRET, and on an LLM queue the provider key of every
@@ -104,7 +162,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=os.environ.get("CRITIQUE_LOG_LEVEL", "INFO"),
         help="DEBUG, INFO, WARNING, ERROR (default: $CRITIQUE_LOG_LEVEL or INFO)",
     )
-    parser.add_argument("-n", "--hostname", help="node name, e.g. llm1@%%h (Celery's default)")
+    parser.add_argument(
+        "--processes",
+        metavar="N",
+        help=f"worker processes, each a Celery node with -c threads: a whole number >= 1 or "
+        f"auto (default: ${PROCESSES_ENV}, else auto = one per usable CPU when the pool is "
+        "threads/gevent/eventlet and an LLM queue is consumed, else 1)",
+    )
+    parser.add_argument(
+        "-n",
+        "--hostname",
+        help="node name, e.g. llm1@%%h (Celery's default); with --processes N > 1 each "
+        "process is <name>-<i>@<host> (default critique-<i>@%%h)",
+    )
     parser.add_argument(
         "--dry-run",
         action="store_true",
@@ -131,15 +201,100 @@ def _concurrency(args: argparse.Namespace) -> int:
     return THREADS_DEFAULT
 
 
-def celery_argv(args: argparse.Namespace, queues: list[str], concurrency: int) -> list[str]:
-    """The ``celery worker`` command line this invocation runs."""
+def _cgroup_cpu_limit() -> int | None:
+    """The CPUs a cgroup CPU quota allows this process (rounded up), or None without one.
+
+    cgroup v2 (``cpu.max`` of this process's cgroup, e.g. a systemd ``CPUQuota=`` or a
+    container's ``--cpus``/Kubernetes CPU limit) first, then cgroup v1 (``cpu.cfs_quota_us``)."""
+    candidates = []
+    try:
+        for line in Path("/proc/self/cgroup").read_text(encoding="utf-8").splitlines():
+            if line.startswith("0::"):
+                candidates.append(Path("/sys/fs/cgroup" + line[3:].rstrip("/")) / "cpu.max")
+    except OSError:
+        pass
+    candidates.append(Path("/sys/fs/cgroup/cpu.max"))
+    for path in candidates:
+        try:
+            quota, period = path.read_text(encoding="utf-8").split()[:2]
+        except (OSError, ValueError):
+            continue
+        if quota == "max":
+            return None
+        try:
+            return max(1, math.ceil(int(quota) / int(period)))
+        except (ValueError, ZeroDivisionError):
+            return None
+    try:
+        v1 = Path("/sys/fs/cgroup/cpu")
+        quota_us = int((v1 / "cpu.cfs_quota_us").read_text(encoding="utf-8"))
+        period_us = int((v1 / "cpu.cfs_period_us").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return max(1, math.ceil(quota_us / period_us)) if quota_us > 0 and period_us > 0 else None
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask (``taskset``, cpusets), capped by a cgroup
+    CPU quota; at least 1."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        count = os.cpu_count() or 1
+    limit = _cgroup_cpu_limit()
+    return max(1, min(count, limit) if limit else count)
+
+
+def processes(args: argparse.Namespace, queues: list[str]) -> int:
+    """How many worker processes: ``--processes``, else ``$CRITIQUE_PROCESSES``, else auto
+    (:func:`available_cpus` for a threads/gevent/eventlet worker on an LLM queue, else 1).
+    Raises ``ValueError`` naming the bad value."""
+    raw = args.processes if args.processes is not None else os.environ.get(PROCESSES_ENV)
+    where = "--processes" if args.processes is not None else PROCESSES_ENV
+    text = str(raw or "auto").strip().lower()
+    if text == "auto":
+        llm = bool(set(queues) & set(LLM_QUEUES))
+        return available_cpus() if llm and args.pool in THREAD_POOLS else 1
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{where} must be a whole number >= 1 or auto (got {raw!r})")
+    return n
+
+
+def node_names(hostname: str | None, n: int) -> list[str]:
+    """The node names of ``n`` processes: ``<name>-<i>@<host>`` (i = 1..n) from ``-n
+    <name>@<host>`` (Celery's reading: a name without ``@`` is the host), else
+    ``critique-<i>@%h``."""
+    name, host = hostname.split("@", 1) if hostname and "@" in hostname else ("", hostname)
+    return [f"{name or 'critique'}-{i}@{host or '%h'}" for i in range(1, n + 1)]
+
+
+def celery_argv(
+    args: argparse.Namespace, queues: list[str], concurrency: int, hostname: str | None = None
+) -> list[str]:
+    """The ``celery worker`` command line of one process (node name ``hostname``, else
+    ``-n`` as given)."""
     argv = [
         sys.executable, "-m", "celery", "-A", "workers.app", "worker",
         "-Q", ",".join(queues), "-P", args.pool, "-c", str(concurrency), "-l", args.loglevel,
     ]  # fmt: skip
-    if args.hostname:
-        argv += ["-n", args.hostname]
+    hostname = hostname or args.hostname
+    if hostname:
+        argv += ["-n", hostname]
     return argv + list(args.celery_args)
+
+
+def worker_argvs(
+    args: argparse.Namespace, queues: list[str], concurrency: int, count: int
+) -> list[list[str]]:
+    """The command line of each of ``count`` worker processes: one as given, or ``count``
+    with distinct node names (:func:`node_names`)."""
+    if count == 1:
+        return [celery_argv(args, queues, concurrency)]
+    return [celery_argv(args, queues, concurrency, n) for n in node_names(args.hostname, count)]
 
 
 def check_own_config(*, keys: bool = True) -> None:
@@ -198,7 +353,12 @@ def run(args: argparse.Namespace) -> int:
     if concurrency < 1:
         print("critique worker: concurrency must be ≥ 1", file=sys.stderr)
         return EXIT_USAGE
-    argv = celery_argv(args, queues, concurrency)
+    try:
+        count = processes(args, queues)
+    except ValueError as exc:
+        print(f"critique worker: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    argvs = worker_argvs(args, queues, concurrency, count)
     from pipeline.errors import ConfigError
     from pipeline.signing import SECRET_ENV, parse_secrets
 
@@ -209,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"critique worker: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.dry_run:
-        print(" ".join(argv))
+        print("\n".join(" ".join(argv) for argv in argvs))
         return EXIT_OK
     if not signed:
         print(f"critique worker: warning: {UNSIGNED_WARNING}", file=sys.stderr)
@@ -226,5 +386,140 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_UNAVAILABLE
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execv(sys.executable, argv)
+    if len(argvs) == 1:
+        os.execv(sys.executable, argvs[0])
+    # A lean supervisor: a fresh interpreter that imports only the standard library and this
+    # module, so what the checks imported (pydantic, redis, maybe litellm) is not kept in memory.
+    supervisor = [sys.executable, "-m", "workers.commands.worker", "--supervise", json.dumps(argvs)]
+    os.execv(sys.executable, supervisor)
     return EXIT_OK  # pragma: no cover - execv does not return
+
+
+# --- the supervisor of N worker processes (--processes N > 1) ---------------------------------
+def _say(message: str) -> None:
+    print(f"critique worker: {message}", file=sys.stderr, flush=True)
+
+
+def _node(argv: list[str]) -> str:
+    """The node name in a ``celery worker`` command line, ``%h`` spelled out."""
+    name = argv[argv.index("-n") + 1] if "-n" in argv else "celery@%h"
+    return name.replace("%h", socket.gethostname())
+
+
+def _how(status: int) -> str:
+    """How a child ended, from its exit code (negative: the signal that killed it)."""
+    if status < 0:
+        try:
+            return f"was killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"was killed by signal {-status}"
+    return f"exited with status {status}"
+
+
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the child sent SIGTERM when the supervisor dies (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so a SIGKILLed supervisor leaves no orphan workers; None
+    where prctl is unavailable."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def supervise(
+    argvs: list[list[str]],
+    *,
+    max_restarts: int = MAX_RESTARTS,
+    window_s: float = RESTART_WINDOW_S,
+) -> int:
+    """Run one child per command line until every child has exited; returns the exit status.
+
+    Forwards SIGTERM, SIGINT and SIGQUIT to every child (SIGHUP as SIGTERM) and from then on
+    restarts nothing. A child that exits 0 on its own is not restarted. A child that dies
+    otherwise is reported on stderr and restarted, unless it is the (max_restarts + 1)-th
+    unexpected exit within ``window_s`` seconds: then the others get SIGTERM and the status is
+    1. Otherwise the status is 0 when every child exited 0, else the first non-zero child
+    status (128 + N for signal N)."""
+    count = len(argvs)
+    children: dict[int, tuple[int, subprocess.Popen[bytes], float]] = {}
+    stopping = False
+    status = EXIT_OK
+    deaths: deque[float] = deque()
+    preexec = _parent_death_signal()
+
+    def forward(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        sig = signal.SIGTERM if signum == signal.SIGHUP else signum
+        for pid in list(children):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT, signal.SIGHUP):
+        signal.signal(sig, forward)
+
+    def spawn(index: int) -> None:
+        # Own session: a terminal's Ctrl-C reaches the children once, through forward().
+        proc = subprocess.Popen(argvs[index], start_new_session=True, preexec_fn=preexec)
+        children[proc.pid] = (index, proc, time.monotonic())
+        if stopping:  # a signal came while it was starting
+            os.kill(proc.pid, signal.SIGTERM)
+
+    nodes = [_node(argv) for argv in argvs]
+    _say(f"{count} processes: {', '.join(nodes)} (pid {os.getpid()} supervises them)")
+    for index in range(count):
+        spawn(index)
+    while children:
+        try:
+            pid, wait_status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        entry = children.pop(pid, None)
+        if entry is None:
+            continue
+        index, proc, started = entry
+        code = os.waitstatus_to_exitcode(wait_status)
+        proc.returncode = code
+        what = f"process {index + 1} of {count} ({nodes[index]}, pid {pid})"
+        if stopping or code == 0:
+            if code != 0 and status == EXIT_OK:
+                status = 128 - code if code < 0 else code
+            if code == 0 and not stopping:
+                _say(f"{what} exited with status 0 on its own (a remote shutdown or a signal "
+                     "sent to it): not restarted")  # fmt: skip
+            continue
+        now = time.monotonic()
+        deaths.append(now)
+        while deaths and now - deaths[0] > window_s:
+            deaths.popleft()
+        _say(f"{what} {_how(code)} unexpectedly after {now - started:.0f} s")
+        if len(deaths) > max_restarts:
+            _say(f"{len(deaths)} unexpected exits within {window_s:.0f} s: a crash loop; "
+                 "stopping the other processes (warm shutdown), then exiting 1")  # fmt: skip
+            forward(signal.SIGTERM, None)
+            status = EXIT_FAILED
+            continue
+        _say(f"restarting {what.split(' (')[0]} as {nodes[index]}")
+        if now - started < MIN_UPTIME_S:
+            time.sleep(1.0)  # do not spin on a child that cannot start
+        if not stopping:
+            spawn(index)
+    return status
+
+
+if __name__ == "__main__":  # the supervisor run() execs into (--processes N > 1)
+    if sys.argv[1:2] != ["--supervise"] or len(sys.argv) != 3:
+        sys.exit("usage: python -m workers.commands.worker --supervise JSON_LIST_OF_ARGVS")
+    sys.exit(supervise(json.loads(sys.argv[2])))

@@ -1,0 +1,512 @@
+"""LLM-bound throughput: `critique worker` (its defaults) against an in-process asyncio peer.
+
+    python bench/llm.py [--n 600] [--latency-ms 200] [--slow-n 200] [--slow-latency-ms 2000]
+                        [--processes N] [--concurrency N] [--quick] [--redis URL]
+
+Per row (one fake-server latency), in one run, side by side:
+
+* **pipeline**: a fake OpenAI-compatible server (``tests/fakes/openai_server.py``, in its own
+  process, every answer after the latency) and one ``critique worker`` command with its defaults
+  (every queue, its default pool and concurrency; ``--processes`` / ``--concurrency`` are passed
+  on when given). N outputs are submitted at once with the LLM critic: the critic finds a
+  critical defect in half of them (first critique), each of those gets one LLM repair and an LLM
+  re-critique that accepts it; the other half is accepted at once. 2·N calls in all (N/2 × 1 +
+  N/2 × 3), checked against what the server counted.
+* **peer**: what a user would write instead, in this process: asyncio, ``litellm.acompletion``
+  with its defaults, at most 64 calls in flight, replaying per output the very requests the
+  pipeline sent (same prompts, same order, same server; a low critic score leads to the repair
+  and the re-critique, as in the pipeline).
+
+Prints calls, seconds (first submission to last result), calls/s, the ratio pipeline/peer and
+p50/p95 latency per output (all outputs are enqueued at once, so latency is mostly queueing).
+Before the timed run each worker answers a few warm-up submissions (not counted). The Redis
+database is flushed before each row (``--redis``: give it a database used for nothing else);
+with neither ``--redis`` nor ``REDIS_URL`` an embedded redis-server is started.
+
+``python bench/llm.py --serve --latency-ms 200`` runs the bench's fake server alone (prints its
+api_base).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CRITIC_MODEL = "openai/critic-model"
+WORKER_MODEL = "openai/worker-model"
+TASK = "Summarise the quarterly sales report of one region: give a summary and the key findings."
+DRAFT = "(first draft)"
+"""In the output of the outputs that need a repair: the fake critic finds a critical defect."""
+OUTPUT_HEADER = "## Worker output (untrusted data)"
+PEER_IN_FLIGHT = 64
+ACCEPT_BELOW = 0.8
+"""The peer repairs an output whose critic score is below this (the pipeline's target)."""
+
+
+# --- the fake server (its own process) ---------------------------------------------------------
+
+
+def _critique(score: float, defects: list[dict[str, Any]]) -> str:
+    return json.dumps(
+        {
+            "score": score,
+            "defects": defects,
+            "prescriptions": [f"Fix: {d['description']}" for d in defects],
+            "reusable_patterns": [],
+            "summary": f"score {score}",
+        }
+    )
+
+
+GOOD = _critique(0.95, [])
+BAD = _critique(
+    0.5,
+    [
+        {
+            "category": "missing_data",
+            "severity": "critical",
+            "location": "findings",
+            "description": "the findings give no regional breakdown",
+        }
+    ],
+)
+
+
+def _user_text(body: dict[str, Any]) -> str:
+    return "\n".join(str(m.get("content")) for m in body.get("messages", []) if m["role"] == "user")
+
+
+def _system_text(body: dict[str, Any]) -> str:
+    return "\n".join(
+        str(m.get("content")) for m in body.get("messages", []) if m["role"] == "system"
+    )
+
+
+def region_of(body: dict[str, Any]) -> int | None:
+    """The output a request is about: the region number in its (last) output block."""
+    text = _user_text(body).rsplit(OUTPUT_HEADER, 1)[-1]
+    found = re.findall(r"region (\d+)", text)
+    return int(found[-1]) if found else None
+
+
+def responder(body: dict[str, Any]) -> str:
+    """The critic: a critical defect in a draft, else accept; the repairer: the fixed output."""
+    system = _system_text(body)
+    if system.startswith("You are repairing"):
+        region = region_of(body)
+        return json.dumps(fixed_output(region if region is not None else 0))
+    text = _user_text(body).rsplit(OUTPUT_HEADER, 1)[-1]
+    return BAD if DRAFT in text else GOOD
+
+
+def serve(latency_s: float) -> int:
+    from tests.fakes.openai_server import FakeOpenAIServer, reply
+
+    server = FakeOpenAIServer()
+    server.set_default(lambda body: reply(responder(body), delay_s=latency_s))
+    done = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: done.set())
+    signal.signal(signal.SIGINT, lambda *_: done.set())
+    server.start()
+    print(server.url, flush=True)
+    done.wait()
+    server.stop()
+    return 0
+
+
+class ServerProcess:
+    """``bench/llm.py --serve`` in a child process (so its threads never share a GIL with the
+    pipeline or the peer)."""
+
+    def __init__(self, latency_s: float) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--serve",
+             "--latency-ms", str(latency_s * 1000.0)],
+            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.proc.stdout is not None
+        self.url = self.proc.stdout.readline().strip()
+        if not self.url:
+            raise RuntimeError("the fake server did not start")
+        from tests.fakes.openai_server import FakeLLMAdmin
+
+        self.admin = FakeLLMAdmin(self.url)
+
+    @property
+    def api_base(self) -> str:
+        return self.url + "/v1"
+
+    def completions(self) -> list[dict[str, Any]]:
+        return [r for r in self.admin.requests() if r.get("path") == "/chat/completions"]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+
+def fixed_output(region: int) -> dict[str, Any]:
+    return {
+        "summary": f"Sales in region {region} rose {region % 9 + 1}% in Q3.",
+        "findings": f"In region {region} the north grew fastest, the south held steady.",
+        "confidence": 0.9,
+    }
+
+
+def output(region: int) -> dict[str, Any]:
+    """Odd regions need a repair (the critic finds a defect), even ones are accepted."""
+    out = fixed_output(region)
+    if region % 2:
+        out["summary"] = f"Sales in region {region} rose {region % 9 + 1}% in Q3 {DRAFT}."
+    return out
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, round(q * (len(s) - 1)))] if s else float("nan")
+
+
+# --- the pipeline side ----------------------------------------------------------------------------
+
+
+def start_worker(env: dict[str, str], args: argparse.Namespace, log: Path) -> subprocess.Popen[Any]:
+    argv = [str(Path(sys.executable).with_name("critique")), "worker"]
+    if not Path(argv[0]).exists():
+        argv = [sys.executable, "-m", "workers.cli", "worker"]
+    if args.processes is not None:
+        argv += ["--processes", str(args.processes)]
+    if args.concurrency is not None:
+        argv += ["-c", str(args.concurrency)]
+    out = open(log, "ab")  # noqa: SIM115 - closed with the process
+    return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants; nan without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return float("nan")
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return float("nan")
+    total = 0.0
+    for proc in procs:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
+
+
+def wait_ready(r: Any, proc: subprocess.Popen[Any], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"critique worker exited with code {proc.returncode}")
+        if r.exists("_kombu.binding.critique.llm"):
+            return
+        time.sleep(0.1)
+    raise RuntimeError("critique worker did not become ready")
+
+
+def run_pipeline(
+    client: Any, r: Any, n: int, run_id: str
+) -> tuple[float, list[float], dict[str, int]]:
+    from pipeline.models import Submission
+
+    subs = [
+        Submission(
+            run_id=run_id, worker_id=f"w{i:05d}", task=TASK, output=output(i),
+            required_fields=("summary", "findings"), model=WORKER_MODEL,
+        )
+        for i in range(n)
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    client.submit_many(subs)
+    pending = {s.worker_id for s in subs}
+    latencies: list[float] = []
+    rkey = f"critique:{{{run_id}}}:results"
+    while pending:
+        done = {k.decode().split(":", 1)[1] for k in r.hkeys(rkey)} & pending
+        now = time.perf_counter()
+        latencies += [now - t0] * len(done)
+        pending -= done
+        if pending:
+            time.sleep(0.02)
+    wall = time.perf_counter() - t0
+    statuses: dict[str, int] = {}
+    for x in client.results(run_id):
+        statuses[x.status] = statuses.get(x.status, 0) + 1
+    return wall, latencies, statuses
+
+
+# --- the peer -----------------------------------------------------------------------------------
+
+
+def peer_kwargs(body: dict[str, Any], api_base: str) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": "openai/" + str(body["model"]),
+        "messages": body["messages"],
+        "api_base": api_base,
+        "api_key": "sk-test",
+        "timeout": 60,
+    }
+    for key in ("temperature", "max_tokens", "response_format"):
+        if key in body:
+            kwargs[key] = body[key]
+    return kwargs
+
+
+async def _peer(plans: list[list[dict[str, Any]]], api_base: str) -> tuple[int, list[float]]:
+    import litellm
+
+    gate = asyncio.Semaphore(PEER_IN_FLIGHT)
+    calls = 0
+    t0 = time.perf_counter()
+
+    async def call(body: dict[str, Any]) -> str:
+        nonlocal calls
+        async with gate:
+            resp = await litellm.acompletion(**peer_kwargs(body, api_base))
+        calls += 1
+        return str(resp.choices[0].message.content or "")
+
+    async def one(plan: list[dict[str, Any]]) -> float:
+        # critique; when the score is low: repair, re-critique (the pipeline's requests)
+        text = await call(plan[0])
+        i = 1
+        while i + 1 < len(plan) and float(json.loads(text).get("score", 1.0)) < ACCEPT_BELOW:
+            await call(plan[i])
+            text = await call(plan[i + 1])
+            i += 2
+        return time.perf_counter() - t0
+
+    latencies = await asyncio.gather(*(one(p) for p in plans))
+    return calls, list(latencies)
+
+
+def peer_plans(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The pipeline's requests grouped per output, in the order it sent them."""
+    plans: dict[int, list[dict[str, Any]]] = {}
+    for rec in sorted(records, key=lambda x: x["at"]):
+        region = region_of(rec["body"])
+        if region is None:
+            raise RuntimeError("a request names no region")
+        plans.setdefault(region, []).append(rec["body"])
+    return [plans[k] for k in sorted(plans)]
+
+
+def run_peer(records: list[dict[str, Any]], api_base: str) -> tuple[int, float, list[float], float]:
+    plans = peer_plans(records)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    calls, latencies = asyncio.run(_peer(plans, api_base))
+    return calls, time.perf_counter() - t0, latencies, time.process_time() - cpu0
+
+
+def profile(args: argparse.Namespace, pid: int, latency_s: float) -> subprocess.Popen[Any] | None:
+    """``py-spy record`` of the worker (and its child processes) during the timed run."""
+    if not args.profile:
+        return None
+    out = f"{args.profile}-{int(latency_s * 1000)}ms.txt"
+    return subprocess.Popen(
+        [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
+         "--subprocesses", "--nonblocking", "--gil", "--duration", str(args.profile_s),
+         "--rate", "100", "--format", "raw", "-o", out],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+# --- one row --------------------------------------------------------------------------------------
+
+
+def run_row(
+    args: argparse.Namespace, n: int, latency_s: float, logdir: Path
+) -> list[dict[str, Any]]:
+    import redis
+
+    from pipeline.models import Submission
+    from tests.integration.workers import client_on
+    from workers.client import CritiqueClient
+
+    server = ServerProcess(latency_s)
+    try:
+        extra = {
+            "CRITIQUE_LLM_API_KEY": "sk-test",
+            "CRITIQUE_LLM__API_BASE": server.api_base,
+            "CRITIQUE_LLM__TIMEOUT_S": "60",
+        }
+        with client_on(args.redis, **extra) as env:  # flushes the database first
+            r = redis.Redis.from_url(args.redis)
+            log = logdir / f"worker-{int(latency_s * 1000)}ms.log"
+            proc = start_worker(env, args, log)
+            try:
+                wait_ready(r, proc)
+                client = CritiqueClient(
+                    {
+                        "enabled": True,
+                        "critic": "llm",
+                        "model": CRITIC_MODEL,
+                        "max_repair_attempts": 1,
+                        "budget": {"total_tokens": 100_000_000},
+                    }
+                )
+                warm_run = f"warm-{uuid.uuid4().hex[:8]}"
+                warm = [
+                    Submission(
+                        run_id=warm_run, worker_id=f"warm{i}", task=TASK,
+                        output=output(100_000 + i), required_fields=("summary", "findings"),
+                        model=WORKER_MODEL,
+                    )
+                    for i in range(args.warmup)
+                ]  # fmt: skip
+                client.wait_many(client.submit_many(warm), timeout=300)
+                before = len(server.completions())
+                run_id = f"bench-llm-{uuid.uuid4().hex[:8]}"
+                spy = profile(args, proc.pid, latency_s)
+                cpu0 = tree_cpu_s(proc.pid)
+                wall, latencies, statuses = run_pipeline(client, r, n, run_id)
+                worker_cpu = tree_cpu_s(proc.pid) - cpu0
+                if spy is not None:
+                    spy.wait()
+                records = server.completions()[before:]
+            finally:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
+        pipeline_calls = len(records)
+        peer_calls, peer_wall, peer_lat, peer_cpu = run_peer(records, server.api_base)
+    finally:
+        server.stop()
+    return [
+        {
+            "latency_ms": latency_s * 1000,
+            "side": "pipeline",
+            "n": n,
+            "calls": pipeline_calls,
+            "wall": wall,
+            "lat": latencies,
+            "cpu": worker_cpu,
+            "statuses": statuses,
+        },
+        {
+            "latency_ms": latency_s * 1000,
+            "side": "peer",
+            "n": n,
+            "calls": peer_calls,
+            "wall": peer_wall,
+            "lat": peer_lat,
+            "cpu": peer_cpu,
+            "statuses": {},
+        },
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--n", type=int, default=600, help="outputs at --latency-ms (0: no row)")
+    ap.add_argument("--latency-ms", type=float, default=200.0)
+    ap.add_argument("--slow-n", type=int, default=200, help="outputs at the slow latency (0: none)")
+    ap.add_argument("--slow-latency-ms", type=float, default=2000.0)
+    ap.add_argument("--processes", type=int, help="passed on to `critique worker --processes`")
+    ap.add_argument("--concurrency", type=int, help="passed on to `critique worker -c`")
+    ap.add_argument("--warmup", type=int, default=8, help="warm-up submissions (not counted)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat each row; the median ratio")
+    ap.add_argument("--quick", action="store_true", help="--n 120 --slow-n 32 (under a minute)")
+    ap.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="flushed before each row")
+    ap.add_argument("--profile", help="py-spy the worker into PROFILE-<latency>ms.txt (raw)")
+    ap.add_argument("--profile-s", type=int, default=10, help="seconds of py-spy")
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve(args.latency_ms / 1000.0)
+    if args.quick:
+        args.n, args.slow_n, args.warmup = 120, 32, 4
+
+    embedded = None
+    if not args.redis:
+        from workers.embedded import EmbeddedRedis
+
+        embedded = EmbeddedRedis().start()
+        args.redis = embedded.url
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm  # noqa: F401 - the peer's import is not part of its timed run
+
+    rows_spec = [(args.n, args.latency_ms / 1000.0)] if args.n > 0 else []
+    if args.slow_n > 0:
+        rows_spec.append((args.slow_n, args.slow_latency_ms / 1000.0))
+    worker_desc = (
+        "critique worker"
+        + (f" --processes {args.processes}" if args.processes is not None else "")
+        + (f" -c {args.concurrency}" if args.concurrency is not None else "")
+        + " (defaults)"
+    )
+    print(f"pipeline: {worker_desc}; peer: asyncio + litellm.acompletion, "
+          f"{PEER_IN_FLIGHT} in flight; half the outputs need one repair; "
+          f"{os.cpu_count()} CPUs")  # fmt: skip
+    header = (
+        f"{'latency':>8} {'round':>5} {'side':<9} {'outputs':>7} {'calls':>6} {'wall s':>7} "
+        f"{'calls/s':>8} {'ratio':>6} {'p50 s':>7} {'p95 s':>7} {'cpu ms/call':>11}  statuses"
+    )
+    print(header)
+    ratios: dict[float, list[float]] = {}
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-llm-") as tmp:
+            for n, latency_s in rows_spec:
+                for rnd in range(1, args.rounds + 1):
+                    pipe, peer = run_row(args, n, latency_s, Path(tmp))
+                    ratio = (pipe["calls"] / pipe["wall"]) / (peer["calls"] / peer["wall"])
+                    ratios.setdefault(latency_s, []).append(ratio)
+                    for row in (pipe, peer):
+                        shown = f"{ratio:6.2f}" if row is pipe else ""
+                        print(
+                            f"{row['latency_ms']:>6.0f}ms {rnd:>5} {row['side']:<9} "
+                            f"{row['n']:>7} {row['calls']:>6} {row['wall']:7.2f} "
+                            f"{row['calls'] / row['wall']:8.1f} {shown:>6} "
+                            f"{pct(row['lat'], 0.5):7.2f} {pct(row['lat'], 0.95):7.2f} "
+                            f"{row['cpu'] * 1000 / max(1, row['calls']):11.1f}  "
+                            f"{row['statuses'] or ''}",
+                            flush=True,
+                        )
+                    if pipe["calls"] != 2 * n or peer["calls"] != pipe["calls"]:
+                        print(f"  warning: expected {2 * n} calls on each side")
+    finally:
+        if embedded is not None:
+            embedded.stop()
+    for latency_s, rs in ratios.items():
+        print(
+            f"ratio pipeline/peer at {latency_s * 1000:.0f} ms (median of {len(rs)}): "
+            f"{statistics.median(rs):.2f}x  (goal >= 0.80x)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
