@@ -77,6 +77,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_STALL_MAX_RESUMES",  # re-drives of one stalled chain before giving up on it
         "CRITIQUE_OUTAGE_S",  # Celery: how long publishes and backend writes ride out an outage
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
+        "CRITIQUE_TEST_REQUIRE_FASTSCAN",  # the test suite: fail, not skip, without the C scanner
         "CRITIQUE_LLM_API_KEY",  # API key for every LLM call (a secret: never in a workflow file)
         "CRITIQUE_SECRET",  # HMAC key signing stage messages (a secret: never in a workflow file)
     }

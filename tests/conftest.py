@@ -8,7 +8,7 @@ instead: tests then flush database N and N-1 (their workers'). A Redis the user 
 never touched unless named there. Tests flush only those databases, and only when they start.
 
 Tests marked ``fastscan`` need the compiled scanner: skipped when it is not built, failed when
-``CRITIQUE_REQUIRE_FASTSCAN=1`` (see :func:`tests.support.require_fastscan`).
+``CRITIQUE_TEST_REQUIRE_FASTSCAN=1`` (see :func:`tests.support.require_fastscan`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "fastscan: needs the compiled scanner (skipped when it is not built; failed when "
-        "CRITIQUE_REQUIRE_FASTSCAN=1)",
+        "CRITIQUE_TEST_REQUIRE_FASTSCAN=1)",
     )
 
 

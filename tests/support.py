@@ -11,7 +11,7 @@ import pytest
 
 T = TypeVar("T")
 
-REQUIRE_FASTSCAN_ENV = "CRITIQUE_REQUIRE_FASTSCAN"
+REQUIRE_FASTSCAN_ENV = "CRITIQUE_TEST_REQUIRE_FASTSCAN"
 """Set to ``1`` (CI does) to make tests of the compiled scanner fail, not skip, when it is not
 built."""
 
@@ -43,7 +43,8 @@ def wait_until(
 
 def require_fastscan() -> None:
     """Skip the calling test when the compiled scanner (the ``_fastscan`` extension) is not
-    built, saying so and how to build it; fail it instead under ``CRITIQUE_REQUIRE_FASTSCAN=1``.
+    built, saying so and how to build it; fail it instead under
+    ``CRITIQUE_TEST_REQUIRE_FASTSCAN=1``.
 
     The extension is optional in ``setup.py`` (an install without a C compiler still works, on
     the pure-Python twin), so a plain run may lack it; CI requires it.
