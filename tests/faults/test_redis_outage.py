@@ -47,6 +47,34 @@ def _wait_for_results(run_id: str, n: int, timeout: float) -> dict[str, Critique
     return got
 
 
+def _missing_report(run_id: str, subs: list[Submission], results: dict[str, CritiqueResult]) -> str:
+    """Why submissions have no result, for the failure message: each one's pending-index
+    entry, the steps recorded for the run, and the queues' drain probes (what the sweeper
+    decides on), so a failure can be explained after its Redis is gone."""
+    import redis as redis_lib
+
+    from pipeline.store import keys
+    from workers import runtime
+
+    missing = [s.worker_id for s in subs if f"{s.iteration}:{s.worker_id}" not in results]
+    lines = [f"{len(missing)} submissions have no result: {missing[:10]}"]
+    try:
+        r = redis_lib.Redis.from_url(runtime.redis_url(), decode_responses=True)
+        pending = r.zrange(keys.run_key(run_id, keys.PENDING), 0, -1, withscores=True)
+        steps = r.hkeys(keys.run_key(run_id, keys.STEPS))
+        for wid in missing[:10]:
+            lines.append(f"  {wid}: pending {[p for p in pending if wid in p[0]]}")
+            lines.append(f"  {wid}: steps {sorted(k for k in steps if wid in k)}")
+        for key in r.scan_iter(keys.shared_key(keys.PROBE) + "*"):
+            kind = r.type(key)
+            value = r.hgetall(key) if kind == "hash" else r.zrange(key, -5, -1)
+            lines.append(f"  {key}: {value}")
+        lines.append(f"  now {r.time()}")
+    except Exception as exc:  # a diagnostic must not hide the assertion
+        lines.append(f"  (diagnostics unavailable: {exc!r})")
+    return "\n".join(lines)
+
+
 def _submissions(run_id: str, n: int) -> list[Submission]:
     return [make_sub(run_id, f"w{i:03d}", 1, KINDS[i % len(KINDS)]) for i in range(n)]
 
@@ -65,7 +93,7 @@ def _check_run(
     from workers import runtime
     from workers.client import CritiqueClient
 
-    assert len(results) == len(subs), f"{len(subs) - len(results)} submissions have no result"
+    assert len(results) == len(subs), _missing_report(run_id, subs, results)
     want, _ = reference(subs, CONFIG)
     for key, ref in want.items():
         got = results[key]
