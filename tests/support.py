@@ -60,3 +60,12 @@ def require_fastscan() -> None:
     if os.environ.get(REQUIRE_FASTSCAN_ENV) == "1":
         pytest.fail(f"{reason}; {REQUIRE_FASTSCAN_ENV}=1 requires it", pytrace=False)
     pytest.skip(reason)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (signal 0: nothing is sent)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.integration.workers import ROOT, client_on, worker_db_url
+from tests.support import pid_alive
 
 
 def _until(what: str, probe: Callable[[], Any], proc: subprocess.Popen[bytes], log: Path) -> Any:
@@ -28,14 +29,6 @@ def _until(what: str, probe: Callable[[], Any], proc: subprocess.Popen[bytes], l
         assert proc.poll() is None, f"critique worker exited ({proc.returncode}): {text}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}: {text}"
         time.sleep(0.2)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_processes_2_runs_two_consuming_nodes_restarts_a_killed_one_and_stops_on_sigterm(
@@ -70,7 +63,7 @@ def test_processes_2_runs_two_consuming_nodes_restarts_a_killed_one_and_stops_on
 
             pids = {n: s["pid"] for n, s in _until("both nodes", stats, proc, log).items()}
             assert queues() == {n: ["critique.cpu"] for n in nodes}
-            assert len(set(pids.values())) == 2 and all(_alive(p) for p in pids.values())
+            assert len(set(pids.values())) == 2 and all(pid_alive(p) for p in pids.values())
 
             victim = pids[nodes[1]]
             os.kill(victim, signal.SIGKILL)
@@ -93,6 +86,6 @@ def test_processes_2_runs_two_consuming_nodes_restarts_a_killed_one_and_stops_on
                 proc.kill()
                 proc.wait(timeout=10)
     assert proc.returncode == 0, log.read_text(encoding="utf-8", errors="replace")
-    assert not any(_alive(p) for p in again.values())
+    assert not any(pid_alive(p) for p in again.values())
     text = log.read_text(encoding="utf-8", errors="replace")
     assert text.count("restarting") == 1 and "crash loop" not in text

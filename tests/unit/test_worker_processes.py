@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import pid_alive
 from workers.cli import main
 from workers.commands import worker
 
@@ -190,14 +191,6 @@ def supervisors() -> Iterator[list[Supervisor]]:
             sup.proc.wait(timeout=10)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_supervisor_forwards_the_signal_once_to_every_child_and_exits_0(
     tmp_path: Path, supervisors: list[Supervisor], signum: signal.Signals
@@ -230,10 +223,10 @@ def test_supervisor_reports_and_restarts_a_killed_child(
     assert "process 2 of 2 (celery@" in text  # stand-ins have no -n: Celery's default name
     assert f"pid {victim}) was killed by SIGKILL" in text
     assert "restarting process 2 of 2" in text
-    assert _alive(sibling) and sup.pids("c1") == [sibling]
+    assert pid_alive(sibling) and sup.pids("c1") == [sibling]
     sup.proc.send_signal(signal.SIGTERM)
     assert sup.wait() == 0
-    assert not _alive(sibling)
+    assert not pid_alive(sibling)
 
 
 def test_supervisor_stops_the_rest_and_exits_1_on_a_crash_loop(
@@ -283,4 +276,4 @@ def test_children_get_sigterm_when_the_supervisor_is_killed(
     sup.proc.kill()
     sup.proc.wait(timeout=10)
     sup.wait_for("both children's SIGTERM", lambda: len(sup.files("SIGTERM")) == 2)
-    sup.wait_for("both children gone", lambda: not any(_alive(p) for p in pids))
+    sup.wait_for("both children gone", lambda: not any(pid_alive(p) for p in pids))
