@@ -43,9 +43,11 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, field_validator
 
 from pipeline.errors import SubmissionError
+from pipeline.escaping import md_text
 from pipeline.llm import ChatMessage, LLMRequest
 from pipeline.models import (
     CritiqueResult,
+    Defect,
     FileRef,
     Frozen,
     check_identifier,
@@ -515,6 +517,12 @@ def _fence_for(text: str) -> str:
     return "`" * max(3, longest + 1)
 
 
+def _defect_md(d: Defect) -> str:
+    """``category at location: description``, worker-made text shown literally in Markdown."""
+    where = f" at {md_text(d.location)}" if d.location else ""
+    return f"{md_text(d.category)}{where}: {md_text(d.description)}"
+
+
 def escalation_markdown(
     row: ABRow,
     result: CritiqueResult,
@@ -527,9 +535,7 @@ def escalation_markdown(
     remaining = result.envelope.actionable
     first = remaining[0] if remaining else None
     first_line = (
-        f"First remaining: [{first.severity}] {first.category}"
-        + (f" at {first.location}" if first.location else "")
-        + f": {first.description}"
+        f"First remaining: [{first.severity}] {_defect_md(first)}"
         if first
         else f"No defect listed by the critic; `critique status {row.run_id}` shows the trace."
     )
@@ -557,15 +563,13 @@ def escalation_markdown(
         "## Remaining defects",
         "",
     ]
-    lines += [
-        f"- [{d.severity}] {d.category}" + (f" at {d.location}" if d.location else "") + f": "
-        f"{d.description}"
-        for d in remaining
-    ] or ["- (none listed by the critic)"]
+    lines += [f"- [{d.severity}] {_defect_md(d)}" for d in remaining] or [
+        "- (none listed by the critic)"
+    ]
     if counted.details:
         lines += ["", "## Counted by the independent counter", ""]
-        lines += [f"- {d}" for d in counted.details]
+        lines += [f"- {md_text(d)}" for d in counted.details]
     if result.notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in result.notes]
+        lines += ["", "## Notes", ""] + [f"- {md_text(n)}" for n in result.notes]
     lines += ["", "## Best output", "", fence, text.rstrip("\n"), fence, ""]
     return "\n".join(lines)

@@ -3,8 +3,10 @@
 Per iteration the manager gets a JSON-safe summary (per-worker scores and defect counts, top
 prescriptions, known patterns, repair history); the same facts land on disk under
 ``<root>/runs/<run-id>/iterations/NNN/`` as ``critique.json``, ``CRITIQUE.md`` and
-``delegations/<worker-id>/{critique,repairs}.json``. Writes are atomic and the JSON is
-deterministic (sorted keys, indent 2, trailing newline) so reruns produce identical bytes.
+``delegations/<worker-id>/{critique,repairs}.json``. Writes are atomic, never follow a symlink
+under the artifacts root, and the JSON is deterministic (sorted keys, indent 2, trailing
+newline) so reruns produce identical bytes. Every worker-made string in ``CRITIQUE.md`` is
+escaped for Markdown (:mod:`pipeline.mdtext`): raw HTML in an output shows as text.
 """
 
 from __future__ import annotations
@@ -14,13 +16,15 @@ import ctypes
 import functools
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PathEscapeError, SubmissionError
+from pipeline.escaping import md_cell
 from pipeline.gates import mean_best_score
 from pipeline.models import SCHEMA_VERSION, CritiqueResult, Pattern, check_identifier
 
@@ -44,7 +48,7 @@ def _sorted_results(results: Sequence[CritiqueResult]) -> list[CritiqueResult]:
 def _severity_counts(result: CritiqueResult) -> dict[str, int]:
     counts = {"critical": 0, "warning": 0, "info": 0}
     for d in result.envelope.defects:
-        counts[d.severity] += 1
+        counts[d.severity] += d.folded or 1  # a summary defect counts what it folds
     return counts
 
 
@@ -115,9 +119,9 @@ def manager_summary(
 
 
 def _cell(value: object) -> str:
-    """One Markdown table cell: single line, pipes escaped, long text cut."""
-    text = _normal(str(value)).replace("|", "\\|")
-    return text if len(text) <= _CELL_MAX else text[: _CELL_MAX - 1] + "…"
+    """One Markdown table cell or list text: one line, shown literally (HTML, pipes, links and
+    controls escaped: the text is worker-made), long text cut."""
+    return md_cell(value, _CELL_MAX)
 
 
 def _score(value: object) -> str:
@@ -150,7 +154,7 @@ def render_critique_md(summary: dict[str, Any], results: Sequence[CritiqueResult
             "|---|---|",
             f"| original score | {_score(w['original_score'])} |",
             f"| best score | {_score(w['best_score'])} |",
-            f"| band | {w['band']} |",
+            f"| band | {_cell(w['band'])} |",
             f"| defects | {d['critical']} critical, {d['warning']} warning, {d['info']} info |",
             f"| repair attempts | {w['repair_attempts']} |",
             f"| critic | {_cell(w['critic'])} |",
@@ -191,7 +195,7 @@ def render_critique_md(summary: dict[str, Any], results: Sequence[CritiqueResult
             lines.append(
                 f"| `{a['worker_id']}` | {a['attempt']} | {_score(a['original_score'])} | "
                 f"{_score(a['repaired_score'])} | {a['defects_fixed']} | "
-                f"{a['defects_remaining']} | {a.get('stop_reason') or '—'} |"
+                f"{a['defects_remaining']} | {_cell(a.get('stop_reason') or '—')} |"
             )
     else:
         lines.append("No repairs.")
@@ -203,13 +207,94 @@ def dumps(data: Any) -> str:
     return json.dumps(data, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
 
 
-def atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str, *, root: Path | None = None) -> None:
     """Write one file atomically and durably: see :func:`atomic_write_many`."""
-    atomic_write_many([(path, text)])
+    atomic_write_many([(path, text)], root=root)
 
 
-def atomic_write_many(files: Sequence[tuple[Path, str]]) -> None:
-    """Write each ``(path, text)`` atomically (UTF-8, ``\\n`` newlines), the batch durably.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _through_symlink(root: Path, target: Path, link: Path) -> PathEscapeError:
+    """The one-line refusal of a write whose way under ``root`` meets a symlink."""
+    return PathEscapeError(
+        f"refusing to write {str(target)!r}: {str(link)!r} under the artifacts root "
+        f"{str(root)!r} is a symlink",
+        hint="artifacts are never written through a symlink; remove it or choose another root",
+    )
+
+
+class _Folders:
+    """The folders under one artifacts root, each created and opened relative to its parent's
+    descriptor without following a symlink (``O_NOFOLLOW``), so a symlink planted anywhere
+    under the root (or swapped in while we write) can never send a write outside it. The root
+    itself is the operator's choice and may be a symlink."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.root = root
+        self.fds: dict[tuple[str, ...], int] = {(): os.open(root, os.O_RDONLY | _DIRECTORY)}
+
+    def parts(self, path: Path) -> tuple[str, ...]:
+        """``path`` relative to the root, as names; PathEscapeError when it is not under it."""
+        try:
+            parts = path.relative_to(self.root).parts
+        except ValueError:
+            parts = ()
+        if not parts or any(p in ("", ".", "..") for p in parts):
+            raise PathEscapeError(f"artifact path {str(path)!r} is not under {str(self.root)!r}")
+        return parts
+
+    def folder(self, parts: tuple[str, ...], target: Path) -> int:
+        """The descriptor of the folder ``parts`` under the root, created when missing."""
+        for depth in range(1, len(parts) + 1):
+            key = parts[:depth]
+            if key in self.fds:
+                continue
+            parent, name = self.fds[key[:-1]], key[-1]
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o777, dir_fd=parent)
+            try:
+                self.fds[key] = os.open(
+                    name, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC, dir_fd=parent
+                )
+            except OSError:
+                if _is_symlink(name, parent):
+                    raise _through_symlink(self.root, target, self.root.joinpath(*key)) from None
+                raise
+        return self.fds[parts]
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+def _is_symlink(name: str, folder: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=folder).st_mode)
+    except OSError:
+        return False
+
+
+def atomic_write_many(
+    files: Sequence[tuple[Path, str]],
+    *,
+    root: Path | None = None,
+    remove: Sequence[Path] = (),
+) -> None:
+    """Write each ``(path, text)`` atomically (UTF-8, ``\\n`` newlines), the batch durably;
+    then delete the files in ``remove`` (absent ones are fine).
+
+    Confinement: with ``root`` (the artifacts root) every path must lie under it, and no
+    symlink under it is followed: each folder from the root down is created and opened
+    relative to its parent without following a symlink, each temp file is created new
+    (``O_EXCL | O_NOFOLLOW``) in its folder, and a target that is itself a symlink is
+    refused. A symlink met anywhere raises PathEscapeError naming it before anything is
+    written. Without ``root`` each file's own folder is its root (created as given).
 
     Each text goes to a temp file in its target's folder, which is then renamed over the
     target: a reader sees the old file or the new one, never half of one. Durable means the
@@ -221,69 +306,83 @@ def atomic_write_many(files: Sequence[tuple[Path, str]]) -> None:
     removed and the targets not yet renamed are unchanged.
     """
     syncfs = _syncfs() if len(files) > 1 else None
-    pending: list[tuple[str, Path]] = []
+    trees: dict[Path, _Folders] = {}
+    pending: list[tuple[int, str, str]] = []
     try:
+        planned: list[tuple[int, str, str]] = []
         for path, text in files:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            pending.append((tmp, path))
+            folder, name = _place(trees, root, path)
+            if _is_symlink(name, folder):
+                raise _through_symlink(path.parent if root is None else root, path, path)
+            planned.append((folder, name, text))
+        doomed = [_place(trees, root, path) for path in remove]
+        for folder, name, text in planned:
+            tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
+                0o600,
+                dir_fd=folder,
+            )
+            pending.append((folder, tmp, name))
             with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as fh:
                 fh.write(text)
                 fh.flush()
                 if syncfs is None:
                     os.fsync(fh.fileno())
-        folders = list(dict.fromkeys(path.parent for path, _ in files))
+        folders = list(dict.fromkeys(folder for folder, _, _ in planned))
         if syncfs is not None:
             syncfs(folders)
         while pending:
-            tmp, path = pending[0]
-            os.replace(tmp, path)
+            folder, tmp, name = pending[0]
+            os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
             pending.pop(0)
+        for folder, name in doomed:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name, dir_fd=folder)
+        if syncfs is not None:
+            syncfs(folders)
+        else:
+            for folder in folders:
+                with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder
+                    os.fsync(folder)
     except BaseException:
-        for tmp, _ in pending:
+        for folder, tmp, _ in pending:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=folder)
         raise
-    if syncfs is not None:
-        syncfs(folders)
-    else:
-        for folder in folders:
-            _fsync_dir(folder)
-
-
-def _fsync_dir(folder: Path) -> None:
-    """Make the folder's entries (a rename) durable; a no-op where folders cannot be opened."""
-    try:
-        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return  # e.g. Windows: renames there are as durable as the platform makes them
-    try:
-        with contextlib.suppress(OSError):  # some filesystems refuse fsync on a folder
-            os.fsync(fd)
     finally:
-        os.close(fd)
+        for tree in trees.values():
+            tree.close()
+
+
+def _place(trees: dict[Path, _Folders], root: Path | None, path: Path) -> tuple[int, str]:
+    """``(folder descriptor, file name)`` of ``path``, its folders opened under its root."""
+    base = root if root is not None else path.parent
+    tree = trees.get(base)
+    if tree is None:
+        tree = trees[base] = _Folders(base)
+    parts = tree.parts(path)
+    return tree.folder(parts[:-1], path), parts[-1]
 
 
 @functools.cache
-def _syncfs() -> Callable[[Sequence[Path]], None] | None:
-    """Linux ``syncfs(2)`` over the filesystems holding some folders, or None where the C
+def _syncfs() -> Callable[[Sequence[int]], None] | None:
+    """Linux ``syncfs(2)`` over the filesystems holding some open folders, or None where the C
     library has no such call (then every file and folder is fsynced on its own)."""
     try:
         call = ctypes.CDLL(None, use_errno=True).syncfs
     except (AttributeError, OSError):
         return None
 
-    def sync(folders: Sequence[Path]) -> None:
+    def sync(folders: Sequence[int]) -> None:
         devices: set[int] = set()
-        for folder in folders:
-            fd = os.open(folder, os.O_RDONLY)
-            try:
-                if os.fstat(fd).st_dev not in devices:
-                    devices.add(os.fstat(fd).st_dev)
-                    if call(fd) != 0:
-                        os.sync()  # refused (seccomp, old kernel): flush everything instead
-            finally:
-                os.close(fd)
+        for fd in folders:
+            device = os.fstat(fd).st_dev
+            if device not in devices:
+                devices.add(device)
+                if call(fd) != 0:
+                    os.sync()  # refused (seccomp, old kernel): flush everything instead
 
     return sync
 
@@ -293,18 +392,6 @@ def _ident(value: str, what: str) -> str:
         return check_identifier(value, what)
     except ValueError as exc:
         raise SubmissionError(str(exc)) from None
-
-
-def _confined(root: Path, path: Path) -> Path:
-    """Refuse a target whose real location (after symlinks) is outside ``root``."""
-    base = root.resolve()
-    real = path.resolve()
-    if not real.is_relative_to(base):
-        raise PathEscapeError(
-            f"artifact path {str(path)!r} resolves to {str(real)!r}, outside {str(base)!r}",
-            hint="a folder under the artifacts root is a symlink leading out of it",
-        )
-    return path
 
 
 def iteration_dir(root: Path, run_id: str, iteration: int) -> Path:
@@ -321,11 +408,11 @@ def write_delegation_artifacts(
     """Write one worker's ``critique.json`` (and ``repairs.json`` when it was repaired).
 
     Workers on a shared volume can call this for their own output; a stale ``repairs.json``
-    from an earlier write of the same worker is removed when there were no repairs.
+    from an earlier write of the same worker is removed when there were no repairs. Nothing
+    under ``root`` is followed through a symlink (:func:`atomic_write_many`).
     """
     files, stale = _delegation_files(root, run_id, iteration, result)
-    atomic_write_many(files)
-    _remove(stale)
+    atomic_write_many(files, root=root, remove=[stale] if stale else ())
     return [path for path, _ in files]
 
 
@@ -334,7 +421,7 @@ def _delegation_files(
 ) -> tuple[list[tuple[Path, str]], Path | None]:
     """One worker's files to write, and its ``repairs.json`` to remove when it had no repairs."""
     worker = _ident(result.worker_id, "worker_id")
-    folder = _confined(root, iteration_dir(root, run_id, iteration) / "delegations" / worker)
+    folder = iteration_dir(root, run_id, iteration) / "delegations" / worker
     files = [(folder / "critique.json", dumps(result.model_dump(mode="json")))]
     repairs = folder / "repairs.json"
     if not result.attempts:
@@ -344,24 +431,17 @@ def _delegation_files(
     return files, None
 
 
-def _remove(path: Path | None) -> None:
-    if path is not None:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-
-
-def write_artifacts(
+def artifact_files(
     root: Path,
     run_id: str,
     iteration: int,
     results: Sequence[CritiqueResult],
     patterns: Sequence[Pattern],
-) -> list[Path]:
-    """Write the iteration's artifact tree under ``root``; returns the files written, in order.
-
-    One batch (:func:`atomic_write_many`): each file atomic, the tree durable once written.
-    """
-    folder = _confined(root, iteration_dir(root, run_id, iteration))
+) -> tuple[list[tuple[Path, str]], list[Path]]:
+    """The iteration's artifact tree under ``root`` as ``(path, text)`` pairs, in order, and
+    the stale ``repairs.json`` files to remove: what :func:`write_artifacts` writes, for a
+    caller that writes it in one batch with more files (``critique report``)."""
+    folder = iteration_dir(root, run_id, iteration)
     ordered = _sorted_results(results)
     for r in ordered:
         _ident(r.worker_id, "worker_id")
@@ -381,12 +461,27 @@ def write_artifacts(
         (folder / "critique.json", dumps(document)),
         (folder / "CRITIQUE.md", render_critique_md(summary, ordered)),
     ]
-    stale: list[Path | None] = []
+    stale: list[Path] = []
     for r in ordered:
         worker_files, worker_stale = _delegation_files(root, run_id, iteration, r)
         files += worker_files
-        stale.append(worker_stale)
-    atomic_write_many(files)
-    for path in stale:
-        _remove(path)
+        if worker_stale is not None:
+            stale.append(worker_stale)
+    return files, stale
+
+
+def write_artifacts(
+    root: Path,
+    run_id: str,
+    iteration: int,
+    results: Sequence[CritiqueResult],
+    patterns: Sequence[Pattern],
+) -> list[Path]:
+    """Write the iteration's artifact tree under ``root``; returns the files written, in order.
+
+    One batch (:func:`atomic_write_many`): each file atomic, the tree durable once written,
+    nothing under ``root`` followed through a symlink.
+    """
+    files, stale = artifact_files(root, run_id, iteration, results, patterns)
+    atomic_write_many(files, root=root, remove=stale)
     return [path for path, _ in files]

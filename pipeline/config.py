@@ -31,6 +31,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.errors import ConfigError, RefusedOverrideError
+from pipeline.model_policy import model_refusal
 from pipeline.models import DEFAULT_DEFECT_CATEGORIES
 
 BUILTIN_CHECK_NAMES: tuple[str, ...] = (
@@ -64,6 +65,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_LOG_LEVEL",
         "CRITIQUE_KEY_PREFIX",  # Redis key prefix
         "CRITIQUE_RUN_TTL_S",  # expiry of every run key
+        "CRITIQUE_LESSONS_TTL_S",  # expiry of the shared lessons keys (refreshed on each write)
         "CRITIQUE_LEASE_TTL_S",  # how long a dead repair's budget reservation is held
         "CRITIQUE_INLINE_LIMIT",  # largest stage state carried inline in a broker message
         "CRITIQUE_VISIBILITY_TIMEOUT_S",  # Celery: redelivery of unacked messages
@@ -236,7 +238,9 @@ class CritiqueConfig(_Block):
     """The adjudicator's model; null uses the critic's."""
     allowed_models: tuple[str, ...] = ()
     """Worker-only: the models a submission may name (``model``, ``paired_model``, the
-    submission's own ``model``); empty allows any."""
+    submission's own ``model``). Empty, on a worker that holds no API key, allows a hosted
+    provider's model only (:mod:`pipeline.model_policy`); empty on a worker that holds one
+    allows none."""
     max_output_bytes: int = Field(16 * 1024 * 1024, ge=1)
     max_rejected_completions: int = Field(3, ge=1)
     output_contract: OutputContractConfig = Field(default_factory=OutputContractConfig)
@@ -575,24 +579,41 @@ def _check_paths(node: Mapping[str, Any], prefix: str) -> None:
         # not a field at all: load_config names it as an unknown key
 
 
-def _not_allowed(field: str, model: str, allowed: tuple[str, ...]) -> RefusedOverrideError:
-    shown = model if len(model) <= 100 else model[:100] + "…"
-    return RefusedOverrideError(
-        f"submission may not set {field!r}: model {shown!r} is not in the worker's "
-        f"allowed_models {list(allowed)}",
-        key=field,
+def _shown_model(model: str) -> str:
+    return model if len(model) <= 100 else model[:100] + "…"
+
+
+def submitted_model_refusal(
+    model: str, worker: CritiqueConfig, env: Mapping[str, str] | None = None
+) -> str | None:
+    """Why a submission may not name ``model`` (its own, or as ``model`` / ``paired_model``)
+    on a worker with configuration ``worker`` and environment ``env`` (default: this
+    process's), completing "model '…' …"; None when it may (:mod:`pipeline.model_policy`:
+    ``allowed_models`` when the worker holds a key; never an address, a local server without
+    a configured endpoint, or the worker's own credentials)."""
+    return model_refusal(
+        model,
+        allowed=worker.allowed_models,
+        api_base=worker.llm.api_base,
+        env=os.environ if env is None else env,
     )
 
 
-def check_submission_overrides(overrides: Mapping[str, Any], worker: CritiqueConfig) -> None:
+def check_submission_overrides(
+    overrides: Mapping[str, Any],
+    worker: CritiqueConfig,
+    env: Mapping[str, str] | None = None,
+) -> None:
     """Refuse configuration overrides a submission may not carry (SPEC §3 "Who may set what").
 
-    ``worker`` is the worker's own configuration (workflow file + environment, no overrides).
-    Raises :class:`~pipeline.errors.RefusedOverrideError` naming the dotted field for a
-    worker-only field (:data:`WORKER_ONLY`), a ``max_repair_attempts`` or ``max_output_bytes``
-    above the worker's, a ``model`` / ``paired_model`` outside the worker's ``allowed_models``,
-    or an ``output_contract.checks`` entry that is not a built-in; ``ConfigError`` for a value
-    the configuration cannot take. Pure: it imports and calls nothing the overrides name.
+    ``worker`` is the worker's own configuration (workflow file + environment, no overrides),
+    ``env`` its environment (default: this process's). Raises
+    :class:`~pipeline.errors.RefusedOverrideError` naming the dotted field for a worker-only
+    field (:data:`WORKER_ONLY`), a ``max_repair_attempts`` or ``max_output_bytes`` above the
+    worker's, a ``model`` / ``paired_model`` the worker does not let a submission name
+    (:func:`submitted_model_refusal`), or an ``output_contract.checks`` entry that is not a
+    built-in; ``ConfigError`` for a value the configuration cannot take. Pure: it imports and
+    calls nothing the overrides name.
     """
     if not isinstance(overrides, Mapping):
         raise RefusedOverrideError(
@@ -618,9 +639,14 @@ def check_submission_overrides(overrides: Mapping[str, Any], worker: CritiqueCon
         )
     for field in ("model", "paired_model"):
         model = getattr(merged, field)
-        allowed = worker.allowed_models
-        if field in overrides and model is not None and allowed and model not in allowed:
-            raise _not_allowed(field, model, allowed)
+        if field not in overrides or model is None:
+            continue
+        reason = submitted_model_refusal(model, worker, env)
+        if reason is not None:
+            raise RefusedOverrideError(
+                f"submission may not set {field!r}: model {_shown_model(model)!r} {reason}",
+                key=field,
+            )
     if "output_contract" in overrides:
         for name in merged.output_contract.checks:
             if name != "default" and name not in BUILTIN_CHECK_NAMES:
@@ -631,14 +657,17 @@ def check_submission_overrides(overrides: Mapping[str, Any], worker: CritiqueCon
                 )
 
 
-def check_submission_model(model: str | None, worker: CritiqueConfig) -> None:
+def check_submission_model(
+    model: str | None, worker: CritiqueConfig, env: Mapping[str, str] | None = None
+) -> None:
     """Refuse a submission whose own ``model`` (the worker's model, which the inline critic and
-    the repairer call) is outside the worker's ``allowed_models`` when those are set."""
-    if model is None or not worker.allowed_models or model in worker.allowed_models:
+    the repairer call) the worker does not let a submission name (:func:`submitted_model_refusal`:
+    outside ``allowed_models`` when those are set or the worker holds a key, an address, a
+    local server without a configured endpoint, the worker's own credentials)."""
+    if model is None:
         return
-    shown = model if len(model) <= 100 else model[:100] + "…"
-    raise RefusedOverrideError(
-        f"submission's model {shown!r} is not in the worker's allowed_models "
-        f"{list(worker.allowed_models)}",
-        key="submission.model",
-    )
+    reason = submitted_model_refusal(model, worker, env)
+    if reason is not None:
+        raise RefusedOverrideError(
+            f"submission's model {_shown_model(model)!r} {reason}", key="submission.model"
+        )

@@ -10,9 +10,12 @@ its score at :data:`INJECTION_SCORE_CAP` (never above the critic's own). Hit des
 fixed vocabulary and never quote the text, so the hostile text does not travel on into pattern
 memory.
 
-Used by the LLM critic (:mod:`pipeline.critics.llm`, on the output and its file names) and by
-pattern memory (:mod:`pipeline.pitfalls`, which drops lessons that would carry an instruction
-into later prompts). It depends only on :mod:`pipeline.textnorm` and :mod:`pipeline.models`.
+Used by the runner on every critic's envelope (:func:`pipeline.runner.checked_envelope`: the
+heuristic, rubric and command critics and the Layer-0 path are capped too), by the LLM critic
+(:mod:`pipeline.critics.llm`, on the output and its file names; applying the hits twice adds
+them once) and by pattern memory (:mod:`pipeline.pitfalls`, which drops lessons that would
+carry an instruction into later prompts). It depends only on :mod:`pipeline.textnorm` and
+:mod:`pipeline.models`.
 """
 
 from __future__ import annotations
@@ -128,10 +131,41 @@ _INJECTION_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
 )
 
 
+# For each pattern above, in order: words one of which every match contains (lower case). An
+# ASCII text holding none of them cannot match, so the pattern is not run on it (a megabyte of
+# "(" or of empty JSON fields then costs one lower-casing, not sixteen regex passes). Only for
+# ASCII text: there, lower() is exactly the case folding re.IGNORECASE applies.
+_NEEDLES: tuple[tuple[str, ...], ...] = (
+    ("ignore", "disregard", "forget", "override", "bypass"),
+    ("ignore", "disregard", "forget"),
+    ("you",),
+    ("from", "henceforth"),
+    ("system",),
+    ("system",),
+    ("<|", "inst]", "<<sys", "<</sys"),
+    ("score", "rate", "grade", "mark"),
+    ("give", "assign", "award", "grant"),
+    ("critic", "grader", "evaluator", "reviewer", "judge", "assessor"),
+    ("critic", "grader", "evaluator"),
+    ("critic", "grader", "evaluator"),
+    ("instruction",),
+    ("instruction",),
+    ("report", "flag", "list", "mention"),
+    ("<<<",),
+)
+assert len(_NEEDLES) == len(_INJECTION_PATTERNS)
+_ANY_NEEDLE = re.compile("|".join(re.escape(n) for n in sorted({n for ns in _NEEDLES for n in ns})))
+
+
 def _pattern_hits(text: str) -> list[tuple[int, int, str]]:
     """(start, end, label) of every injection-pattern match in ``text``."""
     hits: list[tuple[int, int, str]] = []
-    for label, pattern in _INJECTION_PATTERNS:
+    lower = text.lower() if text.isascii() else None
+    if lower is not None and len(lower) <= 4096 and _ANY_NEEDLE.search(lower) is None:
+        return hits  # a short text (a field name): one search instead of sixteen "in" scans
+    for (label, pattern), needles in zip(_INJECTION_PATTERNS, _NEEDLES, strict=True):
+        if lower is not None and not any(n in lower for n in needles):
+            continue
         for m in pattern.finditer(text):
             start = m.start()
             while start < m.end() and not text[start].isalnum() and text[start] not in "<[":
@@ -418,10 +452,18 @@ def submission_injections(text: str, submission: Submission) -> tuple[Defect, ..
 
 
 def apply_injections(envelope: CritiqueEnvelope, hits: Sequence[Defect]) -> CritiqueEnvelope:
-    """Add the injection defects and cap the score at 0.59 (never above the critic's own)."""
+    """Add the injection defects and cap the score at 0.59 (never above the critic's own).
+
+    Idempotent: hits the envelope already holds (the same id) are not added again, so the
+    runner may apply the scan to every critic's envelope, the LLM critic's (which applied it
+    itself) included; the cap applies whenever there is a hit."""
     if not hits:
         return envelope
     score = min(envelope.score, INJECTION_SCORE_CAP)
+    present = {d.id for d in envelope.defects}
+    hits = [h for h in hits if h.id not in present]
+    if not hits:
+        return envelope if score == envelope.score else envelope.model_copy(update={"score": score})
     defects = (*hits, *envelope.defects)
     pattern = ReusablePattern(
         category="policy_violation",

@@ -50,7 +50,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -58,6 +58,7 @@ from pydantic import Field
 
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
+from pipeline.model_policy import KEY_ENV, in_key_scope, key_scope
 from pipeline.models import Frozen, Usage
 from pipeline.providers import check_keys, load_litellm
 from pipeline.tokens import CHARS_PER_TOKEN, estimate_tokens
@@ -209,9 +210,10 @@ def complete_within(complete: Completer, request: LLMRequest) -> LLMReply:
     return reply
 
 
-API_KEY_ENV = "CRITIQUE_LLM_API_KEY"
-"""Environment variable with an API key for every call (else litellm reads the provider's own,
-e.g. ``OPENAI_API_KEY`` or ``ANTHROPIC_API_KEY``)."""
+API_KEY_ENV = KEY_ENV
+"""Environment variable with the operator's API key, sent only with calls to the providers of
+the configured models (:attr:`LiteLLMCompleter.key_models`); other calls, and calls without it,
+get the provider's own variable from litellm (``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY`` …)."""
 
 TRANSIENT_HINT = (
     "the provider timed out, rate-limited or failed; try later, or raise llm.max_retries / "
@@ -342,8 +344,13 @@ class LiteLLMCompleter:
     wait ``min(backoff_max_s, backoff_s * 2**k) * rng()`` before retry ``k`` (full jitter), or
     what a 429's ``Retry-After`` asked for, capped at ``backoff_max_s``.
 
-    ``completion``, ``sleep`` and ``rng`` are injectable (tests); ``api_key`` defaults to
-    ``$CRITIQUE_LLM_API_KEY`` and, when unset, litellm reads the provider's own variable.
+    ``completion``, ``sleep`` and ``rng`` are injectable (tests). ``api_key``, when given, is
+    sent with every call (the caller's own choice). Otherwise ``$CRITIQUE_LLM_API_KEY`` is sent
+    only with a call whose provider is the provider of one of ``key_models`` (the operator's
+    configured models: :func:`pipeline.providers.configured_models`); without ``key_models``,
+    only when ``llm.api_base`` is set (every call then goes to the operator's endpoint). A call
+    that does not carry it gets the provider's own variable from litellm, so a model a
+    submission names can never take the operator's key to another provider or address.
     ``wait_for_slot`` (a worker passes the Redis limiter's) waits for the rate limit's slot
     before each attempt, reserving the prompt's tokens + ``max_tokens``.
     """
@@ -356,9 +363,13 @@ class LiteLLMCompleter:
         sleep: Callable[[float], None] = time.sleep,
         rng: Callable[[], float] = random.random,
         api_key: str | None = None,
+        key_models: Collection[str] | None = None,
         wait_for_slot: Callable[[str, int], float] | None = None,
     ) -> None:
         self.config = config
+        self.key_models: tuple[str, ...] | None = None if key_models is None else tuple(key_models)
+        """The models whose providers ``$CRITIQUE_LLM_API_KEY`` belongs to (None: see above)."""
+        self._scope = None if key_models is None else key_scope(key_models)
         self._wait_for_slot = wait_for_slot
         """``(model, reserved tokens) -> seconds waited``: the cluster-wide rate limit
         (:mod:`pipeline.store.ratelimit`), called before every attempt; None: no limit."""
@@ -368,7 +379,20 @@ class LiteLLMCompleter:
         self._cost: Callable[[Any], float] | None = None
         self._sleep = sleep
         self._rng = rng
-        self.api_key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+        self._explicit_key = api_key
+        self._product_key = os.environ.get(API_KEY_ENV) or None
+
+    def key_for(self, model: str) -> str | None:
+        """The key a call to ``model`` carries: the explicit ``api_key``; else
+        ``$CRITIQUE_LLM_API_KEY`` when ``model``'s provider is in the key's scope; else None
+        (litellm reads the provider's own variable)."""
+        if self._explicit_key is not None:
+            return self._explicit_key
+        if self._product_key is None:
+            return None
+        if self._scope is None:
+            return self._product_key if self.config.api_base else None
+        return self._product_key if in_key_scope(model, self._scope) else None
 
     def warm(self) -> None:
         """Load litellm now, so that the first call's latency is the call's own."""
@@ -414,8 +438,9 @@ class LiteLLMCompleter:
         }
         if cfg.api_base:
             kwargs["api_base"] = cfg.api_base
-        if self.api_key:
-            kwargs["api_key"] = self.api_key
+        key = self.key_for(request.model)
+        if key:
+            kwargs["api_key"] = key
         if request.json_mode:
             kwargs["response_format"] = {"type": "json_object"}
         return kwargs
@@ -447,7 +472,8 @@ class LiteLLMCompleter:
             check_keys(
                 (request.model,),
                 api_base=self.config.api_base,
-                api_key=self.api_key,
+                api_key=self.key_for(request.model),
+                key_models=(),  # the product key counts only where key_for sends it
                 where="this worker's environment",
             )
         kwargs = self.kwargs_for(request)

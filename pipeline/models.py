@@ -292,6 +292,10 @@ class Defect(Frozen):
     """The Layer-0 check that reported it (``no_placeholder``, …): set exactly when ``source``
     is ``l0`` by :meth:`pipeline.contract.models.ContractFailure.to_defect`; None otherwise and
     in payloads written before the field existed."""
+    folded: int | None = Field(None, ge=2)
+    """Set on a summary defect ("… and N more …", :func:`pipeline.critics.base.bound_envelope`):
+    how many defects of its category and severity it stands for, not listed one by one. None
+    on every defect listed as itself."""
 
     @model_validator(mode="after")
     def _fill_id(self) -> Defect:
@@ -386,7 +390,17 @@ class CritiqueEnvelope(Frozen):
     def effort_estimate(self) -> Effort:
         """:func:`effort_for` of the actionable defect count (info defects, grounding's false
         positives among them, cost no repair effort)."""
-        return effort_for(len(self.actionable))
+        return effort_for(self.actionable_count)
+
+    @property
+    def defect_count(self) -> int:
+        """How many defects the critic found: a summary defect counts as the ones it folds."""
+        return sum(d.folded or 1 for d in self.defects)
+
+    @property
+    def actionable_count(self) -> int:
+        """How many critical and warning defects the critic found, folded ones included."""
+        return sum(d.folded or 1 for d in self.actionable)
 
     @property
     def critical(self) -> tuple[Defect, ...]:

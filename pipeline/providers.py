@@ -3,11 +3,14 @@ error, never a reason to fall back to the heuristic.
 
 litellm knows which environment variables each provider reads (``OPENAI_API_KEY``,
 ``ANTHROPIC_API_KEY``, ``AWS_ACCESS_KEY_ID`` …) and names the missing ones
-(``litellm.validate_environment``). ``CRITIQUE_LLM_API_KEY`` — the product's own variable, sent
-with every call — counts as a key for any provider, and so does ``llm.api_base`` where litellm
-says an address is what the provider needs (e.g. ``ollama``). litellm is imported only when
-there is a model to check, so commands without one stay fast. A variable set to the empty
-string counts as set (litellm's rule).
+(``litellm.validate_environment``). ``CRITIQUE_LLM_API_KEY`` — the product's own variable —
+belongs to the providers of the models the operator configured (``model``, ``paired_model``,
+``allowed_models``: :func:`configured_models`, :func:`pipeline.model_policy.key_scope`): it
+counts as a key for those providers only, and a call to another provider never carries it
+(:class:`pipeline.llm.LiteLLMCompleter`). ``llm.api_base`` counts where litellm says an address
+is what the provider needs (e.g. ``ollama``). litellm is imported only when there is a model to
+check, so commands without one stay fast. A variable set to the empty string counts as set
+(litellm's rule).
 
 Where it is checked:
 
@@ -32,9 +35,7 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.errors import ConfigError
-
-KEY_ENV = "CRITIQUE_LLM_API_KEY"
-"""The product's own key variable (:data:`pipeline.llm.API_KEY_ENV`): a key for any provider."""
+from pipeline.model_policy import KEY_ENV, in_key_scope, key_scope
 
 
 def llm_models(config: CritiqueConfig, submission_model: str | None) -> tuple[str, ...]:
@@ -76,12 +77,19 @@ def configured_models(config: CritiqueConfig) -> tuple[str, ...]:
 
 
 def missing_keys(
-    model: str, *, api_base: str | None = None, api_key: str | None = None
+    model: str,
+    *,
+    api_base: str | None = None,
+    api_key: str | None = None,
+    key_models: Iterable[str] | None = None,
 ) -> tuple[str, ...]:
     """The environment variables ``model``'s provider needs and this process lacks, as litellm
-    names them; ``()`` when its keys are there, ``CRITIQUE_LLM_API_KEY`` (or ``api_key``) is
-    set, or litellm cannot tell (an unknown provider: the call reports its own error)."""
-    key = api_key if api_key is not None else os.environ.get(KEY_ENV)
+    names them; ``()`` when its keys are there, ``api_key`` is given, ``CRITIQUE_LLM_API_KEY``
+    is set and ``model``'s provider is one of ``key_models``' (None: any provider, a client's
+    estimate), or litellm cannot tell (an unknown provider: the call reports its own error)."""
+    key = api_key
+    if key is None and (key_models is None or in_key_scope(model, key_scope(key_models))):
+        key = os.environ.get(KEY_ENV)
     if key:
         return ()
     litellm = load_litellm()
@@ -100,12 +108,15 @@ def check_keys(
     *,
     api_base: str | None = None,
     api_key: str | None = None,
+    key_models: Iterable[str] | None = None,
     where: str = "this environment",
 ) -> None:
     """Raise :class:`ConfigError` naming the first model whose provider key is missing and the
-    variable(s) to set (``key`` = the first variable). ``where`` says whose environment it is."""
+    variable(s) to set (``key`` = the first variable). ``where`` says whose environment it is;
+    ``key_models`` scopes ``CRITIQUE_LLM_API_KEY`` as in :func:`missing_keys`."""
+    scope = None if key_models is None else tuple(key_models)
     for model in models:
-        missing = missing_keys(model, api_base=api_base, api_key=api_key)
+        missing = missing_keys(model, api_base=api_base, api_key=api_key, key_models=scope)
         if missing:
             names = " and ".join(missing)
             shown = model if len(model) <= 100 else model[:100] + "…"
@@ -113,8 +124,8 @@ def check_keys(
                 f"model {shown!r} needs {names}, which {'is' if len(missing) == 1 else 'are'} "
                 f"not set in {where}",
                 key=missing[0],
-                hint=f"set {names} (or {KEY_ENV}, sent to every provider) where the workers "
-                "run, or configure another model",
+                hint=f"set {names} (or {KEY_ENV}, sent to the configured models' providers) "
+                "where the workers run, or configure another model",
             )
 
 

@@ -31,6 +31,7 @@ from pipeline.models import (
     RepairAttempt,
     Submission,
 )
+from pipeline.pitfalls import pitfalls_block
 from pipeline.tokens import estimate_tokens, text_of
 
 ESCALATE_BELOW = 0.3
@@ -135,8 +136,9 @@ def build_repair_prompt(
     """The targeted repair prompt (SPEC §5.3).
 
     Carries the original task (always), the previous output (delimited as data), only the
-    critical and warning defects, the prescriptions, the known pitfalls, the history of earlier
-    attempts, and the sentence "Fix ONLY these defects. Keep everything else unchanged."
+    critical and warning defects, the prescriptions, the known pitfalls (in a block marked as
+    data, :func:`pipeline.pitfalls.pitfalls_block`), the history of earlier attempts, and the
+    sentence "Fix ONLY these defects. Keep everything else unchanged."
     """
     defects = envelope.actionable
     defect_lines = (
@@ -163,7 +165,7 @@ def build_repair_prompt(
         "## Prescriptions\n\n" + prescriptions,
     ]
     if pitfalls.strip():
-        parts.append(pitfalls.strip())
+        parts.append(pitfalls_block(pitfalls))
     parts += [
         "## Earlier repair attempts\n\n" + _format_attempts(attempts),
         "## Instructions\n\n" + REPAIR_INSTRUCTION + "\n" + shape,

@@ -18,6 +18,13 @@ the envelope is a token-free critic's (the configured one if it is token-free, e
 heuristic) plus the L0 defects, scored ``clamp(score − 0.2 × L0 errors − 0.1 × L0 warnings)``
 (:func:`pipeline.critics.base.merge_l0`). L0 warnings alone do not skip the critic; they are
 appended to its envelope as defects without changing its score.
+
+Bounds (what a pass keeps grows with its input, never faster): every critique goes through
+:func:`checked_envelope` (the injection scan's cap, for every critic, then the per-critique
+bounds of :func:`pipeline.critics.base.bound_envelope`); a Layer-0 outcome is folded the same
+way and traces at most :data:`MAX_L0_GATE_EVENTS` gate events; :func:`finish` bounds what a
+result holds besides its output (:func:`bound_result`); a worker stores a large state with its
+parts by reference (:func:`compact_state`), so an output carried by every stage is stored once.
 """
 
 from __future__ import annotations
@@ -48,6 +55,9 @@ from pipeline.critics.base import (
     Reviser,
     RevisionResult,
     SizedCritic,
+    bound_envelope,
+    clip,
+    fold_defects,
     merge_l0,
 )
 from pipeline.critics.base import resolve_for as resolve_for  # re-exported: workers.tasks
@@ -55,6 +65,7 @@ from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.errors import SubmissionError, TransientError
 from pipeline.files import FileReader, inline_bytes
 from pipeline.files import read_file as read_file_bytes
+from pipeline.injection import apply_injections, submission_injections
 from pipeline.llm import token_allowance
 from pipeline.models import (
     CritiqueEnvelope,
@@ -207,6 +218,83 @@ class LoopState(Frozen):
 Stage = Callable[[LoopState, StageContext], LoopState]
 
 
+STATE_PART_BYTES = 4096
+"""A part of a state (:data:`STATE_PARTS`, or a field of its submission) whose JSON is at least
+this long travels by reference inside a compact state (:func:`compact_state`)."""
+STATE_PARTS = (
+    "output",
+    "best_output",
+    "previous_repair_text",
+    "envelope",
+    "best_envelope",
+    "repair_order",
+)
+"""The parts of a state besides its submission's fields that may be large, and that repeat
+from stage to stage."""
+PARTS_KEY = "$parts"
+"""The key of a compact state's references (no :class:`LoopState` has such a field)."""
+_SUBMISSION_PART = "submission."
+
+
+def compact_state(state: LoopState, put: Callable[[bytes], str]) -> bytes:
+    """``state`` as JSON in which each large part (a field of its submission, or one of
+    :data:`STATE_PARTS`, at least :data:`STATE_PART_BYTES` of JSON) is replaced by the
+    reference ``put`` returns for that part's JSON, listed under :data:`PARTS_KEY`. With a
+    content-addressed ``put`` (the blob store) the same submission, output or envelope,
+    repeated in every stage's state, is stored once per pass instead of once per stage, so what
+    a pass stores grows with its input and its distinct outputs, not with its stage count.
+
+    The JSON still begins like a state's (the submission's ids first: the worker log reads
+    them from a state's first bytes). :func:`expand_state` reads it back."""
+    doc = state.model_dump(mode="json")
+    parts: dict[str, str] = {}
+
+    def take(holder: dict[str, Any], name: str, part: str) -> None:
+        value = holder.get(name)
+        if value is None:
+            return
+        raw = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        if len(raw) >= STATE_PART_BYTES:
+            parts[part] = put(raw.encode("utf-8"))
+            del holder[name]
+
+    submission = doc["submission"]
+    for name in list(submission):
+        take(submission, name, _SUBMISSION_PART + name)
+    for name in STATE_PARTS:
+        take(doc, name, name)
+    ordered = {"submission": submission, PARTS_KEY: parts}
+    ordered.update((k, v) for k, v in doc.items() if k != "submission")
+    return json.dumps(ordered, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def expand_state(raw: str | bytes, get: Callable[[str], bytes]) -> dict[str, Any] | None:
+    """The state document of a compact state (:func:`compact_state`), each part read back
+    through ``get`` (which must check that the bytes match the reference), for
+    ``LoopState.model_validate``; None when ``raw`` is a plain :class:`LoopState` JSON (read
+    it with ``model_validate_json``). Raises ``ValueError`` for a malformed one."""
+    data = raw.encode("utf-8") if isinstance(raw, str) else raw
+    if f'"{PARTS_KEY}":'.encode() not in data:
+        return None
+    doc = json.loads(data)
+    if not isinstance(doc, dict) or PARTS_KEY not in doc:
+        return None  # the key sits inside a value (an output's): a plain state
+    parts = doc.pop(PARTS_KEY)
+    submission = doc.get("submission")
+    if not isinstance(parts, dict) or not isinstance(submission, dict):
+        raise ValueError("a compact state needs a submission object and a '$parts' object")
+    for part, ref in parts.items():
+        holder, name = doc, str(part)
+        if name.startswith(_SUBMISSION_PART):
+            holder, name = submission, name.removeprefix(_SUBMISSION_PART)
+        elif name not in STATE_PARTS:
+            raise ValueError(f"compact state part {name[:40]!r} is not a state part")
+        if not isinstance(ref, str) or name in holder:
+            raise ValueError(f"compact state part {name[:40]!r} is malformed or given twice")
+        holder[name] = json.loads(get(ref))
+    return dict(doc)
+
+
 def _emit(ctx: StageContext, state: LoopState, kind: str, stage: str, **fields: Any) -> None:
     sub = state.submission
     event: dict[str, Any] = {
@@ -261,18 +349,21 @@ def admit(
     the whole submission): a :class:`SubmissionError` naming the limit and the sizes.
 
     Counted in UTF-8 bytes: the output's canonical text, the task, every inline file's content,
-    and every other file's bytes as ``read_file`` returns them (a blob's real length, never its
-    claimed ``size``). Files are read only while the total is within the limit, so an oversized
-    submission costs at most one read past it. A file that cannot be read raises
-    :class:`~pipeline.files.UnreadableFileError`. The client calls this before it enqueues;
-    the worker calls it again at the first Layer-0 stage of every pass (:func:`l0_stage`), so
-    a chain sent without the client is bounded too.
+    every other file's bytes as ``read_file`` returns them (a blob's real length, never its
+    claimed ``size``), and every other field a sender can make long (:func:`field_bytes`:
+    ``subtask_signature``, ``required_fields``, ``model``, file paths and digests), since each
+    is carried and stored with the submission too. Files are read only while the total is
+    within the limit, so an oversized submission costs at most one read past it. A file that
+    cannot be read raises :class:`~pipeline.files.UnreadableFileError`. The client calls this
+    before it enqueues; the worker calls it again at the first Layer-0 stage of every pass
+    (:func:`l0_stage`), so a chain sent without the client is bounded too.
     """
     limit = config.max_output_bytes
     output = _utf8_len(text_of(submission.output))
     task = _utf8_len(submission.task)
     inline = sum(_utf8_len(f.content) for f in submission.files if f.content is not None)
-    total = output + task + inline
+    fields = field_bytes(submission)
+    total = output + task + inline + fields
     referenced = 0
     unread = 0
     for i, f in enumerate(submission.files):
@@ -288,13 +379,25 @@ def admit(
         return
     lower = "at least " if unread else ""
     not_read = f"; {unread} file(s) by reference not read" if unread else ""
+    other = f", other fields {fields} B" if fields else ""
     raise SubmissionError(
         f"submission of worker {submission.worker_id!r} (run {submission.run_id!r}) is "
         f"{lower}{total} bytes, over max_output_bytes ({limit}): output {output} B, "
-        f"task {task} B, inline files {inline} B, files by reference {referenced} B{not_read}; "
-        "nothing was processed",
+        f"task {task} B, inline files {inline} B, files by reference {referenced} B"
+        f"{other}{not_read}; nothing was processed",
         hint="split the work, send less, or raise max_output_bytes on the workers",
     )
+
+
+def field_bytes(submission: Submission) -> int:
+    """UTF-8 bytes of the submission's fields besides the output, the task and file content:
+    ``subtask_signature``, each of ``required_fields``, ``model``, and each file's ``path``,
+    ``sha256`` and ``blob`` reference. (``run_id`` and ``worker_id`` are identifiers of at most
+    128 characters and not counted.)"""
+    texts = [submission.subtask_signature, submission.model or "", *submission.required_fields]
+    for f in submission.files:
+        texts += [f.path, f.sha256, f.blob or ""]
+    return sum(_utf8_len(t) for t in texts)
 
 
 def start(submission: Submission, pass_id: str = "") -> LoopState:
@@ -315,10 +418,15 @@ def lease_for(ctx: StageContext, state: LoopState) -> str:
 
 def critique_key(state: LoopState, round_no: int) -> str:
     """The pattern-memory key of one critique: (worker, iteration, pass, round), recorded once."""
+    return f"{pass_key(state)}:{round_no}"
+
+
+def pass_key(state: LoopState) -> str:
+    """The pattern-memory key of the state's pass: (worker, iteration, pass). A pattern counts
+    once per pass, so a repair round finding it again does not count it again, while a
+    resubmission (a new pass) does."""
     sub = state.submission
-    return ":".join(
-        p for p in (sub.worker_id, str(sub.iteration), state.pass_id, str(round_no)) if p
-    )
+    return ":".join(p for p in (sub.worker_id, str(sub.iteration), state.pass_id) if p)
 
 
 def _passthrough(state: LoopState) -> LoopState:
@@ -366,9 +474,38 @@ def l0_stage(state: LoopState, ctx: StageContext) -> LoopState:
         warnings=sum(1 for d in outcome.defects if d.severity == "warning"),
         elapsed_ms=round((ctx.clock() - began) * 1000.0, 3),
     )
-    for gate in outcome.gate_events:
-        _emit(ctx, state, "gate", "l0", **gate.model_dump(mode="json"))
-    return state.model_copy(update={"l0_defects": outcome.defects, "next": "critic"})
+    gates = outcome.gate_events
+    for gate in gates[:MAX_L0_GATE_EVENTS]:
+        _emit(ctx, state, "gate", "l0", **_clipped_gate(gate))
+    if len(gates) > MAX_L0_GATE_EVENTS:
+        more = len(gates) - MAX_L0_GATE_EVENTS
+        _emit(
+            ctx,
+            state,
+            "gate",
+            "l0",
+            gate="l0",
+            verdict="reject",
+            reason=f"and {more} more Layer-0 failures, not traced one by one",
+            iteration=state.submission.iteration,
+            worker_id=state.submission.worker_id,
+            folded=more,
+        )
+    defects = fold_defects(outcome.defects)
+    return state.model_copy(update={"l0_defects": defects, "next": "critic"})
+
+
+MAX_L0_GATE_EVENTS = 50
+"""Layer-0 gate events traced per stage; the rest are one event that says how many."""
+_GATE_TEXT_CHARS = 300
+
+
+def _clipped_gate(gate: GateEvent) -> dict[str, Any]:
+    """A gate event as traced: every text clipped (a file path or reason may be megabytes)."""
+    return {
+        k: clip(v, _GATE_TEXT_CHARS) if isinstance(v, str) else v
+        for k, v in gate.model_dump(mode="json").items()
+    }
 
 
 def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
@@ -414,12 +551,15 @@ def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, Ca
         fallback: Critic = serving if serving.token_free else HeuristicCritic()
         pitfalls = _pitfalls(ctx, sub, fallback)
         base = fallback.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
-        envelope = merge_l0(base, state.l0_defects)
+        envelope = merge_l0(bound_envelope(base), state.l0_defects)
     else:
         pitfalls = _pitfalls(ctx, sub, ctx.critic)
 
         def critique() -> CritiqueEnvelope:
-            return ctx.critic.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
+            # Bounded before anything keeps it (the critique cache included).
+            return bound_envelope(
+                ctx.critic.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
+            )
 
         if (
             ctx.cache is not None
@@ -432,7 +572,19 @@ def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, Ca
         if state.l0_defects:
             defects = (*state.l0_defects, *envelope.defects)
             envelope = envelope.model_copy(update={"defects": defects})
-    return envelope, cache_use
+    return checked_envelope(sub, state.output, envelope), cache_use
+
+
+def checked_envelope(
+    submission: Submission, output: str | dict[str, Any], envelope: CritiqueEnvelope
+) -> CritiqueEnvelope:
+    """What the loop keeps of any critic's envelope (the post-critique hook, every critic and
+    the Layer-0 path alike): the injection scan's hits added and the score capped at 0.59
+    (:func:`~pipeline.injection.apply_injections`: idempotent, so the LLM critic's own scan is
+    not counted twice), then the per-critique bounds
+    (:func:`~pipeline.critics.base.bound_envelope`)."""
+    hits = submission_injections(text_of(output), submission)
+    return bound_envelope(apply_injections(envelope, hits))
 
 
 def critique_cache_key(ctx: StageContext, submission: Submission, output: Any) -> str:
@@ -545,7 +697,8 @@ def _critiqued(
             sub.run_id,
             critique_key(state, round_no),
             sub.iteration,
-            patterns_from_envelope(envelope),
+            patterns_from_envelope(envelope, output=state.output),
+            pass_key=pass_key(state),
         )
     next_state = state.model_copy(
         update={
@@ -574,7 +727,7 @@ def _critiqued(
         "critic",
         critic=envelope.critic,
         score=envelope.score,
-        defects=len(envelope.defects),
+        defects=envelope.defect_count,
         tokens=envelope.usage.tokens,
         l0_skipped_critic=_l0_error(state.l0_defects),
         elapsed_ms=round((ctx.clock() - began) * 1000.0, 3),
@@ -615,14 +768,28 @@ def _needs_model_notes(
         + f": {d.description}"
         for d in envelope.actionable
     ]
+    count = (
+        sum(r.defect.folded or 1 for r in plan.unfixable)
+        if plan.unfixable
+        else envelope.actionable_count
+    )
     notes = _add_note(
         notes,
-        f"needs_model: {reviser.name} can fix none of the {len(lines)} remaining defect(s) "
+        f"needs_model: {reviser.name} can fix none of the {count} remaining defect(s) "
         "without inventing content; a model or a person must act on:",
     )
-    for line in lines:
-        notes = _add_note(notes, f"needs_model: {line}")
+    for line in lines[:MAX_NEEDS_MODEL_LINES]:
+        notes = _add_note(notes, f"needs_model: {clip(line, NOTE_CHARS)}")
+    if len(lines) > MAX_NEEDS_MODEL_LINES:
+        more = len(lines) - MAX_NEEDS_MODEL_LINES
+        notes = _add_note(notes, f"needs_model: … and {more} more listed in the envelope")
     return notes
+
+
+MAX_NEEDS_MODEL_LINES = 20
+"""Defects a ``needs_model`` stop lists in the notes (the envelope lists the rest)."""
+NOTE_CHARS = 600
+"""Longest note line a bounded result keeps."""
 
 
 def repair_order(
@@ -839,7 +1006,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
                 original_score=previous_score if previous_score is not None else score,
                 repaired_score=score,
                 defects_fixed=len(before - set(actionable_ids)),
-                defects_remaining=len(actionable_ids),
+                defects_remaining=envelope.actionable_count,
                 stop_reason=stop,
             ),
         )
@@ -855,7 +1022,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         score=score,
         scores=dict(envelope.scores),
         mean=mean,
-        defects=len(envelope.defects),
+        defects=envelope.defect_count,
         suggestions_applied=state.suggestions_applied,
         verdict=verdict,
         **diff,
@@ -1019,24 +1186,97 @@ def finish(state: LoopState) -> CritiqueResult:
     if envelope is None or state.best_output is None or state.best_score is None:
         raise ValueError("a finished loop must have critiqued at least once")
     sub = state.submission
-    return CritiqueResult(
-        run_id=sub.run_id,
-        iteration=sub.iteration,
-        worker_id=sub.worker_id,
-        status=state.status,
-        stop_reason=state.stop_reason,
-        output=state.best_output,
-        original_score=state.original_score if state.original_score is not None else 0.0,
-        best_score=state.best_score,
-        envelope=envelope,
-        attempts=state.attempts,
-        trace=state.trace,
-        usage=state.usage,
-        repair_usage=state.repair_usage,
-        budget_charged=state.budget_charged,
-        pass_id=state.pass_id,
-        notes=state.notes,
+    return bound_result(
+        CritiqueResult(
+            run_id=sub.run_id,
+            iteration=sub.iteration,
+            worker_id=sub.worker_id,
+            status=state.status,
+            stop_reason=state.stop_reason,
+            output=state.best_output,
+            original_score=state.original_score if state.original_score is not None else 0.0,
+            best_score=state.best_score,
+            envelope=envelope,
+            attempts=state.attempts,
+            trace=state.trace,
+            usage=state.usage,
+            repair_usage=state.repair_usage,
+            budget_charged=state.budget_charged,
+            pass_id=state.pass_id,
+            notes=state.notes,
+        )
     )
+
+
+RESULT_EXTRA_BYTES = 256 * 1024
+"""Most a result may hold besides its output (the envelope, the per-round trace, the repair
+attempts, the notes), as JSON. The output itself is the answer and is never cut."""
+BOUNDED_DIFF_REFS = 10
+"""Entries kept per defect-diff list of a round when a result is over its bound."""
+BOUNDED_NOTES = 40
+"""Notes kept when a result is over its bound."""
+BOUNDED_DEFECTS = 20
+"""Defects the envelope of a result over its bound keeps listed (the rest folded)."""
+_DIFF_LISTS = ("fixed", "remaining", "new", "regressed")
+
+
+def _extra_bytes(result: CritiqueResult) -> int:
+    return len(result.model_copy(update={"output": ""}).model_dump_json())
+
+
+def bound_result(result: CritiqueResult, limit: int = RESULT_EXTRA_BYTES) -> CritiqueResult:
+    """``result`` with at most ``limit`` bytes of JSON besides its output; over it, cut in
+    this order until it fits, and say so in a note: each round's defect-diff lists to their
+    first :data:`BOUNDED_DIFF_REFS` entries, the notes to :data:`BOUNDED_NOTES` (each clipped),
+    the envelope to :data:`BOUNDED_DEFECTS` listed defects (the rest folded, counts kept) and
+    as many prescriptions, then the trace to its first and last rounds. Scores, statuses,
+    counts and the output are never changed."""
+    before = _extra_bytes(result)
+    if before <= limit:
+        return result
+    cuts: list[str] = []
+
+    def cut_diffs(r: CritiqueResult) -> CritiqueResult:
+        def short(refs: tuple[DefectRef, ...] | None) -> tuple[DefectRef, ...] | None:
+            return refs if refs is None else refs[:BOUNDED_DIFF_REFS]
+
+        trace = tuple(
+            t.model_copy(update={k: short(getattr(t, k)) for k in _DIFF_LISTS}) for t in r.trace
+        )
+        cuts.append(f"each round's defect diff cut to its first {BOUNDED_DIFF_REFS} entries")
+        return r.model_copy(update={"trace": trace})
+
+    def cut_notes(r: CritiqueResult) -> CritiqueResult:
+        notes = tuple(clip(n, NOTE_CHARS) for n in r.notes[:BOUNDED_NOTES])
+        cuts.append(f"notes cut to {len(notes)} of {len(r.notes)}")
+        return r.model_copy(update={"notes": notes})
+
+    def cut_envelope(r: CritiqueResult) -> CritiqueResult:
+        env = r.envelope
+        smaller = env.model_copy(
+            update={
+                "defects": fold_defects(env.defects, BOUNDED_DEFECTS),
+                "prescriptions": env.prescriptions[:BOUNDED_DEFECTS],
+                "reusable_patterns": env.reusable_patterns[:BOUNDED_DEFECTS],
+                "suggestions": env.suggestions[:BOUNDED_DEFECTS],
+            }
+        )
+        cuts.append(f"the envelope lists {BOUNDED_DEFECTS} defects (the rest folded, counted)")
+        return r.model_copy(update={"envelope": smaller})
+
+    def cut_rounds(r: CritiqueResult) -> CritiqueResult:
+        if len(r.trace) <= 2:
+            return r
+        cuts.append(f"the trace keeps rounds 1 and {len(r.trace)} of {len(r.trace)}")
+        return r.model_copy(update={"trace": (r.trace[0], r.trace[-1])})
+
+    for step in (cut_diffs, cut_notes, cut_envelope, cut_rounds):
+        result = step(result)
+        if _extra_bytes(result) <= limit - NOTE_CHARS:
+            break
+    note = f"result bounded: {before} bytes besides the output, over {limit}; " + "; ".join(cuts)
+    note = clip(note, NOTE_CHARS)
+    return result.model_copy(update={"notes": (*result.notes, note)})
 
 
 def _step_limit(config: CritiqueConfig) -> int:

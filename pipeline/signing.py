@@ -8,6 +8,14 @@ everywhere, then first, then drop the old one). Pure: no I/O, no environment rea
 
 What a signature proves: the message was built by a holder of a secret, and not one byte of it
 changed since. It does not prove freshness: a validly signed message can be replayed.
+
+A message also names the Celery task it is addressed to (``task_name`` and ``task_id``, signed):
+:func:`check_addressed` refuses it under any other task or id, so a signed message sent again
+under a victim's task id (or to another task) cannot act as that task.
+
+Records a worker writes to the store (a pass's result, a failure, a completion-gate decision)
+are signed the same way under a *kind* (:func:`sign_record`, :func:`verify_record`): the kind
+goes into the MAC first, so a record of one kind never verifies as another, nor as a message.
 """
 
 from __future__ import annotations
@@ -28,6 +36,13 @@ SECRET_ENV = "CRITIQUE_SECRET"
 """The environment variable holding the secret(s), comma-separated, the signing one first."""
 MIN_SECRET_CHARS = 16
 """Shortest secret accepted: a guessable key would make the signature worthless."""
+TASK_FIELD = "task_name"
+"""The message field naming the Celery task (its name) the message is addressed to."""
+TASK_ID_FIELD = "task_id"
+"""The message field naming the Celery task id the message is addressed to."""
+RECORD_DOMAIN = b"critique-record:"
+"""What the MAC input of a stored record starts with (then its kind and a newline): a message's
+canonical JSON starts with ``{``, so the two can never be confused."""
 
 
 def parse_secrets(raw: str | None) -> tuple[bytes, ...]:
@@ -69,7 +84,11 @@ def canonical(message: Mapping[str, Any]) -> bytes:
 
 def signature(message: Mapping[str, Any], secret: bytes) -> str:
     """``hmac-sha256:<hex>`` of ``message`` under ``secret`` (its ``sig`` field excluded)."""
-    return SCHEME + hmac.new(secret, canonical(message), hashlib.sha256).hexdigest()
+    return _mac(canonical(message), secret)
+
+
+def _mac(body: bytes, secret: bytes) -> str:
+    return SCHEME + hmac.new(secret, body, hashlib.sha256).hexdigest()
 
 
 def sign(message: Mapping[str, Any], secrets: Sequence[bytes]) -> dict[str, Any]:
@@ -84,23 +103,80 @@ def verify(message: Mapping[str, Any], secrets: Sequence[bytes]) -> None:
     """Return when ``message`` carries a valid signature under one of ``secrets``; else raise
     ``ForgedMessageError`` saying why (missing, malformed, not matching). The reason never
     quotes the message. Every secret is tried with a constant-time comparison."""
+    _verify(message, secrets, b"", "message")
+
+
+def _verify(message: Mapping[str, Any], secrets: Sequence[bytes], prefix: bytes, what: str) -> None:
+    """:func:`verify` of a message (``prefix`` empty) or of a record (its domain and kind)."""
     if not secrets:
-        raise ForgedMessageError("no secret to verify the message with")
+        raise ForgedMessageError(f"no secret to verify the {what} with")
     sig = message.get(SIG_FIELD)
     if sig is None:
-        raise ForgedMessageError("unsigned message: it carries no 'sig' field")
+        raise ForgedMessageError(f"unsigned {what}: it carries no 'sig' field")
     if not isinstance(sig, str) or not sig.startswith(SCHEME):
         raise ForgedMessageError(f"malformed signature: expected '{SCHEME}<hex>'")
     try:
-        body = canonical(message)
+        body = prefix + canonical(message)
     except (ValueError, TypeError) as exc:
-        raise ForgedMessageError(f"message cannot be canonically encoded: {exc}") from None
+        raise ForgedMessageError(f"{what} cannot be canonically encoded: {exc}") from None
     given = sig.encode("utf-8", "replace")
     matched = False
     for secret in secrets:
-        expected = (SCHEME + hmac.new(secret, body, hashlib.sha256).hexdigest()).encode("ascii")
-        matched |= hmac.compare_digest(expected, given)
+        matched |= hmac.compare_digest(_mac(body, secret).encode("ascii"), given)
     if not matched:
         raise ForgedMessageError(
-            "bad signature: the message was altered or signed with another key"
+            f"bad signature: the {what} was altered or signed with another key"
         )
+
+
+def address(message: Mapping[str, Any], task: str, task_id: str) -> dict[str, Any]:
+    """A copy of ``message`` addressed to the Celery task ``task`` running as ``task_id``
+    (unsigned: sign it after)."""
+    out = {k: v for k, v in message.items() if k != SIG_FIELD}
+    out[TASK_FIELD] = task
+    out[TASK_ID_FIELD] = task_id
+    return out
+
+
+def addressee(message: Mapping[str, Any]) -> tuple[str, str]:
+    """``(task, task_id)`` a message is addressed to; ``("", "")`` for what it does not name."""
+    task, task_id = message.get(TASK_FIELD), message.get(TASK_ID_FIELD)
+    return (task if isinstance(task, str) else "", task_id if isinstance(task_id, str) else "")
+
+
+def check_addressed(message: Mapping[str, Any], task: str, task_id: str) -> None:
+    """Return when a (verified) message names ``task`` and ``task_id``, the task and id it is
+    running as; else raise ``ForgedMessageError``: its signature does not cover that id, so it
+    is another message replayed (or a message sent to the wrong task)."""
+    named_task, named_id = addressee(message)
+    if not named_id or not named_task:
+        raise ForgedMessageError(
+            "the message's signature covers no task id: it cannot be attributed to the task "
+            f"it arrived as ({task} {task_id[:64]!r})"
+        )
+    if named_task != task or not hmac.compare_digest(named_id.encode(), task_id.encode()):
+        raise ForgedMessageError(
+            f"the message's signature covers task {named_task[:64]!r} with id {named_id[:64]!r}, "
+            f"not {task} {task_id[:64]!r}: a signed message replayed under another task or id"
+        )
+
+
+def _record_prefix(kind: str) -> bytes:
+    if not kind or "\n" in kind:
+        raise ValueError(f"bad record kind {kind!r}")
+    return RECORD_DOMAIN + kind.encode("utf-8") + b"\n"
+
+
+def sign_record(kind: str, record: Mapping[str, Any], secrets: Sequence[bytes]) -> dict[str, Any]:
+    """A copy of ``record`` (a JSON object a worker stores) signed as a record of ``kind`` with
+    the first secret; unchanged, unsigned, when there is none."""
+    out = {k: v for k, v in record.items() if k != SIG_FIELD}
+    if secrets:
+        out[SIG_FIELD] = _mac(_record_prefix(kind) + canonical(out), secrets[0])
+    return out
+
+
+def verify_record(kind: str, record: Mapping[str, Any], secrets: Sequence[bytes]) -> None:
+    """Return when ``record`` carries a valid signature as a record of ``kind`` under one of
+    ``secrets``; else raise ``ForgedMessageError`` saying why (never quoting the record)."""
+    _verify(record, secrets, _record_prefix(kind), f"{kind} record")

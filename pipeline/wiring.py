@@ -262,10 +262,12 @@ class AutoReviser:
 
 
 def default_completer(config: CritiqueConfig) -> Completer:
-    """litellm behind the retry policy of ``config.llm`` (litellm loads on the first call)."""
+    """litellm behind the retry policy of ``config.llm`` (litellm loads on the first call);
+    ``CRITIQUE_LLM_API_KEY`` goes only to the configured models' providers."""
     from pipeline.llm import LiteLLMCompleter
+    from pipeline.providers import configured_models
 
-    return LiteLLMCompleter(config.llm)
+    return LiteLLMCompleter(config.llm, key_models=configured_models(config))
 
 
 def rate_limited_completer(
@@ -279,11 +281,14 @@ def rate_limited_completer(
     if config.llm.rate_limit is None:
         return None
     from pipeline.llm import LiteLLMCompleter
+    from pipeline.providers import configured_models
     from pipeline.store.ratelimit import RedisRateLimiter
 
     limiter = RedisRateLimiter(client)
     return LiteLLMCompleter(
-        config.llm, wait_for_slot=limiter.waiter(config.llm.rate_limit_for, on_wait)
+        config.llm,
+        key_models=configured_models(config),
+        wait_for_slot=limiter.waiter(config.llm.rate_limit_for, on_wait),
     )
 
 
@@ -346,7 +351,9 @@ def pick_reviser(config: CritiqueConfig, complete: Completer | None = None) -> R
 class RedisStores:
     """The Redis stores of one process, on one client (the store modules load here)."""
 
-    def __init__(self, client: redis.Redis) -> None:
+    def __init__(
+        self, client: redis.Redis, *, secrets: Callable[[], Sequence[bytes]] | None = None
+    ) -> None:
         from pipeline.store.blobs import RedisBlobStore
         from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
         from pipeline.store.runs import RedisRunStore
@@ -355,7 +362,7 @@ class RedisStores:
         self.budget = RedisBudgetLedger(client)
         self.trace = RedisTraceSink(client)
         self.blobs = RedisBlobStore(client)
-        self.runs = RedisRunStore(client)
+        self.runs = RedisRunStore(client, secrets=secrets)
 
 
 # --- the stage context ------------------------------------------------------------------------

@@ -7,6 +7,8 @@ One exit-code table for every sub-command (:data:`EXIT_CODES`, printed in every 
        for ``l0``, a check failed
     2  bad usage or configuration (nothing was enqueued, the worker did not start)
     3  a service could not be reached (Redis, the broker, a worker)
+  130  interrupted (Ctrl-C)
+  141  the reader of stdout went away (``critique status RUN | head -1``): a quiet end
 
 Sub-commands import these constants from here; no command defines its own.
 """
@@ -48,6 +50,9 @@ exit codes (every command):
      at --timeout; for `l0`, a check failed
   2  bad usage or configuration: nothing was enqueued, the worker did not start
   3  a service could not be reached: Redis, the broker, a worker
+  130  interrupted (Ctrl-C)
+  141  the reader of the output went away (`critique status RUN | head -1`): ended quietly,
+       as a tool killed by SIGPIPE, with no message
 """
 
 
@@ -96,14 +101,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return EXIT_USAGE
     try:
-        return int(args._run(args))
+        code = int(args._run(args))
+        sys.stdout.flush()  # a reader gone after the last write shows here, not at exit
+        return code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     except BrokenPipeError:
         # The reader went away (`critique status RUN --json | head`): stop quietly, as a
-        # SIGPIPE-killed tool would, instead of a traceback.
-        with contextlib.suppress(OSError):
+        # SIGPIPE-killed tool would, with no traceback and no message. What is still buffered
+        # goes to /dev/null so flushing it at exit cannot fail again (CPython's advice).
+        with contextlib.suppress(OSError, ValueError):
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
 

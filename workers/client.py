@@ -10,6 +10,12 @@ Usage::
 
 Any Celery client can do the same with plain messages: see ``workers.tasks`` for the task names.
 The broker is the same Redis unless ``CELERY_BROKER_URL`` says otherwise.
+
+What the client believes comes from the store, never from Celery's result backend: a pass's
+result, or the failure a worker recorded for it (both signed with ``CRITIQUE_SECRET`` set, and
+ignored unless they verify). A task id's ``FAILURE`` or ``SUCCESS`` state in the backend is no
+verdict: anyone who can write to the broker can set it, e.g. by sending garbage under a task
+id read from the run's ``submitted`` hash.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Submissi
 from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import admit, start
 from pipeline.store import keys
+from pipeline.store.runs import Failure, pass_member
 from workers import runtime
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
 
@@ -85,7 +92,12 @@ class CritiqueClient:
             try:
                 admit(sub, config, runtime.file_bytes)
                 check_submission_model(sub.model, runtime.own_config())
-                msg = runtime.encode(start(sub, runtime.new_pass_id()), self.config)
+                msg = runtime.encode(
+                    start(sub, runtime.new_pass_id()),
+                    self.config,
+                    task=keys.TASK_L0,
+                    task_id=uuid.uuid4().hex,  # the chain's first task runs under this id
+                )
                 json.dumps(msg, allow_nan=False)  # the broker's JSON must carry it as it is
                 prepared.append((sub, msg, submission_chain(msg, config, sub)))
             except unavailable:
@@ -145,6 +157,25 @@ class CritiqueClient:
             )
         return runs.result(handle.run_id, handle.iteration, handle.worker_id)
 
+    def outcome(self, handle: Handle) -> CritiqueResult | SubmissionError | None:
+        """The handle's pass's result, else the :class:`SubmissionError` for the failure a
+        worker recorded for that pass (a handle without a pass id: the latest pass), else None.
+        Celery's state for the task id is not consulted: a broker writer can forge it."""
+        runs = runtime.stores().runs
+        h = handle
+        if h.pass_id:
+            got = runs.pass_outcome(h.run_id, h.iteration, h.worker_id, h.pass_id)
+        else:
+            got = runs.result(h.run_id, h.iteration, h.worker_id)
+            sid = None if got is not None else runs.latest_pass(h.run_id, h.iteration, h.worker_id)
+            if sid:
+                got = runs.failure(h.run_id, pass_member(h.iteration, h.worker_id, sid))
+        if isinstance(got, Failure):
+            return SubmissionError(
+                f"submission {h.worker_id} of run {h.run_id} {_failure_text(got)}"
+            )
+        return got
+
     def wait(self, handle: Handle, timeout: float | None = 60.0) -> CritiqueResult:
         """Block until the result of the handle's pass is stored (polling Redis), or time out.
 
@@ -154,25 +185,21 @@ class CritiqueClient:
         A submission whose chain made no progress for :func:`stall_after_s` (no new step
         recorded) is resumed from its last recorded step (:meth:`resume`): the Redis broker can
         lose a message that a killed worker had popped but not yet registered as unacked.
+
+        Raises :class:`SubmissionError` when a worker recorded that the pass failed (refused
+        by the worker, a stage that raised); only such a record counts, never the state of the
+        chain's task id in Celery's result backend.
         """
-        from celery.result import AsyncResult
-
-        from workers.app import app
-
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.01
         progress = _Progress(self, handle, stall_after_s())
         while True:
-            got = self.result(handle)
+            got = self.outcome(handle)
+            if isinstance(got, SubmissionError):
+                raise got
             if got is not None:
                 return got
             progress.check()
-            ar = AsyncResult(handle.task_id, app=app)
-            if ar.state == "FAILURE":
-                raise SubmissionError(
-                    f"submission {handle.worker_id} of run {handle.run_id} "
-                    f"{_failure_reason(ar.result)}"
-                )
             if deadline is not None and time.monotonic() >= deadline:
                 raise CritiqueTimeout(
                     f"no result for {handle.worker_id} of run {handle.run_id} after {timeout} s "
@@ -209,36 +236,22 @@ class CritiqueClient:
     ) -> Iterator[tuple[Handle, CritiqueResult | SubmissionError]]:
         """Yield every handle once, as soon as it has an answer: its result, or the
         :class:`SubmissionError` saying why its chain failed (refused by a worker, a stage that
-        raised). One failure never hides the others' results. Raises :class:`CritiqueTimeout`
-        at ``timeout`` (one shared deadline) while some are still pending; stalled chains are
-        re-driven as in :meth:`wait`."""
-        from celery.result import AsyncResult
-
-        from workers.app import app
-
+        raised: as a worker recorded it for the pass, as in :meth:`wait`). One failure never
+        hides the others' results. Raises :class:`CritiqueTimeout` at ``timeout`` (one shared
+        deadline) while some are still pending; stalled chains are re-driven as in
+        :meth:`wait`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         stall_s = stall_after_s()
         left = {i: (h, _Progress(self, h, stall_s)) for i, h in enumerate(handles)}
         delay = 0.01
-        next_state_check = time.monotonic()
         while left:
-            check_states = time.monotonic() >= next_state_check
-            if check_states:
-                next_state_check = time.monotonic() + 0.25
             for i, (h, progress) in list(left.items()):
-                got = self.result(h)
+                got = self.outcome(h)
                 if got is not None:
                     del left[i]
                     yield h, got
                     continue
                 progress.check()
-                if not check_states:
-                    continue
-                ar = AsyncResult(h.task_id, app=app)
-                if ar.state == "FAILURE":
-                    del left[i]
-                    why = _failure_reason(ar.result)
-                    yield h, SubmissionError(f"submission {h.worker_id} of run {h.run_id} {why}")
             if not left:
                 return
             if deadline is not None and time.monotonic() >= deadline:
@@ -281,6 +294,10 @@ class CritiqueClient:
         ``iteration``; default the latest one) and returns its decision: ``complete``,
         ``rejected`` (with reasons and the placeholders to replace) or, after
         ``max_rejected_completions`` rejections, ``partial``. Every gate is in the trace.
+
+        The request is addressed to the task id it is sent under, and the decision is read from
+        the store as the worker recorded it (signed with ``CRITIQUE_SECRET``), not from
+        Celery's result backend; a refusal the worker recorded raises :class:`SubmissionError`.
         """
         from workers.app import app
 
@@ -291,9 +308,11 @@ class CritiqueClient:
             refs = [f if isinstance(f, FileRef) else FileRef.model_validate(dict(f)) for f in files]
         except Exception as exc:
             raise SubmissionError(f"malformed file reference: {exc}") from exc
+        request_id = uuid.uuid4().hex
+        task_id = uuid.uuid4().hex
         msg = {
             "v": runtime.MESSAGE_VERSION,
-            "request_id": uuid.uuid4().hex,
+            "request_id": request_id,
             "run_id": run_id,
             "iteration": iteration,
             "final_result": dict(final_result)
@@ -303,18 +322,28 @@ class CritiqueClient:
             "files": [f.model_dump(mode="json") for f in refs],
             "deliverable_expected": deliverable_expected,
             "config": self.config,
+            "task_name": keys.TASK_COMPLETE_GATE,
+            "task_id": task_id,
         }
         msg = runtime.sign(msg)  # with CRITIQUE_SECRET set: workers refuse unsigned requests
         runtime.decode_gate_request(msg)  # fail here, not on a worker, when it is malformed
-        res = app.send_task(keys.TASK_COMPLETE_GATE, args=(msg,))
-        try:
-            got = res.get(timeout=timeout)
-        except TimeoutError as exc:  # celery.exceptions.TimeoutError subclasses it
-            raise CritiqueTimeout(
-                f"no completion-gate answer for run {run_id} after {timeout} s "
-                "(is a worker consuming critique.cpu?)"
-            ) from exc
-        return CompletionDecision.model_validate(got)
+        app.send_task(keys.TASK_COMPLETE_GATE, args=(msg,), task_id=task_id)
+        runs = runtime.stores().runs
+        deadline = time.monotonic() + timeout
+        delay = 0.01
+        while True:
+            got = runs.completion_outcome(run_id, request_id)
+            if isinstance(got, Failure):
+                raise SubmissionError(f"completion gate of run {run_id} {_failure_text(got)}")
+            if got is not None:
+                return CompletionDecision.model_validate(got)
+            if time.monotonic() >= deadline:
+                raise CritiqueTimeout(
+                    f"no completion-gate answer for run {run_id} after {timeout} s "
+                    "(is a worker consuming critique.cpu?)"
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.25)
 
     def delegate_guard(
         self,
@@ -386,7 +415,6 @@ class _Progress:
 
     def check(self) -> None:
         """Called on every poll; reads the store only every ``stall_s / 4``."""
-        from pipeline.store.runs import pass_member
         from workers import recovery
 
         now = time.monotonic()
@@ -408,6 +436,15 @@ class _Progress:
             recovery.redrive_if_stalled(
                 h.run_id, self.member, seen, by="wait", stall_s=self.stall_s, stores=s
             )
+
+
+def _failure_text(failure: Failure) -> str:
+    """A recorded failure in one line, as :func:`_failure_reason` words an exception: "was
+    refused by the worker: …" for a refusal, else "failed: <Error>: …"."""
+    line = " ".join(failure.reason.split())[:500] or failure.error
+    if failure.refused:
+        return f"was refused by the worker: {line}"
+    return f"failed: {failure.error}: {line}"
 
 
 def _failure_reason(exc: Any) -> str:

@@ -112,8 +112,13 @@ class RecoveryStores:
 
 @functools.lru_cache(maxsize=4)
 def stores_on(client: redis.Redis) -> RecoveryStores:
-    """The recovery stores over ``client`` (one set per client)."""
-    return RecoveryStores(RedisRunStore(client), RedisTraceSink(client), RedisPendingIndex(client))
+    """The recovery stores over ``client`` (one set per client); the run store verifies what
+    workers recorded with ``CRITIQUE_SECRET`` (:func:`workers.runtime.secrets`)."""
+    return RecoveryStores(
+        RedisRunStore(client, secrets=runtime.secrets),
+        RedisTraceSink(client),
+        RedisPendingIndex(client),
+    )
 
 
 def default_stores() -> RecoveryStores:
@@ -311,8 +316,11 @@ def redrive_if_stalled(
         if doc is not None or now - last_progress >= max(10 * stall_s, 3600.0):
             s.pending.drop(run_id, member)
         return None
-    if _chain_failed(str(doc["task_id"])):
-        s.pending.drop(run_id, member)  # the waiter gets the failure; a re-drive fails again
+    if s.runs.failure(run_id, member) is not None:
+        # A worker recorded that the pass failed (Celery's FAILURE state for the gate id is no
+        # evidence: a broker writer can set it): the waiter gets the failure; a re-drive
+        # would fail again.
+        s.pending.drop(run_id, member)
         return None
     try:
         plan = _plan(s, run_id, iteration, worker_id)
@@ -367,16 +375,6 @@ def redrive_if_stalled(
         stalled_s=round(now - last_progress, 3),
         attempt=claimed,
     )
-
-
-def _chain_failed(gate_task_id: str) -> bool:
-    """Whether the chain ending in this gate task failed (Celery marks the rest of a failed
-    chain, the gate included, as FAILURE)."""
-    from celery.result import AsyncResult
-
-    from workers.app import app
-
-    return bool(AsyncResult(gate_task_id, app=app).state == "FAILURE")
 
 
 def sweep(

@@ -332,7 +332,7 @@ def _worker_figure(r: CritiqueResult) -> str:
         f"{trajectory_svg(r)}"
         f'<div class="legend">{legend} &nbsp; verdicts: {verdicts}</div>{summary}'
         f"{_defect_diffs(r)}"
-        f"<details><summary>defects ({len(r.envelope.defects)})</summary>"
+        f"<details><summary>defects ({r.envelope.defect_count})</summary>"
         f'<ul class="defects">{defects or "<li>none</li>"}</ul></details>'
         f"<details><summary>best output{first}</summary><pre>{preview}</pre></details>"
         "</figure>"

@@ -14,6 +14,11 @@ also carries ``"sig": "hmac-sha256:<hex>"`` over all its other fields (:mod:`pip
 and :func:`decode` / :func:`decode_gate_request` refuse one that is unsigned, altered or signed
 with another key (``ForgedMessageError``). A ``state_ref`` is covered by the signature and the
 blob must hash to it, so neither the reference nor the bytes behind it can be swapped.
+
+Every message also names the Celery task it is addressed to, ``"task_name"`` and ``"task_id"``
+(signed with the rest): the sender picks the next task's id before it signs, and a worker
+refuses a message it receives as any other task or id (:func:`decode`'s ``task``/``task_id``),
+so a signed message replayed under a victim's task id cannot act as that task.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from pipeline import signing
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.models import FileRef, Frozen
-from pipeline.runner import LoopState, StageContext
+from pipeline.runner import LoopState, StageContext, compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
 from pipeline.wiring import (
@@ -92,8 +97,9 @@ Stores = RedisStores
 
 @functools.lru_cache(maxsize=1)
 def stores() -> RedisStores:
-    """This process's Redis stores, on :func:`client`."""
-    return RedisStores(client())
+    """This process's Redis stores, on :func:`client`; the run store signs and verifies the
+    records workers write with :func:`secrets` (read at each use)."""
+    return RedisStores(client(), secrets=secrets)
 
 
 _config_lock = threading.Lock()
@@ -183,13 +189,20 @@ def new_pass_id() -> str:
 
 
 def encode(
-    state: LoopState, overrides: dict[str, Any] | None, sid: str | None = None
+    state: LoopState,
+    overrides: dict[str, Any] | None,
+    sid: str | None = None,
+    *,
+    task: str = "",
+    task_id: str = "",
 ) -> dict[str, Any]:
     """A message carrying ``state``: inline when small, else by blob reference.
 
     ``sid`` identifies one submission's pass through the pipeline (SPEC §4 "Passes": new for
     every ``submit``, kept by every stage after it), so a resubmission never replays an earlier
     pass's steps. Default: the state's ``pass_id``, else a fresh one (:func:`new_pass_id`).
+    ``task`` and ``task_id``: the Celery task the message is addressed to (omitted when empty:
+    with ``CRITIQUE_SECRET`` set no worker accepts such a message).
     """
     if state.pass_id and sid and sid != state.pass_id:
         raise ValueError(f"message sid {sid!r} is not the state's pass id {state.pass_id!r}")
@@ -202,16 +215,43 @@ def encode(
     if len(raw) <= INLINE_LIMIT:
         msg["state"] = raw
     else:
-        msg["state_ref"] = stores().blobs.put(raw.encode("utf-8"))
+        # Its large parts (submission, outputs, envelopes) by reference too: stored once per
+        # pass, not once per stage (pipeline.runner.compact_state).
+        blobs = stores().blobs
+        msg["state_ref"] = blobs.put(compact_state(state, blobs.put))
+    if task and task_id:
+        msg = signing.address(msg, task, task_id)
     return sign(msg)
 
 
-def decode(msg: Any) -> tuple[LoopState, dict[str, Any]]:
+def address(msg: dict[str, Any], task: str, task_id: str) -> dict[str, Any]:
+    """``msg`` addressed to the Celery task ``task`` running as ``task_id``: itself when it
+    already is (or when there is no task to address: an output no chain consumes), else a copy
+    re-signed. With ``CRITIQUE_SECRET`` set ``msg`` must verify first (``ForgedMessageError``),
+    so a message read back from the store is never re-signed unless a key holder signed it."""
+    if not (task and task_id) or signing.addressee(msg) == (task, task_id):
+        return msg
+    verify(msg)
+    return sign(signing.address(msg, task, task_id))
+
+
+def check_addressed(msg: dict[str, Any], task: str | None, task_id: str | None) -> None:
+    """With ``CRITIQUE_SECRET`` set, raise ``ForgedMessageError`` unless the (verified) ``msg``
+    is addressed to ``task`` running as ``task_id``; a no-op without the secret or a task."""
+    if task is not None and secrets():
+        signing.check_addressed(msg, task, task_id or "")
+
+
+def decode(
+    msg: Any, *, task: str | None = None, task_id: str | None = None
+) -> tuple[LoopState, dict[str, Any]]:
     """The state and configuration overrides a message carries.
 
     With ``CRITIQUE_SECRET`` set the signature is checked first, before anything in the message
     is read or fetched: ``ForgedMessageError`` for an unsigned, altered or wrong-key message, or
-    for a referenced blob whose bytes do not hash to the (signed) reference.
+    for a referenced blob whose bytes do not hash to the (signed) reference. Given the ``task``
+    and ``task_id`` it arrived as (a worker's received message), a well-formed message not
+    addressed to them is refused last (``ForgedMessageError``: :func:`check_addressed`).
     """
     if not isinstance(msg, dict):
         raise SubmissionError(
@@ -226,11 +266,15 @@ def decode(msg: Any) -> tuple[LoopState, dict[str, Any]]:
     config = msg.get("config")
     if not isinstance(msg.get("sid", ""), str) or not isinstance(config, (dict, type(None))):
         raise SubmissionError("stage message: 'sid' must be a string and 'config' an object")
+    doc: dict[str, Any] | None = None
     if isinstance(msg.get("state"), str):
         raw: str | bytes = msg["state"]
     elif isinstance(msg.get("state_ref"), str):
         try:
             raw = stores().blobs.get(msg["state_ref"])
+            doc = expand_state(raw, stores().blobs.get)  # each part hash-checked too
+        except ValueError as exc:
+            raise SubmissionError(f"stage message carries a malformed state: {exc}") from None
         except BlobCorruptError as exc:
             raise ForgedMessageError(
                 f"stage message's state blob does not hash to its reference: {exc.message}"
@@ -238,9 +282,10 @@ def decode(msg: Any) -> tuple[LoopState, dict[str, Any]]:
     else:
         raise SubmissionError("stage message carries neither a 'state' nor a 'state_ref' string")
     try:
-        state = LoopState.model_validate_json(raw)
+        state = LoopState.model_validate_json(raw) if doc is None else LoopState.model_validate(doc)
     except ValueError as exc:
         raise SubmissionError(f"stage message carries a malformed state: {_errors(exc)}") from None
+    check_addressed(msg, task, task_id)
     return state, dict(config or {})
 
 
@@ -272,10 +317,17 @@ class GateRequest(Frozen):
     config: dict[str, Any] = Field(default_factory=dict)
 
 
-def decode_gate_request(msg: Any) -> GateRequest:
+_ENVELOPE = frozenset({signing.SIG_FIELD, signing.TASK_FIELD, signing.TASK_ID_FIELD})
+"""Fields of a message that address and sign it, not part of what it asks for."""
+
+
+def decode_gate_request(
+    msg: Any, *, task: str | None = None, task_id: str | None = None
+) -> GateRequest:
     """The completion-gate request a message carries (a clear error when it is malformed).
 
-    With ``CRITIQUE_SECRET`` set, ``ForgedMessageError`` unless it is validly signed.
+    With ``CRITIQUE_SECRET`` set, ``ForgedMessageError`` unless it is validly signed (and, given
+    the ``task`` and ``task_id`` it arrived as, addressed to them: :func:`check_addressed`).
     """
     if not isinstance(msg, dict):
         raise SubmissionError(
@@ -283,11 +335,12 @@ def decode_gate_request(msg: Any) -> GateRequest:
         )
     verify(msg)
     try:
-        req = GateRequest.model_validate({k: v for k, v in msg.items() if k != signing.SIG_FIELD})
+        req = GateRequest.model_validate({k: v for k, v in msg.items() if k not in _ENVELOPE})
     except ValueError as exc:
         raise SubmissionError(f"malformed complete_gate message: {_errors(exc)}") from None
     if req.v != MESSAGE_VERSION:
         raise SubmissionError(f"complete_gate message version {req.v}; expected {MESSAGE_VERSION}")
+    check_addressed(msg, task, task_id)
     return req
 
 

@@ -17,29 +17,47 @@ first record of a step wins and a re-run writes nothing again. Transient errors 
 retried with exponential backoff and jitter; permanent ones fail the task at once.
 
 A message that cannot be trusted or read (unsigned, forged or altered while ``CRITIQUE_SECRET``
-is set, or malformed) is refused: a warning in the log (never the payload), a ``refused`` event
-in the trace of the run it claims (marked ``run_id_verified: false``), and the task fails with
-the reason, never retried and never turned into a result.
+is set, addressed to another task or task id, or malformed) is refused: a warning in the log
+(never the payload), a ``refused`` event in the trace of the run it claims (marked
+``run_id_verified: false``), and the task fails with the reason, never retried and never turned
+into a result.
+
+Every message a stage hands on is addressed (signed) to the task that consumes it: the next task
+of the chain (its id was fixed when the chain was frozen), the repair round that replaces the
+task (an id chosen before signing, given to the replacement), or the task itself (the critic
+decides inline). A task that fails for good records the failure in the store for the pass
+(:meth:`pipeline.store.runs.RedisRunStore.put_failure`) only when it can attribute it: the
+message verified and was addressed to it. Clients read that record, never Celery's ``FAILURE``
+state, which anyone who can write to the broker can set for any task id.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import uuid
 from typing import Any
 
 from celery import Task, chain
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 
+from pipeline import signing
 from pipeline.config import CritiqueConfig, check_submission_model
-from pipeline.errors import CritiqueError, PermanentError, TransientError
+from pipeline.errors import (
+    ConfigError,
+    CritiqueError,
+    PermanentError,
+    SubmissionError,
+    TransientError,
+)
 from pipeline.gates import evaluate_completion
 from pipeline.models import Submission, check_identifier
 from pipeline.runner import STAGES, LoopState, StageContext, finish, is_token_free, resolve_for
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
+from pipeline.store.runs import completion_member, pass_member
 from workers import runtime
 from workers.app import app
 
@@ -63,7 +81,21 @@ REPLACED: dict[str, Any] = {"replaced": True}
 """What a stage task that handed its chain to a repair round returns (nothing receives it)."""
 
 
-class ReplacingStage(Task):  # type: ignore[misc]
+_CLAIM = "critique_claim"
+"""The request attribute naming what a task's failure is recorded against: ``(run id, pass or
+completion member, stage)``, set only once its message verified and was addressed to it."""
+
+
+class CritiqueTask(Task):  # type: ignore[misc]
+    """A pipeline task: a failure for good (not a retry) is recorded in the store against the
+    pass (or completion-gate request) the task's message was attributed to, if any
+    (:func:`_record_failure`)."""
+
+    def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        _record_failure(self, exc)
+
+
+class ReplacingStage(CritiqueTask):
     """A stage task that may hand its chain on to a repair round (``Task.replace``).
 
     ``Task.replace`` builds the replacement (the rest of the chain, callbacks, errbacks and ids
@@ -82,6 +114,72 @@ class ReplacingStage(Task):  # type: ignore[misc]
         self.request.chain = None
         self.request.callbacks = None
         return dict(REPLACED)
+
+
+def _attribute(task: Task, run_id: str, field: str, stage: str) -> None:
+    """From now on a failure of ``task`` belongs to ``field`` (a pass or completion member) of
+    ``run_id``: call only once its message verified and was addressed to the task."""
+    if task.request.id:
+        setattr(task.request, _CLAIM, (run_id, field, stage))
+
+
+def _record_failure(task: Task, exc: BaseException) -> None:
+    """Record a failed task's error against the pass it was attributed to (:func:`_attribute`),
+    signed, so the client reports it; a message that never got that far (forged, garbage,
+    addressed to another task) records nothing and affects no pass."""
+    claim = getattr(task.request, _CLAIM, None)
+    if claim is None:
+        return
+    run_id, field, stage = claim
+    message = exc.message if isinstance(exc, CritiqueError) else str(exc)
+    reason = " ".join(str(message).split())[:500] or type(exc).__name__
+    try:
+        runtime.stores().runs.put_failure(
+            run_id,
+            field,
+            stage=stage,
+            error=type(exc).__name__,
+            reason=reason,
+            refused=isinstance(exc, (SubmissionError, ConfigError)),
+            task_id=str(task.request.id or ""),
+        )
+    except Exception as store_exc:  # never mask the task's own failure
+        log.warning("could not record the failure of %s of run %s: %s", field, run_id, store_exc)
+
+
+def _next_in_chain(task: Task) -> tuple[str, str]:
+    """``(task name, task id)`` of the task after this one in its chain (its id was fixed when
+    the chain was frozen); ``("", "")`` when the chain ends here."""
+    steps = task.request.chain
+    if not steps:
+        return "", ""
+    nxt = steps[-1]
+    options = nxt.get("options") or {}
+    return str(nxt.get("task") or ""), str(options.get("task_id") or "")
+
+
+def _consumer(
+    task: Task, stage: str, next_stage: str, msg: dict[str, Any] | None = None
+) -> tuple[str, str]:
+    """``(task name, task id)`` the message a stage hands on (its state's next stage
+    ``next_stage``) is addressed to: the critic's goes to this task itself (it decides
+    inline); a decision to repair goes to the repair round that will replace this task (the id
+    ``msg`` already names, else a new one); anything else to the next task of the chain."""
+    if stage == "critic" and next_stage == "decide":
+        return task.name, str(task.request.id or "")
+    if stage == "decide" and next_stage == "repair":
+        named, named_id = signing.addressee(msg or {})
+        if named == keys.TASK_REPAIR and named_id:
+            return named, named_id
+        return keys.TASK_REPAIR, uuid.uuid4().hex
+    return _next_in_chain(task)
+
+
+def _addressed(task: Task, stage: str, next_stage: str, msg: dict[str, Any]) -> dict[str, Any]:
+    """``msg`` (a pass-through or a replayed output) addressed to its consumer
+    (:func:`_consumer`): re-signed only when it names another task, and only after it verified
+    (it may come from the store)."""
+    return runtime.address(msg, *_consumer(task, stage, next_stage, msg))
 
 
 def _step_id(sid: str, state: LoopState, stage: str) -> str:
@@ -126,17 +224,19 @@ def _run_stage(
     such a fresh output of this task (then no earlier record of this step can exist)."""
     if decoded is None:
         state, overrides = _decoded(task, msg, stage)
-        sub = state.submission
+    else:
+        state, overrides = decoded
+    sub = state.submission
+    sid = _pass_id(task, msg, state)
+    _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), stage)
+    if decoded is None:
         _boundary_config(
             task, overrides, stage, sub.run_id, sub.iteration, sub.worker_id, sub.model
         )
-    else:
-        state, overrides = decoded
     if state.next != stage:
-        return msg, state.next, None
+        return _addressed(task, stage, state.next, msg), state.next, None
     run_id = state.submission.run_id
     runs = runtime.stores().runs
-    sid = _pass_id(task, msg, state)
     if state.pass_id != sid:
         state = state.model_copy(update={"pass_id": sid})
     step = _step_id(sid, state, stage)
@@ -147,7 +247,7 @@ def _run_stage(
     if reads or _spends_tokens(stage, shared, state) or _repeated(task):
         recorded = runs.step_output(run_id, step)
         if recorded is not None:
-            return (*_replayed(recorded), None)
+            return (*_replayed(task, stage, recorded), None)
     buffer = BufferedTraceSink()
     ctx = dataclasses.replace(shared, trace=buffer)
     new = STAGES[stage](state, ctx)
@@ -158,11 +258,12 @@ def _run_stage(
             worker_id=state.submission.worker_id,
             attempt=new.attempt,
         )
-    out = runtime.encode(new, overrides, sid=sid or None)
+    to, to_id = _consumer(task, stage, new.next)
+    out = runtime.encode(new, overrides, sid=sid or None, task=to, task_id=to_id)
     first = runs.record_step(run_id, step, json.dumps(out), buffer.payloads.get(run_id, ()))
     if first is None:
         return out, new.next, (new, overrides)
-    replay = _replayed(first)
+    replay = _replayed(task, stage, first)
     if new.lease_id is not None and runtime.decode(replay[0])[0].lease_id != new.lease_id:
         # Another delivery of this decide recorded first without this lease (it was refused
         # the budget, say): the reservation this run made would be held for nothing.
@@ -190,9 +291,12 @@ def _repeated(task: Task) -> bool:
     return bool(info.get("redelivered")) or bool(request.retries)
 
 
-def _replayed(recorded: str) -> tuple[dict[str, Any], str]:
+def _replayed(task: Task, stage: str, recorded: str) -> tuple[dict[str, Any], str]:
+    """A step's recorded output and its next stage, addressed to this run's consumer of it
+    (a duplicate chain's next task has another id)."""
     out = dict(json.loads(recorded))
-    return out, runtime.decode(out)[0].next
+    next_stage = runtime.decode(out)[0].next
+    return _addressed(task, stage, next_stage, out), next_stage
 
 
 def _boundary_config(
@@ -232,18 +336,20 @@ def _boundary_config(
 
 
 def _decoded(task: Task, msg: Any, stage: str) -> tuple[LoopState, dict[str, Any]]:
-    """``runtime.decode`` of a message off the broker; a refused message is recorded first."""
+    """``runtime.decode`` of a message off the broker, which must be addressed to this task and
+    its id (with ``CRITIQUE_SECRET`` set); a refused message is recorded first."""
     try:
-        return runtime.decode(msg)
+        return runtime.decode(msg, task=task.name, task_id=str(task.request.id or ""))
     except PermanentError as exc:
         _refuse(task, msg, stage, exc)
         raise
 
 
 def _gate_request(task: Task, msg: Any) -> runtime.GateRequest:
-    """``runtime.decode_gate_request`` of a message off the broker, refusals recorded."""
+    """``runtime.decode_gate_request`` of a message off the broker (addressed to this task and
+    its id, with ``CRITIQUE_SECRET`` set), refusals recorded."""
     try:
-        return runtime.decode_gate_request(msg)
+        return runtime.decode_gate_request(msg, task=task.name, task_id=str(task.request.id or ""))
     except PermanentError as exc:
         _refuse(task, msg, "complete_gate", exc)
         raise
@@ -303,7 +409,7 @@ def _claimed_run_id(msg: Any) -> str | None:
         return None
 
 
-@app.task(name=keys.TASK_L0, bind=True, **STAGE)
+@app.task(name=keys.TASK_L0, bind=True, base=CritiqueTask, **STAGE)
 def l0(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Layer-0 contract checks (token-free)."""
     return _stage(self, msg, "l0")[0]
@@ -322,7 +428,7 @@ def critic(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     return _decide(self, out, decoded)
 
 
-@app.task(name=keys.TASK_REPAIR, bind=True, **STAGE)
+@app.task(name=keys.TASK_REPAIR, bind=True, base=CritiqueTask, **STAGE)
 def repair(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """One targeted repair attempt, charged to the run's budget."""
     return _stage(self, msg, "repair")[0]
@@ -345,12 +451,13 @@ def _decide(task: Task, msg: dict[str, Any], decoded: Decoded | None = None) -> 
         return out
     state, overrides = new if new is not None else runtime.decode(out)
     loop = loop_from("repair", out, runtime.config_for(overrides), state.submission)
+    loop[0].set(task_id=signing.addressee(out)[1])  # the id the repair message is signed for
     # Under a worker: REPLACED (ReplacingStage.on_replace); eagerly: the replacement's answer.
     replaced: dict[str, Any] = task.replace(chain(*loop))
     return replaced
 
 
-@app.task(name=keys.TASK_GATE, bind=True, **RETRY)
+@app.task(name=keys.TASK_GATE, bind=True, base=CritiqueTask, **RETRY)
 def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Finish the submission pass: store its result and write its ``result`` event, both in
     one atomic step and once per pass (a re-run gate writes nothing); return a summary.
@@ -359,6 +466,8 @@ def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     finished state is refused before anything is stored."""
     state, _ = _decoded(self, msg, "gate")
     sid = _pass_id(self, msg, state)
+    sub = state.submission
+    _attribute(self, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), "gate")
     if state.pass_id != sid:
         state = state.model_copy(update={"pass_id": sid})
     result = finish(state)
@@ -375,21 +484,23 @@ def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-@app.task(name=keys.TASK_COMPLETE_GATE, bind=True, **RETRY)
+@app.task(name=keys.TASK_COMPLETE_GATE, bind=True, base=CritiqueTask, **RETRY)
 def complete_gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """The manager's completion gate (SPEC §5.6) over the run's stored results.
 
     Message: ``{"v": 1, "request_id", "run_id", "iteration", "final_result", "task", "files",
-    "deliverable_expected", "config"}``. Returns the ``CompletionDecision`` as JSON. The first
-    decision per ``request_id`` is recorded and replayed on redelivery, and a rejection is
-    counted once per request, so ``max_rejected_completions`` → partial is never double-counted.
+    "deliverable_expected", "config", "task_name", "task_id"}`` (the last two: this task, as
+    addressed by the signer). Returns the ``CompletionDecision`` as JSON. The first decision per
+    ``request_id`` is recorded (signed) and replayed on redelivery, and a rejection is counted
+    once per request, so ``max_rejected_completions`` → partial is never double-counted; the
+    client reads the recorded decision, not this task's result in Celery's backend.
     """
     req = _gate_request(self, msg)
+    _attribute(self, req.run_id, completion_member(req.request_id), "complete_gate")
     s = runtime.stores()
-    step = f"complete_gate:{req.request_id}"
-    recorded = s.runs.step_output(req.run_id, step)
+    recorded = s.runs.completion(req.run_id, req.request_id)
     if recorded is not None:
-        return dict(json.loads(recorded))
+        return recorded
     config = _boundary_config(self, req.config, "complete_gate", req.run_id, req.iteration)
     results = s.runs.results(req.run_id, req.iteration)
     decision = evaluate_completion(
@@ -419,9 +530,10 @@ def complete_gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
             }
         )
     )
-    raw = decision.model_dump_json()
-    first = s.runs.record_step(req.run_id, step, raw, events)
-    out = json.loads(raw if first is None else first)
+    out: dict[str, Any] = json.loads(decision.model_dump_json())
+    first = s.runs.record_completion(req.run_id, req.request_id, out, events)
+    if first:
+        out = first
     if out["verdict"] != "complete":
         s.runs.count_rejection_once(req.run_id, req.request_id)
     return dict(out)
@@ -480,17 +592,36 @@ _STAGE_TASKS: dict[str, Task] = {"repair": repair, "l0": l0, "decide": decide}
 
 
 def submission_chain(msg: dict[str, Any], config: CritiqueConfig, submission: Submission) -> Any:
-    """The chain for one submission message."""
-    return chain(*loop_from("l0", msg, config, submission), gate.s())
+    """The chain for one submission message; its first task gets the id ``msg`` is addressed
+    to (the client picks it before signing)."""
+    loop = loop_from("l0", msg, config, submission)
+    first_id = signing.addressee(msg)[1]
+    if first_id:
+        loop[0].set(task_id=first_id)
+    return chain(*loop, gate.s())
+
+
+_FIRST_TASK = {
+    "l0": keys.TASK_L0,
+    "critic": keys.TASK_CRITIC,
+    "decide": keys.TASK_DECIDE,
+    "repair": keys.TASK_REPAIR,
+}
+"""The task a continuation from each stage starts with (:func:`loop_from`)."""
 
 
 def continuation(
     msg: dict[str, Any], config: CritiqueConfig, submission: Submission, gate_task_id: str
 ) -> Any:
     """The rest of a submission's chain from a stage message (its ``state.next``), ending in
-    the gate task with its original id, so whoever waits on that id still gets the answer."""
+    the gate task with its original id, so whoever waits on that id still gets the answer.
+    ``msg`` (read back from the store: it must verify) is re-addressed to the chain's first
+    task, under a new id."""
     state, _ = runtime.decode(msg)
     if state.next == "done":
-        return gate.s(msg).set(task_id=gate_task_id)
+        return gate.s(runtime.address(msg, keys.TASK_GATE, gate_task_id)).set(task_id=gate_task_id)
+    first_id = uuid.uuid4().hex
+    msg = runtime.address(msg, _FIRST_TASK[state.next], first_id)
     loop = loop_from(state.next, msg, config, submission)
+    loop[0].set(task_id=first_id)
     return chain(*loop, gate.s().set(task_id=gate_task_id))

@@ -36,6 +36,7 @@ Optional capabilities are protocols of their own, checked with ``isinstance``:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -46,8 +47,11 @@ from pipeline.models import (
     Defect,
     Frozen,
     RepairAttempt,
+    ReusablePattern,
     Submission,
+    Suggestion,
     Usage,
+    defect_id,
 )
 
 L0_ERROR_PENALTY = 0.2
@@ -243,3 +247,245 @@ def merge_l0(envelope: CritiqueEnvelope, l0_defects: Sequence[Defect]) -> Critiq
             "fallback_reason": "layer-0 contract failed: no critic tokens spent",
         }
     )
+
+
+# --- bounds: what one critique may hold, whatever the output and the critic -------------------
+#
+# A critique's size must not grow faster than its input (issue 28: 400k empty JSON fields once
+# became 400k defects, prescriptions and patterns, copied into every stage's state). Every
+# envelope the loop keeps goes through :func:`bound_envelope`: at most MAX_DEFECTS defects (the
+# rest folded into one summary defect per category and severity that says how many it stands
+# for), and every text clipped with "…".
+
+MAX_DEFECTS = 100
+"""Defects listed per envelope (and per Layer-0 outcome); summary defects included."""
+MAX_FOLD_GROUPS = 20
+"""Summary defects by (category, severity); smaller groups past these share one per severity."""
+DESCRIPTION_CHARS = 300
+"""Longest defect description kept (the rest cut, ending in "…")."""
+LOCATION_CHARS = 120
+"""Longest defect location kept."""
+CATEGORY_CHARS = 64
+"""Longest defect category kept."""
+MAX_PRESCRIPTIONS = 100
+"""Prescriptions per envelope (duplicates dropped first)."""
+PRESCRIPTION_CHARS = 500
+"""Longest prescription kept."""
+MAX_PATTERNS = 40
+"""Reusable patterns per envelope: twice what pattern memory records from one critique, taken
+in turn from each category so the few rare ones survive a flood of one kind."""
+PATTERN_CHARS = 300
+"""Longest reusable-pattern description or prevention rule kept."""
+MAX_SUGGESTIONS = 100
+"""Rubric suggestions per envelope."""
+SUGGESTION_CHARS = 1000
+"""Longest suggestion edit kept."""
+SUMMARY_CHARS = 2000
+"""Longest envelope summary (and fallback reason) kept."""
+_SHOWN_LOCATIONS = 3
+"""Locations a summary defect names (the first ones it folds), each cut to 40 characters."""
+_SEVERITY_RANK = {"critical": 0, "warning": 1, "info": 2}
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to at most ``limit`` characters, ending in "…" when it was cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _clipped(d: Defect) -> Defect:
+    """``d`` with its description, location and category clipped; when anything was cut, a
+    new id hashed over the full location and description (stable, still distinct)."""
+    location = None if d.location is None else clip(d.location, LOCATION_CHARS)
+    description = clip(d.description, DESCRIPTION_CHARS)
+    category = clip(d.category, CATEGORY_CHARS)
+    if (location, description, category) == (d.location, d.description, d.category):
+        return d
+    full = f"{d.location or ''}\n{d.description}"
+    return d.model_copy(
+        update={
+            "category": category,
+            "location": location,
+            "description": description,
+            "id": defect_id(category, location, full),
+        }
+    )
+
+
+class _Group:
+    """Defects of one (category, severity) left out of a bounded list."""
+
+    def __init__(self, category: str, severity: str, first: Defect) -> None:
+        self.category = category
+        self.severity = severity
+        self.count = 0
+        self.members: list[Defect] = []
+        self.sources: list[str] = []
+        self.checks: set[str | None] = set()
+        self.locations: list[str] = []
+        self.categories: Counter[str] = Counter()
+        self.first = first
+
+    def add(self, d: Defect) -> None:
+        self.members.append(d)
+        self.count += d.folded or 1
+        self.sources.append(d.source)
+        self.checks.add(d.check)
+        self.categories[d.category] += d.folded or 1
+        if d.folded is None and d.location and len(self.locations) < _SHOWN_LOCATIONS:
+            self.locations.append(clip(d.location, 40))
+
+    def defect(self, other: bool) -> Defect:
+        """The summary defect of this group (``other``: the groups past MAX_FOLD_GROUPS); a
+        group of one defect is that defect (a summary defect already, or one listed as itself:
+        folding again changes nothing, and no summary ever stands for a single defect)."""
+        if len(self.members) == 1:
+            return _clipped(self.members[0])
+        category = clip(
+            self.categories.most_common(1)[0][0] if other else self.category, CATEGORY_CHARS
+        )
+        if other:
+            names = ", ".join(c for c, _ in self.categories.most_common(4))
+            more = "…" if len(self.categories) > 4 else ""
+            what = (
+                f"and {self.count} more {self.severity} defect(s) in "
+                f"{len(self.categories)} other categories ({names}{more})"
+            )
+        else:
+            what = f"and {self.count} more {category} {self.severity} defect(s)"
+        where = f"; the first at: {', '.join(self.locations)}" if self.locations else ""
+        source = self.first.source
+        one_check = len(self.checks) == 1 and all(s == "l0" for s in self.sources)
+        check = next(iter(self.checks)) if source == "l0" and one_check else None
+        return Defect.model_validate(
+            {
+                "id": f"{category}:{'more-other' if other else 'more'}:{self.severity}",
+                "category": category,
+                "severity": self.severity,
+                "location": None,
+                "description": clip(f"{what}, not listed one by one{where}", DESCRIPTION_CHARS),
+                "source": source,
+                "check": check,
+                "folded": self.count,
+            }
+        )
+
+
+def fold_defects(defects: Sequence[Defect], limit: int = MAX_DEFECTS) -> tuple[Defect, ...]:
+    """At most ``limit`` defects, each clipped (:data:`DESCRIPTION_CHARS`,
+    :data:`LOCATION_CHARS`): the first ones by severity (critical, then warning, then info; in
+    their own order within one), then one summary defect per (category, severity) saying how
+    many more it stands for (``folded``) and where the first of them are. Folding a folded
+    list again gives the same counts (a summary defect is counted as the defects it folds)."""
+    listed = [i for i, d in enumerate(defects) if d.folded is None]
+    if len(defects) <= limit and len(listed) == len(defects):
+        return tuple(_clipped(d) for d in defects)
+    order = sorted(listed, key=lambda i: _SEVERITY_RANK[defects[i].severity])
+    keep = limit - 1
+    while True:
+        kept = set(order[:keep])
+        groups: dict[tuple[str, str], _Group] = {}
+        for i, d in enumerate(defects):
+            if i not in kept:
+                key = (d.category, d.severity)
+                if key not in groups:
+                    groups[key] = _Group(d.category, d.severity, d)
+                groups[key].add(d)
+        summaries = min(len(groups), MAX_FOLD_GROUPS + len(_SEVERITY_RANK))
+        if keep + summaries <= limit or keep == 0:
+            break
+        keep = max(0, limit - summaries)
+    ranked = sorted(groups.values(), key=lambda g: (_SEVERITY_RANK[g.severity], -g.count))
+    folded = [g.defect(other=False) for g in ranked[:MAX_FOLD_GROUPS]]
+    others: dict[str, _Group] = {}
+    for g in ranked[MAX_FOLD_GROUPS:]:
+        lump = others.setdefault(g.severity, _Group(g.category, g.severity, g.first))
+        lump.members += g.members
+        lump.count += g.count
+        lump.sources += g.sources
+        lump.checks |= g.checks
+        lump.categories.update(g.categories)
+        lump.locations += g.locations[: _SHOWN_LOCATIONS - len(lump.locations)]
+    folded += [g.defect(other=True) for g in others.values()]
+    return (*(_clipped(defects[i]) for i in sorted(kept)), *folded)
+
+
+def _bounded_patterns(patterns: Sequence[ReusablePattern]) -> tuple[ReusablePattern, ...]:
+    """Distinct patterns, texts clipped, at most :data:`MAX_PATTERNS`, taken in turn from each
+    category (first appearance order), so no category crowds out the others."""
+    clipped = dict.fromkeys(
+        p
+        if len(p.description) <= PATTERN_CHARS and len(p.prevention_rule) <= PATTERN_CHARS
+        else p.model_copy(
+            update={
+                "description": clip(p.description, PATTERN_CHARS),
+                "prevention_rule": clip(p.prevention_rule, PATTERN_CHARS),
+            }
+        )
+        for p in patterns
+    )
+    if len(clipped) <= MAX_PATTERNS:
+        return tuple(clipped)
+    queues: dict[str, list[ReusablePattern]] = {}
+    for p in clipped:
+        queues.setdefault(p.category, []).append(p)
+    out: list[ReusablePattern] = []
+    depth = 0
+    while len(out) < MAX_PATTERNS:
+        for queue in queues.values():
+            if depth < len(queue) and len(out) < MAX_PATTERNS:
+                out.append(queue[depth])
+        depth += 1
+    chosen = set(out)
+    return tuple(p for p in clipped if p in chosen)
+
+
+def _bounded_prescriptions(prescriptions: Sequence[str]) -> tuple[str, ...]:
+    """Distinct prescriptions, clipped, at most :data:`MAX_PRESCRIPTIONS` (the last one then
+    says how many more there were)."""
+    distinct = list(dict.fromkeys(clip(p, PRESCRIPTION_CHARS) for p in prescriptions))
+    if len(distinct) <= MAX_PRESCRIPTIONS:
+        return tuple(distinct)
+    more = len(distinct) - (MAX_PRESCRIPTIONS - 1)
+    return (
+        *distinct[: MAX_PRESCRIPTIONS - 1],
+        f"(and {more} more prescriptions of the same kinds, for the defects summarised as "
+        "'and N more')",
+    )
+
+
+def _bounded_suggestions(suggestions: Sequence[Suggestion]) -> tuple[Suggestion, ...]:
+    out = []
+    for s in suggestions[:MAX_SUGGESTIONS]:
+        if len(s.edit) > SUGGESTION_CHARS or len(s.target_section or "") > LOCATION_CHARS:
+            section = None if s.target_section is None else clip(s.target_section, LOCATION_CHARS)
+            s = s.model_copy(
+                update={"edit": clip(s.edit, SUGGESTION_CHARS), "target_section": section}
+            )
+        out.append(s)
+    return tuple(out)
+
+
+def bound_envelope(envelope: CritiqueEnvelope) -> CritiqueEnvelope:
+    """``envelope`` within the per-critique bounds above, whatever critic wrote it: defects
+    folded (:func:`fold_defects`), prescriptions, patterns and suggestions capped, every text
+    clipped. The score is the critic's; counts stay true (``defect_count``,
+    ``actionable_count`` include what was folded). Idempotent; an envelope already within
+    the bounds comes back as it is."""
+    update: dict[str, Any] = {}
+    defects = fold_defects(envelope.defects)
+    if defects != envelope.defects:
+        update["defects"] = defects
+    prescriptions = _bounded_prescriptions(envelope.prescriptions)
+    if prescriptions != envelope.prescriptions:
+        update["prescriptions"] = prescriptions
+    patterns = _bounded_patterns(envelope.reusable_patterns)
+    if patterns != envelope.reusable_patterns:
+        update["reusable_patterns"] = patterns
+    suggestions = _bounded_suggestions(envelope.suggestions)
+    if suggestions != envelope.suggestions:
+        update["suggestions"] = suggestions
+    if len(envelope.summary) > SUMMARY_CHARS:
+        update["summary"] = clip(envelope.summary, SUMMARY_CHARS)
+    if envelope.fallback_reason is not None and len(envelope.fallback_reason) > SUMMARY_CHARS:
+        update["fallback_reason"] = clip(envelope.fallback_reason, SUMMARY_CHARS)
+    return envelope.model_copy(update=update) if update else envelope

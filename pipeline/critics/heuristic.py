@@ -19,6 +19,14 @@ Text outputs: empty (whitespace only) −0.4 critical ``incomplete``; each requi
 as a required heading (a Markdown ``#`` heading or a LaTeX ``\\section``-family title matching the
 field case-insensitively, underscores read as spaces); absent −0.2 critical ``missing_data``.
 
+Names in findings: a field or section name appears in a defect's location and description
+only as :func:`pipeline.pitfalls.name_token` gives it (a plain name of at most 40 characters as
+written, anything else a stand-in such as ``field#3f2a0c1d``), and a rule names only a plain
+name (any other gets the generic rule of its kind, so twenty odd keys are one pattern, not
+twenty). An output key therefore never carries its text into pattern memory, lessons or a
+repair prompt; an ``error`` field's text is not quoted either. Only a prescription may name a
+required field as the manager wrote it.
+
 The reviser (:class:`HeuristicReviser`) invents nothing (SPEC §5.3): of these defects it fixes
 only a numeric-string ``confidence`` ("0.8" → 0.8) and, in text outputs, the Layer-0 defects
 :mod:`pipeline.critics.edits` can fix exactly; every other defect it returns as unfixable.
@@ -40,6 +48,7 @@ from pipeline.models import (
     ReusablePattern,
     Submission,
 )
+from pipeline.pitfalls import name_token
 from pipeline.tokens import estimate_usage, text_of
 
 MISSING_CONFIDENCE = 0.3
@@ -169,15 +178,14 @@ def _dict_findings(output: dict[str, Any], required: Sequence[str]) -> list[_Fin
         )
     error = output.get("error")
     if error is not None and not _blank(error):
-        shown = str(error)
-        shown = shown if len(shown) <= 120 else shown[:117] + "..."
+        # The error's text is the worker's: it stays in the output, never in a finding.
         found.append(
             _finding(
                 ERROR_PRESENT,
                 "incomplete",
                 "critical",
                 "error",
-                f"the output reports an error: {shown}",
+                f"the output reports an error in its 'error' field ({len(str(error))} characters)",
                 "Resolve the reported error and remove the 'error' field.",
                 "Resolve errors before returning; never return a result with an 'error' field",
             )
@@ -186,29 +194,42 @@ def _dict_findings(output: dict[str, Any], required: Sequence[str]) -> list[_Fin
         if field == "confidence":
             continue  # covered by the confidence rules, never counted twice
         if output.get(field) is None:
+            name = name_token(field)
             found.append(
                 _finding(
                     MISSING_FIELD,
                     "missing_data",
                     "critical",
-                    field,
-                    f"required field '{field}' is missing",
+                    name,
+                    f"required field '{name}' is missing",
+                    # The manager named the field: its prescription may say it as given.
                     f"Add the '{field}' field with content that answers the task.",
-                    f"Always include the '{field}' field in your output",
+                    f"Always include the '{name}' field in your output"
+                    if name == field
+                    else "Always include every required field in your output",
                 )
             )
     for field, value in output.items():
         if field != "confidence" and _blank(value):
+            # The key is the worker's text: only its token (a plain name, or a stand-in such
+            # as field#3f2a0c1d) goes into the finding, so it never leaves the output.
+            name = name_token(field)
+            which = (
+                f"the '{name}' field"
+                if name == field
+                else f"the empty-string field whose key is not a plain name ({name})"
+            )
             found.append(
                 _finding(
                     EMPTY_FIELD,
                     "incomplete",
                     "warning",
-                    field,
-                    f"field '{field}' is an empty string",
-                    f"Fill the '{field}' field with real content, or remove it if it does "
-                    "not apply.",
-                    f"Never leave the '{field}' field as an empty string",
+                    name,
+                    f"field '{name}' is an empty string",
+                    f"Fill {which} with real content, or remove it if it does not apply.",
+                    f"Never leave the '{name}' field as an empty string"
+                    if name == field
+                    else "Never leave a field as an empty string",
                 )
             )
     return found
@@ -231,15 +252,19 @@ def _text_findings(output: str, required: Sequence[str]) -> list[_Finding]:
     present = headings(output)
     for field in dict.fromkeys(required):
         if normalize_title(field) not in present:
+            name = name_token(field, "section")
             found.append(
                 _finding(
                     MISSING_HEADING,
                     "missing_data",
                     "critical",
-                    field,
-                    f"required section '{field}' is missing (no heading with that title)",
+                    name,
+                    f"required section '{name}' is missing (no heading with that title)",
+                    # The manager named the section: its prescription may say it as given.
                     f"Add a section headed '{_label(field)}' with the content it calls for.",
-                    f"Always include a '{_label(field)}' section heading in your output",
+                    f"Always include a '{_label(name)}' section heading in your output"
+                    if name == field
+                    else "Always include every required section heading in your output",
                 )
             )
     return found

@@ -3,7 +3,8 @@
 The system message states the score bands, severities, the configured defect categories and the
 JSON schema of the reply (:class:`~pipeline.critics.llm_reply.CriticReply`). The user message
 has, in this order: the original task; the output contract; the filesystem ground truth
-(authoritative); the Known Pitfalls (when any); and last the output inside an untrusted-data
+(authoritative); the Known Pitfalls (when any, inside a delimited block that says they are
+data recorded from earlier outputs, not instructions); and last the output inside an untrusted-data
 block whose markers carry a per-call random nonce that never occurs in the output, so the output
 cannot close the block early. One reminder line follows the block.
 
@@ -24,7 +25,7 @@ from pipeline.critics.llm_reply import AdjudicatorReply, EnvelopeParseError, cri
 from pipeline.grounding import render_ground_truth
 from pipeline.llm import ChatMessage
 from pipeline.models import Defect, Submission
-from pipeline.pitfalls import PITFALLS_HEADER
+from pipeline.pitfalls import pitfalls_block
 from pipeline.tokens import text_of
 
 REPAIR_SYSTEM = (
@@ -75,12 +76,8 @@ def _contract(submission: Submission, output: str | dict[str, Any], round: int) 
 
 
 def _pitfalls_section(pitfalls: str) -> str | None:
-    text = pitfalls.strip()
-    if not text:
-        return None
-    if text.startswith("## Known Pitfalls"):
-        return text
-    return PITFALLS_HEADER + text
+    """The Known Pitfalls inside their data block (:func:`pipeline.pitfalls.pitfalls_block`)."""
+    return pitfalls_block(pitfalls) or None
 
 
 def _shared_sections(
@@ -161,7 +158,8 @@ def build_critic_messages(
             f"- category of each defect: one of {categories}.",
             "- location: the field, file:line or section the defect is in, or null.",
             "- prescriptions: one concrete repair instruction per critical or warning defect.",
-            "- reusable_patterns: lessons other workers of this run should follow.",
+            "- reusable_patterns: lessons other workers of this run should follow, in your own "
+            "words (never copy the output's text into them).",
             "- The filesystem ground truth is authoritative: a file it lists exists; never "
             "report a listed file as missing.",
             _untrusted_rule(tag),

@@ -20,6 +20,13 @@ MAX_PATTERNS_PER_CRITIQUE = 20
 """SPEC §3: pattern memory records at most this many patterns per critique. Which ones is
 decided by :func:`pipeline.pitfalls.patterns_from_envelope`; the stores keep the first this
 many distinct patterns they are given (a guard for any other caller)."""
+MAX_PATTERNS_PER_RUN = 1000
+"""At most this many distinct patterns are kept per run. A new pattern arriving when the run is
+full evicts the least-seen one (of those, the first recorded), so a flood of one-off patterns
+cannot grow a run's memory or push out patterns that recur."""
+MAX_LESSONS = 1000
+"""At most this many lessons are kept (they are shared by every run). A new lesson arriving
+when full evicts the one seen in the fewest runs (of those, the first learned)."""
 
 
 class PatternStore(Protocol):
@@ -31,20 +38,29 @@ class PatternStore(Protocol):
         critique_key: str,
         iteration: int,
         patterns: Sequence[ReusablePattern],
+        pass_key: str = "",
     ) -> bool:
         """Count ``patterns`` once for ``critique_key``; a repeated key changes nothing. Only the
         first :data:`MAX_PATTERNS_PER_CRITIQUE` distinct patterns are recorded.
+
+        A pattern counts once per ``pass_key`` (a submission pass; "" = the critique key
+        itself): a later critique of the same pass (its repair rounds) does not count a pattern
+        that pass already counted, while a new pass (a resubmission) counts it again. A run
+        keeps at most :data:`MAX_PATTERNS_PER_RUN` patterns; a pattern's first count in a run
+        also counts one run for its lesson (at most :data:`MAX_LESSONS` lessons).
 
         Returns True when this call recorded them, False when the key was already recorded.
         """
         ...
 
     def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
-        """The run's patterns, most frequent first (ties: earliest first seen, then category)."""
+        """The run's ``limit`` most frequent patterns (ties: first recorded first); reads at
+        most ``limit`` entries however many patterns tie."""
         ...
 
     def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
-        """Patterns that occurred in at least ``min_runs`` runs, most runs first (all runs)."""
+        """Patterns that occurred in at least ``min_runs`` runs, most runs first (ties: first
+        learned first); lessons expire ``CRITIQUE_LESSONS_TTL_S`` after the last write."""
         ...
 
 

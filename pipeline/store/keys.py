@@ -3,7 +3,9 @@
 Run keys are ``<prefix>:{<run_id>}:<suffix>``: the ``{run_id}`` hash tag puts a whole run in one
 Redis Cluster slot, so the Lua scripts may touch several of its keys atomically. Every run key
 expires ``CRITIQUE_RUN_TTL_S`` seconds after its last write. Blob keys are content-addressed and
-shared by every run (``<prefix>:blob:<sha256 hex>``); they expire too.
+shared by every run (``<prefix>:blob:<sha256 hex>``); they expire too. Lessons
+(``<prefix>:lessons:*``) are shared too and expire ``CRITIQUE_LESSONS_TTL_S`` seconds after the
+last run that taught one.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ PREFIX_ENV = "CRITIQUE_KEY_PREFIX"  # env var that overrides the key prefix
 DEFAULT_PREFIX = "critique"  # key prefix when the env var is unset
 RUN_TTL_ENV = "CRITIQUE_RUN_TTL_S"  # env var that overrides the run TTL (seconds)
 DEFAULT_RUN_TTL_S = 7 * 24 * 3600  # a run's keys live 7 days after their last write
+LESSONS_TTL_ENV = "CRITIQUE_LESSONS_TTL_S"  # env var that overrides the lessons TTL (seconds)
+DEFAULT_LESSONS_TTL_S = 30 * 24 * 3600  # lessons live 30 days after the last run that taught one
 
 # --- queues and tasks (SPEC §4; the Celery app routes by these names) --------------------------
 
@@ -37,9 +41,11 @@ TASK_PROBE = "critique.probe"  # task: a queue-drain probe (workers.recovery), n
 
 # --- run key suffixes (under ``<prefix>:{<run_id>}:``) -----------------------------------------
 
-PATTERNS_FREQ = "patterns:freq"  # sorted set: pattern key -> frequency in the run
+PATTERNS_FREQ = "patterns:freq"  # sorted set: pattern key -> frequency + order tiebreak (ranks)
 PATTERNS_DETAIL = "patterns:detail"  # hash: pattern key -> JSON details (category, rule, order…)
 PATTERNS_SEEN = "patterns:seen"  # set: critique keys already recorded (exactly-once recording)
+PATTERNS_COUNTED = "patterns:counted"  # set: "<pass key>|<sha1 of pattern key>" counted per pass
+PATTERNS_SEQ = "patterns:seq"  # string: the last first-recorded order handed out in the run
 BUDGET = "budget"  # hash: "spent" -> repair tokens charged; "overrun" -> charged past reservations
 BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:state:charge" (every lease)
 BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> expiry (µs); expired ones reclaimed
@@ -54,11 +60,14 @@ COMPLETIONS = "completions"  # hash: "rejected" -> gate rejections; "req:<id>" -
 STEPS = "steps"  # hash: "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> step output
 PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress (unix s), unsettled
 RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
+FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
     PATTERNS_FREQ,
     PATTERNS_DETAIL,
     PATTERNS_SEEN,
+    PATTERNS_COUNTED,
+    PATTERNS_SEQ,
     BUDGET,
     BUDGET_LEASES,
     BUDGET_LIVE,
@@ -71,13 +80,16 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     STEPS,
     PENDING,
     RESUMES,
+    FAILURES,
 )  # every run key suffix, for scans, reports and tests
 
 # --- shared (not per-run) keys ---------------------------------------------------------------
 
 BLOB = "blob"  # string under ``<prefix>:blob:<sha256 hex>``: content-addressed bytes, all runs
-LESSONS_RUNS = "lessons:runs"  # sorted set: pattern key -> runs it occurred in (never expires)
+LESSONS_RUNS = "lessons:runs"  # sorted set: pattern key -> runs it occurred in + order tiebreak
 LESSONS_DETAIL = "lessons:detail"  # hash: pattern key -> JSON {category, rule, first/last run}
+LESSONS_SEQ = "lessons:seq"  # string: the last first-learned order handed out to a lesson
+LESSONS_KEYS = (LESSONS_RUNS, LESSONS_DETAIL, LESSONS_SEQ)  # all expire CRITIQUE_LESSONS_TTL_S
 PENDING_RUNS = "pending:runs"  # sorted set: run id -> last submit; runs the stall sweeper scans
 SWEEP_LOCK = "sweep:lock"  # string: token of the worker sweeping for stalls now (expires)
 CACHE = "cache:critique"  # string ``<prefix>:cache:critique:<sha256>``: envelope JSON (TTL)
@@ -103,22 +115,33 @@ def check_prefix(prefix: str) -> str:
     return prefix
 
 
-def run_ttl_s() -> int:
-    """The run TTL in seconds: ``$CRITIQUE_RUN_TTL_S`` (a positive integer) or 7 days."""
-    raw = os.environ.get(RUN_TTL_ENV)
+def _seconds_env(name: str, default: int, hint: str) -> int:
+    """``$name`` as a positive whole number of seconds, or ``default`` when unset or blank."""
+    raw = os.environ.get(name)
     if raw is None or not raw.strip():
-        return DEFAULT_RUN_TTL_S
+        return default
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value <= 0:
         raise ConfigError(
-            f"{RUN_TTL_ENV}={raw!r} is not a positive number of seconds",
-            key=RUN_TTL_ENV,
-            hint="unset it for the 7-day default",
+            f"{name}={raw!r} is not a positive number of seconds", key=name, hint=hint
         )
     return value
+
+
+def run_ttl_s() -> int:
+    """The run TTL in seconds: ``$CRITIQUE_RUN_TTL_S`` (a positive integer) or 7 days."""
+    return _seconds_env(RUN_TTL_ENV, DEFAULT_RUN_TTL_S, "unset it for the 7-day default")
+
+
+def lessons_ttl_s() -> int:
+    """The lessons TTL in seconds: ``$CRITIQUE_LESSONS_TTL_S`` (a positive integer) or 30 days.
+
+    Lessons are shared by every run; each write pushes their expiry back out, so they vanish
+    only after this long without a run teaching one."""
+    return _seconds_env(LESSONS_TTL_ENV, DEFAULT_LESSONS_TTL_S, "unset it for the 30-day default")
 
 
 def run_key(run_id: str, suffix: str, prefix: str | None = None) -> str:

@@ -6,6 +6,7 @@ lease expiry, so the same tests can run against them and against the Redis imple
 
 from __future__ import annotations
 
+import heapq
 import json
 import threading
 import time
@@ -14,8 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
-from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, BudgetSnapshot, encode_event
+from pipeline.store.base import (
+    MAX_LESSONS,
+    MAX_PATTERNS_PER_CRITIQUE,
+    MAX_PATTERNS_PER_RUN,
+    BudgetSnapshot,
+    encode_event,
+)
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
+from pipeline.store.keys import lessons_ttl_s as lessons_ttl
 from pipeline.store.keys import pattern_key
 
 
@@ -26,14 +34,29 @@ class _PatternRow:
 
 
 class MemoryPatternStore:
-    """Pattern memory in a dict, guarded by a lock."""
+    """Pattern memory in a dict, guarded by a lock, with the Redis store's rules: once per
+    critique key, once per pass, at most :data:`MAX_PATTERNS_PER_RUN` patterns per run and
+    :data:`MAX_LESSONS` lessons (least seen, then first recorded, evicted first), and lessons
+    that expire ``lessons_ttl_s`` after the last write (``clock`` in seconds)."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        lessons_ttl_s: float | None = None,
+    ) -> None:
         self._lock = threading.Lock()
+        self._clock = clock
+        self._lessons_ttl_s = lessons_ttl_s if lessons_ttl_s is not None else lessons_ttl()
+        if self._lessons_ttl_s <= 0:
+            raise ValueError(f"lessons TTL must be positive, got {self._lessons_ttl_s!r}")
         self._rows: dict[str, dict[str, _PatternRow]] = {}
         self._seen: set[tuple[str, str]] = set()
+        self._counted: set[tuple[str, str, str]] = set()
+        self._learned: set[tuple[str, str]] = set()
         self._order = 0
         self._lessons: dict[str, tuple[Lesson, int]] = {}
+        self._lesson_order = 0
+        self._lessons_written = clock()
 
     def record(
         self,
@@ -41,31 +64,27 @@ class MemoryPatternStore:
         critique_key: str,
         iteration: int,
         patterns: Sequence[ReusablePattern],
+        pass_key: str = "",
     ) -> bool:
+        if iteration < 1:
+            raise ValueError(f"iteration must be ≥ 1, got {iteration}")
+        counted_as = pass_key or critique_key
         with self._lock:
             if (run_id, critique_key) in self._seen:
                 return False
             self._seen.add((run_id, critique_key))
             rows = self._rows.setdefault(run_id, {})
-            distinct = dict.fromkeys(pattern_key(p.category, p.prevention_rule) for p in patterns)
-            for key in list(distinct)[:MAX_PATTERNS_PER_CRITIQUE]:
-                p = next(q for q in patterns if pattern_key(q.category, q.prevention_rule) == key)
+            first: dict[str, ReusablePattern] = {}
+            for p in patterns:
+                if len(first) >= MAX_PATTERNS_PER_CRITIQUE:
+                    break
+                first.setdefault(pattern_key(p.category, p.prevention_rule), p)
+            for key, p in first.items():
+                if (run_id, counted_as, key) in self._counted:
+                    continue
+                self._counted.add((run_id, counted_as, key))
                 row = rows.get(key)
-                if row is None:
-                    self._learn(run_id, key, p)
-                    self._order += 1
-                    rows[key] = _PatternRow(
-                        Pattern(
-                            category=p.category,
-                            frequency=1,
-                            description=p.description,
-                            prevention_rule=p.prevention_rule,
-                            first_seen_iteration=iteration,
-                            last_seen_iteration=iteration,
-                        ),
-                        self._order,
-                    )
-                else:
+                if row is not None:
                     old = row.pattern
                     row.pattern = old.model_copy(
                         update={
@@ -74,18 +93,53 @@ class MemoryPatternStore:
                             "last_seen_iteration": max(old.last_seen_iteration, iteration),
                         }
                     )
+                    continue
+                while len(rows) >= MAX_PATTERNS_PER_RUN:
+                    victim = min(rows, key=lambda k: (rows[k].pattern.frequency, rows[k].order))
+                    del rows[victim]
+                self._order += 1
+                rows[key] = _PatternRow(
+                    Pattern(
+                        category=p.category,
+                        frequency=1,
+                        description=p.description,
+                        prevention_rule=p.prevention_rule,
+                        first_seen_iteration=iteration,
+                        last_seen_iteration=iteration,
+                    ),
+                    self._order,
+                )
+                if (run_id, key) not in self._learned:
+                    self._learned.add((run_id, key))
+                    self._learn(run_id, key, p)
             return True
 
     def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
+        if limit <= 0:
+            return []
         with self._lock:
             rows = list(self._rows.get(run_id, {}).values())
-        rows.sort(key=lambda r: (-r.pattern.frequency, r.order))
-        return [r.pattern for r in rows[:limit]]
+        best = heapq.nsmallest(limit, rows, key=lambda r: (-r.pattern.frequency, r.order))
+        return [r.pattern for r in best]
+
+    def _expire_lessons(self) -> None:
+        """Forget every lesson when none was written for the lessons TTL (lock held), as the
+        Redis keys expire together."""
+        if self._clock() - self._lessons_written >= self._lessons_ttl_s:
+            self._lessons.clear()
 
     def _learn(self, run_id: str, key: str, p: ReusablePattern) -> None:
         """A pattern's first occurrence in a run: one more run for its lesson (lock held)."""
+        self._expire_lessons()
+        self._lessons_written = self._clock()
         got = self._lessons.get(key)
         if got is None:
+            while len(self._lessons) >= MAX_LESSONS:
+                victim = min(
+                    self._lessons, key=lambda k: (self._lessons[k][0].runs, self._lessons[k][1])
+                )
+                del self._lessons[victim]
+            self._lesson_order += 1
             lesson = Lesson(
                 category=p.category,
                 runs=1,
@@ -94,16 +148,19 @@ class MemoryPatternStore:
                 first_run=run_id,
                 last_run=run_id,
             )
-            self._lessons[key] = (lesson, len(self._lessons) + 1)
+            self._lessons[key] = (lesson, self._lesson_order)
         else:
             lesson = got[0].model_copy(update={"runs": got[0].runs + 1, "last_run": run_id})
             self._lessons[key] = (lesson, got[1])
 
     def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
+        if limit <= 0:
+            return []
         with self._lock:
+            self._expire_lessons()
             rows = [v for v in self._lessons.values() if v[0].runs >= min_runs]
-        rows.sort(key=lambda r: (-r[0].runs, r[1]))
-        return [r[0] for r in rows[:limit]]
+        best = heapq.nsmallest(limit, rows, key=lambda r: (-r[0].runs, r[1]))
+        return [r[0] for r in best]
 
 
 @dataclass

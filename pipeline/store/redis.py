@@ -10,6 +10,7 @@ failures surface as :class:`~pipeline.errors.StoreUnavailableError` (transient, 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -17,75 +18,128 @@ import redis
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store import keys
-from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE, BudgetSnapshot, encode_event
+from pipeline.store.base import (
+    MAX_LESSONS,
+    MAX_PATTERNS_PER_CRITIQUE,
+    MAX_PATTERNS_PER_RUN,
+    BudgetSnapshot,
+    encode_event,
+)
 from pipeline.store.keys import pattern_key
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
 # --- pattern memory --------------------------------------------------------------------------
 
-# KEYS: seen, freq, detail. ARGV: critique key, iteration, run TTL (ms), then per pattern
-# (deduplicated by the caller): pattern key, category, description, prevention rule.
-# Returns 0 when the critique was recorded before, else {1, keys of patterns new to the run}.
-_RECORD_PATTERNS = """
+ORDER_SPACE = 1 << 26
+"""Ranks in ``patterns:freq`` and ``lessons:runs`` are ``count + (ORDER_SPACE - order) /
+ORDER_SPACE``: the integer part is the count, the fraction orders ties first-recorded first, so
+``ZREVRANGE 0 limit-1`` reads exactly the entries it returns however many patterns tie. Both
+parts stay exact in a double while counts are below 2**27; orders past ``ORDER_SPACE - 1`` share
+the last one (ties among them then fall back to Redis's member order)."""
+
+# Shared Lua helpers: the rank of a new entry, and eviction of the least-seen entry (of those,
+# the first recorded: the highest rank within the lowest count) from a sorted set and its hash.
+_RANK_LUA = (
+    f"local SPACE = {ORDER_SPACE}\n"
+    + """
+local function first_rank(order)
+  if order > SPACE - 1 then order = SPACE - 1 end
+  return string.format('%.17g', 1 + (SPACE - order) / SPACE)
+end
+local function evict_one(zkey, hkey)
+  local low = redis.call('ZRANGE', zkey, 0, 0, 'WITHSCORES')
+  if #low == 0 then return end
+  local count = math.floor(tonumber(low[2]))
+  local victim = redis.call('ZREVRANGEBYSCORE', zkey, '(' .. string.format('%.0f', count + 1),
+                            string.format('%.0f', count), 'LIMIT', 0, 1)
+  if #victim == 0 then victim = {low[1]} end
+  redis.call('ZREM', zkey, victim[1])
+  redis.call('HDEL', hkey, victim[1])
+end
+"""
+)
+
+# KEYS: seen, freq, detail, counted, seq. ARGV: critique key, iteration, run TTL (ms), pass key,
+# most patterns per run, then per pattern (deduplicated by the caller): pattern key, category,
+# description, prevention rule. A pattern counts once per pass ("<pass>|<sha1>" in counted) and
+# is new to the run once ("@run|<sha1>"). Returns 0 when the critique was recorded before, else
+# {1, keys of patterns new to the run}.
+_RECORD_PATTERNS = (
+    _RANK_LUA
+    + """
 if redis.call('SADD', KEYS[1], ARGV[1]) == 0 then
   return 0
 end
 local iteration = tonumber(ARGV[2])
+local pass = ARGV[4]
+local cap = tonumber(ARGV[5])
 local new = {1}
-for i = 4, #ARGV, 4 do
+for i = 6, #ARGV, 4 do
   local pkey = ARGV[i]
-  redis.call('ZINCRBY', KEYS[2], 1, pkey)
-  local raw = redis.call('HGET', KEYS[3], pkey)
-  local row
-  if raw then
-    row = cjson.decode(raw)
-    if iteration < row.first_seen_iteration then row.first_seen_iteration = iteration end
-    if iteration > row.last_seen_iteration then row.last_seen_iteration = iteration end
-  else
-    row = {category = ARGV[i + 1], description = ARGV[i + 2], prevention_rule = ARGV[i + 3],
-           first_seen_iteration = iteration, last_seen_iteration = iteration,
-           order = redis.call('HLEN', KEYS[3]) + 1}
-    new[#new + 1] = pkey
+  local digest = redis.sha1hex(pkey)
+  if redis.call('SADD', KEYS[4], pass .. '|' .. digest) == 1 then
+    local raw = redis.call('HGET', KEYS[3], pkey)
+    local row
+    if raw then
+      row = cjson.decode(raw)
+      if iteration < row.first_seen_iteration then row.first_seen_iteration = iteration end
+      if iteration > row.last_seen_iteration then row.last_seen_iteration = iteration end
+      redis.call('ZINCRBY', KEYS[2], 1, pkey)
+    else
+      while redis.call('ZCARD', KEYS[2]) >= cap do evict_one(KEYS[2], KEYS[3]) end
+      local order = redis.call('INCR', KEYS[5])
+      row = {category = ARGV[i + 1], description = ARGV[i + 2], prevention_rule = ARGV[i + 3],
+             first_seen_iteration = iteration, last_seen_iteration = iteration, order = order}
+      redis.call('ZADD', KEYS[2], first_rank(order), pkey)
+      if redis.call('SADD', KEYS[4], '@run|' .. digest) == 1 then
+        new[#new + 1] = pkey
+      end
+    end
+    redis.call('HSET', KEYS[3], pkey, cjson.encode(row))
   end
-  redis.call('HSET', KEYS[3], pkey, cjson.encode(row))
 end
-for i = 1, 3 do
+for i = 1, 5 do
   redis.call('PEXPIRE', KEYS[i], ARGV[3])
 end
 return new
 """
+)
 
-# KEYS: lessons runs (sorted set), lessons detail (hash); no TTL: lessons outlive runs.
-# ARGV: run id, then per pattern new to that run: pattern key, category, description, rule.
-_RECORD_LESSONS = """
-for i = 2, #ARGV, 4 do
+# KEYS: lessons runs (sorted set), lessons detail (hash), lessons seq (string), shared by every
+# run. ARGV: run id, lessons TTL (ms), most lessons kept, then per pattern new to that run:
+# pattern key, category, description, rule. Every write pushes the lessons' expiry out again.
+_RECORD_LESSONS = (
+    _RANK_LUA
+    + """
+local cap = tonumber(ARGV[3])
+for i = 4, #ARGV, 4 do
   local pkey = ARGV[i]
-  redis.call('ZINCRBY', KEYS[1], 1, pkey)
   local raw = redis.call('HGET', KEYS[2], pkey)
   local row
   if raw then
     row = cjson.decode(raw)
     row.last_run = ARGV[1]
+    redis.call('ZINCRBY', KEYS[1], 1, pkey)
   else
+    while redis.call('ZCARD', KEYS[1]) >= cap do evict_one(KEYS[1], KEYS[2]) end
+    local order = redis.call('INCR', KEYS[3])
     row = {category = ARGV[i + 1], description = ARGV[i + 2], prevention_rule = ARGV[i + 3],
-           first_run = ARGV[1], last_run = ARGV[1], order = redis.call('HLEN', KEYS[2]) + 1}
+           first_run = ARGV[1], last_run = ARGV[1], order = order}
+    redis.call('ZADD', KEYS[1], first_rank(order), pkey)
   end
   redis.call('HSET', KEYS[2], pkey, cjson.encode(row))
 end
+for i = 1, 3 do
+  redis.call('PEXPIRE', KEYS[i], ARGV[2])
+end
 return 1
 """
+)
 
-# KEYS: freq, detail. ARGV: limit (≥ 1). Returns [pattern key, frequency, detail JSON]* for
-# every pattern at least as frequent as the limit-th one (ties are ordered by the caller).
+# KEYS: freq, detail. ARGV: limit (≥ 1). Returns [pattern key, rank, detail JSON]* of the
+# ``limit`` highest ranks: exactly the entries it reads (the rank already orders ties).
 _TOP_PATTERNS = """
-local limit = tonumber(ARGV[1])
-local cut = redis.call('ZREVRANGE', KEYS[1], limit - 1, limit - 1, 'WITHSCORES')
-local rows
-if #cut == 0 then
-  rows = redis.call('ZREVRANGE', KEYS[1], 0, -1, 'WITHSCORES')
-else
-  rows = redis.call('ZREVRANGEBYSCORE', KEYS[1], '+inf', cut[2], 'WITHSCORES')
-end
+local rows = redis.call('ZREVRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1, 'WITHSCORES')
 local out = {}
 for i = 1, #rows, 2 do
   local detail = redis.call('HGET', KEYS[2], rows[i])
@@ -99,21 +153,37 @@ return out
 """
 
 
-class RedisPatternStore:
-    """Pattern memory: frequencies in a sorted set, details in a hash, exactly once per critique.
+def _count(rank: Any) -> int:
+    """The count held in a rank (its integer part; see :data:`ORDER_SPACE`)."""
+    return math.floor(float(text(rank) if isinstance(rank, bytes | str) else rank))
 
-    The "seen" set of critique keys and the counts are updated in one Lua script, so a task
-    delivered twice (or run concurrently) counts its patterns once. A pattern's first
-    occurrence in a run also counts one run for its cross-run lesson (``lessons``), in a second
-    script: the lessons keys are shared by every run (another cluster slot) and never expire.
+
+class RedisPatternStore:
+    """Pattern memory: ranks in a sorted set, details in a hash, exactly once per critique.
+
+    The "seen" set of critique keys, the per-pass "counted" set and the counts are updated in
+    one Lua script, so a task delivered twice (or run concurrently) counts its patterns once,
+    and the repair rounds of one pass count a pattern once. A pattern's first occurrence in a
+    run also counts one run for its cross-run lesson (``lessons``), in a second script: the
+    lessons keys are shared by every run (another cluster slot), bounded
+    (:data:`~pipeline.store.base.MAX_LESSONS`) and expire ``lessons_ttl_s`` after the last
+    write (default ``$CRITIQUE_LESSONS_TTL_S`` or 30 days).
     """
 
     def __init__(
-        self, client: redis.Redis, prefix: str | None = None, ttl_s: float | None = None
+        self,
+        client: redis.Redis,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+        lessons_ttl_s: float | None = None,
     ) -> None:
         self._client = client
         self._prefix = resolve_prefix(prefix)
         self._ttl_ms = resolve_ttl_ms(ttl_s)
+        lessons_s = keys.lessons_ttl_s() if lessons_ttl_s is None else lessons_ttl_s
+        if lessons_s <= 0:
+            raise ValueError(f"lessons TTL must be positive, got {lessons_s!r}")
+        self._lessons_ttl_ms = max(1, int(lessons_s * 1000))
         self._record = client.register_script(_RECORD_PATTERNS)
         self._top = client.register_script(_TOP_PATTERNS)
         self._learn = client.register_script(_RECORD_LESSONS)
@@ -127,11 +197,19 @@ class RedisPatternStore:
         critique_key: str,
         iteration: int,
         patterns: Sequence[ReusablePattern],
+        pass_key: str = "",
     ) -> bool:
-        """Count ``patterns`` once for ``critique_key``; False when the key was already recorded."""
+        """Count ``patterns`` once for ``critique_key`` and once per ``pass_key``; False when
+        the critique key was already recorded."""
         if iteration < 1:
             raise ValueError(f"iteration must be ≥ 1, got {iteration}")
-        args: list[str | int] = [critique_key, iteration, self._ttl_ms]
+        args: list[str | int] = [
+            critique_key,
+            iteration,
+            self._ttl_ms,
+            pass_key or critique_key,
+            MAX_PATTERNS_PER_RUN,
+        ]
         seen: set[str] = set()
         for p in patterns:
             if len(seen) >= MAX_PATTERNS_PER_CRITIQUE:
@@ -141,7 +219,12 @@ class RedisPatternStore:
                 seen.add(key)
                 args += [key, p.category, p.description, p.prevention_rule]
         script_keys = self._keys(
-            run_id, keys.PATTERNS_SEEN, keys.PATTERNS_FREQ, keys.PATTERNS_DETAIL
+            run_id,
+            keys.PATTERNS_SEEN,
+            keys.PATTERNS_FREQ,
+            keys.PATTERNS_DETAIL,
+            keys.PATTERNS_COUNTED,
+            keys.PATTERNS_SEQ,
         )
         with store_errors(self._client):
             got = self._record(keys=script_keys, args=args)
@@ -149,70 +232,67 @@ class RedisPatternStore:
                 return False
             new = {text(k) for k in got[1:]}
             if new:
-                lesson_args: list[str | int] = [run_id]
-                for i in range(3, len(args), 4):
+                lesson_args: list[str | int] = [run_id, self._lessons_ttl_ms, MAX_LESSONS]
+                for i in range(5, len(args), 4):
                     if args[i] in new:
                         lesson_args += args[i : i + 4]
                 self._learn(keys=self._lesson_keys(), args=lesson_args)
         return True
 
     def _lesson_keys(self) -> list[str]:
-        return [
-            keys.shared_key(keys.LESSONS_RUNS, self._prefix),
-            keys.shared_key(keys.LESSONS_DETAIL, self._prefix),
-        ]
+        return [keys.shared_key(k, self._prefix) for k in keys.LESSONS_KEYS]
 
     def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
-        """Patterns seen in at least ``min_runs`` runs, most runs first (first learned first)."""
+        """Patterns seen in at least ``min_runs`` runs, most runs first (first learned first);
+        reads at most ``limit`` entries."""
         if limit <= 0:
             return []
-        runs_key, detail_key = self._lesson_keys()
+        runs_key, detail_key, _ = self._lesson_keys()
         with store_errors(self._client):
             reply: Any = self._client.zrevrangebyscore(
-                runs_key, "+inf", min_runs, start=0, num=limit, withscores=True
+                runs_key, "+inf", max(min_runs, 0), start=0, num=limit, withscores=True
             )
-            ranked = [(member, float(score)) for member, score in reply]
-            members = [member for member, _ in ranked]
+            members = [member for member, _ in reply]
             details = list(self._client.hmget(detail_key, members)) if members else []
-        rows: list[tuple[int, int, Lesson]] = []
-        for (_, score), raw in zip(ranked, details, strict=True):
+        out: list[Lesson] = []
+        for (_, rank), raw in zip(reply, details, strict=True):
             if raw is None:
                 continue
             d = json.loads(text(raw))
-            lesson = Lesson(
-                category=d["category"],
-                runs=round(float(score)),
-                description=d["description"],
-                prevention_rule=d["prevention_rule"],
-                first_run=d["first_run"],
-                last_run=d["last_run"],
+            out.append(
+                Lesson(
+                    category=d["category"],
+                    runs=_count(rank),
+                    description=d["description"],
+                    prevention_rule=d["prevention_rule"],
+                    first_run=d["first_run"],
+                    last_run=d["last_run"],
+                )
             )
-            rows.append((-lesson.runs, int(d["order"]), lesson))
-        rows.sort(key=lambda r: (r[0], r[1]))
-        return [r[2] for r in rows]
+        return out
 
     def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
-        """The run's patterns, most frequent first, ties in first-recorded order."""
+        """The run's ``limit`` most frequent patterns, ties in first-recorded order; the script
+        reads only those ``limit`` entries, however many patterns tie."""
         if limit <= 0:
             return []
         script_keys = self._keys(run_id, keys.PATTERNS_FREQ, keys.PATTERNS_DETAIL)
         with store_errors(self._client):
             flat = self._top(keys=script_keys, args=[limit])
-        rows: list[tuple[int, int, Pattern]] = []
+        out: list[Pattern] = []
         for i in range(0, len(flat), 3):
-            frequency = round(float(text(flat[i + 1])))
             detail = json.loads(text(flat[i + 2]))
-            pattern = Pattern(
-                category=detail["category"],
-                frequency=frequency,
-                description=detail["description"],
-                prevention_rule=detail["prevention_rule"],
-                first_seen_iteration=int(detail["first_seen_iteration"]),
-                last_seen_iteration=int(detail["last_seen_iteration"]),
+            out.append(
+                Pattern(
+                    category=detail["category"],
+                    frequency=_count(flat[i + 1]),
+                    description=detail["description"],
+                    prevention_rule=detail["prevention_rule"],
+                    first_seen_iteration=int(detail["first_seen_iteration"]),
+                    last_seen_iteration=int(detail["last_seen_iteration"]),
+                )
             )
-            rows.append((-frequency, int(detail["order"]), pattern))
-        rows.sort(key=lambda r: (r[0], r[1]))
-        return [r[2] for r in rows[:limit]]
+        return out
 
 
 # --- repair-budget semaphore -----------------------------------------------------------------

@@ -8,20 +8,68 @@ once (:meth:`RedisRunStore.put_result`): in ``results:pass`` under the pass, wit
 trace event in the same script, and in ``results`` only while it is the latest pass. So
 ``results`` holds the latest pass's result (status, reports, the completion gate), and
 ``wait(handle)`` reads its own pass's. Every write refreshes the run TTL.
+
+A pass (or a completion-gate request) that a worker failed for good gets a failure record in
+``failures`` (:meth:`RedisRunStore.put_failure`): the one place a client learns that a pass
+will have no result. Celery's result backend is not read for it: anyone who can write to the
+broker can make a task id's state ``FAILURE``.
+
+With secrets (``CRITIQUE_SECRET``, given as a callable), every result, failure and completion
+decision is stored signed (:func:`pipeline.signing.sign_record`), and a reader trusts only a
+record that verifies and names the run, submission and pass it is filed under; any other is
+treated as absent and logged (once per record), never as a verdict. Without secrets records are
+stored and read unsigned, as before.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
 
+from pipeline import signing
+from pipeline.errors import ForgedMessageError
 from pipeline.models import CritiqueResult
 from pipeline.store import keys
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
+
+log = logging.getLogger(__name__)
+
+RESULT_KIND = "result"
+"""The record kind a pass's result is signed as."""
+FAILURE_KIND = "failure"
+"""The record kind a failure (of a pass or a completion-gate request) is signed as."""
+COMPLETION_KIND = "completion"
+"""The record kind a completion-gate decision is signed as."""
+COMPLETE_GATE = "complete_gate"
+"""What a completion-gate request's step id and failure member start with."""
+_NOTED_MAX = 1024
+"""Most unverifiable records remembered per store (each is logged once)."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A worker's record that a submission pass (or a completion-gate request) failed for good
+    and will have no result: the stage, the error's type and its one-line reason."""
+
+    stage: str
+    error: str
+    reason: str
+    refused: bool
+    """The worker refused the submission or its configuration (not a stage that raised)."""
+    task_id: str = ""
+    at: float = 0.0
+
+
+def completion_member(request_id: str) -> str:
+    """The ``failures`` member (and ``steps`` field) of one completion-gate request."""
+    return f"{COMPLETE_GATE}:{request_id}"
+
 
 # KEYS[1] completions hash; ARGV[1] the request's field; ARGV[2] TTL (ms).
 _COUNT_ONCE = """
@@ -124,11 +172,18 @@ class RedisRunStore:
     """Submissions and results of runs."""
 
     def __init__(
-        self, client: redis.Redis, *, prefix: str | None = None, ttl_s: float | None = None
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str | None = None,
+        ttl_s: float | None = None,
+        secrets: Callable[[], Sequence[bytes]] | None = None,
     ) -> None:
         self._r = client
         self._prefix = resolve_prefix(prefix)
         self._ttl_ms = resolve_ttl_ms(ttl_s)
+        self._secrets = secrets or (lambda: ())
+        self._noted: set[tuple[str, str, str]] = set()
         self._record_step = client.register_script(_RECORD_STEP)
         self._count_once = client.register_script(_COUNT_ONCE)
         self._put_result = client.register_script(_PUT_RESULT)
@@ -228,7 +283,7 @@ class RedisRunStore:
         returns False. Without ``sid``: ``results`` is written (idempotently) with the events.
         """
         field = member(result.iteration, result.worker_id)
-        raw = result.model_dump_json()
+        raw = self._seal(RESULT_KIND, result.model_dump_json())
         if not sid:
             key = self._key(result.run_id, keys.RESULTS)
             trace = self._key(result.run_id, keys.TRACE)
@@ -268,29 +323,247 @@ class RedisRunStore:
         return bool(int(got))
 
     def result(self, run_id: str, iteration: int, worker_id: str) -> CritiqueResult | None:
-        """The latest pass's result, or None while it is not there yet."""
+        """The latest pass's result, or None while it is not there yet (or not verifiable)."""
+        field = member(iteration, worker_id)
         with store_errors(self._r):
-            raw = self._r.hget(self._key(run_id, keys.RESULTS), member(iteration, worker_id))
-        return None if raw is None else CritiqueResult.model_validate_json(raw)
+            raw = self._r.hget(self._key(run_id, keys.RESULTS), field)
+        return None if raw is None else self._result(raw, run_id, keys.RESULTS, field)
 
     def pass_result(
         self, run_id: str, iteration: int, worker_id: str, sid: str
     ) -> CritiqueResult | None:
-        """The result of one pass (``sid``), or None while that pass has not finished."""
+        """The result of one pass (``sid``), or None while that pass has not finished (or its
+        record is not verifiable)."""
+        outcome = self.pass_outcome(run_id, iteration, worker_id, sid, failure=False)
+        return outcome if isinstance(outcome, CritiqueResult) else None
+
+    def pass_outcome(
+        self, run_id: str, iteration: int, worker_id: str, sid: str, *, failure: bool = True
+    ) -> CritiqueResult | Failure | None:
+        """What one pass ended in, in one round trip: its result, else (with ``failure``) the
+        failure a worker recorded for it, else None (still running, or nothing verifiable)."""
+        field = pass_member(iteration, worker_id, sid)
         with store_errors(self._r):
-            raw = self._r.hget(
-                self._key(run_id, keys.PASS_RESULTS), pass_member(iteration, worker_id, sid)
-            )
-        return None if raw is None else CritiqueResult.model_validate_json(raw)
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hget(self._key(run_id, keys.PASS_RESULTS), field)
+            if failure:
+                pipe.hget(self._key(run_id, keys.FAILURES), field)
+            got = pipe.execute()
+        if got[0] is not None:
+            result = self._result(got[0], run_id, keys.PASS_RESULTS, field, sid)
+            if result is not None:
+                return result
+        if failure and got[1] is not None:
+            return self._failure(got[1], run_id, field)
+        return None
 
     def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:
-        """The run's results (of one iteration when given), ordered by iteration and worker."""
+        """The run's results (of one iteration when given), ordered by iteration and worker;
+        records that do not verify are left out."""
         with store_errors(self._r):
             raw = self._r.hgetall(self._key(run_id, keys.RESULTS))
-        out = [CritiqueResult.model_validate_json(v) for v in raw.values()]
-        if iteration is not None:
-            out = [r for r in out if r.iteration == iteration]
+        out = []
+        for field, value in raw.items():
+            result = self._result(value, run_id, keys.RESULTS, text(field))
+            if result is not None and (iteration is None or result.iteration == iteration):
+                out.append(result)
         return sorted(out, key=lambda r: (r.iteration, r.worker_id))
+
+    # -- failures -------------------------------------------------------------------------------
+    def put_failure(
+        self,
+        run_id: str,
+        field: str,
+        *,
+        stage: str,
+        error: str,
+        reason: str,
+        refused: bool,
+        task_id: str = "",
+    ) -> bool:
+        """Record that a pass (its :func:`pass_member`) or a completion-gate request (its
+        :func:`completion_member`) failed for good; a worker calls it only for a failure it can
+        attribute (a message that verified and was addressed to the failing task). The first
+        record wins (a repeat writes nothing: False); the pass leaves the pending index."""
+        doc = {
+            "run_id": run_id,
+            "member": field,
+            "stage": stage,
+            "error": error,
+            "reason": reason,
+            "refused": refused,
+            "task_id": task_id,
+            "at": time.time(),
+        }
+        raw = json.dumps(signing.sign_record(FAILURE_KIND, doc, self._secrets()))
+        key = self._key(run_id, keys.FAILURES)
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=True)
+            pipe.hsetnx(key, field, raw)
+            pipe.pexpire(key, self._ttl_ms)
+            pipe.zrem(self._key(run_id, keys.PENDING), field)
+            got = pipe.execute()
+        return bool(got[0])
+
+    def failure(self, run_id: str, field: str) -> Failure | None:
+        """The failure recorded for a pass member or completion member, if any verifies."""
+        with store_errors(self._r):
+            raw = self._r.hget(self._key(run_id, keys.FAILURES), field)
+        return None if raw is None else self._failure(raw, run_id, field)
+
+    def failures(self, run_id: str) -> dict[str, Failure]:
+        """Every verifiable failure recorded in the run, by member."""
+        with store_errors(self._r):
+            raw = self._r.hgetall(self._key(run_id, keys.FAILURES))
+        out = {}
+        for field, value in raw.items():
+            got = self._failure(value, run_id, text(field))
+            if got is not None:
+                out[text(field)] = got
+        return out
+
+    # -- completion-gate decisions --------------------------------------------------------------
+    def record_completion(
+        self, run_id: str, request_id: str, decision: dict[str, Any], events: Sequence[str] = ()
+    ) -> dict[str, Any] | None:
+        """Record a completion-gate request's decision (signed) with its trace ``events`` unless
+        one is there already: None when this call recorded it, else the decision recorded
+        first (``{}`` when that record does not verify)."""
+        doc = {"run_id": run_id, "request_id": request_id, "decision": decision}
+        raw = json.dumps(signing.sign_record(COMPLETION_KIND, doc, self._secrets()))
+        step = completion_member(request_id)
+        first = self.record_step(run_id, step, raw, events)
+        if first is None:
+            return None
+        return self._completion(first, run_id, request_id) or {}
+
+    def completion(self, run_id: str, request_id: str) -> dict[str, Any] | None:
+        """The decision recorded for a completion-gate request, if it is there and verifies."""
+        got = self.completion_outcome(run_id, request_id, failure=False)
+        return got if isinstance(got, dict) else None
+
+    def completion_outcome(
+        self, run_id: str, request_id: str, *, failure: bool = True
+    ) -> dict[str, Any] | Failure | None:
+        """What a completion-gate request ended in, in one round trip: its decision (as
+        recorded, a dict), else (with ``failure``) the failure a worker recorded, else None."""
+        field = completion_member(request_id)
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hget(self._key(run_id, keys.STEPS), field)
+            if failure:
+                pipe.hget(self._key(run_id, keys.FAILURES), field)
+            got = pipe.execute()
+        if got[0] is not None:
+            decision = self._completion(text(got[0]), run_id, request_id)
+            if decision is not None:
+                return decision
+        if failure and got[1] is not None:
+            return self._failure(got[1], run_id, field)
+        return None
+
+    # -- signed records -------------------------------------------------------------------------
+    def _seal(self, kind: str, raw: str) -> str:
+        """``raw`` (a JSON object) as stored: unchanged without secrets, else with its ``sig``."""
+        secrets = self._secrets()
+        if not secrets:
+            return raw
+        return json.dumps(signing.sign_record(kind, json.loads(raw), secrets), ensure_ascii=False)
+
+    def _unseal(
+        self, kind: str, raw: str | bytes, where: tuple[str, str, str]
+    ) -> dict[str, Any] | None:
+        """The record stored at ``where`` (run, hash, field) without its ``sig``, if it is a
+        JSON object that verifies as ``kind`` (any, without secrets); else None, logged once."""
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            self._note(where, f"not a {kind} record")
+            return None
+        secrets = self._secrets()
+        if secrets:
+            try:
+                signing.verify_record(kind, doc, secrets)
+            except ForgedMessageError as exc:
+                self._note(where, exc.message)
+                return None
+        doc.pop(signing.SIG_FIELD, None)
+        return doc
+
+    def _result(
+        self, raw: str | bytes, run_id: str, hash_: str, field: str, sid: str | None = None
+    ) -> CritiqueResult | None:
+        """A stored result, if it verifies and belongs where it is filed: its run, submission
+        (``field`` of ``results``) or pass (``field`` of ``results:pass``, ``sid``)."""
+        where = (run_id, hash_, field)
+        doc = self._unseal(RESULT_KIND, raw, where)
+        if doc is None:
+            return None
+        try:
+            result = CritiqueResult.model_validate(doc)
+        except ValueError:
+            self._note(where, "not a valid result")
+            return None
+        filed = member(result.iteration, result.worker_id)
+        if sid is not None:
+            filed = pass_member(result.iteration, result.worker_id, result.pass_id)
+        if result.run_id != run_id or filed != field:
+            self._note(where, "a result filed under another run, submission or pass")
+            return None
+        return result
+
+    def _failure(self, raw: str | bytes, run_id: str, field: str) -> Failure | None:
+        where = (run_id, keys.FAILURES, field)
+        doc = self._unseal(FAILURE_KIND, raw, where)
+        if doc is None:
+            return None
+        if doc.get("run_id") != run_id or doc.get("member") != field:
+            self._note(where, "a failure filed under another run or pass")
+            return None
+        try:
+            return Failure(
+                stage=str(doc["stage"]),
+                error=str(doc["error"]),
+                reason=str(doc["reason"]),
+                refused=bool(doc["refused"]),
+                task_id=str(doc.get("task_id") or ""),
+                at=float(doc.get("at") or 0.0),
+            )
+        except (KeyError, TypeError, ValueError):
+            self._note(where, "not a valid failure record")
+            return None
+
+    def _completion(self, raw: str, run_id: str, request_id: str) -> dict[str, Any] | None:
+        where = (run_id, keys.STEPS, completion_member(request_id))
+        doc = self._unseal(COMPLETION_KIND, raw, where)
+        if doc is None:
+            return None
+        decision = doc.get("decision")
+        if doc.get("run_id") != run_id or doc.get("request_id") != request_id:
+            self._note(where, "a decision filed under another run or request")
+            return None
+        if not isinstance(decision, dict):
+            self._note(where, "not a valid decision record")
+            return None
+        return decision
+
+    def _note(self, where: tuple[str, str, str], why: str) -> None:
+        """Log (once per record place and reason) a stored record that is not trusted."""
+        key = (where[0], f"{where[1]}/{where[2]}", why)
+        if key in self._noted:
+            return
+        if len(self._noted) >= _NOTED_MAX:
+            self._noted.clear()
+        self._noted.add(key)
+        log.warning(
+            "ignored the %s record %r of run %s: %s (treated as absent)",
+            where[1],
+            where[2][:200],
+            where[0],
+            why,
+        )
 
     def step_output(self, run_id: str, step: str) -> str | None:
         """The recorded output of a chain step, if the step already completed once."""

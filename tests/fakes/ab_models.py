@@ -41,6 +41,8 @@ from tests.fakes.openai_server import (
 
 GENERATE = "You are the worker"
 """The marker of the worker's generation prompt (``pipeline.ab.GENERATE_SYSTEM``)."""
+SCRIPTED_MODEL = "openai/scripted-weak"
+"""The worker model ``main`` passes to ``critique ab`` (listed in the workers' allowed_models)."""
 TOKENS = {"generate": (100, 50), "critic": (300, 60), "repair": (400, 80)}
 
 ADD_TEST = """from solution import add
@@ -176,6 +178,7 @@ def environment(fake: FakeOpenAIServer) -> Iterator[None]:
     os.environ.update(
         {
             "CRITIQUE_LLM_API_KEY": "sk-scripted",
+            "CRITIQUE_ALLOWED_MODELS": SCRIPTED_MODEL,  # a worker with a key lists its models
             "CRITIQUE_LLM__API_BASE": fake.api_base,
             "CRITIQUE_LLM__TIMEOUT_S": "10",
             "CRITIQUE_LLM__MAX_RETRIES": "1",
@@ -205,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--json"] if args.json else []
         return critique(
             ["ab", str(inputs), "--out", args.out, "--reps", args.reps, "--model",
-             "openai/scripted-weak", *extra]
+             SCRIPTED_MODEL, *extra]
         )  # fmt: skip
 
 

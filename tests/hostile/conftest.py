@@ -9,6 +9,7 @@ an honest submission sent afterwards still gets its result (:func:`assert_still_
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,6 +56,37 @@ def hostile_worker(
     w.stop()
 
 
+@contextlib.contextmanager
+def llm_worker(
+    hostile_env: dict[str, str], api_base: str, allowed: str, name: str, log: Path
+) -> Iterator[WorkerProcess]:
+    """A hostile-suite worker whose LLM transport the operator's environment sets (the fake's
+    ``api_base``, short timeouts and retries), with ``allowed`` as its allowed_models: there and
+    in this process's client, whose cached configurations are dropped on entry and exit."""
+    from workers import runtime
+
+    env = {
+        **hostile_env,
+        "CRITIQUE_ALLOWED_MODELS": allowed,
+        "CRITIQUE_LLM__API_BASE": api_base,
+        "CRITIQUE_LLM__TIMEOUT_S": "5",
+        "CRITIQUE_LLM__MAX_RETRIES": "1",
+        "CRITIQUE_LLM__BACKOFF_S": "0.01",
+        "CRITIQUE_LLM__BACKOFF_MAX_S": "0.05",
+    }
+    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name=name, env=env, log=log).start()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("CRITIQUE_ALLOWED_MODELS", allowed)
+            runtime._configs.clear()
+            runtime._contexts.clear()
+            yield w
+    finally:
+        runtime._configs.clear()
+        runtime._contexts.clear()
+        w.stop()
+
+
 def log_of(worker: WorkerProcess) -> str:
     """What the worker has logged so far."""
     return Path(worker.log).read_text(encoding="utf-8", errors="replace") if worker.log else ""
@@ -88,3 +120,17 @@ def send_raw(task_name: str, *args: Any, queue: str = "critique.cpu") -> Any:
     from workers.app import app
 
     return app.send_task(task_name, args=args, queue=queue)
+
+
+def send_signed(
+    task_name: str, msg: dict[str, Any], queue: str = "critique.cpu", task_id: str | None = None
+) -> Any:
+    """Publish ``msg`` as a holder of the deploy secret would without the client: addressed to
+    the task (and a task id) it is sent as, and signed; returns the AsyncResult."""
+    from pipeline import signing
+    from workers import runtime
+    from workers.app import app
+
+    task_id = task_id or uuid.uuid4().hex
+    signed = runtime.sign(signing.address(msg, task_name, task_id))
+    return app.send_task(task_name, args=(signed,), queue=queue, task_id=task_id)

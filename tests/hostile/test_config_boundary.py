@@ -31,7 +31,7 @@ from pipeline.models import Submission
 from pipeline.runner import LoopState, start
 from pipeline.store import keys
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.hostile.conftest import assert_still_serving, honest_submission, send_raw
+from tests.hostile.conftest import assert_still_serving, honest_submission, send_signed
 from tests.integration.workers import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -152,13 +152,14 @@ def exfiltration(api_base: str) -> dict[str, Any]:
 
 def raw_stage(task: str, state: LoopState, overrides: dict[str, Any]) -> Any:
     """A stage message built without the client (so without its check), signed with the deploy
-    secret, published straight to the broker; returns the AsyncResult."""
+    secret (addressed to the task id it is sent under), published straight to the broker;
+    returns the AsyncResult."""
     from workers import runtime
 
     queue = keys.QUEUE_LLM if task == keys.TASK_REPAIR else keys.QUEUE_CPU
     if task == keys.TASK_CRITIC and overrides.get("critic") == "llm":
         queue = keys.QUEUE_LLM
-    return send_raw(task, runtime.encode(state, overrides), queue=queue)
+    return send_signed(task, runtime.encode(state, overrides), queue=queue)
 
 
 def at(state: LoopState, stage: str) -> LoopState:
@@ -311,7 +312,7 @@ def test_raw_complete_gate_request_with_llm_api_base_is_refused(
         "deliverable_expected": None,
         "config": exfiltration(attacker.api_base),
     }
-    ar = send_raw(keys.TASK_COMPLETE_GATE, runtime.sign(msg))
+    ar = send_signed(keys.TASK_COMPLETE_GATE, msg)
     worker_refusal(ar, "llm.api_base")
     assert_refusal_traced(run_id, "complete_gate", "llm.api_base", None)
     attacker.assert_untouched()
@@ -501,19 +502,20 @@ def test_wait_reports_the_workers_refusal_in_one_line(worker: WorkerProcess) -> 
 def test_wait_reports_a_disallowed_submission_model(
     worker: WorkerProcess, attacker: Attacker
 ) -> None:
-    """A client without allowed_models submits a Submission.model the worker does not allow:
-    the worker refuses before any LLM call and wait() says why."""
+    """A client without allowed_models (and without a key, so it lets a hosted model through)
+    submits a Submission.model the worker does not allow: the worker refuses before any LLM
+    call and wait() says why."""
     from workers.client import CritiqueClient
 
     run_id = new_run()
-    with client_sees(CRITIQUE_ALLOWED_MODELS=None):
+    with client_sees(CRITIQUE_ALLOWED_MODELS=None, CRITIQUE_LLM_API_KEY=None):
         client = CritiqueClient({"enabled": True, "critic": "llm"})
-        handle = client.submit(llm_submission(run_id, model="evil/model"))
+        handle = client.submit(llm_submission(run_id, model="openai/o1-pro"))
     with pytest.raises(SubmissionError, match="was refused by the worker: submission's model"):
         client.wait(handle, timeout=30)
     events = refused_events(run_id)
     assert events and events[-1]["stage"] == "l0"
-    assert "'evil/model' is not in the worker's allowed_models" in events[-1]["reason"]
+    assert "'openai/o1-pro' is not in the worker's allowed_models" in events[-1]["reason"]
     attacker.assert_untouched()
 
 

@@ -26,6 +26,7 @@ from tests.hostile.conftest import (
     assert_still_serving,
     honest_submission,
     send_raw,
+    send_signed,
 )
 from tests.integration.workers import ROOT, WorkerProcess
 
@@ -173,7 +174,7 @@ def test_worker_refuses_a_raw_chain_whose_blob_is_missing(worker: WorkerProcess)
 
     run_id = _run_id()
     sub = _sub(run_id, files=(FileRef(path="gone.md", size=10, blob=_missing_ref()),))
-    error = _refusal(send_raw("critique.l0", runtime.encode(start(sub), ENABLED)))
+    error = _refusal(send_signed("critique.l0", runtime.encode(start(sub), ENABLED)))
     assert "'gone.md' cannot be read" in error and "missing or expired" in error
     assert _stored(run_id) == ({}, [])
 
@@ -200,7 +201,7 @@ def test_worker_refuses_an_oversized_raw_chain(worker: WorkerProcess, part: str)
     else:
         kw["output"] = big
     msg = runtime.encode(start(_sub(run_id, **kw)), ENABLED)
-    error = _refusal(send_raw("critique.l0", msg))
+    error = _refusal(send_signed("critique.l0", msg))
     assert "over max_output_bytes (16777216)" in error, error
     assert "20000" in error  # the sizes are named
     assert _stored(run_id)[1] == []  # the chain ended with the refused task: no result comes

@@ -28,6 +28,7 @@ from tests.hostile.conftest import (
     honest_submission,
     log_of,
     send_raw,
+    send_signed,
 )
 from tests.integration.workers import WorkerProcess
 from tests.support import wait_until
@@ -316,7 +317,8 @@ def test_forged_complete_gate_request_is_refused(worker: WorkerProcess, key: byt
 
 def test_honest_complete_gate_is_signed_and_answered(worker: WorkerProcess) -> None:
     """The client signs its complete_gate request and a clean run gets `complete`; the same
-    request as a raw message is answered only with the deploy secret's signature."""
+    request as a raw message is answered only with the deploy secret's signature, addressed to
+    the task id it is sent under."""
     from workers import runtime
     from workers.client import CritiqueClient
 
@@ -327,8 +329,10 @@ def test_honest_complete_gate_is_signed_and_answered(worker: WorkerProcess) -> N
     assert decision.verdict == "complete", decision
     assert refused_events(run_id) == []
     req = _gate_request(run_id, final_result="Sales rose 4% in Q3.")
-    assert send_raw(keys.TASK_COMPLETE_GATE, runtime.sign(req)).get(timeout=30)["verdict"]
+    assert send_signed(keys.TASK_COMPLETE_GATE, req).get(timeout=30)["verdict"]
     assert "unsigned message" in refusal(send_raw(keys.TASK_COMPLETE_GATE, req))
+    unaddressed = refusal(send_raw(keys.TASK_COMPLETE_GATE, runtime.sign(req)))
+    assert "signature covers no task id" in unaddressed
 
 
 # -- garbage ---------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, FakeOpenAIServer
-from tests.hostile.conftest import assert_still_serving
+from tests.hostile.conftest import assert_still_serving, llm_worker
 from tests.integration.workers import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -62,19 +62,11 @@ def evasion_worker(
     fake_llm: FakeOpenAIServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
-    """One worker for the module, its LLM transport set by the operator's environment."""
+    """One worker for the module, its LLM transport set by the operator's environment (with
+    the key, the critic model in allowed_models: here and in this process's client)."""
     log = tmp_path_factory.mktemp("evasion-logs") / "worker.log"
-    env = {
-        **hostile_env,
-        "CRITIQUE_LLM__API_BASE": fake_llm.api_base,
-        "CRITIQUE_LLM__TIMEOUT_S": "5",
-        "CRITIQUE_LLM__MAX_RETRIES": "1",
-        "CRITIQUE_LLM__BACKOFF_S": "0.01",
-        "CRITIQUE_LLM__BACKOFF_MAX_S": "0.05",
-    }
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="evasion", env=env, log=log).start()
-    yield w
-    w.stop()
+    with llm_worker(hostile_env, fake_llm.api_base, CRITIC_MODEL, "evasion", log) as w:
+        yield w
 
 
 @pytest.fixture

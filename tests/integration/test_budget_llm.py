@@ -38,10 +38,12 @@ def fake() -> Iterator[FakeOpenAIServer]:
 
 @pytest.fixture(scope="module")
 def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
-    """The LLM transport and ``llm.max_tokens`` are worker-only: the worker's environment."""
+    """The LLM transport and ``llm.max_tokens`` are worker-only: the worker's environment
+    (with the key, the models submissions may name)."""
     with client_on(
         worker_db_url(redis_url),
         CRITIQUE_LLM_API_KEY="sk-test",
+        CRITIQUE_ALLOWED_MODELS=MODEL,
         CRITIQUE_LLM__API_BASE=fake.api_base,
         CRITIQUE_LLM__TIMEOUT_S="10",
         CRITIQUE_LLM__MAX_RETRIES="1",

@@ -55,6 +55,7 @@ def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
         CRITIQUE_COMMAND_TIMEOUT_S=str(TIMEOUT_S),
         CRITIQUE_LLM_API_KEY=PRODUCT_KEY,
         OPENAI_API_KEY=PROVIDER_KEY,
+        CRITIQUE_ALLOWED_MODELS="openai/weak",  # the worker model `critique ab` names
         CRITIQUE_LLM__API_BASE=fake.api_base,
         CRITIQUE_LLM__TIMEOUT_S="5",
         CRITIQUE_LLM__MAX_RETRIES="1",

@@ -42,7 +42,12 @@ def workers(
     redis_url: str, fake: FakeOpenAIServer, tmp_path: Path
 ) -> Iterator[list[WorkerProcess]]:
     with llm_workers(
-        redis_url, fake.api_base, tmp_path, name="cc", CRITIQUE_CACHE__ENABLED="true"
+        redis_url,
+        fake.api_base,
+        tmp_path,
+        name="cc",
+        CRITIQUE_CACHE__ENABLED="true",
+        CRITIQUE_ALLOWED_MODELS=CRITIC_MODEL,
     ) as procs:
         yield procs
 

@@ -41,10 +41,12 @@ def fake() -> Iterator[FakeOpenAIServer]:
 def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
     """This process and the workers share the worker database of the test Redis. The LLM
     transport is worker-only configuration (SPEC §3), so it comes from the environment: the
-    fake's address, a 2 s call timeout and fast retries."""
+    fake's address, a 2 s call timeout and fast retries; the worker holds a key, so it lists
+    the models submissions may name."""
     with client_on(
         worker_db_url(redis_url),
         CRITIQUE_LLM_API_KEY="sk-test",
+        CRITIQUE_ALLOWED_MODELS=f"{CRITIC_MODEL},{WORKER_MODEL}",
         CRITIQUE_LLM__API_BASE=fake.api_base,
         CRITIQUE_LLM__TIMEOUT_S="2",
         CRITIQUE_LLM__MAX_RETRIES="2",

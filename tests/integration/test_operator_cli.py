@@ -290,13 +290,20 @@ def test_unknown_run_and_unreachable_redis(
 
 
 def _failed_chain(run_id: str, worker_id: str) -> None:
-    """A registered submission whose chain fails on the worker: its first stage message is
-    one the worker refuses (not a stage message), so Celery records FAILURE for it."""
+    """A registered submission whose chain fails on the worker: its first stage message (sent
+    without the client, which would refuse it) asks for a worker-only setting, so the worker
+    refuses it and records the failure for the pass (the only failure status believes)."""
+    from pipeline.runner import start
     from workers import runtime
     from workers.app import app
 
-    res = app.send_task("critique.l0", args=({"not": "a stage message"},))
-    runtime.stores().runs.mark_submitted(run_id, 1, worker_id, res.id, f"sig-{worker_id}")
+    sid, task_id = runtime.new_pass_id(), uuid.uuid4().hex
+    overrides = {**CONFIG, "llm": {"api_base": "http://127.0.0.1:9/v1"}}
+    sub = _sub(run_id, worker_id, "clean")
+    msg = runtime.encode(start(sub, sid), overrides, task="critique.l0", task_id=task_id)
+    runtime.stores().runs.begin_pass(run_id, 1, worker_id, sid)
+    res = app.send_task("critique.l0", args=(msg,), task_id=task_id)
+    runtime.stores().runs.mark_submitted(run_id, 1, worker_id, res.id, f"sig-{worker_id}", sid=sid)
 
 
 def test_failed_chains_are_failed_not_pending(
@@ -311,7 +318,7 @@ def test_failed_chains_are_failed_not_pending(
     client = CritiqueClient(CONFIG)
     client.wait(client.submit(_sub(run_id, "good", "clean")), timeout=60)
     _failed_chain(run_id, "broken")
-    reason = "refused by the worker: not a critique stage message"
+    reason = "refused by the worker: submission may not set 'llm.api_base'"
     deadline = time.monotonic() + 30
     doc: dict[str, Any] = {}
     while time.monotonic() < deadline and not doc.get("failed"):
@@ -345,7 +352,7 @@ def test_failed_chains_are_failed_not_pending(
     report = json.loads(out)
     assert report["failed"]["1:broken"].startswith(reason) and report["pending"] == []
     page = (tmp_path / "runs" / run_id / "report.html").read_text(encoding="utf-8")
-    assert "Failed chains" in page and "not a critique stage message" in page
+    assert "Failed chains" in page and "may not set" in page
 
 
 def test_watch_shows_a_repeated_note_once(worker: None, capsys: pytest.CaptureFixture[str]) -> None:

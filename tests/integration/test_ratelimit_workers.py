@@ -40,6 +40,7 @@ def workers(
         tmp_path,
         name="rl",
         CRITIQUE_LLM__RATE_LIMIT=json.dumps({"rpm": RPM}),
+        CRITIQUE_ALLOWED_MODELS=CRITIC_MODEL,
     ) as procs:
         yield procs
 

@@ -13,7 +13,15 @@ import pytest
 
 from pipeline.errors import PermanentError
 from pipeline.models import ReusablePattern
-from pipeline.store.base import BlobStore, BudgetLedger, BudgetSnapshot, PatternStore, TraceSink
+from pipeline.store.base import (
+    MAX_LESSONS,
+    MAX_PATTERNS_PER_RUN,
+    BlobStore,
+    BudgetLedger,
+    BudgetSnapshot,
+    PatternStore,
+    TraceSink,
+)
 from pipeline.store.blobs import BlobCorruptError, BlobMissingError, RedisBlobStore, blob_ref
 from pipeline.store.memory import (
     MemoryBlobStore,
@@ -173,6 +181,49 @@ def test_frequencies_sum_across_fifty_critiques(patterns: PatternStore) -> None:
     top = patterns.top("run1", limit=100)
     assert {p.category: p.frequency for p in top} == expected
     assert [p.frequency for p in top] == sorted(expected.values(), reverse=True)
+
+
+def test_a_pattern_counts_once_per_pass(patterns: PatternStore) -> None:
+    """A pass's repair rounds count a pattern once (a new one in round 2 still counts); a
+    redelivered round adds nothing; a resubmission (a new pass) counts it again."""
+    a, b = rp("missing_data", "rule a"), rp("stale", "rule b")
+    assert patterns.record("run1", "w:1:p1:1", 1, [a], pass_key="w:1:p1") is True
+    assert patterns.record("run1", "w:1:p1:2", 1, [a, b], pass_key="w:1:p1") is True
+    assert patterns.record("run1", "w:1:p1:2", 1, [a, b], pass_key="w:1:p1") is False
+    assert patterns.record("run1", "w:1:p1:3", 1, [a, b], pass_key="w:1:p1") is True
+    assert [(p.category, p.frequency) for p in patterns.top("run1")] == [
+        ("missing_data", 1),
+        ("stale", 1),
+    ]
+    patterns.record("run1", "w:1:p2:1", 1, [a], pass_key="w:1:p2")
+    first = patterns.top("run1")[0]
+    assert (first.category, first.frequency) == ("missing_data", 2)
+
+
+def test_a_run_keeps_at_most_max_patterns_evicting_the_least_seen_first_recorded(
+    patterns: PatternStore,
+) -> None:
+    """Past MAX_PATTERNS_PER_RUN distinct patterns a new one evicts the least-seen pattern
+    (of those, the first recorded); a pattern that recurs stays."""
+    keep = rp("keep", "seen twice")
+    patterns.record("run1", "c0", 1, [keep])
+    patterns.record("run1", "c1", 1, [keep])
+    flood = [rp("flood", f"rule {i}") for i in range(MAX_PATTERNS_PER_RUN)]
+    for n in range(0, len(flood), 20):
+        patterns.record("run1", f"f{n}", 1, flood[n : n + 20])
+    top = patterns.top("run1", limit=2 * MAX_PATTERNS_PER_RUN)
+    assert len(top) == MAX_PATTERNS_PER_RUN
+    assert (top[0].category, top[0].frequency) == ("keep", 2)
+    rules = {p.prevention_rule for p in top}
+    assert "rule 0" not in rules and f"rule {MAX_PATTERNS_PER_RUN - 1}" in rules
+    assert [p.prevention_rule for p in top[1:3]] == ["rule 1", "rule 2"]
+
+
+def test_top_with_many_ties_returns_the_first_recorded(patterns: PatternStore) -> None:
+    """A full run of tied patterns answers the limit asked for, first recorded first."""
+    for n in range(0, MAX_PATTERNS_PER_RUN, 20):
+        patterns.record("run1", f"c{n}", 1, [rp("tie", f"rule {i}") for i in range(n, n + 20)])
+    assert [p.prevention_rule for p in patterns.top("run1")] == [f"rule {i}" for i in range(10)]
 
 
 # --- budget semaphore ------------------------------------------------------------------------
@@ -431,3 +482,21 @@ def test_lessons_count_runs_and_survive_the_run(patterns: PatternStore) -> None:
         ("use this year's prices", 2, "lr1", "lr3"),
     ]
     assert [x.runs for x in patterns.lessons(limit=1)] == [3]
+
+
+def test_lessons_keep_at_most_max_lessons_evicting_the_fewest_runs_first_learned(
+    patterns: PatternStore,
+) -> None:
+    """Past MAX_LESSONS lessons a new one evicts the one seen in the fewest runs (of those, the
+    first learned); a lesson from two runs stays, and ties list first learned first."""
+    keep = rp("keep", "two runs")
+    patterns.record("lr1", "c0", 1, [keep])
+    patterns.record("lr2", "c0", 1, [keep])
+    flood = [rp("flood", f"rule {i}") for i in range(MAX_LESSONS)]
+    for n in range(0, len(flood), 20):
+        patterns.record("lr3", f"f{n}", 1, flood[n : n + 20])
+    got = patterns.lessons(limit=2 * MAX_LESSONS, min_runs=1)
+    assert len(got) == MAX_LESSONS
+    assert (got[0].prevention_rule, got[0].runs) == ("two runs", 2)
+    assert [x.prevention_rule for x in got[1:3]] == ["rule 1", "rule 2"]
+    assert [x.prevention_rule for x in patterns.lessons()] == ["two runs"]

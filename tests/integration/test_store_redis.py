@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 import threading
 import time
@@ -11,12 +12,17 @@ from collections.abc import Callable
 import pytest
 import redis
 
-from pipeline.errors import StoreUnavailableError
+from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.models import CritiqueEnvelope, CritiqueResult, ReusablePattern
 from pipeline.store import keys
 from pipeline.store.blobs import RedisBlobStore, blob_ref
 from pipeline.store.pending import RedisPendingIndex
-from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
+from pipeline.store.redis import (
+    ORDER_SPACE,
+    RedisBudgetLedger,
+    RedisPatternStore,
+    RedisTraceSink,
+)
 from pipeline.store.runs import RedisRunStore
 from tests.support import wait_until
 
@@ -90,6 +96,7 @@ def exercise_every_store(
     runs.put_result(result, sid="sid")
     runs.count_rejection_once(run_id, "req")
     runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")
+    runs.put_failure(run_id, "1:w2:sid", stage="l0", error="E", reason="r", refused=True)
     pending = RedisPendingIndex(client, prefix=prefix, ttl_s=ttl_s)
     pending.add(run_id, "1:w1:sid", 1.0)
     pending.claim(run_id, "1:w1:sid", 1.0, 2.0, 5)
@@ -99,13 +106,13 @@ def exercise_every_store(
 
 
 def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
-    """Every key written lives under the prefix, run keys with the {run_id} tag, all with a TTL
-    except the two lessons keys, which outlive runs by design (SPEC §5.7)."""
+    """Every key written lives under the prefix, run keys with the {run_id} tag, all with a TTL:
+    run keys the run TTL, the lessons keys (which outlive runs, SPEC §5.7) the lessons TTL."""
     exercise_every_store(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     found = sorted(k.decode() for k in redis_client.scan_iter(match="*"))
     run_keys = {keys.run_key("run1", s, PREFIX) for s in keys.RUN_KEY_SUFFIXES}
     blob = keys.blob_key(blob_ref(b"blob bytes").removeprefix("sha256:"), PREFIX)
-    lessons = {keys.shared_key(k, PREFIX) for k in (keys.LESSONS_RUNS, keys.LESSONS_DETAIL)}
+    lessons = {keys.shared_key(k, PREFIX) for k in keys.LESSONS_KEYS}
     probe = keys.shared_key(f"{keys.PROBE}:{{{keys.QUEUE_CPU}}}", PREFIX)
     recovery = {keys.shared_key(k, PREFIX) for k in (keys.PENDING_RUNS, keys.SWEEP_LOCK)} | {
         probe,
@@ -115,7 +122,7 @@ def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
     assert run_keys <= set(found)
     for key in found:
         if key in lessons:
-            assert redis_client.pttl(key) == -1, key
+            assert TTL_S * 1000 < redis_client.pttl(key) <= keys.DEFAULT_LESSONS_TTL_S * 1000, key
         else:
             assert 0 < redis_client.pttl(key) <= TTL_S * 1000, key
 
@@ -165,12 +172,14 @@ def test_writes_refresh_run_ttl(
 
 
 def test_pattern_storage_layout(redis_client: redis.Redis) -> None:
-    """Frequencies live in a sorted set and details in a hash of JSON, keyed by pattern identity."""
+    """Ranks live in a sorted set (the frequency is the integer part, the fraction orders ties)
+    and details in a hash of JSON, keyed by pattern identity."""
     store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     store.record("run1", "c1", 2, [rp("fmt", "Use JSON")])
     store.record("run1", "c2", 3, [rp("fmt", "use  json")])
     member = "fmt|use json"
-    assert redis_client.zscore(keys.run_key("run1", keys.PATTERNS_FREQ, PREFIX), member) == 2
+    rank = redis_client.zscore(keys.run_key("run1", keys.PATTERNS_FREQ, PREFIX), member)
+    assert rank is not None and math.floor(rank) == 2 and rank > 2
     raw = redis_client.hget(keys.run_key("run1", keys.PATTERNS_DETAIL, PREFIX), member)
     assert raw is not None
     assert json.loads(raw) == {
@@ -181,6 +190,79 @@ def test_pattern_storage_layout(redis_client: redis.Redis) -> None:
         "last_seen_iteration": 3,
         "order": 1,
     }
+
+
+def test_top_reads_only_the_limit_whatever_the_ties(redis_client: redis.Redis) -> None:
+    """With 50,000 patterns tied at the same count, the top script reads and returns only the
+    ``limit`` entries asked for: first recorded first for ranks the store wrote, and still
+    ``limit`` for plain integer counts (keys written before ranks had a tiebreak)."""
+    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    freq, detail = (
+        keys.run_key("run1", s, PREFIX) for s in (keys.PATTERNS_FREQ, keys.PATTERNS_DETAIL)
+    )
+    ties = 50_000
+    for start in range(0, ties, 5_000):
+        pipe = redis_client.pipeline(transaction=False)
+        ranks = {
+            f"tie|rule {i}": 1 + (ORDER_SPACE - (i + 1)) / ORDER_SPACE
+            for i in range(start, start + 5_000)
+        }
+        pipe.zadd(freq, ranks)
+        pipe.hset(
+            detail,
+            mapping={
+                m: json.dumps(
+                    {
+                        "category": "tie",
+                        "description": "d",
+                        "prevention_rule": m[4:],
+                        "first_seen_iteration": 1,
+                        "last_seen_iteration": 1,
+                        "order": i + 1,
+                    }
+                )
+                for i, m in zip(range(start, start + 5_000), ranks, strict=True)
+            },
+        )
+        pipe.execute()
+    script_keys = [freq, detail]
+    assert len(store._top(keys=script_keys, args=[10])) == 3 * 10
+    assert [p.prevention_rule for p in store.top("run1")] == [f"rule {i}" for i in range(10)]
+    assert all(p.frequency == 1 for p in store.top("run1", limit=50))
+    redis_client.zadd(freq, {f"tie|rule {i}": 1 for i in range(ties)})  # integer counts only
+    assert len(store._top(keys=script_keys, args=[10])) == 3 * 10
+    assert [p.frequency for p in store.top("run1")] == [1] * 10
+
+
+def test_lessons_expire_after_the_lessons_ttl_and_each_write_renews_it(
+    redis_client: redis.Redis,
+) -> None:
+    """Lessons keys carry the lessons TTL (not the run TTL); a run teaching a lesson pushes
+    their expiry back out."""
+    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S, lessons_ttl_s=7200)
+    store.record("run1", "c1", 1, [rp("a", "rule a")])
+    lesson_keys = [keys.shared_key(k, PREFIX) for k in keys.LESSONS_KEYS]
+    assert all(TTL_S * 1000 < redis_client.pttl(k) <= 7_200_000 for k in lesson_keys)
+    for k in lesson_keys:
+        redis_client.pexpire(k, 5_000)
+    store.record("run2", "c1", 1, [rp("a", "rule a")])
+    assert all(redis_client.pttl(k) > 5_000 for k in lesson_keys)
+    assert [x.runs for x in store.lessons()] == [2]
+
+
+def test_lessons_ttl_comes_from_the_environment(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRITIQUE_LESSONS_TTL_S sets the lessons TTL; a value that is not a positive number is a
+    configuration error naming the variable."""
+    monkeypatch.setenv(keys.LESSONS_TTL_ENV, "600")
+    RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S).record(
+        "run1", "c1", 1, [rp("a", "r")]
+    )
+    assert 0 < redis_client.pttl(keys.shared_key(keys.LESSONS_RUNS, PREFIX)) <= 600_000
+    monkeypatch.setenv(keys.LESSONS_TTL_ENV, "soon")
+    with pytest.raises(ConfigError, match="CRITIQUE_LESSONS_TTL_S"):
+        RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
 
 
 def test_pattern_store_rejects_iteration_zero(redis_client: redis.Redis) -> None:

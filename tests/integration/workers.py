@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -45,6 +46,7 @@ def client_on(url: str, *, flush: bool = True, **extra: str) -> Iterator[dict[st
     os.environ.update(env)
     runtime.client.cache_clear()
     runtime.stores.cache_clear()
+    _forget_configs(runtime)
     app.conf.broker_url = url
     app.conf.result_backend = url
     try:
@@ -55,6 +57,14 @@ def client_on(url: str, *, flush: bool = True, **extra: str) -> Iterator[dict[st
         app.conf.broker_url, app.conf.result_backend = saved_conf
         runtime.client.cache_clear()
         runtime.stores.cache_clear()
+        _forget_configs(runtime)
+
+
+def _forget_configs(runtime: Any) -> None:
+    """Drop the client's cached configurations: its own one (which submissions are checked
+    against: allowed_models, the keys it holds) comes from the environment just changed."""
+    runtime._configs.clear()
+    runtime._contexts.clear()
 
 
 def worker_env(redis_url: str, **extra: str) -> dict[str, str]:

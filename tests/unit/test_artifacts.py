@@ -262,3 +262,84 @@ def test_a_failed_atomic_batch_changes_no_target_and_leaves_no_temp_files(
         atomic_write_many([(a, "new\n"), (tmp_path / "blocker" / "b.md", "x")])
     assert a.read_text(encoding="utf-8") == "old\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.md", "blocker"]
+
+
+def test_a_symlink_under_the_root_is_refused_even_when_it_stays_inside(tmp_path: Path) -> None:
+    """No symlink under the root is followed: a run folder linked to another folder of the
+    same root is refused too, naming the link, and nothing is written through it."""
+    root = tmp_path / "root"
+    (root / "runs" / "elsewhere").mkdir(parents=True)
+    os.symlink(root / "runs" / "elsewhere", root / "runs" / "run-7")
+    with pytest.raises(PathEscapeError, match=r"run-7' under the artifacts root .* is a symlink"):
+        write_artifacts(root, "run-7", 1, [CLEAN], ())
+    assert list((root / "runs" / "elsewhere").iterdir()) == []
+
+
+def test_a_symlinked_target_file_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """CRITIQUE.md pre-created as a symlink to a file outside: refused, the outside file is
+    unchanged, no other file of the batch is written and no temp file stays."""
+    root, outside = tmp_path / "root", tmp_path / "victim.txt"
+    outside.write_text("keep\n", encoding="utf-8")
+    it = root / "runs" / "run-7" / "iterations" / "001"
+    it.mkdir(parents=True)
+    os.symlink(outside, it / "CRITIQUE.md")
+    with pytest.raises(PathEscapeError, match=r"CRITIQUE\.md"):
+        write_artifacts(root, "run-7", 1, [CLEAN], ())
+    assert outside.read_text(encoding="utf-8") == "keep\n"
+    assert [p.name for p in it.iterdir()] == ["CRITIQUE.md"]
+
+
+def test_a_path_outside_the_root_is_refused(tmp_path: Path) -> None:
+    """atomic_write_many with a root refuses a path that is not under it (or climbs out)."""
+    root = tmp_path / "root"
+    for path in (tmp_path / "other.md", root / ".." / "other.md"):
+        with pytest.raises(PathEscapeError, match="not under"):
+            atomic_write_many([(path, "x")], root=root)
+    assert not (tmp_path / "other.md").exists()
+
+
+def test_stale_repairs_are_removed_inside_the_root_only(tmp_path: Path) -> None:
+    """Rewriting without repairs removes repairs.json through the confined folder; with the
+    delegation folder swapped for a symlink, the removal is refused with the write."""
+    write_artifacts(tmp_path, "run-7", 2, [REPAIRED], ())
+    folder = tmp_path / "runs" / "run-7" / "iterations" / "002" / "delegations" / "analyst_01"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "repairs.json").write_text("[]\n", encoding="utf-8")
+    for name in os.listdir(folder):
+        os.unlink(folder / name)
+    folder.rmdir()
+    os.symlink(outside, folder)
+    no_repairs = REPAIRED.model_copy(update={"attempts": ()})
+    with pytest.raises(PathEscapeError, match="analyst_01"):
+        write_delegation_artifacts(tmp_path, "run-7", 2, no_repairs)
+    assert sorted(p.name for p in outside.iterdir()) == ["repairs.json"]
+
+
+def test_critique_md_shows_worker_html_as_text() -> None:
+    """Worker-made HTML, links and pipes in defects, summary and prescriptions are escaped."""
+    evil = "<script>alert(1)</script>"
+    bad = REPAIRED.model_copy(
+        update={
+            "envelope": REPAIRED.envelope.model_copy(
+                update={
+                    "defects": (
+                        Defect(
+                            category="incomplete",
+                            severity="critical",
+                            location="<b>x</b>.md:0",
+                            description=f"the output reports an error: {evil}",
+                            source="heuristic",
+                        ),
+                    ),
+                    "summary": "![t](http://evil/p.png)",
+                    "prescriptions": (f"Remove {evil}",),
+                }
+            )
+        }
+    )
+    md = render_critique_md(manager_summary("run-7", 1, [bad], ()), [bad])
+    assert "<script" not in md and "<b>" not in md and "![t](" not in md
+    assert "| &lt;b&gt;x&lt;/b&gt;.md:0 | the output reports an error: &lt;script&gt;" in md
+    assert "> !\\[t\\](http://evil/p.png)" in md
+    assert "1. [×1] Remove &lt;script&gt;alert(1)&lt;/script&gt;" in md

@@ -10,7 +10,7 @@ import pytest
 from pipeline.config import CritiqueConfig, RubricConfig
 from pipeline.convergence import STOP_TEXT, Ask, RoundDecision, RoundFacts, decide_round
 from pipeline.models import ReusablePattern
-from pipeline.pitfalls import render_pitfalls
+from pipeline.pitfalls import pitfalls_block, render_pitfalls
 from pipeline.runner import critic_stage, decide_stage, repair_stage, start
 from pipeline.store.memory import MemoryPatternStore
 from tests.unit.test_passes_budget import Provider, _llm_context, _sub
@@ -186,7 +186,7 @@ def test_the_repair_sends_the_prompt_the_decide_stage_sized() -> None:
     order = state.repair_order
     assert order is not None and order.prompt is not None and state.next == "repair"
     assert order.pitfalls == render_pitfalls(patterns.top("run-1", 10))
-    assert order.pitfalls in order.prompt
+    assert pitfalls_block(order.pitfalls) in order.prompt
     assert state.lease_tokens == order.bound.total > 0
     # another worker records a new pattern between this pass's decide and repair
     lesson = ReusablePattern(
@@ -213,7 +213,7 @@ def test_without_a_budget_cap_nothing_is_rendered_before_the_repair() -> None:
     assert state.lease_id is None
     repair_stage(state, ctx)
     [call] = [r for r in provider.requests if r.purpose == "repair"]
-    assert state.repair_order.pitfalls in call.messages[-1].content
+    assert pitfalls_block(state.repair_order.pitfalls) in call.messages[-1].content
 
 
 def test_a_state_without_an_order_still_repairs() -> None:

@@ -184,7 +184,8 @@ def test_json_mode_sends_response_format_and_request_max_tokens_wins(
 def test_api_key_comes_from_the_environment(
     fake_llm: FakeOpenAIServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without an explicit key, CRITIQUE_LLM_API_KEY is sent as the bearer token."""
+    """Without an explicit key, CRITIQUE_LLM_API_KEY is sent as the bearer token to the
+    operator's llm.api_base."""
     monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
     LiteLLMCompleter(LLMConfig(api_base=fake_llm.api_base))(request())
     assert fake_llm.requests[0]["headers"]["authorization"] == "Bearer sk-from-env"

@@ -441,12 +441,12 @@ def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_outputs_over_max_output_bytes_are_refused() -> None:
-    """A submission (output + task) over max_output_bytes is a SubmissionError naming the
-    size and the limit."""
+    """A submission (output + task + its required field name) over max_output_bytes is a
+    SubmissionError naming the size and the limit."""
     from pipeline.errors import SubmissionError
     from pipeline.runner import admit
 
-    limit = 100 + len(TASK.encode())
+    limit = 100 + len(TASK.encode()) + len("summary")
     config = CritiqueConfig(enabled=True, max_output_bytes=limit)
     admit(_sub("x" * 100), config)
     with pytest.raises(SubmissionError, match=f"{limit + 1} bytes, over max_output_bytes"):

@@ -148,6 +148,58 @@ def test_deep_nesting_is_refused_not_crashed() -> None:
         signing.verify({**MSG, "config": deep, "sig": "hmac-sha256:" + "0" * 64}, [KEY])
 
 
+# -- messages name the task they are addressed to -------------------------------------------------
+def test_an_addressed_message_is_accepted_only_as_its_task_and_id() -> None:
+    """A signed message names its task and task id; it passes as them, and is refused as
+    another id, another task, or when it names none."""
+    signed = signing.sign(signing.address(MSG, "critique.gate", "id-1"), [KEY])
+    signing.verify(signed, [KEY])
+    signing.check_addressed(signed, "critique.gate", "id-1")
+    for task, task_id in (("critique.gate", "id-2"), ("critique.l0", "id-1")):
+        with pytest.raises(ForgedMessageError, match="replayed under another task or id"):
+            signing.check_addressed(signed, task, task_id)
+    with pytest.raises(ForgedMessageError, match="covers no task id"):
+        signing.check_addressed(signing.sign(MSG, [KEY]), "critique.gate", "id-1")
+
+
+def test_the_address_is_covered_by_the_signature() -> None:
+    """Re-addressing a signed message without the key breaks its signature."""
+    signed = signing.sign(signing.address(MSG, "critique.gate", "id-1"), [KEY])
+    assert signing.addressee(signed) == ("critique.gate", "id-1")
+    for field, value in (("task_id", "victim-id"), ("task_name", "critique.l0")):
+        with pytest.raises(ForgedMessageError, match="bad signature"):
+            signing.verify({**signed, field: value}, [KEY])
+
+
+# -- stored records are signed per kind ------------------------------------------------------------
+RECORD = {"run_id": "r1", "member": "1:w1:s1", "status": "accepted", "best_score": 0.9}
+
+
+def test_a_record_verifies_only_as_its_kind() -> None:
+    """A record signed as a result verifies as a result, not as a failure or as a message; a
+    message's signature does not make it a record either."""
+    signed = signing.sign_record("result", RECORD, [KEY])
+    signing.verify_record("result", json.loads(json.dumps(signed)), [KEY])
+    with pytest.raises(ForgedMessageError, match="bad signature"):
+        signing.verify_record("failure", signed, [KEY])
+    with pytest.raises(ForgedMessageError, match="bad signature"):
+        signing.verify(signed, [KEY])
+    with pytest.raises(ForgedMessageError, match="bad signature"):
+        signing.verify_record("result", signing.sign(RECORD, [KEY]), [KEY])
+
+
+def test_a_record_unsigned_altered_or_under_another_key_is_refused() -> None:
+    """What a store writer without the secret can write never verifies as a record."""
+    signed = signing.sign_record("result", RECORD, [KEY])
+    with pytest.raises(ForgedMessageError, match="unsigned result record"):
+        signing.verify_record("result", RECORD, [KEY])
+    with pytest.raises(ForgedMessageError, match="bad signature"):
+        signing.verify_record("result", {**signed, "best_score": 1.0}, [KEY])
+    with pytest.raises(ForgedMessageError, match="bad signature"):
+        signing.verify_record("result", signing.sign_record("result", RECORD, [OTHER]), [KEY])
+    assert signing.sign_record("result", RECORD, []) == RECORD  # no secret: stored unsigned
+
+
 def test_no_secrets_means_unsigned_and_verify_refuses() -> None:
     """Signing without secrets leaves the message unsigned; verifying without any refuses."""
     assert signing.sign(MSG, []) == MSG
@@ -262,6 +314,64 @@ def test_gate_request_is_signed_and_checked(monkeypatch: pytest.MonkeyPatch) -> 
         runtime.decode_gate_request({**signed, "run_id": "r2"})
     with pytest.raises(SubmissionError, match="expected a dict"):
         runtime.decode_gate_request("junk")
+
+
+def test_decode_checks_the_address_only_with_the_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's decode (given the task and id it runs as) refuses a message addressed to
+    another; without the secret (development) nothing is checked."""
+    from workers import runtime
+
+    monkeypatch.setenv("CRITIQUE_SECRET", "a" * 32)
+    sub = Submission(run_id="r1", worker_id="w1", task="t", output="fine output")
+    msg = runtime.encode(start(sub), {}, sid="s1", task="critique.l0", task_id="t-1")
+    assert runtime.decode(msg, task="critique.l0", task_id="t-1")[0].submission.run_id == "r1"
+    with pytest.raises(ForgedMessageError, match="replayed under another task or id"):
+        runtime.decode(msg, task="critique.l0", task_id="t-2")
+    monkeypatch.delenv("CRITIQUE_SECRET")
+    runtime.decode(msg, task="critique.gate", task_id="t-2")
+
+
+def test_address_re_signs_only_what_verifies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """runtime.address re-addresses a signed message (for the next task, a continuation) but
+    refuses to re-sign an unsigned or altered one: a store record is never laundered."""
+    from workers import runtime
+
+    monkeypatch.setenv("CRITIQUE_SECRET", "b" * 32)
+    sub = Submission(run_id="r1", worker_id="w1", task="t", output="fine output")
+    msg = runtime.encode(start(sub), {}, sid="s1", task="critique.l0", task_id="t-1")
+    assert runtime.address(msg, "critique.l0", "t-1") is msg
+    moved = runtime.address(msg, "critique.critic", "t-9")
+    runtime.decode(moved, task="critique.critic", task_id="t-9")
+    unsigned = {k: v for k, v in msg.items() if k != "sig"}
+    for bad in (unsigned, {**msg, "sid": "s2"}):
+        with pytest.raises(ForgedMessageError):
+            runtime.address(bad, "critique.gate", "t-3")
+
+
+def test_gate_request_is_addressed_to_its_task_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A complete_gate request carries its address next to its fields (not as request
+    fields) and is refused under another task id."""
+    from workers import runtime
+
+    monkeypatch.setenv("CRITIQUE_SECRET", "g" * 32)
+    req = {"v": 1, "request_id": "q1", "run_id": "r1", "final_result": "done", "task": "t"}
+    signed = runtime.sign(signing.address(req, "critique.complete_gate", "g-1"))
+    got = runtime.decode_gate_request(signed, task="critique.complete_gate", task_id="g-1")
+    assert (got.run_id, got.task) == ("r1", "t")
+    with pytest.raises(ForgedMessageError, match="replayed under another task or id"):
+        runtime.decode_gate_request(signed, task="critique.complete_gate", task_id="g-2")
+
+
+def test_a_recorded_failure_reads_like_the_error_it_records() -> None:
+    """The client words a worker's failure record as it words the exception: a refusal as
+    'was refused by the worker: …', anything else with its error type, in one line."""
+    from pipeline.store.runs import Failure
+    from workers.client import _failure_text
+
+    refused = Failure("l0", "RefusedOverrideError", "may not set\n'llm.api_base'", True)
+    assert _failure_text(refused) == "was refused by the worker: may not set 'llm.api_base'"
+    crashed = Failure("critic", "LLMPermanentError", "401 Incorrect API key", False)
+    assert _failure_text(crashed) == "failed: LLMPermanentError: 401 Incorrect API key"
 
 
 def test_secret_read_at_call_time_and_rotation_in_the_codec(

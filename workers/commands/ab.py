@@ -185,7 +185,7 @@ def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[st
 
     from pipeline.llm import LiteLLMCompleter
 
-    completer = LiteLLMCompleter(config.llm)
+    completer = LiteLLMCompleter(config.llm, key_models=(model,))  # the researcher's model
     completer.warm()  # litellm loads here, not inside the first row's latency
     prefix = f"ab-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"
     jobs = [

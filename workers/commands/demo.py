@@ -308,10 +308,9 @@ def _wait_iteration(
     done_before: int,
     total: int,
 ) -> list[tuple[Sample, CritiqueResult]]:
-    """Results of one iteration, reporting each as it finishes."""
-    from celery.result import AsyncResult
-
-    from workers.app import app
+    """Results of one iteration, reporting each as it finishes; a failure a worker recorded
+    for a submission's pass ends the demo (Celery's task state is not read: it is no evidence)."""
+    from pipeline.errors import SubmissionError
 
     finished: dict[str, CritiqueResult] = {}
     deadline = time.monotonic() + timeout
@@ -339,15 +338,9 @@ def _wait_iteration(
             for _sample, handle in handles:
                 if handle.worker_id in finished:
                     continue
-                ar = AsyncResult(handle.task_id, app=app)
-                if ar.state == "FAILURE":
-                    from workers.commands.status import failure_reason
-
-                    raise DemoError(
-                        f"submission {handle.worker_id} failed in a worker "
-                        f"(task {handle.task_id}): {failure_reason(ar.result)}",
-                        EXIT_FAILED,
-                    )
+                got = client.outcome(handle)
+                if isinstance(got, SubmissionError):
+                    raise DemoError(f"{got.message} (task {handle.task_id})", EXIT_FAILED)
         if now >= deadline:
             pending = [h.worker_id for _s, h in handles if h.worker_id not in finished]
             raise DemoError(
@@ -418,7 +411,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     embedded = not os.environ.get("REDIS_URL")
     url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
 
-    from pipeline.errors import ConfigError, CritiqueError, SubmissionError
+    from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
     from pipeline.pitfalls import render_pitfalls
     from workers import runtime
     from workers.commands.report import write_report
@@ -452,6 +445,8 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
         stores = runtime.stores()
         pitfalls = render_pitfalls(stores.patterns.top(run_id, 10))
         spent = stores.budget.spent(run_id)
+    except BrokenPipeError:  # the reader of our output went away (`| head`), not Redis
+        raise
     except unreachable_errors() as exc:
         raise DemoError(f"lost Redis at {url}: {exc}", EXIT_UNAVAILABLE) from None
     except (ConfigError, SubmissionError) as exc:  # refused here, before anything ran
@@ -462,6 +457,8 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     root = Path(args.out or os.environ.get("CRITIQUE_WORKSPACE") or "workspace")
     try:
         artifacts = write_report(run_id, root)
+    except PathEscapeError as exc:  # a symlink under the root: nothing was written
+        raise DemoError(str(exc), EXIT_FAILED) from None
     except OSError as exc:
         raise DemoError(f"cannot write the artifacts under {root}: {exc}", EXIT_FAILED) from None
     rows = [_row(s, r) for s, r in done]

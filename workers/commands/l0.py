@@ -14,12 +14,12 @@ environment), else the six defaults.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import Any
 
 from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from workers.commands._text import escape_controls, json_line
 
 HELP = "run the Layer-0 output contract (deterministic checks) on files"
 
@@ -114,13 +114,14 @@ def run(args: argparse.Namespace) -> int:
                 for f in report.failures
             ],
         }
-        print(json.dumps(doc, ensure_ascii=False))
+        print(json_line(doc))
     else:
         for f in report.failures:
             where = f.path or "output"
             line, col = position(by_label.get(f.path), f.offset)
             at = "" if line is None else f":{line}:{col}"
-            print(f"{where}{at}: {f.severity} {f.check}: {f.reason}")
+            # File names and reasons are worker-made: a terminal must not run their escapes.
+            print(escape_controls(f"{where}{at}: {f.severity} {f.check}: {f.reason}"))
         verdict = "ok" if ok else "FAILED"
         print(
             f"l0 {verdict}: {errors} error(s), {warnings} warning(s) in {len(items)} file(s), "

@@ -11,20 +11,27 @@ the report lists the failed chains (with their one-line reason) and the pending 
 apart. Prints the files written, one per line, then a tally; ``--json`` prints ``{"run_id",
 "root", "report", "files": [...], "finished", "failed": {key: reason}, "pending": [...]}``.
 
+Every file is written in one batch under the root without following a symlink anywhere below
+it (:func:`pipeline.artifacts.atomic_write_many`): a ``runs``, ``runs/<run-id>`` or
+``report.html`` that is a symlink is refused with one line naming it, before anything is
+written, also for a run with no finished result. Worker-made text is escaped in the Markdown
+files and in what is printed.
+
 Exit codes (the table of ``critique --help``): 0 written; 1 written, but a chain failed (it has
-no verdict); 2 bad usage, an unknown run, or an unwritable folder; 3 Redis unreachable.
+no verdict); 2 bad usage, an unknown run, an unwritable folder or a symlink under the root;
+3 Redis unreachable.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from workers.commands._text import escape_controls, json_line
 from workers.commands.status import RunSnapshot, load_snapshot, service_guard, tally
 
 HELP = "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis"
@@ -44,11 +51,12 @@ def write_report(
 
     ``snapshot`` is the run as already read (:func:`load_snapshot`), else it is read here.
 
-    ``out_dir`` is the artifacts root (default :func:`default_root`). Raises
-    :class:`~workers.commands.status.UnknownRunError` when Redis holds nothing for the run,
-    ``StoreUnavailableError`` when Redis cannot be reached.
+    ``out_dir`` is the artifacts root (default :func:`default_root`). Every file is written in
+    one confined batch: ``PathEscapeError`` (nothing written) when a symlink is met under the
+    root. Raises :class:`~workers.commands.status.UnknownRunError` when Redis holds nothing for
+    the run, ``StoreUnavailableError`` when Redis cannot be reached.
     """
-    from pipeline.artifacts import atomic_write_many, write_artifacts
+    from pipeline.artifacts import artifact_files, atomic_write_many
     from pipeline.models import CritiqueResult
     from pipeline.pitfalls import render_lessons
     from workers import runtime
@@ -63,9 +71,12 @@ def write_report(
     for r in snap.results:
         by_iteration[r.iteration].append(r)
 
-    written: list[Path] = []
+    files: list[tuple[Path, str]] = []
+    stale: list[Path] = []
     for iteration in sorted(by_iteration):
-        written += write_artifacts(root, run_id, iteration, by_iteration[iteration], patterns)
+        tree, old = artifact_files(root, run_id, iteration, by_iteration[iteration], patterns)
+        files += tree
+        stale += old
     run_dir = root / "runs" / run_id  # a checked identifier (load_snapshot)
     failed = {k: snap.errors[k] for k in snap.failed}
     page = render_report_html(
@@ -73,10 +84,9 @@ def write_report(
     )
     report = run_dir / "report.html"
     lessons = run_dir / "lessons.md"
-    atomic_write_many(
-        [(report, page), (lessons, render_lessons(stores.patterns.lessons(PATTERN_LIMIT)))]
-    )
-    return [*written, report, lessons]
+    files += [(report, page), (lessons, render_lessons(stores.patterns.lessons(PATTERN_LIMIT)))]
+    atomic_write_many(files, root=root, remove=stale)
+    return [path for path, _ in files]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,11 +103,19 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.out) if args.out else default_root()
 
     def body() -> int:
+        from pipeline.errors import PathEscapeError
+
         snap = load_snapshot(args.run_id)
         try:
             files = write_report(args.run_id, root, snapshot=snap)
+        except PathEscapeError as exc:  # a symlink under the root: nothing was written
+            print(escape_controls(f"critique report: {exc}"), file=sys.stderr)
+            return EXIT_USAGE
         except OSError as exc:
-            print(f"critique report: cannot write under {root}: {exc}", file=sys.stderr)
+            print(
+                escape_controls(f"critique report: cannot write under {root}: {exc}"),
+                file=sys.stderr,
+            )
             return EXIT_USAGE
         report = next(f for f in files if f.name == "report.html")
         if args.json:
@@ -110,14 +128,14 @@ def run(args: argparse.Namespace) -> int:
                 "failed": {k: snap.errors[k] for k in snap.failed},
                 "pending": snap.pending,
             }
-            print(json.dumps(doc, ensure_ascii=False))
+            print(json_line(doc))
         else:
             for f in files:
-                print(f)
-            print(f"report: {report} ({len(files)} file(s) written)")
+                print(escape_controls(str(f)))
+            print(escape_controls(f"report: {report} ({len(files)} file(s) written)"))
             print(f"run {args.run_id}: {tally(snap.results, len(snap.failed), len(snap.pending))}")
             for key in snap.failed:
-                print(f"failed {key}: {snap.errors[key]}")
+                print(escape_controls(f"failed {key}: {snap.errors[key]}"))
         return EXIT_OK if snap.ok else EXIT_FAILED
 
     return service_guard("report", body)

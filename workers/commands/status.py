@@ -26,7 +26,6 @@ The helpers here (:func:`load_snapshot`, :func:`chain_failures`, :func:`failure_
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from collections import Counter
@@ -36,6 +35,7 @@ from typing import Any
 
 from pipeline.models import CritiqueResult
 from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from workers.commands._text import escape_controls, json_line, printable
 
 HELP = "show a run's submissions: finished (with their verdict), failed, pending"
 
@@ -128,28 +128,28 @@ def load_snapshot(
         )
     snap = RunSnapshot(run_id, submitted, results)
     if chain_errors and snap.unfinished:
-        snap.errors = chain_failures({k: submitted[k] for k in snap.unfinished})
+        snap.errors = chain_failures({k: submitted[k] for k in snap.unfinished}, run_id)
     return snap
 
 
-def chain_failures(unfinished: Mapping[str, Mapping[str, Any]]) -> dict[str, str]:
-    """The submissions (key -> registry record) whose chain's Celery result says FAILURE,
-    each with its one-line reason (:func:`failure_reason`)."""
-    from celery.result import AsyncResult
+def chain_failures(unfinished: Mapping[str, Mapping[str, Any]], run_id: str) -> dict[str, str]:
+    """The submissions (key -> registry record) of ``run_id`` whose latest pass a worker
+    recorded as failed, each with its one-line reason. Only such a record counts (signed with
+    ``CRITIQUE_SECRET``), never Celery's FAILURE state for the task id: a broker writer can
+    set that for any id."""
+    from pipeline.store.runs import pass_member
+    from workers import runtime
 
-    from workers.app import app
-
+    recorded = runtime.stores().runs.failures(run_id) if unfinished else {}
     out: dict[str, str] = {}
     for key, doc in unfinished.items():
-        task_id = doc.get("task_id")
-        if not task_id:
-            continue
-        try:
-            ar = AsyncResult(str(task_id), app=app)
-            if ar.state == "FAILURE":
-                out[key] = failure_reason(ar.result)
-        except Exception:  # a result backend other than the store may be down: stay pending
-            continue
+        iteration, worker_id = split_key(key)
+        got = recorded.get(pass_member(iteration, worker_id, str(doc.get("sid") or "")))
+        if got is not None:
+            text = f"{got.error}: {got.reason}"
+            if got.refused:
+                text = f"refused by the worker: {got.reason}"
+            out[key] = printable(" ".join(text.split()), REASON_LIMIT)
     return out
 
 
@@ -170,22 +170,21 @@ def failure_reason(error: object) -> str:
     return printable(" ".join(text.split()), REASON_LIMIT) or "failed (no reason recorded)"
 
 
-def printable(text: str, limit: int = 300) -> str:
-    """One terminal-safe line: control characters escaped (worker text is untrusted), cut."""
-    cleaned = "".join(
-        ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text
-    )
-    return cleaned if len(cleaned) <= limit else cleaned[: limit - 1] + "…"
-
-
 def service_guard(command: str, body: Callable[[], int]) -> int:
-    """Run a command body, mapping an unreachable Redis to exit 3 and an unknown run to 2."""
+    """Run a command body, mapping an unreachable Redis to exit 3 and an unknown run to 2.
+
+    A ``BrokenPipeError`` is the reader of this command's output going away (``| head``), not
+    Redis (redis-py wraps its own socket errors in its ``ConnectionError``): it is left to the
+    CLI entry point, which ends quietly, instead of being reported as "cannot reach Redis".
+    """
     from pipeline.errors import CritiqueError, StoreUnavailableError
     from workers import runtime
     from workers.unreachable import unreachable_errors
 
     try:
         return body()
+    except BrokenPipeError:
+        raise
     except UnknownRunError as exc:
         print(f"critique {command}: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -314,7 +313,7 @@ def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
 
 
 def render_text(doc: dict[str, Any]) -> str:
-    """The human-readable table."""
+    """The human-readable table; every line terminal-safe (worker-made text escaped)."""
     scope = "" if doc["iteration"] is None else f", iteration {doc['iteration']}"
     lines = [
         f"run {doc['run_id']}{scope}: {doc['submitted']} submitted, {doc['finished']} finished, "
@@ -351,7 +350,7 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.append(f"failed: {', '.join(doc['failed'])} (no verdict: see the reason per row)")
     if doc["pending"]:
         lines.append(f"pending: {', '.join(doc['pending'])}")
-    return "\n".join(lines)
+    return "\n".join(escape_controls(line) for line in lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -369,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         snap = load_snapshot(args.run_id, args.iteration)
         doc = snapshot_doc(snap, args.iteration)
         if args.json:
-            print(json.dumps(doc, ensure_ascii=False))
+            print(json_line(doc))
         else:
             print(render_text(doc))
         return EXIT_OK if snap.ok else EXIT_FAILED

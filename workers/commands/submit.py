@@ -250,7 +250,9 @@ FALLBACK_LIMIT = 160
 
 
 def _result_line(result: Any) -> str:
-    from workers.commands.status import fallbacks, printable
+    """One result's line, terminal-safe (the stored result's text is not trusted)."""
+    from workers.commands._text import escape_controls, printable
+    from workers.commands.status import fallbacks
 
     repairs = len(result.attempts)
     line = (
@@ -262,7 +264,7 @@ def _result_line(result: Any) -> str:
     if fell:
         more = f" (+{len(fell) - 1} more)" if len(fell) > 1 else ""
         line += f"  [FALLBACK {printable(fell[0], FALLBACK_LIMIT)}{more}]"
-    return line
+    return escape_controls(line)
 
 
 def _handle_doc(h: Any) -> dict[str, Any]:
@@ -275,7 +277,9 @@ def _handle_doc(h: Any) -> dict[str, Any]:
 
 
 def _emit(doc: dict[str, Any]) -> None:
-    print(json.dumps(doc, ensure_ascii=False), flush=True)
+    from workers.commands._text import json_line
+
+    print(json_line(doc), flush=True)
 
 
 def check_keys_for(subs: list[Any], config: Any) -> None:
@@ -395,6 +399,7 @@ def _wait(client: Any, handles: list[Any], args: Any) -> int:
     from pipeline.errors import SubmissionError
     from workers.client import CritiqueTimeout
     from workers.commands._progress import Progress
+    from workers.commands._text import json_line
     from workers.commands.status import tally
     from workers.unreachable import unreachable_errors
 
@@ -416,19 +421,21 @@ def _wait(client: Any, handles: list[Any], args: Any) -> int:
                 reason = _reason(h, answer)
                 failed.append((h, reason))
                 if args.json:
-                    progress.line(json.dumps({"type": "failed", **_handle_doc(h), "error": reason}))
+                    progress.line(json_line({"type": "failed", **_handle_doc(h), "error": reason}))
                 else:
                     progress.line(f"{h.run_id}  {h.iteration}  {h.worker_id}  FAILED  {reason}")
             else:
                 results.append(answer)
                 if args.json:
                     doc = {"type": "result", "task_id": h.task_id, **answer.model_dump(mode="json")}
-                    progress.line(json.dumps(doc, ensure_ascii=False))
+                    progress.line(json_line(doc))
                 else:
                     progress.line(_result_line(answer))
             count()
     except CritiqueTimeout:
         timed_out = True
+    except BrokenPipeError:  # our reader went away (`| head`), not Redis: the CLI ends quietly
+        raise
     except unavailable as exc:
         progress.close()
         print(f"critique submit: lost Redis while waiting: {exc}", file=sys.stderr)
@@ -473,7 +480,7 @@ def _wait(client: Any, handles: list[Any], args: Any) -> int:
 
 def _reason(h: Any, error: Any) -> str:
     """The one-line reason of a failed chain, without the client's "submission … of run …"."""
-    from workers.commands.status import printable
+    from workers.commands._text import printable
 
     message = " ".join(str(getattr(error, "message", error)).split())
     prefix = f"submission {h.worker_id} of run {h.run_id} "

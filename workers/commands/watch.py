@@ -20,7 +20,6 @@ verdict); 1 a chain failed, or ``--timeout`` passed with submissions still pendi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections import Counter
@@ -28,11 +27,11 @@ from typing import Any
 
 from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 from workers.commands._progress import Progress
+from workers.commands._text import escape_controls, json_line, printable
 from workers.commands.status import (
     chain_failures,
     key_of,
     load_snapshot,
-    printable,
     service_guard,
     split_key,
 )
@@ -138,7 +137,7 @@ class _Watch:
         self.stored = snap.finished
         self.statuses.update({key_of(r.iteration, r.worker_id): r.status for r in snap.results})
         unfinished = {k: self.records[k] for k in self.pending if k in self.records}
-        for key, reason in sorted(chain_failures(unfinished).items()):
+        for key, reason in sorted(chain_failures(unfinished, self.run_id).items()):
             self.failed[key] = reason
             self._show_failure(key, reason)
         self._count()
@@ -162,7 +161,7 @@ class _Watch:
             self.seen.add(key)
             self.statuses[key] = str(event.get("status"))
         if self.as_json:
-            self.progress.line(json.dumps(event, ensure_ascii=False, sort_keys=True))
+            self.progress.line(json_line(event, sort_keys=True))
         else:
             note = event.get("note")
             if note:
@@ -178,7 +177,7 @@ class _Watch:
         iteration, worker = split_key(key)
         if self.as_json:
             doc = {"type": "failed", "iteration": iteration, "worker_id": worker, "error": reason}
-            self.progress.line(json.dumps(doc, ensure_ascii=False))
+            self.progress.line(json_line(doc))
         else:
             self.progress.line(printable(f"{key:<20} FAILED  {reason}", limit=400))
 
@@ -201,7 +200,7 @@ class _Watch:
                 "pending": self.pending,
                 "counts": dict(sorted(counts.items())),
             }
-            print(json.dumps(doc, ensure_ascii=False), flush=True)
+            print(json_line(doc), flush=True)
         else:
             verdicts = ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))
             line = (
@@ -212,11 +211,13 @@ class _Watch:
             )
             if self.hidden_notes:
                 line += f"; {self.hidden_notes} repeated note(s) not shown"
-            print(line)
+            print(escape_controls(line))
             if not done:
                 print(
-                    f"watch: timed out with {len(self.pending)} of {len(every)} submission(s) "
-                    f"pending: {', '.join(self.pending)}"
+                    escape_controls(
+                        f"watch: timed out with {len(self.pending)} of {len(every)} "
+                        f"submission(s) pending: {', '.join(self.pending)}"
+                    )
                 )
         return EXIT_FAILED if self.failed or not done else EXIT_OK
 

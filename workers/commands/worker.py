@@ -43,11 +43,12 @@ worker instead of failing every chain it would run (exit 2, naming what to fix):
 file (``CRITIQUE_CONFIG``) and every ``CRITIQUE_*`` variable (a typo such as
 ``CRITIQUE_MAX_REPAIRS`` is named), and the provider key of every model the configuration
 names (``model``, ``paired_model``, ``allowed_models``: litellm's environment check, e.g.
-``OPENAI_API_KEY``; ``CRITIQUE_LLM_API_KEY`` serves any provider) when the worker consumes an
-LLM queue (``critique.llm``, ``critique.llm.critic``; a ``critique.cpu`` worker calls no
-model). A secret that is too short exits 2 too; without ``CRITIQUE_SECRET`` it warns that stage
-messages go unsigned (anyone with broker access can forge a verdict). ``--dry-run`` runs these
-checks and prints the command (one line per process).
+``OPENAI_API_KEY``; ``CRITIQUE_LLM_API_KEY`` serves those models' providers) when the worker
+consumes an LLM queue (``critique.llm``, ``critique.llm.critic``; a ``critique.cpu`` worker
+calls no model). A secret that is too short exits 2 too; without ``CRITIQUE_SECRET`` it warns
+that stage messages go unsigned (anyone with broker access can forge a verdict), and with an
+API key but no ``allowed_models`` that it refuses every submission naming a model.
+``--dry-run`` runs these checks and prints the command (one line per process).
 
 Then it checks that Redis answers (exit 3 with the URL when it does not) and replaces itself
 with ``python -m celery -A workers.app worker …`` (options after ``--`` go to Celery), so
@@ -297,10 +298,25 @@ def worker_argvs(
     return [celery_argv(args, queues, concurrency, n) for n in node_names(args.hostname, count)]
 
 
-def check_own_config(*, keys: bool = True) -> None:
+def unlisted_models_warning(allowed_models: tuple[str, ...]) -> str | None:
+    """The start-up warning of a worker that holds an API key and lists no ``allowed_models``:
+    it refuses every submission that names a model (:mod:`pipeline.model_policy`)."""
+    from pipeline.model_policy import ALLOWED_MODELS_ENV, held_keys
+
+    held = held_keys(os.environ)
+    if not held or allowed_models:
+        return None
+    return (
+        f"an API key is set ({held[0]}) and allowed_models is empty, so every submission that "
+        f"names a model (its own or as model / paired_model) is refused; set "
+        f"{ALLOWED_MODELS_ENV} to the models submissions may use"
+    )
+
+
+def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
     """Raise ``ConfigError`` unless this worker's own configuration loads (workflow file and
     ``CRITIQUE_*`` environment) and, with ``keys`` (a worker that consumes an LLM queue), every
-    model it names has its provider key."""
+    model it names has its provider key. Returns its ``allowed_models``."""
     from pipeline.config import load_config
     from pipeline.errors import ConfigError
     from pipeline.providers import check_keys, configured_models
@@ -315,6 +331,7 @@ def check_own_config(*, keys: bool = True) -> None:
     models = configured_models(config) if keys else ()
     if models:  # litellm is imported only when there is a model to check
         check_keys(models, api_base=config.llm.api_base, where="this worker's environment")
+    return config.allowed_models
 
 
 def _unreachable(urls: list[str]) -> str | None:
@@ -363,7 +380,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.signing import SECRET_ENV, parse_secrets
 
     try:
-        check_own_config(keys=bool(set(queues) & set(LLM_QUEUES)))
+        allowed_models = check_own_config(keys=bool(set(queues) & set(LLM_QUEUES)))
         signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
     except ConfigError as exc:
         print(f"critique worker: {one_line(exc)}", file=sys.stderr)
@@ -373,6 +390,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     if not signed:
         print(f"critique worker: warning: {UNSIGNED_WARNING}", file=sys.stderr)
+    unlisted = unlisted_models_warning(allowed_models)
+    if unlisted:
+        print(f"critique worker: warning: {unlisted}", file=sys.stderr)
     store = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
     broker = os.environ.get("CELERY_BROKER_URL", store)
     problem = _unreachable(list(dict.fromkeys([store, broker])))
