@@ -8,21 +8,28 @@ backend.
 ``CRITIQUE_OUTAGE_S`` (default 120) is how long a Redis outage is ridden out before anything
 gives up: every publish (a chain's next stage, ``Task.replace``, a retry, the client's submit)
 and every result-backend write retries with backoff for that long. Workers themselves never
-give up reconnecting. ``CRITIQUE_STALL_S`` and ``CRITIQUE_SWEEP_S`` tune the stall sweeper
-(``workers.recovery``): a submission with no progress for the stall time (default: the task
-time limit + 30 s) is re-driven from its last recorded step.
+give up reconnecting, and retry at most 2 s apart (``interval_max``, applied by
+``workers.recovery.Consumer``). ``CRITIQUE_STALL_S`` and ``CRITIQUE_SWEEP_S`` tune the sweeper
+(``workers.recovery``).
 
-What survives what, with these settings: a killed worker (its unacked messages come back after
-the visibility timeout, a lost one is re-driven by the sweeper); a Redis restart or a network
-blip shorter than ``CRITIQUE_OUTAGE_S`` (publishes wait, workers reconnect, what a restart lost
-is re-driven); a Redis restart without persistence loses every queued message and the
-submissions' records: nothing can re-drive those (run Redis with ``appendonly yes``).
+What survives what, with these settings (measured by ``tests/faults``, see
+docs/operations.md): a killed worker (a pool child's message is requeued at once; the messages
+a dead main process held are restored by the other workers within seconds, as soon as its
+held-message reports stop, not after the visibility timeout); a Redis restart or a network blip
+shorter than ``CRITIQUE_OUTAGE_S`` (publishes wait, workers reconnect within 2 s of Redis being
+back, a message the restart lost is proved lost and re-driven within seconds; the stall time,
+the task time limit + 30 s, stays the backstop where nothing can be proved: a non-Redis broker);
+a RabbitMQ restart (consumers reconnect within 2 s; dead connections are noticed by 10 s
+heartbeats and TCP keepalive after about 25 s). A Redis restart without persistence loses every
+queued message and the submissions' records: nothing can re-drive those (run Redis with
+``appendonly yes``).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import socket
 
 _redis = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 _time_limit = int(os.environ.get("CRITIQUE_TASK_TIME_LIMIT_S", "600"))
@@ -34,6 +41,16 @@ result_backend = os.environ.get("CELERY_RESULT_BACKEND", _redis)
 # Redis redelivers an unacked message after the visibility timeout: keep it well above the
 # longest task so a slow LLM call is never run twice just for being slow.
 _visibility = int(os.environ.get("CRITIQUE_VISIBILITY_TIMEOUT_S", str(max(3600, 2 * _time_limit))))
+# TCP keepalive on every broker connection: a peer that vanished without closing it (a host
+# gone, a network cut, a broker restart behind NAT) is found dead by the kernel after 10 s idle
+# + 3 probes 5 s apart, where the defaults took minutes (py-amqp: 60 s + 9 x 10 s; Linux: 2 h).
+# ``socket_keepalive_options`` is the Redis transport's name for it, ``socket_settings``
+# py-amqp's (RabbitMQ); each transport ignores the other's.
+_KEEPALIVE = (
+    {socket.TCP_KEEPIDLE: 10, socket.TCP_KEEPINTVL: 5, socket.TCP_KEEPCNT: 3}
+    if hasattr(socket, "TCP_KEEPIDLE")
+    else {}
+)
 # A killed worker's unacked messages come back when a live worker sweeps the unacked index:
 # kombu's defaults sweep about every 100 s (interval 10 s × throttle 10) and a sweeper that dies
 # holding the sweep mutex blocks others for 300 s. Sweep every interval; free the mutex sooner.
@@ -42,11 +59,24 @@ broker_transport_options = {
     "unacked_restore_interval": float(os.environ.get("CRITIQUE_RESTORE_INTERVAL_S", "10")),
     "unacked_restore_throttle": 1,
     "unacked_mutex_expire": int(os.environ.get("CRITIQUE_RESTORE_MUTEX_S", "60")),
-    # Never block forever on a dead socket (a blackholed network): a publish or an ack times
-    # out and is retried on a new connection; kombu's own health check watches the consumer.
-    "socket_timeout": 30.0,
+    # Never block forever on a dead socket (a blackholed network, a failover): a publish or an
+    # ack times out after 10 s and is retried on a new connection (not on the same one:
+    # retry_on_timeout stays off). kombu's health check (every 10 s, its default 25 s) pings the
+    # pub/sub connection and drops a BRPOP connection whose reply is overdue, so a consumer on
+    # a half-open connection is back within about 21 s (51 s with kombu's defaults).
+    "socket_timeout": 10.0,
     "socket_connect_timeout": 5.0,
     "socket_keepalive": True,
+    "socket_keepalive_options": _KEEPALIVE,
+    "socket_settings": _KEEPALIVE,
+    "retry_on_timeout": False,
+    "health_check_interval": 10,
+    # Reconnecting to a lost broker: attempts 0, 1, 2, then every 2 s (Celery's consumer waits
+    # 2, 4, 6 … up to 30 s between attempts: after a 30 s outage it came back up to 12 s late).
+    # workers.recovery.Consumer applies them to the worker's consumer; kombu to new channels.
+    "interval_start": 0,
+    "interval_step": 1,
+    "interval_max": 2,
 }
 
 # --- riding out a Redis outage -----------------------------------------------------------------
@@ -56,6 +86,16 @@ broker_connection_retry = True
 broker_connection_retry_on_startup = True
 broker_connection_max_retries = None
 broker_channel_error_retry = True
+broker_connection_timeout = 4.0
+# The worker's consumer reconnects at most 2 s apart (the transport options above), where
+# Celery's own consumer waits up to 30 s between attempts.
+worker_consumer = "workers.recovery:Consumer"
+# RabbitMQ (amqp://): heartbeats every 10 s (Celery's default 120 s), so a consumer whose
+# connection died without a close (a broker restart behind a proxy, a network cut) notices
+# within about 20 s rather than 4 minutes and reconnects; RabbitMQ requeues what it held
+# unacknowledged at once. Celery sends heartbeats from the event loop (prefork pool); a
+# threads-pool worker leaves them off and notices on its next read (drain_events, every 2 s).
+broker_heartbeat = 10
 # A Redis outage must not end the worker's main process: workers (only they: Flower and other
 # clients read the broker URL's scheme) use kombu's Redis transport with one guard,
 # workers.recovery.RedisTransport, which workers.app selects for redis:// and rediss:// brokers

@@ -130,16 +130,11 @@ def main() -> int:
     ap.add_argument("--latency", type=float, default=0.2, help="fake server's answer delay, s")
     ap.add_argument("--workers", type=int, default=2, help="worker processes")
     ap.add_argument("--concurrency", type=int, default=4, help="threads per worker")
-    ap.add_argument(
-        "--redis",
-        default=None,
-        help="a database for this bench alone: it is flushed (default: a redis-server of its own)",
-    )
-    args = ap.parse_args()
-    if not args.redis:
-        from workers.embedded import EmbeddedRedis
+    from bench._redis import add_redis_option, redis_url
 
-        args.redis = EmbeddedRedis().start().url  # stopped at exit
+    add_redis_option(ap)
+    args = ap.parse_args()
+    args.redis = redis_url(args.redis)
 
     with tempfile.TemporaryDirectory(prefix="bench-cache-") as tmp:
         rows = [run_mode(args, False, Path(tmp)), run_mode(args, True, Path(tmp))]

@@ -36,12 +36,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--k", type=int, default=5000, help="calls per measurement")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--redis", default=None, help="default: a redis-server of its own")
-    args = ap.parse_args()
-    if not args.redis:
-        from workers.embedded import EmbeddedRedis
+    from bench._redis import add_redis_option, redis_url
 
-        args.redis = EmbeddedRedis().start().url  # stopped at exit
+    add_redis_option(ap)
+    args = ap.parse_args()
+    args.redis = redis_url(args.redis)
 
     import redis
 

@@ -59,6 +59,8 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
     {
         "CRITIQUE_CONFIG",  # path of the workflow.awp.yaml to read
         "CRITIQUE_WORKSPACE",  # root folder for artifacts
+        "CRITIQUE_ARCHIVE_DIR",  # where runs' durable records go (default <workspace>/archive)
+        "CRITIQUE_ARCHIVE_AFTER_S",  # workers: quiet seconds before a settled run is archived
         "CRITIQUE_QUEUES",  # queues a `critique worker` consumes
         "CRITIQUE_CONCURRENCY",  # worker concurrency
         "CRITIQUE_PROCESSES",  # worker processes (`critique worker --processes`)
@@ -75,7 +77,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
         "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves
         "CRITIQUE_STALL_S",  # seconds without progress before a chain is re-driven as stalled
-        "CRITIQUE_SWEEP_S",  # workers: seconds between stall sweeps and queue probes (0: off)
+        "CRITIQUE_SWEEP_S",  # workers: seconds between sweeps, probes and holder reports
         "CRITIQUE_STALL_MAX_RESUMES",  # re-drives of one stalled chain before giving up on it
         "CRITIQUE_OUTAGE_S",  # Celery: how long publishes and backend writes ride out an outage
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
@@ -128,6 +130,10 @@ class BudgetConfig(_Block):
     """The run's total token budget; repairs may spend ``repair_budget_fraction`` of it."""
 
     total_tokens: int | None = Field(None, ge=1)
+    wait_s: float = Field(60.0, ge=0.0, le=3600.0)
+    """How long a repair whose reservation fits what is left of the cap once held tokens
+    settle waits for them, instead of being refused (SPEC §4); a worker waits at most half its
+    soft time limit. 0: refuse at once. A submission may lower it, never raise it."""
 
 
 class RateLimit(_Block):
@@ -163,6 +169,11 @@ class LLMConfig(_Block):
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     max_tokens: int = Field(2048, ge=1)
     """Cap on each reply's tokens (a repair of a long output needs more: raise it)."""
+    recritique_max_tokens: int = Field(512, ge=1)
+    """Cap on a re-critique's reply (the critique of a repaired output, at most ``max_tokens``):
+    an envelope of a few hundred tokens. A repair round reserves this for it, not the whole
+    ``max_tokens``, and the critic is told the limit; raise it if re-critiques of outputs with
+    many defects come back cut (their notes say "critic fallback … unparseable")."""
     max_output_chars: int = Field(24_000, ge=1000)
     """Outputs longer than this reach the critic cut to head (3/4) + tail (1/4), and say so."""
     rate_limit: RateLimits | None = None
@@ -489,7 +500,7 @@ POLICY: frozenset[str] = frozenset(
         "pattern_memory",
         "defect_categories",
         "rubric",
-        "budget",
+        "budget",  # budget.wait_s: lower only, at most the worker's
         "max_output_bytes",  # lower only: at most the worker's
         "output_contract.checks",  # built-in checks only
     }
@@ -609,11 +620,11 @@ def check_submission_overrides(
     ``worker`` is the worker's own configuration (workflow file + environment, no overrides),
     ``env`` its environment (default: this process's). Raises
     :class:`~pipeline.errors.RefusedOverrideError` naming the dotted field for a worker-only
-    field (:data:`WORKER_ONLY`), a ``max_repair_attempts`` or ``max_output_bytes`` above the
-    worker's, a ``model`` / ``paired_model`` the worker does not let a submission name
-    (:func:`submitted_model_refusal`), or an ``output_contract.checks`` entry that is not a
-    built-in; ``ConfigError`` for a value the configuration cannot take. Pure: it imports and
-    calls nothing the overrides name.
+    field (:data:`WORKER_ONLY`), a ``max_repair_attempts``, ``max_output_bytes`` or
+    ``budget.wait_s`` above the worker's, a ``model`` / ``paired_model`` the worker does not
+    let a submission name (:func:`submitted_model_refusal`), or an ``output_contract.checks``
+    entry that is not a built-in; ``ConfigError`` for a value the configuration cannot take.
+    Pure: it imports and calls nothing the overrides name.
     """
     if not isinstance(overrides, Mapping):
         raise RefusedOverrideError(
@@ -630,6 +641,13 @@ def check_submission_overrides(
             f"{merged.max_repair_attempts} exceeds the worker's {worker.max_repair_attempts} "
             "(a submission may lower it, never raise it)",
             key="max_repair_attempts",
+        )
+    if merged.budget.wait_s > worker.budget.wait_s:
+        raise RefusedOverrideError(
+            f"submission may not set 'budget.wait_s': the repair budget's wait may only be "
+            f"lowered (asked for {merged.budget.wait_s:g} s, the worker's is "
+            f"{worker.budget.wait_s:g} s)",
+            key="budget.wait_s",
         )
     if merged.max_output_bytes > worker.max_output_bytes:
         raise RefusedOverrideError(

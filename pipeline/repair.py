@@ -8,11 +8,12 @@ in the decide stage, as a :class:`RepairOrder`: the Known Pitfalls the reviser g
 prompt rendered once (for a reviser that sends it to a model), and the :class:`RepairBound`
 the round reserves in the repair-budget semaphore — the repair call's counted prompt plus its
 ``max_tokens``, and the re-critique's counted prompt (with the repaired output at its largest)
-plus the critic's ``max_tokens``; each part is 0 when the reviser or critic that serves the
-submission is token-free. LLM revisers and critics size their own parts (``repair_bound`` /
-``critique_bound``, :mod:`pipeline.critics.llm`); for any other (a configured
-``module:function`` repairer, a custom critic) the runner falls back to
-:func:`estimated_repair_tokens` and :func:`estimated_critique_tokens`. The repair stage then
+plus its reply's ``max_tokens`` (a short envelope: ``llm.recritique_max_tokens``); each part
+is 0 when the reviser or critic that serves the submission is token-free. LLM revisers and
+critics size their own parts (``repair_bound`` / ``critique_bound``,
+:mod:`pipeline.critics.llm`); for any other (a configured ``module:function`` repairer, a
+custom critic) the runner falls back to :func:`estimated_repair_tokens` and
+:func:`estimated_critique_tokens`. The repair stage then
 hands the same pitfalls and prompt to the reviser, so what was sized is what is sent.
 """
 

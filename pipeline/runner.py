@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -104,6 +105,9 @@ Next = Literal["l0", "critic", "decide", "repair", "done"]
 
 REPAIR_LEASE_TTL_S = 900.0
 """A repair's budget reservation comes back after this long if its holder dies."""
+BUDGET_POLL_S = 1.0
+"""How often a repair waiting for held budget tokens to settle asks again (jittered down to
+half of it, and never past the end of its wait)."""
 PITFALLS_LIMIT = 10
 """How many Known Pitfalls go into a critic's or repairer's prompt."""
 NO_BUDGET_NOTE = (
@@ -157,6 +161,11 @@ class StageContext:
     """Reads a submission file's bytes (inline content, or a blob through a store)."""
     cache: CritiqueCache | None = None
     """The critique cache (used when ``config.cache.enabled``): in memory by default."""
+    max_budget_wait_s: float | None = None
+    """The most a repair may wait for held budget tokens here, whatever ``budget.wait_s`` says
+    (a worker: half its soft time limit); None: ``budget.wait_s`` alone."""
+    sleep: Callable[[float], None] = field(default=time.sleep)
+    """How :func:`run_submission` waits between budget asks (tests pass a fake clock's)."""
 
 
 class LoopState(Frozen):
@@ -857,18 +866,49 @@ def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope
     return repair_order(ctx, state, envelope).bound
 
 
-def refusal_text(tokens: int, cap: int, snap: BudgetSnapshot) -> str:
-    """Why the budget refused a repair: what it asked for, the cap, what is spent and held."""
+def refusal_text(
+    tokens: int, cap: int, snap: BudgetSnapshot, waited_s: float = 0.0, wait_s: float = 0.0
+) -> str:
+    """Why the budget refused a repair: what it asked for, the cap, what is spent, held and
+    queued, and why that is final (past the cap, closed by an overrun, or the wait ran out)."""
     text = (
         f"repair budget refused {tokens} tokens: cap {cap}, spent {snap.spent}, "
         f"held {snap.held} by {snap.holders} repairs in flight"
     )
+    if snap.queued:
+        text += f", {snap.queued} asked by {snap.waiters} repairs waiting longer"
     if snap.overrun:
-        text += (
+        return text + (
             f"; closed since providers reported {snap.overrun} tokens more than was reserved "
             "for their repairs"
         )
-    return text
+    if snap.spent + tokens > cap:
+        return text + "; spent + asked would pass the cap"
+    if wait_s <= 0:
+        return text + "; held tokens would have to settle, and this run does not wait for them"
+    return text + f"; waited {waited_s:.1f} s (the most it waits: {wait_s:g} s) for them to settle"
+
+
+class BudgetWait(Exception):
+    """The decide stage could not reserve its repair yet, only because tokens are held (or
+    asked by repairs that waited longer) that may come back: ask again in ``retry_s``.
+
+    Nothing was recorded: :func:`run_submission` sleeps and re-runs the stage; a worker hands
+    its task back to the broker with that countdown (no thread held while it waits)."""
+
+    def __init__(self, retry_s: float, reason: str) -> None:
+        super().__init__(reason)
+        self.retry_s = retry_s
+        self.reason = reason
+
+
+def budget_wait_s(ctx: StageContext) -> float:
+    """How long a repair waits for held budget tokens: ``budget.wait_s``, at most
+    ``ctx.max_budget_wait_s`` (a worker's half soft time limit)."""
+    wait = ctx.config.budget.wait_s
+    if ctx.max_budget_wait_s is not None:
+        wait = min(wait, ctx.max_budget_wait_s)
+    return max(0.0, wait)
 
 
 @dataclass
@@ -879,6 +919,8 @@ class _Gathered:
     notes: tuple[str, ...]
     lease_id: str | None = None
     order: RepairOrder | None = None
+    waited_s: float = 0.0
+    """How long the granted reservation waited for held tokens to settle."""
 
 
 def _answer(
@@ -889,7 +931,8 @@ def _answer(
     state: LoopState,
     envelope: CritiqueEnvelope,
 ) -> RoundFacts:
-    """Look up the fact a decision asked for (the decide stage's I/O)."""
+    """Look up the fact a decision asked for (the decide stage's I/O). A reservation that only
+    held tokens block raises :class:`BudgetWait` (SPEC §4: wait rather than refuse)."""
     sub = state.submission
     if ask == "fixpoint":
         previous = state.previous_repair_text
@@ -911,11 +954,22 @@ def _answer(
     total = order.bound.total
     if total > 0:  # a token-free round (reviser and critic) reserves nothing
         lease = lease_for(ctx, state)
-        refused = ctx.budget.try_reserve(sub.run_id, lease, total, cap, ctx.lease_ttl_s)
-        if refused is not None:
-            refusal = refusal_text(total, cap, refused)
+        wait = budget_wait_s(ctx)
+        answer = ctx.budget.ask(sub.run_id, lease, total, cap, ctx.lease_ttl_s, wait)
+        if answer.verdict == "wait":
+            b = answer.budget
+            left = max(0.0, wait - answer.waited_s)
+            raise BudgetWait(
+                min(left, BUDGET_POLL_S * random.uniform(0.5, 1.0)) + 0.01,
+                f"repair budget: {total} tokens wait for held ones to settle (cap {cap}, spent "
+                f"{b.spent}, held {b.held} by {b.holders}, queued {b.queued}); waited "
+                f"{answer.waited_s:.1f} of {wait:g} s",
+            )
+        if not answer.granted:
+            refusal = refusal_text(total, cap, answer.budget, answer.waited_s, wait)
             return facts.model_copy(update={"budget": "refused", "refusal": refusal})
         gathered.lease_id = lease
+        gathered.waited_s = answer.waited_s
     gathered.order = order
     return facts.model_copy(update={"budget": "granted"})
 
@@ -932,7 +986,10 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     The reservation is :func:`repair_order`'s bound under the lease :func:`lease_for` (one per
     pass and attempt: a re-run gets the same lease back); a refusal stops the loop
     ``repair_budget_exhausted`` with :func:`refusal_text` as the reason; a round that spends no
-    tokens reserves nothing. The order travels in the state to :func:`repair_stage`.
+    tokens reserves nothing. A reservation that would fit once held tokens settle raises
+    :class:`BudgetWait` (for at most :func:`budget_wait_s`, counted per lease by the ledger):
+    the stage is run again later, and is refused only when spent + asked passes the cap, the
+    run overran, or the wait ran out. The order travels in the state to :func:`repair_stage`.
     """
     envelope = state.envelope
     if envelope is None:
@@ -1054,6 +1111,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         **round_trace.model_dump(mode="json", exclude_none=True),
         stop_reason=stop,
         reason=decision.reason,
+        **({"budget_wait_s": round(gathered.waited_s, 3)} if gathered.waited_s > 0 else {}),
     )
     return next_state
 
@@ -1287,8 +1345,10 @@ def _step_limit(config: CritiqueConfig) -> int:
 def run_submission(submission: Submission, ctx: StageContext, pass_id: str = "") -> CritiqueResult:
     """Run the whole loop in-process and return the result (also written to the trace).
 
-    The first stage admits the submission (:func:`admit`, through ``ctx.read_file``). Nothing
-    retries here, so a stage that raises releases the pass's open reservation first."""
+    The first stage admits the submission (:func:`admit`, through ``ctx.read_file``). A decide
+    stage waiting for held budget tokens (:class:`BudgetWait`) sleeps (``ctx.sleep``) and runs
+    again. Nothing retries here, so a stage that raises releases the pass's open reservation
+    first."""
     state = start(submission, pass_id)
     steps = 0
     limit = _step_limit(ctx.config)
@@ -1298,6 +1358,9 @@ def run_submission(submission: Submission, ctx: StageContext, pass_id: str = "")
             raise RuntimeError(f"critique loop did not finish within {limit} stages")
         try:
             state = STAGES[state.next](state, ctx)
+        except BudgetWait as wait:
+            ctx.sleep(wait.retry_s)
+            steps -= 1  # the ledger bounds the wait: it is not a stage
         except BaseException:
             if state.lease_id is not None:
                 ctx.budget.refund(submission.run_id, state.lease_id)

@@ -1,16 +1,16 @@
-"""Token estimates for deterministic (non-LLM) critics and revisers.
+"""Token estimates for sizing, and the canonical text of an output.
 
-Deterministic stages spend no real tokens, but they report an *estimate* so the run-wide repair
-budget (SPEC §5.3) applies to them exactly as it will to LLM stages: about one token per four
-characters, never less than one.
+:func:`estimate_tokens` (about one token per four characters, never less than one) sizes what
+cannot be counted by a tokenizer: repair reservations for revisers and critics that cannot size
+their own calls (:mod:`pipeline.repair`). It is never usage: usage is what providers reported,
+so a deterministic (token-free) stage reports 0 tokens (SPEC §5.3), and results, the repair
+budget and ``critique ab`` add up.
 """
 
 from __future__ import annotations
 
 import json
 from typing import Any
-
-from pipeline.models import Usage
 
 CHARS_PER_TOKEN = 4
 
@@ -29,8 +29,3 @@ def text_of(output: str | dict[str, Any]) -> str:
     if isinstance(output, str):
         return output
     return json.dumps(output, ensure_ascii=False, indent=2)
-
-
-def estimate_usage(text_in: str, text_out: str) -> Usage:
-    """Usage of a deterministic step that read ``text_in`` and wrote ``text_out`` (calls = 0)."""
-    return Usage(tokens_in=estimate_tokens(text_in), tokens_out=estimate_tokens(text_out), calls=0)

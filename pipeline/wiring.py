@@ -43,7 +43,6 @@ from pipeline.runner import (
     StageContext,
 )
 from pipeline.store.base import BudgetLedger, CritiqueCache, PatternStore, TraceSink
-from pipeline.tokens import estimate_usage, text_of
 
 if TYPE_CHECKING:
     import redis
@@ -110,9 +109,12 @@ def simhash_fixpoint(*, eager: bool = False) -> FixpointFn:
 class CallableReviser:
     """Adapts a configured ``module:function`` repairer to the :class:`Reviser` protocol.
 
-    The function is called like ``Reviser.revise`` and may return a :class:`RevisionResult` or
-    just the new output (its usage is then estimated). It is taken as token-spending and
-    pitfall-reading (nothing says otherwise).
+    The function is called like ``Reviser.revise`` and may return a :class:`RevisionResult`
+    (its ``usage`` is what the repair reports and is charged to the budget: a function that
+    calls a model returns what its provider reported) or just the new output (usage 0: nothing
+    was reported, and the text it handled is not usage, SPEC §5.3). It is taken as
+    token-spending and pitfall-reading (nothing says otherwise), so a repair round reserves for
+    it; what it does not report is refunded at commit.
     """
 
     token_free = False
@@ -136,11 +138,7 @@ class CallableReviser:
         if isinstance(got, RevisionResult):
             return got
         if isinstance(got, str | dict):
-            return RevisionResult(
-                output=got,
-                usage=estimate_usage(text_of(output), text_of(got)),
-                suggestions_applied=len(envelope.actionable),
-            )
+            return RevisionResult(output=got, suggestions_applied=len(envelope.actionable))
         raise ExtensionLoadError(
             f"repairer {self.name!r} returned {type(got).__name__}; expected a "
             "RevisionResult, a string or a dict"

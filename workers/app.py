@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from celery import Celery
+from celery import Celery, concurrency
 from celery.signals import celeryd_init, worker_init
 
 from workers import logs
@@ -18,6 +18,10 @@ from workers import logs
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # Logs: one line per stage at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).
 logs.install()
+
+# ``-P threads`` is Celery's threads pool with one fix (workers.recovery.ThreadPool): an error
+# raised outside a task's body ends the request instead of leaving it held forever.
+concurrency.ALIASES["threads"] = "workers.recovery:ThreadPool"
 
 app = Celery("critique", include=["workers.tasks", "workers.recovery"])
 app.config_from_object("celeryconfig")

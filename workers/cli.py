@@ -32,6 +32,7 @@ COMMANDS: dict[str, str] = {
     "status": "status",
     "watch": "watch",
     "report": "report",
+    "archive": "archive",
     "resume": "resume",
     "ab": "ab",
 }

@@ -264,8 +264,15 @@ class CritiqueClient:
             delay = min(delay * 2, 0.25)
 
     def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:
-        """Every stored result of the run (or of one iteration)."""
-        return runtime.stores().runs.results(run_id, iteration)
+        """Every stored result of the run (or of one iteration). Once Redis holds no
+        submission and no result of the run (its keys expired), the run's archive answers
+        (``$CRITIQUE_ARCHIVE_DIR``; ``ArchiveError`` when it is there but cannot be trusted)."""
+        got = runtime.stores().runs.results(run_id, iteration)
+        if got:
+            return got
+        from workers.archiving import results_if_expired
+
+        return results_if_expired(run_id, iteration)
 
     def summary(self, run_id: str, iteration: int = 1) -> dict[str, Any]:
         """The manager summary of one iteration (SPEC §5.8)."""

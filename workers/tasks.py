@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 import uuid
 from typing import Any
 
@@ -53,7 +54,15 @@ from pipeline.errors import (
 )
 from pipeline.gates import evaluate_completion
 from pipeline.models import Submission, check_identifier
-from pipeline.runner import STAGES, LoopState, StageContext, finish, is_token_free, resolve_for
+from pipeline.runner import (
+    STAGES,
+    BudgetWait,
+    LoopState,
+    StageContext,
+    finish,
+    is_token_free,
+    resolve_for,
+)
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
@@ -249,7 +258,7 @@ def _run_stage(
         if recorded is not None:
             return (*_replayed(task, stage, recorded), None)
     buffer = BufferedTraceSink()
-    ctx = dataclasses.replace(shared, trace=buffer)
+    ctx = dataclasses.replace(shared, trace=buffer, max_budget_wait_s=_budget_wait_cap(task))
     new = STAGES[stage](state, ctx)
     if stage == "repair":
         task.send_event(
@@ -285,10 +294,48 @@ def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
 
 
 def _repeated(task: Task) -> bool:
-    """True when Celery says this message was delivered or tried before."""
+    """True when Celery says this message was delivered or tried before (or it is a task
+    handed back to wait for the repair budget, :func:`_wait_for_budget`)."""
     request = task.request
     info = request.delivery_info or {}
-    return bool(info.get("redelivered")) or bool(request.retries)
+    return (
+        bool(info.get("redelivered"))
+        or bool(request.retries)
+        or bool(getattr(request, BUDGET_WAIT_HEADER, None))
+    )
+
+
+BUDGET_WAIT_HEADER = "critique_budget_wait"
+"""A message header marking a task sent again to ask the repair budget once more."""
+
+
+def _budget_wait_cap(task: Task) -> float:
+    """The most a repair waits for held budget tokens on this worker: half the task's soft
+    time limit (SPEC §4: the wait stays within the task's time limit)."""
+    limit = task.soft_time_limit or app.conf.task_soft_time_limit or app.conf.task_time_limit
+    return float(limit) / 2.0 if limit else 60.0
+
+
+def _wait_for_budget(task: Task, wait: BudgetWait) -> dict[str, Any]:
+    """Send this task's message again to run in ``wait.retry_s`` (the same message, task id,
+    chain and retry count), then end this run without handing anything on: no worker thread is
+    held while held budget tokens settle, waiting never uses up the retries transient errors
+    get, and nothing is stored for it (a Celery retry would store a RETRY state, traceback
+    included, for days). The re-run replays the critic's recorded step before asking the
+    budget again; the ledger bounds the total wait (it keeps when the lease began to wait)."""
+    request = task.request
+    log.info("task %s asks the repair budget again in %.1f s: %s", request.id, wait.retry_s, wait)
+    sig = task.signature_from_request(
+        request,
+        countdown=wait.retry_s,
+        retries=request.retries,
+        headers={BUDGET_WAIT_HEADER: 1},
+    )
+    sig.apply_async()
+    # The re-sent message carries the rest of the chain: this run sends nothing after it.
+    request.chain = None
+    request.callbacks = None
+    return {"waiting_for_budget_s": round(wait.retry_s, 3), "reason": wait.reason}
 
 
 def _replayed(task: Task, stage: str, recorded: str) -> tuple[dict[str, Any], str]:
@@ -445,8 +492,17 @@ def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
 
 def _decide(task: Task, msg: dict[str, Any], decoded: Decoded | None = None) -> dict[str, Any]:
     """Run ``decide`` on ``msg`` in ``task``; replace the task with the repair round when one
-    follows (the replacement inherits the rest of the chain: the gate)."""
-    out, next_stage, new = _run_stage(task, msg, "decide", decoded)
+    follows (the replacement inherits the rest of the chain: the gate). While the repair's
+    budget reservation waits for held tokens, the task is handed back to the broker
+    (:func:`_wait_for_budget`); run eagerly (no broker), it waits here."""
+    while True:
+        try:
+            out, next_stage, new = _run_stage(task, msg, "decide", decoded)
+            break
+        except BudgetWait as wait:
+            if not task.request.is_eager:
+                return _wait_for_budget(task, wait)
+            time.sleep(wait.retry_s)
     if next_stage != "repair":
         return out
     state, overrides = new if new is not None else runtime.decode(out)

@@ -49,7 +49,6 @@ from pipeline.models import (
     Submission,
 )
 from pipeline.pitfalls import name_token
-from pipeline.tokens import estimate_usage, text_of
 
 MISSING_CONFIDENCE = 0.3
 NON_NUMERIC_CONFIDENCE = 0.2
@@ -365,8 +364,8 @@ class HeuristicReviser:
     numeric-string ``confidence`` as the number (:mod:`pipeline.critics.edits`). It never fills
     a missing field or section, never deletes an ``error`` field, never touches text around a
     placeholder: every such defect is returned in ``unfixable`` with the reason, and the loop
-    ends ``escalated`` / ``needs_model`` when nothing fixable is left. Usage is an estimate,
-    calls 0.
+    ends ``escalated`` / ``needs_model`` when nothing fixable is left. Token-free: its usage
+    is 0 (the text it handled is not usage).
     """
 
     name = "deterministic-heuristic"
@@ -412,7 +411,6 @@ class HeuristicReviser:
         refused.sort(key=lambda r: order.get(r.defect.id, len(order)))
         return RevisionResult(
             output=new,
-            usage=estimate_usage(text_of(output), text_of(new)),
             suggestions_applied=len(fixed),
             note=_note([what for _d, what in fixed], refused),
             unfixable=tuple(refused),

@@ -100,13 +100,18 @@ class LLMCritic:
         if model is None:
             return self._fall_back(submission, output, pitfalls, round, NO_MODEL_REASON, hits)
         messages, truncation = build_critic_messages(
-            submission, output, config=self._config, pitfalls=pitfalls, round=round
+            submission,
+            output,
+            config=self._config,
+            pitfalls=pitfalls,
+            round=round,
+            reply_tokens=self._short_reply(round),
         )
         request = LLMRequest(
             model=model,
             messages=messages,
             json_mode=True,
-            max_tokens=self._config.llm.max_tokens,
+            max_tokens=self.reply_tokens(round),
             purpose="critic",
         )
         replies: list[LLMReply] = []
@@ -157,6 +162,17 @@ class LLMCritic:
         envelope = apply_injections(ground_envelope(envelope, submission.files), hits)
         return envelope.model_copy(update={"usage": _usage(replies), "truncation": truncation})
 
+    def reply_tokens(self, round: int) -> int:
+        """The ``max_tokens`` of a critique call: ``llm.max_tokens`` for the first critique; for
+        a re-critique (round ≥ 2: a repaired output, within a repair round's reservation) the
+        short envelope bound ``llm.recritique_max_tokens`` (never more than ``max_tokens``)."""
+        llm = self._config.llm
+        return llm.max_tokens if round < 2 else min(llm.max_tokens, llm.recritique_max_tokens)
+
+    def _short_reply(self, round: int) -> int | None:
+        """The reply bound the critic is told of: a re-critique's, else None."""
+        return self.reply_tokens(round) if round >= 2 else None
+
     def critique_bound(
         self,
         submission: Submission,
@@ -169,18 +185,25 @@ class LLMCritic:
         """Tokens one critique call of a repaired ``output`` may spend (SPEC §5.3): the prompt,
         counted with an empty output of the same kind, plus the output at ``output_tokens``
         (at most what the prompt shows of it, ``llm.max_output_chars``), plus the reply's
-        ``max_tokens``. 0 when no model resolves (the heuristic answers, token-free). A re-ask
-        is not reserved: it is made only within what the first call left."""
+        ``max_tokens`` (:meth:`reply_tokens`: a re-critique's short envelope bound). 0 when no
+        model resolves (the heuristic answers, token-free). A re-ask is not reserved: it is
+        made only within what the first call left."""
         model = self._config.critic_model(submission.model)
         if model is None:
             return 0
         empty: str | dict[str, Any] = {} if isinstance(output, dict) else ""
         messages, _ = build_critic_messages(
-            submission, empty, config=self._config, pitfalls=pitfalls, round=round
+            submission,
+            empty,
+            config=self._config,
+            pitfalls=pitfalls,
+            round=round,
+            reply_tokens=self._short_reply(round),
         )
-        request = LLMRequest(model=model, messages=messages, max_tokens=self._config.llm.max_tokens)
+        reply = self.reply_tokens(round)
+        request = LLMRequest(model=model, messages=messages, max_tokens=reply)
         shown = min(output_tokens, -(-self._config.llm.max_output_chars // CHARS_PER_TOKEN) + 16)
-        return count_prompt_tokens(request, self._complete) + shown + self._config.llm.max_tokens
+        return count_prompt_tokens(request, self._complete) + shown + reply
 
     def _parse(self, text: str, submission: Submission, model: str) -> CritiqueEnvelope:
         return parse_envelope(

@@ -137,10 +137,13 @@ def build_critic_messages(
     pitfalls: str,
     round: int,
     nonce: str | None = None,
+    reply_tokens: int | None = None,
 ) -> tuple[tuple[ChatMessage, ...], str | None]:
     """The critic's (system, user) messages and the truncation note (None when not cut).
 
     ``nonce`` fixes the marker nonce (tests); it is replaced when the output contains it.
+    ``reply_tokens``: the reply's ``max_tokens`` when it is short (a re-critique), so the
+    system message tells the critic to keep within it.
     """
     sections, block, truncation, tag = _shared_sections(
         submission, output, config=config, pitfalls=pitfalls, round=round, nonce=nonce
@@ -163,6 +166,14 @@ def build_critic_messages(
             "- The filesystem ground truth is authoritative: a file it lists exists; never "
             "report a listed file as missing.",
             _untrusted_rule(tag),
+            *(
+                [
+                    f"- Keep the whole reply under {reply_tokens} tokens (it is cut there): the "
+                    "most important defects first, one short sentence each."
+                ]
+                if reply_tokens is not None
+                else []
+            ),
             "- Reply with ONE JSON object and nothing else (no prose, no code fence), matching "
             f"this JSON schema: {schema}",
         ]

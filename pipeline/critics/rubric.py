@@ -39,7 +39,7 @@ from pipeline.models import (
     Submission,
     Suggestion,
 )
-from pipeline.tokens import estimate_usage, text_of
+from pipeline.tokens import text_of
 
 Originality = Literal["low", "medium", "high"]
 NOVELTY: dict[str, float] = {"low": 3.0, "medium": 6.0, "high": 9.0}
@@ -210,7 +210,7 @@ def _check_dimensions(rubric: RubricConfig) -> None:
 
 
 class RubricCritic:
-    """The deterministic rubric critic; usage is an estimate (calls 0) so budgets apply."""
+    """The deterministic rubric critic: token-free, so its usage is 0 (SPEC §5.3)."""
 
     name = "rubric"
     token_free = True
@@ -255,12 +255,6 @@ class RubricCritic:
         )
         mean = weighted_mean(scores, self.rubric)
         score = clamp_score(mean / 10.0)
-        reply = json.dumps(
-            {
-                "scores": scores,
-                "suggestions": [s.model_dump(mode="json") for s in suggestions],
-            }
-        )
         return CritiqueEnvelope(
             worker_id=submission.worker_id,
             score=score,
@@ -272,7 +266,6 @@ class RubricCritic:
                 f"rubric round {round}: mean {mean:.2f}/10, "
                 f"{len(low)} dimension(s) below {target:g}"
             ),
-            usage=estimate_usage(text_of(output), reply),
             suggestions=suggestions,
             critic="rubric",
         )
@@ -341,7 +334,6 @@ class DeterministicReviser:
                 applied += 1
         return RevisionResult(
             output=doc,
-            usage=estimate_usage(text_of(output), text_of(doc)),
             suggestions_applied=applied,
             note=DEMO_NOTE.format(n=applied) if applied else None,
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
 
@@ -77,37 +77,83 @@ class BudgetSnapshot:
     overrun: int = 0
     """Tokens charged beyond their reservations (a provider reported more than it was allowed);
     while it is above 0 the run's budget grants no new reservation."""
+    queued: int = 0
+    """Tokens asked by reservations that have waited longer than the one asking (they are
+    served first): 0 in a plain snapshot."""
+    waiters: int = 0
+    """How many reservations ask for them."""
+
+
+WAITER_GRACE_S = 10.0
+"""A waiting reservation keeps its place in the queue this long after its last ask; one that
+stops asking (its task died, or gave up) then no longer holds back younger ones."""
+
+Verdict = Literal["granted", "wait", "refused"]
+"""A budget ask's answer: the tokens are held; only held (or queued) tokens block them, so ask
+again; or refused for good (spent + asked passes the cap, the run overran, or the wait ran out)."""
+
+
+@dataclass(frozen=True)
+class BudgetAnswer:
+    """What :meth:`BudgetLedger.ask` answered, with the budget as it saw it (the same atomic
+    step, so a refusal's reason is never a later state)."""
+
+    verdict: Verdict
+    budget: BudgetSnapshot
+    waited_s: float = 0.0
+    """How long this lease has waited so far (since its first ask that had to wait)."""
+
+    @property
+    def granted(self) -> bool:
+        """True when the tokens are held (or the lease was already live or committed)."""
+        return self.verdict == "granted"
 
 
 class BudgetLedger(Protocol):
     """The run-wide repair-budget semaphore: reserve → commit or refund, idempotent per lease.
 
     A lease id is unique per (submission pass, attempt). Lease states: *live* (reserved),
-    *committed* (charged), *refunded* (released uncharged). Rules, the same for every
-    implementation:
+    *committed* (charged), *refunded* (released uncharged), and *waiting* (asked, holds
+    nothing yet). Rules, the same for every implementation:
 
-    - ``reserve`` of a new lease holds its tokens if spent + held + tokens ≤ cap and no overrun
-      was ever charged in the run; of a live lease, or a committed one, it answers True and
-      holds nothing new (a re-run stage gets the same lease back, never a second one); of a
-      refunded lease, or a live one whose ``ttl_s`` passed (its holder died: the work was
-      redelivered), it reserves afresh against the cap.
+    - ``reserve`` of a new lease holds its tokens if spent + held + queued + tokens ≤ cap (no
+      reservation waits: queued is 0) and no overrun was ever charged in the run; of a live
+      lease, or a committed one, it answers True and holds nothing new (a re-run stage gets the
+      same lease back, never a second one); of a refunded lease, or a live one whose ``ttl_s``
+      passed (its holder died: the work was redelivered), it reserves afresh against the cap.
     - ``commit`` charges the real figure it is given, even above the reservation (the run's
       overrun grows by the excess, which closes the budget to new reservations): a provider's
       reported usage is never under-counted. A repeated commit charges nothing more and returns
       the first charge. An unknown lease charges nothing (0).
     - ``refund`` of a live lease releases its hold; of anything else it does nothing.
+    - ``ask`` with a wait (SPEC §4, "the budget waits rather than refuses while tokens are only
+      held"): a reservation that fits ``cap − spent`` but not ``cap − spent − held − queued``
+      answers ``wait`` until ``wait_s`` has passed since its first such answer (kept per lease,
+      so the bound holds across re-asks from other processes); ``queued`` are the tokens of
+      reservations that started waiting before it (first come, first served), each counted
+      while it keeps asking (:data:`WAITER_GRACE_S`). It is ``refused`` when spent + its tokens
+      pass the cap, when the run overran, or when it still does not fit once the wait ran out.
+      A waiting lease holds nothing and cannot be committed (commit charges 0).
     """
 
+    def ask(
+        self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float, wait_s: float = 0.0
+    ) -> BudgetAnswer:
+        """Hold ``tokens`` against ``cap`` (spent + held + queued + tokens ≤ cap), say ``wait``
+        (within ``wait_s`` of the lease's first wait, when spent + tokens ≤ cap), or refuse."""
+        ...
+
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
-        """Hold ``tokens`` against ``cap`` (spent + held + tokens ≤ cap), or refuse."""
+        """Hold ``tokens`` against ``cap`` (spent + held + queued + tokens ≤ cap), or refuse
+        (:meth:`ask` without a wait)."""
         ...
 
     def try_reserve(
         self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
     ) -> BudgetSnapshot | None:
-        """:meth:`reserve`, answering None when granted and, when refused, the budget as the
-        refusal saw it (read in the same atomic step, so a refusal's reason is never a later
-        state: spent + held + tokens > cap, or an overrun, holds in it)."""
+        """:meth:`ask` without a wait, answering None when granted and, when refused, the
+        budget as the refusal saw it (read in the same atomic step, so a refusal's reason is
+        never a later state: spent + held + queued + tokens > cap, or an overrun, holds in it)."""
         ...
 
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:

@@ -49,6 +49,7 @@ PATTERNS_SEQ = "patterns:seq"  # string: the last first-recorded order handed ou
 BUDGET = "budget"  # hash: "spent" -> repair tokens charged; "overrun" -> charged past reservations
 BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:state:charge" (every lease)
 BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> expiry (µs); expired ones reclaimed
+BUDGET_WAITING = "budget:waiting"  # sorted set: waiting lease id -> last ask + grace (µs)
 TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
 TRACE_EVENT_FIELD = "event"  # the one field of each trace stream entry
 TRACE_MAXLEN = 100_000  # approximate cap on a run's trace stream (XADD MAXLEN ~)
@@ -60,6 +61,7 @@ COMPLETIONS = "completions"  # hash: "rejected" -> gate rejections; "req:<id>" -
 STEPS = "steps"  # hash: "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> step output
 PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress (unix s), unsettled
 RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
+SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
 FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
@@ -71,6 +73,7 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     BUDGET,
     BUDGET_LEASES,
     BUDGET_LIVE,
+    BUDGET_WAITING,
     TRACE,
     SUBMITTED,
     RESULTS,
@@ -80,6 +83,7 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     STEPS,
     PENDING,
     RESUMES,
+    SUSPECTS,
     FAILURES,
 )  # every run key suffix, for scans, reports and tests
 
@@ -92,11 +96,18 @@ LESSONS_SEQ = "lessons:seq"  # string: the last first-learned order handed out t
 LESSONS_KEYS = (LESSONS_RUNS, LESSONS_DETAIL, LESSONS_SEQ)  # all expire CRITIQUE_LESSONS_TTL_S
 PENDING_RUNS = "pending:runs"  # sorted set: run id -> last submit; runs the stall sweeper scans
 SWEEP_LOCK = "sweep:lock"  # string: token of the worker sweeping for stalls now (expires)
+ARCHIVE_RUNS = "archive:runs"  # sorted set: run id -> when the archiver looks at it next (unix s)
+ARCHIVE_DONE = "archive:done"  # string ``…:archive:done:{<run_id>}``: the run's last archive (JSON)
+ARCHIVE_LOCK = "archive:lock"  # string: token of the worker archiving due runs now (expires)
 CACHE = "cache:critique"  # string ``<prefix>:cache:critique:<sha256>``: envelope JSON (TTL)
 CACHE_CLAIM = "cache:claim"  # string ``<prefix>:cache:claim:<sha256>``: who critiques it (TTL)
 RATELIMIT = "ratelimit"  # hash ``<prefix>:ratelimit:<model>``: "rpm", "tpm" -> GCRA TAT (ms)
 PROBE = "probe"  # hash ``<prefix>:probe:{<queue>}``: "sent", "done" -> last probe sent, run
 PROBE_DRAINED = "drained"  # sorted set ``<prefix>:probe:{<queue>}:drained``: probe sent -> ran
+
+# --- broker keys (in the Redis broker's database, beside kombu's own) -------------------------
+
+HOLDERS = "critique.holders"  # hash ``<unacked key>.critique.holders``: worker -> JSON held tags
 
 
 def key_prefix() -> str:

@@ -19,6 +19,8 @@ from pipeline.store.base import (
     MAX_LESSONS,
     MAX_PATTERNS_PER_CRITIQUE,
     MAX_PATTERNS_PER_RUN,
+    WAITER_GRACE_S,
+    BudgetAnswer,
     BudgetSnapshot,
     encode_event,
 )
@@ -168,7 +170,8 @@ class _Lease:
     tokens: int
     expires: float
     state: str = "live"
-    """``live`` | ``committed`` | ``refunded``."""
+    """``live`` | ``committed`` | ``refunded`` | ``waiting`` (``expires`` is then when it
+    began to wait)."""
     charge: int = 0
 
 
@@ -177,6 +180,8 @@ class _Run:
     spent: int = 0
     overrun: int = 0
     leases: dict[str, _Lease] = field(default_factory=dict)
+    waiting: dict[str, float] = field(default_factory=dict)
+    """Waiting lease id -> when it stops counting as queued (its last ask + the grace)."""
 
 
 class MemoryBudgetLedger:
@@ -193,37 +198,66 @@ class MemoryBudgetLedger:
         return [le for le in run.leases.values() if le.state == "live" and le.expires > now]
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
-        return self.try_reserve(run_id, lease_id, tokens, cap, ttl_s) is None
+        return self.ask(run_id, lease_id, tokens, cap, ttl_s).granted
 
     def try_reserve(
         self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
     ) -> BudgetSnapshot | None:
+        answer = self.ask(run_id, lease_id, tokens, cap, ttl_s)
+        return None if answer.granted else answer.budget
+
+    def ask(
+        self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float, wait_s: float = 0.0
+    ) -> BudgetAnswer:
         if tokens < 0:
             raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
         with self._lock:
             now = self._clock()
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
+            since = now
             if lease is not None:
                 if lease.state == "committed":
-                    return None  # settled: the same lease back, nothing held anew
+                    return BudgetAnswer("granted", BudgetSnapshot())  # settled: nothing anew
                 if lease.state == "live" and lease.expires > now:
-                    return None
+                    return BudgetAnswer("granted", BudgetSnapshot())
+                if lease.state == "waiting":
+                    since = lease.expires
                 # Refunded, or expired unsettled (its holder died): reserve afresh.
+            run.waiting = {k: v for k, v in run.waiting.items() if v > now}
             live = self._live(run, now)
             held = sum(le.tokens for le in live)
-            if run.overrun > 0 or run.spent + held + tokens > cap:
-                return BudgetSnapshot(
-                    spent=run.spent, held=held, holders=len(live), overrun=run.overrun
-                )
-            run.leases[lease_id] = _Lease(tokens=tokens, expires=now + ttl_s)
-            return None
+            ahead = [
+                run.leases[k]
+                for k in run.waiting
+                if k != lease_id and (run.leases[k].expires, k) < (since, lease_id)
+            ]
+            queued = sum(le.tokens for le in ahead)
+            snap = BudgetSnapshot(
+                spent=run.spent,
+                held=held,
+                holders=len(live),
+                overrun=run.overrun,
+                queued=queued,
+                waiters=len(ahead),
+            )
+            waited = now - since
+            if run.overrun == 0 and run.spent + held + queued + tokens <= cap:
+                run.leases[lease_id] = _Lease(tokens=tokens, expires=now + ttl_s)
+                run.waiting.pop(lease_id, None)
+                return BudgetAnswer("granted", snap, waited)
+            if run.overrun == 0 and run.spent + tokens <= cap and waited < wait_s:
+                run.leases[lease_id] = _Lease(tokens=tokens, expires=since, state="waiting")
+                run.waiting[lease_id] = now + WAITER_GRACE_S
+                return BudgetAnswer("wait", snap, waited)
+            run.waiting.pop(lease_id, None)
+            return BudgetAnswer("refused", snap, waited)
 
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
         with self._lock:
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
-            if lease is None:
+            if lease is None or lease.state == "waiting":
                 return 0
             if lease.state == "committed":
                 return lease.charge

@@ -12,6 +12,12 @@ queue before ``sent`` has been taken off it (the Redis transport's queues are FI
 queue's ``drained`` sorted set keeps the recent probes' sent and run times, so "has the queue
 been drained past time T, and when" is a lookup in one short list.
 
+Being stalled is the backstop. A pass is *lost* sooner, once the sweeper has proved that no
+message of it exists (``workers.recovery``): it first records the pass as a *suspect* (its last
+progress, and when it saw no message of the pass among the broker's unacknowledged ones), then
+confirms it after its queue was drained past that time. Each run keeps its suspects in a hash
+``suspects`` (``"<progress>@<seen at>"`` per pass).
+
 Times are the callers' wall clocks (``time.time()``); hosts are assumed NTP-synchronised to
 well under the stall time.
 """
@@ -193,6 +199,41 @@ class RedisPendingIndex:
             return bool(
                 self._prune(keys=[self._shared(keys.PENDING_RUNS)], args=[run_id, repr(seen)])
             )
+
+    # -- suspects of being lost ---------------------------------------------------------------
+    def suspects(self, run_id: str) -> dict[str, tuple[float, float]]:
+        """The run's suspects: pass -> (its last progress then, when no message of it was seen)."""
+        with store_errors(self._r):
+            raw: Any = self._r.hgetall(self._run_key(run_id, keys.SUSPECTS))
+        out: dict[str, tuple[float, float]] = {}
+        for field, value in raw.items():
+            seen, _, since = text(value).partition("@")
+            try:
+                out[text(field)] = (float(seen), float(since))
+            except ValueError:
+                continue  # not ours: update_suspects replaces or drops it
+        return out
+
+    def update_suspects(
+        self, run_id: str, add: dict[str, tuple[float, float]], drop: list[str]
+    ) -> None:
+        """Record ``add`` (pass -> (last progress, seen at)) as suspects; forget ``drop``."""
+        if not add and not drop:
+            return
+        key = self._run_key(run_id, keys.SUSPECTS)
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=False)
+            if drop:
+                pipe.hdel(key, *drop)
+            if add:
+                pipe.hset(key, mapping={m: f"{p!r}@{t!r}" for m, (p, t) in add.items()})
+                pipe.pexpire(key, self._ttl_ms)
+            pipe.execute()
+
+    def clear_suspects(self, run_id: str) -> None:
+        """Forget every suspect of the run (none of its passes is old enough to be one)."""
+        with store_errors(self._r):
+            self._r.delete(self._run_key(run_id, keys.SUSPECTS))
 
     # -- the sweep lock -------------------------------------------------------------------------
     def try_lock(self, token: str, ttl_s: float) -> bool:

@@ -22,7 +22,10 @@ from pipeline.store.base import (
     MAX_LESSONS,
     MAX_PATTERNS_PER_CRITIQUE,
     MAX_PATTERNS_PER_RUN,
+    WAITER_GRACE_S,
+    BudgetAnswer,
     BudgetSnapshot,
+    Verdict,
     encode_event,
 )
 from pipeline.store.keys import pattern_key
@@ -298,19 +301,23 @@ class RedisPatternStore:
 # --- repair-budget semaphore -----------------------------------------------------------------
 
 # One script for the whole lease protocol (the rules: pipeline.store.base.BudgetLedger).
-# KEYS: budget hash, leases hash, live sorted set.
+# KEYS: budget hash, leases hash, live sorted set, waiting sorted set.
 # ARGV[1] = op ("reserve" | "commit" | "refund" | "holds" | "snapshot"), ARGV[2] = run TTL (ms),
 # ARGV[3] = now in µs, or "" to use the server's TIME (the default: one clock for every host).
-#   reserve:  ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs) → 1, or
-#             when refused the budget the refusal saw: [spent, held, holders, overrun]
+#   reserve:  ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs),
+#             ARGV[8] wait (µs), ARGV[9] waiter grace (µs) →
+#             [verdict (0 granted, 1 wait, 2 refused), spent, held, holders, overrun, queued,
+#              waiters, waited (µs)] (all 0 but the verdict for a live or committed lease)
 #   commit:   ARGV[4] lease id, ARGV[5] actual tokens → the charge (the first one, when repeated)
 #   refund:   ARGV[4] lease id → 0
 #   holds:    → [lease id, tokens, expiry (µs), now (µs)]* of live, unexpired leases
 #   snapshot: → [spent, held, holders, overrun]
-# A lease record is "tokens:expires_us:state:charge" (state 0 live, 1 committed, 2 refunded);
-# records stay until the run expires, so a repeated reserve, commit or refund of a lease id is
-# answered from its record. The budget hash holds "spent" and "overrun" (tokens charged past
-# their reservations; above 0 it refuses every new reservation of the run).
+# A lease record is "tokens:expires_us:state:charge" (state 0 live, 1 committed, 2 refunded,
+# 3 waiting: then expires_us is when it began to wait); records stay until the run expires, so
+# a repeated reserve, commit or refund of a lease id is answered from its record. The budget
+# hash holds "spent" and "overrun" (tokens charged past their reservations; above 0 it refuses
+# every new reservation of the run). The waiting set scores each waiting lease with the time it
+# stops counting as queued (its last ask + the grace): older waiters are served first.
 _BUDGET = """
 local op = ARGV[1]
 local function now_us()
@@ -327,7 +334,7 @@ local function record(tokens, expires, state, charge)
   return string.format('%.0f:%.0f:%d:%.0f', tokens, expires, state, charge)
 end
 local function touch()
-  for i = 1, 3 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
+  for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
 end
 local function live_sum(now)
   local held, n = 0, 0
@@ -344,34 +351,66 @@ end
 
 if op == 'reserve' then
   local lease, tokens, cap = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+  local wait, grace = tonumber(ARGV[8]), tonumber(ARGV[9])
   local now = now_us()
+  local since = now
   local rec = redis.call('HGET', KEYS[2], lease)
   if rec then
     local _, expires, state = parse(rec)
-    if state == 1 then return 1 end
-    if state == 0 and expires > now then return 1 end
+    if state == 1 then return {0, 0, 0, 0, 0, 0, 0, 0} end
+    if state == 0 and expires > now then return {0, 0, 0, 0, 0, 0, 0, 0} end
+    if state == 3 then since = expires end
     -- Refunded, or expired unsettled (its holder died; the work was redelivered): reserve
     -- afresh below, against the cap, as if the lease were new.
   end
-  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', string.format('%.0f', now))
+  local nowf = string.format('%.0f', now)
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', nowf)
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', nowf)
   local held, n = live_sum(now)
-  local spent, overrun = number('spent'), number('overrun')
-  if overrun > 0 or spent + held + tokens > cap then
-    return {string.format('%.0f', spent), string.format('%.0f', held), n,
-            string.format('%.0f', overrun)}
+  local queued, ahead = 0, 0
+  for _, other in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+    if other ~= lease then
+      local orec = redis.call('HGET', KEYS[2], other)
+      if orec then
+        local otokens, osince, ostate = parse(orec)
+        if ostate == 3 and (osince < since or (osince == since and other < lease)) then
+          queued = queued + otokens
+          ahead = ahead + 1
+        end
+      end
+    end
   end
-  local expires = now + tonumber(ARGV[7])
-  redis.call('HSET', KEYS[2], lease, record(tokens, expires, 0, 0))
-  redis.call('ZADD', KEYS[3], string.format('%.0f', expires), lease)
-  redis.call('HSETNX', KEYS[1], 'spent', '0')
-  touch()
-  return 1
+  local spent, overrun = number('spent'), number('overrun')
+  local function answer(verdict)
+    return {verdict, string.format('%.0f', spent), string.format('%.0f', held), n,
+            string.format('%.0f', overrun), string.format('%.0f', queued), ahead,
+            string.format('%.0f', now - since)}
+  end
+  if overrun == 0 and spent + held + queued + tokens <= cap then
+    local expires = now + tonumber(ARGV[7])
+    redis.call('HSET', KEYS[2], lease, record(tokens, expires, 0, 0))
+    redis.call('ZADD', KEYS[3], string.format('%.0f', expires), lease)
+    redis.call('ZREM', KEYS[4], lease)
+    redis.call('HSETNX', KEYS[1], 'spent', '0')
+    touch()
+    return answer(0)
+  end
+  if overrun == 0 and spent + tokens <= cap and now - since < wait then
+    redis.call('HSET', KEYS[2], lease, record(tokens, since, 3, 0))
+    redis.call('ZADD', KEYS[4], string.format('%.0f', now + grace), lease)
+    redis.call('HSETNX', KEYS[1], 'spent', '0')
+    touch()
+    return answer(1)
+  end
+  redis.call('ZREM', KEYS[4], lease)
+  return answer(2)
 elseif op == 'commit' then
   local lease = ARGV[4]
   local rec = redis.call('HGET', KEYS[2], lease)
   if not rec then return 0 end
   local tokens, expires, state, charge = parse(rec)
   if state == 1 then return charge end
+  if state == 3 then return 0 end
   local actual = math.max(tonumber(ARGV[5]), 0)
   redis.call('HSET', KEYS[2], lease, record(tokens, expires, 1, actual))
   redis.call('ZREM', KEYS[3], lease)
@@ -414,6 +453,9 @@ return redis.error_reply('unknown budget op ' .. tostring(op))
 """
 
 
+_VERDICTS: tuple[Verdict, ...] = ("granted", "wait", "refused")
+
+
 class RedisBudgetLedger:
     """The run-wide repair-budget semaphore as one Lua script over three run keys, with the
     lease rules of :class:`~pipeline.store.base.BudgetLedger` (as
@@ -442,33 +484,56 @@ class RedisBudgetLedger:
     def _call(self, run_id: str, op: str, *args: str | int) -> Any:
         script_keys = [
             keys.run_key(run_id, s, self._prefix)
-            for s in (keys.BUDGET, keys.BUDGET_LEASES, keys.BUDGET_LIVE)
+            for s in (keys.BUDGET, keys.BUDGET_LEASES, keys.BUDGET_LIVE, keys.BUDGET_WAITING)
         ]
         now = "" if self._clock is None else str(int(self._clock() * 1_000_000))
         with store_errors(self._client):
             return self._script(keys=script_keys, args=[op, self._ttl_ms, now, *args])
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
-        """Hold ``tokens`` against ``cap`` (spent + live holds + tokens ≤ cap, no overrun), or
-        refuse. Reserving a live or committed lease id again answers True, holding nothing new.
-        """
-        return self.try_reserve(run_id, lease_id, tokens, cap, ttl_s) is None
+        """Hold ``tokens`` against ``cap`` (spent + live holds + queued + tokens ≤ cap, no
+        overrun), or refuse. Reserving a live or committed lease id again answers True, holding
+        nothing new."""
+        return self.ask(run_id, lease_id, tokens, cap, ttl_s).granted
 
     def try_reserve(
         self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
     ) -> BudgetSnapshot | None:
-        """:meth:`reserve`: None when granted; when refused, the budget the script's refusal
-        saw (the same atomic step)."""
+        """:meth:`ask` without a wait: None when granted; when refused, the budget the script's
+        refusal saw (the same atomic step)."""
+        answer = self.ask(run_id, lease_id, tokens, cap, ttl_s)
+        return None if answer.granted else answer.budget
+
+    def ask(
+        self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float, wait_s: float = 0.0
+    ) -> BudgetAnswer:
+        """Grant, ``wait`` or refuse (the rules: :class:`~pipeline.store.base.BudgetLedger`),
+        with the budget the script saw; the wait's start is kept in the lease's record, so it
+        is measured on the Redis server's clock across every re-ask."""
         if tokens < 0:
             raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
-        ttl_us = int(ttl_s * 1_000_000)
-        answer = self._call(run_id, "reserve", lease_id, tokens, cap, ttl_us)
-        if not isinstance(answer, list):
-            return None
-        spent, held, holders, overrun = answer
-        return BudgetSnapshot(
-            spent=int(spent), held=int(held), holders=int(holders), overrun=int(overrun)
+        answer = self._call(
+            run_id,
+            "reserve",
+            lease_id,
+            tokens,
+            cap,
+            int(ttl_s * 1_000_000),
+            int(max(0.0, wait_s) * 1_000_000),
+            int(WAITER_GRACE_S * 1_000_000),
         )
+        verdict, spent, held, holders, overrun, queued, waiters, waited_us = (
+            int(x) for x in answer
+        )
+        snap = BudgetSnapshot(
+            spent=spent,
+            held=held,
+            holders=holders,
+            overrun=overrun,
+            queued=queued,
+            waiters=waiters,
+        )
+        return BudgetAnswer(_VERDICTS[verdict], snap, waited_us / 1_000_000)
 
     def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
         """Charge ``actual_tokens`` and release the hold; a repeat returns the first charge;

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,7 +50,9 @@ COMPLETION_KIND = "completion"
 COMPLETE_GATE = "complete_gate"
 """What a completion-gate request's step id and failure member start with."""
 _NOTED_MAX = 1024
-"""Most unverifiable records remembered per store (each is logged once)."""
+"""Most unverifiable records (each is logged once), or runs indexed, remembered per store."""
+_INDEX_EVERY_S = 60.0
+"""A store puts a run on the archiver's index at most this often (see ``mark_submitted``)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,7 @@ class RedisRunStore:
         self._ttl_ms = resolve_ttl_ms(ttl_s)
         self._secrets = secrets or (lambda: ())
         self._noted: set[tuple[str, str, str]] = set()
+        self._indexed: dict[str, float] = {}
         self._record_step = client.register_script(_RECORD_STEP)
         self._count_once = client.register_script(_COUNT_ONCE)
         self._put_result = client.register_script(_PUT_RESULT)
@@ -219,6 +223,24 @@ class RedisRunStore:
         if message is not None:
             doc["message"] = message
         self._hset(run_id, keys.SUBMITTED, member(iteration, worker_id), json.dumps(doc))
+        self._index_for_archive(run_id, doc["at"])
+
+    def _index_for_archive(self, run_id: str, now: float) -> None:
+        """Put the run on the archiver's index (``workers.archiving``) unless it is there: a
+        new entry is looked at now; an entry the archiver scheduled keeps its time. Once per
+        run per :data:`_INDEX_EVERY_S` (or a quarter of the run TTL) per store, not per
+        submission: the archiver drops a run only after its keys expired."""
+        if now - self._indexed.get(run_id, -math.inf) < min(_INDEX_EVERY_S, self._ttl_ms / 4000):
+            return
+        index = keys.shared_key(keys.ARCHIVE_RUNS, self._prefix)
+        with store_errors(self._r):  # another cluster slot: not in the registry's transaction
+            pipe = self._r.pipeline(transaction=False)
+            pipe.zadd(index, {run_id: now}, nx=True)
+            pipe.pexpire(index, self._ttl_ms)
+            pipe.execute()
+        if len(self._indexed) >= _NOTED_MAX:
+            self._indexed.clear()
+        self._indexed[run_id] = now
 
     def submission(self, run_id: str, iteration: int, worker_id: str) -> dict[str, Any] | None:
         """One submission's ``mark_submitted`` record (the latest pass's), or None."""
@@ -369,6 +391,19 @@ class RedisRunStore:
                 out.append(result)
         return sorted(out, key=lambda r: (r.iteration, r.worker_id))
 
+    def pass_results(self, run_id: str) -> list[CritiqueResult]:
+        """Every pass result the run holds (``results:pass``: the latest passes' and superseded
+        ones), ordered by iteration, worker and pass; records that do not verify are left out."""
+        with store_errors(self._r):
+            raw = self._r.hgetall(self._key(run_id, keys.PASS_RESULTS))
+        out = []
+        for field, value in raw.items():
+            name = text(field)
+            result = self._result(value, run_id, keys.PASS_RESULTS, name, name.split(":")[-1])
+            if result is not None:
+                out.append(result)
+        return sorted(out, key=lambda r: (r.iteration, r.worker_id, r.pass_id))
+
     # -- failures -------------------------------------------------------------------------------
     def put_failure(
         self,
@@ -461,6 +496,22 @@ class RedisRunStore:
         if failure and got[1] is not None:
             return self._failure(got[1], run_id, field)
         return None
+
+    def completions(self, run_id: str) -> dict[str, dict[str, Any]]:
+        """Every completion-gate decision recorded in the run that verifies: request id ->
+        decision (a scan of the run's step records)."""
+        out: dict[str, dict[str, Any]] = {}
+        lead = f"{COMPLETE_GATE}:"
+        with store_errors(self._r):
+            rows = list(
+                self._r.hscan_iter(self._key(run_id, keys.STEPS), match=f"{lead}*", count=1000)
+            )
+        for name, value in rows:
+            request_id = text(name)[len(lead) :]
+            decision = self._completion(text(value), run_id, request_id)
+            if decision is not None:
+                out[request_id] = decision
+        return out
 
     # -- signed records -------------------------------------------------------------------------
     def _seal(self, kind: str, raw: str) -> str:

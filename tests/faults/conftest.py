@@ -19,11 +19,12 @@ import redis
 from tests.integration.workers import WorkerProcess, client_on
 from workers.embedded import free_port, ping, redis_executable
 
-# Small stall and sweep times, fast restores; a visibility timeout longer than any test, so a
-# message whose ack failed during an outage is not redelivered within it: what a test sees
-# recovered, the sweeper recovered. The publish and backend retry budget stays the default.
+# Fast sweeps and restores; a stall time and a visibility timeout longer than any test, so
+# neither backstop acts within one: what a test sees recovered in seconds, the sweeper's proof
+# (a lost chain) or its orphan restore (a message no live worker holds) recovered. The publish
+# and backend retry budget stays the default.
 FAULT_ENV = {
-    "CRITIQUE_STALL_S": "3",
+    "CRITIQUE_STALL_S": "600",
     "CRITIQUE_SWEEP_S": "0.5",
     "CRITIQUE_VISIBILITY_TIMEOUT_S": "900",
     "CRITIQUE_RESTORE_INTERVAL_S": "1",
@@ -78,6 +79,14 @@ class RedisServer:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    def shutdown_nosave(self) -> None:
+        """``SHUTDOWN NOSAVE``: no RDB snapshot (the AOF, fsynced on every write, is what a
+        restart loads)."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(redis.exceptions.ConnectionError):
+                redis.Redis(port=self.port).shutdown(nosave=True)
+            self.proc.wait(timeout=15)
+
     def stop(self) -> None:
         """SIGTERM: Redis's own shutdown."""
         if self.proc is not None and self.proc.poll() is None:
@@ -123,17 +132,24 @@ def fault_env(redis_server: RedisServer) -> Iterator[dict[str, str]]:
 
 @pytest.fixture
 def start_worker(fault_env: dict[str, str], tmp_path: Path) -> Iterator[object]:
-    """``start_worker(name, pool=..., concurrency=...)`` → a started :class:`WorkerProcess`;
-    every one is stopped after the test (and its log printed when the test failed)."""
+    """``start_worker(name, pool=..., concurrency=..., env=...)`` → a started
+    :class:`WorkerProcess` (``env``: more environment); every one is stopped after the test
+    (and its log printed when the test failed)."""
     started: list[WorkerProcess] = []
 
-    def start(name: str, *, pool: str = "threads", concurrency: int = 4) -> WorkerProcess:
+    def start(
+        name: str,
+        *,
+        pool: str = "threads",
+        concurrency: int = 4,
+        env: dict[str, str] | None = None,
+    ) -> WorkerProcess:
         w = WorkerProcess(
             fault_env["REDIS_URL"],
             pool=pool,
             concurrency=concurrency,
             name=name,
-            env=fault_env,
+            env={**fault_env, **(env or {})},
             log=tmp_path / f"worker-{name}.log",
         )
         started.append(w.start(timeout=60))

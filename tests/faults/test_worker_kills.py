@@ -24,6 +24,8 @@ from tests.integration.test_distributed import CONFIG, KINDS, make_sub, referenc
 from tests.integration.workers import WorkerProcess
 
 N = 1000
+SLA_S = 120.0
+"""The issue's bound: every submission has its result within this of the submit."""
 DEDUPE_SKIP = {"resume", "stalled", "refused"}
 """Trace events that may repeat by design (each re-drive writes one ``resume``)."""
 
@@ -123,9 +125,12 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     fault_env: dict[str, str], workers: dict[str, WorkerProcess]
 ) -> None:
     """SIGKILL one prefork child at 10 % of the results, the victim's main process at 40 %:
-    every submission still ends with its normal (reference) result; no lease is held or left
-    unsettled; the budget in Redis is the sum the results charged; pattern counts are the
-    reference's; no trace event is written twice (one ``result`` per submission)."""
+    every submission still ends with its normal (reference) result within 120 s of the submit
+    (the child's task is requeued by Celery at once; the messages the dead main process held
+    are restored by the rescuer's orphan sweep within seconds, not after the visibility
+    timeout); no lease is held or left unsettled; the budget in Redis is the sum the results
+    charged; pattern counts are the reference's; no trace event is written twice (one
+    ``result`` per submission)."""
     from workers import runtime
     from workers.client import CritiqueClient
 
@@ -149,8 +154,10 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     for pid in orphans:  # its pool dies with it, as with a host crash
         _kill(pid)
 
-    results = _wait_for(run_id, N, max(10.0, 150 - (time.monotonic() - began)))
+    results = _wait_for(run_id, N, max(10.0, SLA_S + 20 - (time.monotonic() - began)))
+    took = time.monotonic() - began
     assert len(results) == N, f"{N - len(results)} submissions have no result"
+    assert took <= SLA_S, f"the last result came {took:.1f} s after the submit"
     want, ref_patterns = reference(subs, CONFIG)
     wrong = {
         k: ((r.status, r.stop_reason), (want[k].status, want[k].stop_reason))
@@ -183,8 +190,16 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     finals = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
     assert len(finals) == N and set(finals.values()) == {1}
     resumes = [e for e in events if e["type"] == "resume"]
+    victim_log = victim.log.read_text(errors="replace") if victim.log else ""
+    assert "exited with 'signal 9 (SIGKILL)'" in victim_log  # the pool child's kill
+    log = workers["rescuer"].log
+    restored = sum(
+        int(line.split("restored ", 1)[1].split()[0])
+        for line in (log.read_text(errors="replace").splitlines() if log else [])
+        if "unacknowledged message(s) that no live worker holds" in line
+    )
     print(
-        f"\n{N} submissions through two kills in {time.monotonic() - began:.1f} s; "
+        f"\n{N} submissions through two kills in {took:.1f} s; {restored} orphans restored; "
         f"{len(resumes)} passes re-driven; {len(leases)} leases, budget {charged} tokens; "
         f"{json.dumps(Counter(r.status for r in results.values()))}"
     )

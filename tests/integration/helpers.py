@@ -9,7 +9,8 @@ from typing import Any
 
 from pipeline.critics.base import RevisionResult
 from pipeline.critics.heuristic import HeuristicReviser
-from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
+from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Usage
+from pipeline.tokens import estimate_tokens, text_of
 
 
 class _HeuristicWith:
@@ -18,7 +19,8 @@ class _HeuristicWith:
     from the worker's ``repairer`` setting."""
 
     token_free = False
-    """Declared token-spending, so the runner reserves and charges its estimate."""
+    """Declared token-spending, so the runner reserves for it; it reports the usage a model
+    would (about a token per four characters read and written), which is charged."""
     reads_pitfalls = True
     """It is handed the Known Pitfalls text (the recording one writes it down)."""
 
@@ -44,9 +46,17 @@ class _HeuristicWith:
         attempts: Sequence[RepairAttempt],
     ) -> RevisionResult:
         self.before(submission, pitfalls)
-        return self._inner.revise(
+        result = self._inner.revise(
             submission, output, envelope, pitfalls=pitfalls, attempts=attempts
         )
+        # The heuristic reviser is token-free (usage 0); this stand-in reports what a model
+        # would have spent, within the estimate the runner reserved for it.
+        usage = Usage(
+            tokens_in=estimate_tokens(text_of(output)),
+            tokens_out=estimate_tokens(text_of(result.output)),
+            calls=1,
+        )
+        return result.model_copy(update={"usage": usage})
 
 
 class _Slow(_HeuristicWith):
@@ -64,7 +74,7 @@ class _Recording(_HeuristicWith):
 
 estimating_revise = _HeuristicWith("estimating_revise")
 """The heuristic reviser, not declared token-free: a stand-in for a token-spending reviser (the
-runner reserves the estimate of :mod:`pipeline.repair` and charges its estimated usage)."""
+runner reserves the estimate of :mod:`pipeline.repair`; it reports a model's usage, charged)."""
 slow_revise = _Slow("slow_revise")
 """The heuristic reviser after a pause (``SLOW_REVISE_S``)."""
 recording_revise = _Recording("recording_revise")

@@ -3,7 +3,9 @@ real Redis, litellm's real HTTP client and the fake OpenAI-compatible server scr
 
 Reservations are the counted prompt plus the call's ``max_tokens`` (repair call and re-critique),
 the calls are made with that ``max_tokens``, the unused part comes back at commit: so the cap
-bounds what the provider reports, and a binding budget refuses only near its end."""
+bounds what the provider reports. A reservation that only held tokens block waits for them
+(SPEC §4: the task goes back to the broker and asks again), so a binding budget refuses only
+near its end, and demand past the cap still spends nearly all of it."""
 
 from __future__ import annotations
 
@@ -66,14 +68,20 @@ def worker(
 
 class Provider:
     """Critic and repairer answers for the fake: the critic finds a critical defect in rounds 1
-    and 2 (scores 0.4, 0.5) and accepts from round 3 (0.95); the repairer writes a fresh output
-    each time. ``usage`` picks the reported usage of a reply: default (⌊chars/4⌋ both ways,
-    what the fake reports by itself), or a function of the request and the reply text."""
+    and 2 (scores 0.4, 0.5; round 1 only with ``one_repair``) and accepts from then on (0.95);
+    the repairer writes a fresh output each time. ``usage`` picks the reported usage of a
+    reply: default (⌊chars/4⌋ both ways, what the fake reports by itself), or a function of
+    the request and the reply text."""
 
     def __init__(
-        self, usage: Callable[[dict[str, Any], str], dict[str, int]] | None = None
+        self,
+        usage: Callable[[dict[str, Any], str], dict[str, int]] | None = None,
+        *,
+        one_repair: bool = False,
     ) -> None:
         self.usage = usage
+        self.one_repair = one_repair
+        """Accept from round 2: every output needs exactly one repair."""
         self._lock = threading.Lock()
         self._n = 0
 
@@ -86,7 +94,8 @@ class Provider:
     def critic(self, body: dict[str, Any]) -> dict[str, Any]:
         found = re.search(r"Critique round: (\d+)", user_text(body))
         round_no = int(found.group(1)) if found else 1
-        score = {1: 0.4, 2: 0.5}.get(round_no, 0.95)
+        score = {1: 0.4} if self.one_repair else {1: 0.4, 2: 0.5}
+        score = score.get(round_no, 0.95)
         defects = [
             {
                 "category": "incomplete",
@@ -167,17 +176,35 @@ def _refusals(run_id: str) -> list[dict[str, int]]:
     out = []
     pattern = (
         r"repair budget refused (\d+) tokens: cap (\d+), spent (\d+), held (\d+) by (\d+) "
-        r"repairs in flight"
+        r"repairs in flight(?:, (\d+) asked by \d+ repairs waiting longer)?; (.+)"
     )
     for e in CritiqueClient().trace(run_id):
         if e["type"] == "round" and e.get("stop_reason") == "repair_budget_exhausted":
             m = re.fullmatch(pattern, e["reason"])
             assert m, e["reason"]
-            asked, cap, spent, held, holders = (int(g) for g in m.groups())
+            asked, cap, spent, held, holders = (int(g) for g in m.groups()[:5])
             out.append(
-                {"asked": asked, "cap": cap, "spent": spent, "held": held, "holders": holders}
+                {
+                    "asked": asked,
+                    "cap": cap,
+                    "spent": spent,
+                    "held": held,
+                    "holders": holders,
+                    "queued": int(m.group(6) or 0),
+                    "why": m.group(7),
+                }
             )
     return out
+
+
+def _real(r: dict[str, Any]) -> bool:
+    """A refusal that had to be: spent + asked past the cap; or, after the wait ran out,
+    spent + held + queued + asked still past it."""
+    if r["why"] == "spent + asked would pass the cap":
+        return bool(r["spent"] + r["asked"] > r["cap"])
+    return bool(r["why"].startswith("waited")) and (
+        r["spent"] + r["held"] + r["queued"] + r["asked"] > r["cap"]
+    )
 
 
 def _check_ledger(run_id: str, fake: FakeOpenAIServer, results: list[CritiqueResult]) -> int:
@@ -224,7 +251,7 @@ def test_a_binding_budget_refuses_repairs_only_near_its_end(
         f"{first} spent ({first / cap:.1%}), {len(refusals)} refusals"
     )
     assert first >= 0.85 * cap
-    assert all(r["spent"] + r["held"] + r["asked"] > r["cap"] for r in refusals)
+    assert all(_real(r) for r in refusals), refusals
     assert spent <= cap
 
 
@@ -250,8 +277,50 @@ def test_the_cap_holds_when_the_provider_writes_all_it_may(
     assert 0 < spent <= cap
     assert not any("more than the" in n for r in results for n in r.notes)
     refusals = _refusals(run_id)
-    assert refusals and all(r["spent"] + r["held"] + r["asked"] > r["cap"] for r in refusals)
+    assert refusals and all(_real(r) for r in refusals), refusals
     print(f"\nprovider writing all it may: cap {cap}, spent {spent} ({spent / cap:.1%})")
+
+
+def test_demand_at_twice_the_cap_spends_at_least_85_percent_of_it(
+    worker: WorkerProcess, fake: FakeOpenAIServer
+) -> None:
+    """20 outputs that each need one LLM repair, all submitted at once, with a cap of half
+    what they would spend (the fake provider reports accurate usage): repairs blocked only by
+    held tokens wait for them instead of being refused, so the run ends with at least 85 % of
+    the cap spent, never over it; the ledger equals what the provider reported; every refusal
+    names spent, held and asked, and had to be."""
+    from workers.client import CritiqueClient
+
+    Provider(one_repair=True).install(fake)
+    probe = f"probe-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(_config(1_000_000))
+    [alone] = client.wait_many([client.submit(_sub(probe, 999))], timeout=60)
+    per_repair = alone.budget_charged  # what one repair phase really costs
+    assert alone.status == "repaired" and per_repair > 0
+    Provider(one_repair=True).install(fake)  # forget the probe's requests
+
+    cap = 10 * per_repair  # 20 repairs: demand at twice the cap
+    run_id = f"twice-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(_config(cap))
+    results = client.wait_many(
+        client.submit_many([_sub(run_id, i) for i in range(20)]), timeout=150
+    )
+    spent = _check_ledger(run_id, fake, results)
+    refusals = _refusals(run_id)
+    repaired = sum(1 for r in results if r.attempts)
+    ideal = (cap // per_repair) * per_repair
+    waits = [e["budget_wait_s"] for e in client.trace(run_id) if e.get("budget_wait_s") is not None]
+    print(
+        f"\ndemand at twice the cap: cap {cap}, spent {spent} ({spent / cap:.1%}; ideal "
+        f"{ideal / cap:.1%}), {repaired} repaired, {len(refusals)} refused, {len(waits)} "
+        f"waited (longest {max(waits, default=0):.1f} s)"
+    )
+    assert 0.85 * cap <= spent <= cap
+    assert repaired + len(refusals) == 20
+    firsts = [b for b in fake.requests_with(CRITIC) if "Critique round: 1" in user_text(b)]
+    assert len(firsts) == 20  # a task that waited replayed its critique, never re-ran it
+    assert refusals and all(_real(r) for r in refusals), refusals
+    assert waits, "no repair had to wait: the budget was never contended"
 
 
 def test_a_provider_reporting_more_than_it_may_is_charged_in_full_and_stops_repairs(

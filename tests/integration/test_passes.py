@@ -232,7 +232,8 @@ def test_a_decide_that_lost_the_race_to_a_refusal_releases_its_lease(
     from workers import runtime, tasks
 
     run_id = _run_id("race")
-    tight = {**CONFIG, "budget": {"total_tokens": 200_000}}  # cap 30 000
+    # cap 30 000; no wait, so the filler lease refuses at once
+    tight = {**CONFIG, "budget": {"total_tokens": 200_000, "wait_s": 0}}
     sub = make_sub(run_id, "w1", 1, "looping")
     msg = runtime.encode(start(sub, runtime.new_pass_id()), tight)
     msg = tasks.l0.apply(args=[msg]).get()

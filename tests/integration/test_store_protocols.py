@@ -16,6 +16,7 @@ from pipeline.models import ReusablePattern
 from pipeline.store.base import (
     MAX_LESSONS,
     MAX_PATTERNS_PER_RUN,
+    WAITER_GRACE_S,
     BlobStore,
     BudgetLedger,
     BudgetSnapshot,
@@ -410,6 +411,87 @@ def test_concurrent_reserve_of_one_lease_holds_once(ledger: BudgetLedger) -> Non
     assert results == [True] * 8
     assert ledger.reserve("run1", "other:1", 41, CAP, 30) is False
     assert ledger.reserve("run1", "other:2", 40, CAP, 30) is True
+
+
+# --- budget waits (SPEC §4: the budget waits rather than refuses while tokens are only held) ---
+
+
+def test_a_reservation_blocked_only_by_held_tokens_waits_then_is_granted(
+    ledger: BudgetLedger, clock: FakeClock
+) -> None:
+    """Fits cap − spent but not cap − spent − held: ``wait`` (holding nothing, and a commit of
+    it charges nothing); once the holder commits, granted, with how long it waited."""
+    assert ledger.ask("run1", "a:1", 60, CAP, 30).granted
+    first = ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=10)
+    assert first.verdict == "wait" and first.waited_s == 0
+    assert first.budget == BudgetSnapshot(spent=0, held=60, holders=1)
+    assert ledger.snapshot("run1") == BudgetSnapshot(held=60, holders=1)
+    assert ledger.commit("run1", "b:1", 50) == 0  # a waiting lease holds nothing to charge
+    clock.advance(2)
+    assert ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=10).verdict == "wait"
+    ledger.commit("run1", "a:1", 45)
+    clock.advance(1.5)
+    granted = ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=10)
+    assert granted.granted and granted.waited_s == pytest.approx(3.5)
+    assert ledger.holds("run1") == {"b:1": 50}  # type: ignore[attr-defined]
+    assert ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=10).granted  # the same lease back
+
+
+def test_a_wait_is_bounded_per_lease_and_then_refused(
+    ledger: BudgetLedger, clock: FakeClock
+) -> None:
+    """The wait is measured from the lease's first wait, across asks: once it ran out and the
+    tokens are still held, refused, saying how long it waited; asked again, refused at once."""
+    ledger.ask("run1", "a:1", 60, CAP, 300)
+    assert ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=5).verdict == "wait"
+    for _ in range(4):
+        clock.advance(1)
+        assert ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=5).verdict == "wait"
+    clock.advance(1)
+    refused = ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=5)
+    assert refused.verdict == "refused" and refused.waited_s == pytest.approx(5)
+    assert refused.budget.held == 60
+    clock.advance(1)
+    assert ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=5).verdict == "refused"
+
+
+def test_past_the_cap_or_closed_a_reservation_is_refused_without_waiting(
+    ledger: BudgetLedger,
+) -> None:
+    """spent + asked > cap, or an overrun: refused at once whatever the wait; no wait at all
+    (wait_s 0) refuses what held tokens block, as ``reserve`` does."""
+    ledger.ask("run1", "a:1", 60, CAP, 30)
+    ledger.commit("run1", "a:1", 60)
+    past = ledger.ask("run1", "b:1", 41, CAP, 30, wait_s=60)
+    assert past.verdict == "refused" and past.budget.spent + 41 > CAP
+    ledger.ask("run1", "c:1", 20, CAP, 30)
+    assert ledger.ask("run1", "d:1", 30, CAP, 30).verdict == "refused"  # held, no wait
+    ledger.commit("run1", "c:1", 25)  # overran its reservation: the run is closed
+    closed = ledger.ask("run1", "e:1", 1, CAP, 30, wait_s=60)
+    assert closed.verdict == "refused" and closed.budget.overrun == 5
+
+
+def test_waiting_reservations_are_served_first_come_first_served(
+    ledger: BudgetLedger, clock: FakeClock
+) -> None:
+    """An older waiter's tokens count as queued for a younger ask, so freed tokens go to the
+    one that waited longest; a waiter that stops asking stops counting after the grace."""
+    ledger.ask("run1", "held:1", 70, CAP, 300)
+    assert ledger.ask("run1", "old:1", 60, CAP, 30, wait_s=60).verdict == "wait"
+    clock.advance(1)
+    young = ledger.ask("run1", "young:1", 30, CAP, 30, wait_s=60)
+    assert young.verdict == "wait"  # 30 would fit beside the 70 held, but old:1 came first
+    assert (young.budget.queued, young.budget.waiters) == (60, 1)
+    ledger.commit("run1", "held:1", 20)
+    assert ledger.ask("run1", "young:1", 30, CAP, 30, wait_s=60).verdict == "wait"
+    assert ledger.ask("run1", "old:1", 60, CAP, 30, wait_s=60).granted
+    assert ledger.ask("run1", "young:1", 30, CAP, 30, wait_s=60).verdict == "wait"
+    clock.advance(1)
+    assert ledger.ask("run1", "last:1", 20, CAP, 30, wait_s=60).verdict == "wait"
+    ledger.commit("run1", "old:1", 40)  # spent 60: 40 left, and young:1 (30) is first in line
+    assert ledger.ask("run1", "last:1", 20, CAP, 30, wait_s=60).verdict == "wait"
+    clock.advance(WAITER_GRACE_S + 1)  # young:1 stopped asking (its task died, say)
+    assert ledger.ask("run1", "last:1", 20, CAP, 30, wait_s=60).granted
 
 
 # --- trace -----------------------------------------------------------------------------------

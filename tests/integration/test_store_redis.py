@@ -77,6 +77,7 @@ def exercise_every_store(
     ledger.reserve(run_id, "t:2", 10, 100, 60)
     ledger.refund(run_id, "t:2")
     ledger.reserve(run_id, "t:3", 10, 100, 60)
+    ledger.ask(run_id, "t:4", 90, 100, 60, wait_s=60)  # waits for t:3's hold
     RedisTraceSink(client, prefix=prefix, ttl_s=ttl_s).emit(run_id, {"stage": "l0"})
     RedisBlobStore(client, prefix=prefix, ttl_s=ttl_s).put(b"blob bytes")
     runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
@@ -100,6 +101,7 @@ def exercise_every_store(
     pending = RedisPendingIndex(client, prefix=prefix, ttl_s=ttl_s)
     pending.add(run_id, "1:w1:sid", 1.0)
     pending.claim(run_id, "1:w1:sid", 1.0, 2.0, 5)
+    pending.update_suspects(run_id, {"1:w1:sid": (2.0, 3.0)}, [])
     pending.try_lock("me", 30)
     pending.probe_due(keys.QUEUE_CPU, 1.0, 5, 15)
     pending.probe_done(keys.QUEUE_CPU, 1.0, 2.0)
@@ -114,7 +116,8 @@ def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
     blob = keys.blob_key(blob_ref(b"blob bytes").removeprefix("sha256:"), PREFIX)
     lessons = {keys.shared_key(k, PREFIX) for k in keys.LESSONS_KEYS}
     probe = keys.shared_key(f"{keys.PROBE}:{{{keys.QUEUE_CPU}}}", PREFIX)
-    recovery = {keys.shared_key(k, PREFIX) for k in (keys.PENDING_RUNS, keys.SWEEP_LOCK)} | {
+    shared = (keys.PENDING_RUNS, keys.SWEEP_LOCK, keys.ARCHIVE_RUNS)
+    recovery = {keys.shared_key(k, PREFIX) for k in shared} | {
         probe,
         f"{probe}:{keys.PROBE_DRAINED}",
     }
@@ -150,9 +153,7 @@ def test_environment_sets_prefix_and_ttl(
         ),
         (
             keys.BUDGET_LEASES,
-            lambda c: RedisBudgetLedger(c, prefix=PREFIX, ttl_s=TTL_S).reserve(
-                "run1", "t:9", 1, 100, 60
-            ),
+            lambda c: RedisBudgetLedger(c, prefix=PREFIX, ttl_s=TTL_S).commit("run1", "t:3", 7),
         ),
         (
             keys.TRACE,

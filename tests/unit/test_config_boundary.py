@@ -201,6 +201,16 @@ def test_max_repair_attempts_up_to_the_workers_own_is_accepted() -> None:
     check_submission_overrides({"max_repair_attempts": 3}, worker)
 
 
+def test_the_budget_wait_may_only_be_lowered() -> None:
+    """A submission may wait less for held budget tokens (0: refuse at once), never longer
+    than the worker lets it; the total stays its policy."""
+    worker = CritiqueConfig(budget={"wait_s": 30})
+    exc = refusal({"budget": {"wait_s": 31}}, worker)
+    assert exc.key == "budget.wait_s" and "may only be lowered" in str(exc)
+    check_submission_overrides({"budget": {"wait_s": 0, "total_tokens": 1000}}, worker)
+    check_submission_overrides({"budget": {"total_tokens": 1000}}, worker)
+
+
 def test_max_output_bytes_may_only_be_lowered() -> None:
     """Raising max_output_bytes over the worker's is refused; lowering it is fine."""
     worker = CritiqueConfig(max_output_bytes=1000)

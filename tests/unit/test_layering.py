@@ -22,6 +22,7 @@ BLOCKED = ("redis", "celery", "kombu", "litellm", "hiredis", "billiard", "httpx"
 
 REDIS_ADAPTERS = frozenset(
     {
+        "pipeline.store.archive_index",
         "pipeline.store.cache",
         "pipeline.store.pending",
         "pipeline.store.ratelimit",

@@ -245,6 +245,27 @@ def test_parse_rejects_unusable_replies(text: str, problem: str) -> None:
     assert isinstance(info.value, ValueError)
 
 
+# --- reply bounds ---------------------------------------------------------------------------
+
+
+def test_a_re_critique_asks_for_a_short_envelope_and_is_sized_with_it() -> None:
+    """The first critique may use ``llm.max_tokens``; a re-critique (round ≥ 2) is called with
+    ``llm.recritique_max_tokens`` (never more than max_tokens), is told the limit, and its
+    reservation (``critique_bound``) counts that reply, not the whole max_tokens."""
+    llm = FakeLLM(_reply(0.5), _reply(0.95))
+    critic = LLMCritic(_config(), llm)
+    critic.critique(_sub(), "# Summary\n\nok", pitfalls="", round=1)
+    critic.critique(_sub(), "# Summary\n\nok", pitfalls="", round=2)
+    first, second = llm.requests
+    assert (first.max_tokens, second.max_tokens) == (2048, 512)
+    assert "Keep the whole reply under" not in first.messages[0].content
+    assert "Keep the whole reply under 512 tokens" in second.messages[0].content
+    bound = critic.critique_bound(_sub(), "# Summary\n\nok", output_tokens=10, round=2)
+    assert 512 < bound < 2048
+    small = LLMCritic(_config(llm={"max_tokens": 300}), llm)
+    assert small.reply_tokens(1) == small.reply_tokens(2) == 300
+
+
 # --- re-ask and fallback --------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from pipeline.repair import (
     repair_token_bound,
 )
 from pipeline.runner import NO_BUDGET_NOTE, L0Outcome, run_submission
-from pipeline.store.base import BudgetSnapshot
+from pipeline.store.base import BudgetAnswer
 from pipeline.store.memory import MemoryBudgetLedger
 from pipeline.wiring import make_context
 
@@ -350,11 +350,17 @@ def test_reservation_uses_lease_ids_per_attempt() -> None:
             super().__init__()
             self.leases: list[str] = []
 
-        def try_reserve(
-            self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float
-        ) -> BudgetSnapshot | None:
+        def ask(
+            self,
+            run_id: str,
+            lease_id: str,
+            tokens: int,
+            cap: int,
+            ttl_s: float,
+            wait_s: float = 0.0,
+        ) -> BudgetAnswer:
             self.leases.append(lease_id)
-            return super().try_reserve(run_id, lease_id, tokens, cap, ttl_s)
+            return super().ask(run_id, lease_id, tokens, cap, ttl_s, wait_s)
 
     ledger = Recording()
     ctx = make_context(

@@ -302,12 +302,41 @@ def _function_repairer(
 
 
 def test_configured_function_repairer_is_loaded() -> None:
-    """repairer 'module:function' loads a plain function; its usage is estimated."""
+    """repairer 'module:function' loads a plain function; a bare output reports no usage (0:
+    the text it handled is not usage)."""
     config = CritiqueConfig(enabled=True, repairer="tests.unit.test_runner:_function_repairer")
     ctx = make_context(config, l0=_no_l0, fixpoint=_never)
     result = run_submission(_sub({"confidence": 0.9}), ctx)
     assert result.output == {"confidence": 0.9, "summary": "fixed by a function"}
-    assert result.repair_usage.tokens > 0 and result.repair_usage.calls == 0
+    assert result.repair_usage == Usage()
+
+
+def _reporting_repairer(
+    submission: Submission,
+    output: Any,
+    envelope: CritiqueEnvelope,
+    *,
+    pitfalls: str,
+    attempts: Sequence[RepairAttempt],
+) -> RevisionResult:
+    return RevisionResult(
+        output={**output, "summary": "fixed by a model"},
+        usage=Usage(tokens_in=120, tokens_out=30, calls=1),
+    )
+
+
+def test_a_function_repairer_reporting_usage_is_charged_what_it_reported() -> None:
+    """A 'module:function' repairer that returns a RevisionResult reports its own usage (its
+    provider's figure): the result and the budget both count exactly that."""
+    config = CritiqueConfig(
+        enabled=True,
+        repairer="tests.unit.test_runner:_reporting_repairer",
+        budget={"total_tokens": 1_000_000},
+    )
+    ctx = make_context(config, l0=_no_l0, fixpoint=_never)
+    result = run_submission(_sub({"confidence": 0.9}), ctx)
+    assert result.repair_usage == Usage(tokens_in=120, tokens_out=30, calls=1)
+    assert result.budget_charged == ctx.budget.spent("run-1") == 150
 
 
 def test_reviser_failure_refunds_the_reservation() -> None:
@@ -357,7 +386,7 @@ def _assert_climbs_to_target(result: CritiqueResult) -> None:
     assert all(v >= 8.0 for v in result.envelope.scores.values())
     assert result.trace[0].suggestions_applied == 0
     assert all(t.suggestions_applied > 0 for t in result.trace[1:])
-    assert result.usage.calls == 0 and result.repair_usage.tokens > 0
+    assert result.usage == result.repair_usage == Usage()  # token-free: no usage at all
 
 
 def test_deterministic_pair_climbs_to_target_on_the_draft() -> None:

@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"stop reason: {result.stop_reason} ({STOP_TEXT[result.stop_reason]})")
         print(
             f"score: {result.original_score:.2f} -> {result.best_score:.2f} "
-            f"after {len(result.attempts)} repair(s); tokens (estimated): {result.usage.tokens}"
+            f"after {len(result.attempts)} repair(s); tokens: {result.usage.tokens}"
         )
         for note in result.notes:
             print(f"note: {note}")

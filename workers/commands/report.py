@@ -1,4 +1,7 @@
-"""``critique report RUN [--out DIR]``: write a run's artifacts and its HTML report from Redis.
+"""``critique report RUN [--out DIR]``: write a run's artifacts and its HTML report from Redis,
+or from the run's archive (:mod:`workers.archiving`) once Redis holds no submission and no
+result of it; then it prints ``(from the archive: <path>, archived <time>)`` first, and
+``--json`` has ``"archive": {"path", "archived_at"}`` (null when read from Redis).
 
 For every iteration with results, the SPEC §5.8 tree
 ``<root>/runs/<run-id>/iterations/NNN/{critique.json, CRITIQUE.md, delegations/<worker>/…}``
@@ -32,9 +35,18 @@ from pathlib import Path
 
 from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from workers.commands._text import escape_controls, json_line
-from workers.commands.status import RunSnapshot, load_snapshot, service_guard, tally
+from workers.commands.status import (
+    RunSnapshot,
+    archive_line,
+    load_snapshot,
+    service_guard,
+    tally,
+)
 
-HELP = "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis"
+HELP = (
+    "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis, "
+    "or from its archive once Redis no longer holds it"
+)
 
 PATTERN_LIMIT = 1000
 
@@ -64,9 +76,16 @@ def write_report(
 
     root = Path(out_dir) if out_dir is not None else default_root()
     snap = snapshot if snapshot is not None else load_snapshot(run_id)
-    stores = runtime.stores()
-    patterns = stores.patterns.top(run_id, PATTERN_LIMIT)
-    events = stores.trace.read(run_id)
+    if snap.archive is not None:  # Redis no longer holds the run: its archive does
+        record = snap.archive[1]
+        patterns = list(record.patterns[:PATTERN_LIMIT])
+        events = list(record.trace)
+        lessons = [x for x in record.lessons if x.runs >= 2][:PATTERN_LIMIT]
+    else:
+        stores = runtime.stores()
+        patterns = stores.patterns.top(run_id, PATTERN_LIMIT)
+        events = stores.trace.read(run_id)
+        lessons = stores.patterns.lessons(PATTERN_LIMIT)
     by_iteration: dict[int, list[CritiqueResult]] = defaultdict(list)
     for r in snap.results:
         by_iteration[r.iteration].append(r)
@@ -83,8 +102,7 @@ def write_report(
         run_id, by_iteration, patterns, events, pending=snap.pending, failed=failed
     )
     report = run_dir / "report.html"
-    lessons = run_dir / "lessons.md"
-    files += [(report, page), (lessons, render_lessons(stores.patterns.lessons(PATTERN_LIMIT)))]
+    files += [(report, page), (run_dir / "lessons.md", render_lessons(lessons))]
     atomic_write_many(files, root=root, remove=stale)
     return [path for path, _ in files]
 
@@ -105,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from pipeline.errors import PathEscapeError
 
-        snap = load_snapshot(args.run_id)
+        snap = load_snapshot(args.run_id, archive=True)
         try:
             files = write_report(args.run_id, root, snapshot=snap)
         except PathEscapeError as exc:  # a symlink under the root: nothing was written
@@ -127,9 +145,12 @@ def run(args: argparse.Namespace) -> int:
                 "finished": len(snap.results),
                 "failed": {k: snap.errors[k] for k in snap.failed},
                 "pending": snap.pending,
+                "archive": snap.archive_info,
             }
             print(json_line(doc))
         else:
+            if snap.archive_info is not None:
+                print(escape_controls(archive_line(snap.archive_info)))
             for f in files:
                 print(escape_controls(str(f)))
             print(escape_controls(f"report: {report} ({len(files)} file(s) written)"))

@@ -19,6 +19,11 @@ list ``"<iteration>:<worker>"`` keys, ``errors`` maps each failed key to its rea
 row has a ``state`` (``finished`` | ``failed`` | ``pending``). A finished row whose critic or
 reviser fell back says so (``FALLBACK …`` under it; ``fallbacks`` in ``--json``).
 
+Once Redis holds no submission and no result of the run (its keys expired), the run's archive
+answers (:mod:`workers.archiving`): the table says ``(from the archive: <path>, archived
+<time>)`` under its first line, and ``--json`` has ``"archive": {"path", "archived_at"}``
+(null when read from Redis). A run in neither is unknown (exit 2).
+
 The helpers here (:func:`load_snapshot`, :func:`chain_failures`, :func:`failure_reason`,
 :func:`service_guard`) are shared by ``watch`` and ``report``.
 """
@@ -31,11 +36,16 @@ import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from pipeline.archive import RunRecord, iso
 from pipeline.models import CritiqueResult
 from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from workers.commands._text import escape_controls, json_line, printable
+
+if TYPE_CHECKING:
+    from pipeline.store.runs import Failure
 
 HELP = "show a run's submissions: finished (with their verdict), failed, pending"
 
@@ -63,13 +73,22 @@ def _by_key(keys: Sequence[str] | set[str]) -> list[str]:
 
 @dataclass
 class RunSnapshot:
-    """What Redis holds about a run right now."""
+    """What Redis holds about a run right now (or, once Redis holds none of it, its archive)."""
 
     run_id: str
     submitted: dict[str, dict[str, Any]]
     results: list[CritiqueResult]
     errors: dict[str, str] = field(default_factory=dict)
     """Submissions without a result whose Celery chain failed: key -> one-line reason."""
+    archive: tuple[Path, RunRecord] | None = None
+    """Where the run was read from when Redis no longer held it: its archive file and record."""
+
+    @property
+    def archive_info(self) -> dict[str, str] | None:
+        """``{"path", "archived_at"}`` of the archive the run was read from, else None."""
+        if self.archive is None:
+            return None
+        return {"path": str(self.archive[0]), "archived_at": iso(self.archive[1].archived_at)}
 
     @property
     def finished(self) -> set[str]:
@@ -104,13 +123,19 @@ def check_run_id(run_id: str) -> str:
 
 
 def load_snapshot(
-    run_id: str, iteration: int | None = None, *, chain_errors: bool = True
+    run_id: str,
+    iteration: int | None = None,
+    *,
+    chain_errors: bool = True,
+    archive: bool = False,
 ) -> RunSnapshot:
     """Submissions and results of ``run_id`` (one iteration when given) from Redis.
 
-    Raises :class:`UnknownRunError` when Redis has neither; with ``chain_errors`` the Celery
-    result of every submission without a result is checked, so a chain that failed shows as
-    failed (with its reason), not pending.
+    With ``archive``, a run of which Redis holds no submission and no result is read from its
+    archive (:mod:`workers.archiving`; the snapshot's ``archive`` says so). Raises
+    :class:`UnknownRunError` when neither has it; with ``chain_errors`` the failure record of
+    every submission without a result is checked, so a chain that failed shows as failed (with
+    its reason), not pending.
     """
     from workers import runtime
 
@@ -118,6 +143,8 @@ def load_snapshot(
     stores = runtime.stores()
     submitted = stores.runs.submitted(run_id)
     results = stores.runs.results(run_id, iteration)
+    if not submitted and not results and archive:
+        return _archived_snapshot(run_id, iteration)
     if iteration is not None:
         submitted = {k: v for k, v in submitted.items() if split_key(k)[0] == iteration}
     if not submitted and not results:
@@ -132,15 +159,64 @@ def load_snapshot(
     return snap
 
 
+def _archived_snapshot(run_id: str, iteration: int | None) -> RunSnapshot:
+    """The run as its archive holds it (Redis holds no submission and no result of it)."""
+    from pipeline.archive import archive_dir
+    from pipeline.store.runs import Failure
+    from workers import archiving, runtime
+
+    got = archiving.read_archived(run_id)
+    if got is None:
+        where = "" if iteration is None else f" in iteration {iteration}"
+        path = archive_dir() / f"{run_id}.jsonl"
+        raise UnknownRunError(
+            f"no submission of run {run_id!r}{where} in the store at {runtime.redis_url()} "
+            f"and no archive at {path} (a mistyped run id, another REDIS_URL or "
+            "CRITIQUE_ARCHIVE_DIR, or the run's keys expired before it was archived)"
+        )
+    path, record = got
+    submitted = dict(record.submitted)
+    results = record.results
+    if iteration is not None:
+        submitted = {k: v for k, v in submitted.items() if split_key(k)[0] == iteration}
+        results = [r for r in results if r.iteration == iteration]
+        if not submitted and not results:
+            raise UnknownRunError(
+                f"the archive {path} of run {run_id!r} holds no submission in iteration {iteration}"
+            )
+    snap = RunSnapshot(run_id, submitted, results, archive=(path, record))
+    if snap.unfinished:
+        failures = {
+            m: Failure(
+                stage=str(d.get("stage") or ""),
+                error=str(d.get("error") or ""),
+                reason=str(d.get("reason") or ""),
+                refused=d.get("refused") is True,
+            )
+            for m, d in record.failures.items()
+        }
+        snap.errors = failure_lines({k: submitted[k] for k in snap.unfinished}, failures)
+    return snap
+
+
 def chain_failures(unfinished: Mapping[str, Mapping[str, Any]], run_id: str) -> dict[str, str]:
     """The submissions (key -> registry record) of ``run_id`` whose latest pass a worker
     recorded as failed, each with its one-line reason. Only such a record counts (signed with
     ``CRITIQUE_SECRET``), never Celery's FAILURE state for the task id: a broker writer can
     set that for any id."""
-    from pipeline.store.runs import pass_member
     from workers import runtime
 
     recorded = runtime.stores().runs.failures(run_id) if unfinished else {}
+    return failure_lines(unfinished, recorded)
+
+
+def failure_lines(
+    unfinished: Mapping[str, Mapping[str, Any]], recorded: Mapping[str, Failure]
+) -> dict[str, str]:
+    """The one-line reason of each unfinished submission (key -> registry record) whose
+    latest pass has a failure among ``recorded`` (pass member -> failure)."""
+    from pipeline.store.runs import pass_member
+
     out: dict[str, str] = {}
     for key, doc in unfinished.items():
         iteration, worker_id = split_key(key)
@@ -309,6 +385,7 @@ def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
         "mean_original_score": _mean([r.original_score for r in snap.results]),
         "mean_best_score": _mean([r.best_score for r in snap.results]),
         "submissions": rows,
+        "archive": snap.archive_info,
     }
 
 
@@ -318,6 +395,10 @@ def render_text(doc: dict[str, Any]) -> str:
     lines = [
         f"run {doc['run_id']}{scope}: {doc['submitted']} submitted, {doc['finished']} finished, "
         f"{len(doc['failed'])} failed, {len(doc['pending'])} pending",
+    ]
+    if doc.get("archive"):
+        lines.append(archive_line(doc["archive"]))
+    lines += [
         "",
         f"{'iter':>4}  {'worker':<16} {'status':<22} {'stop reason':<24} {'score':<13} repairs",
     ]
@@ -353,6 +434,11 @@ def render_text(doc: dict[str, Any]) -> str:
     return "\n".join(escape_controls(line) for line in lines)
 
 
+def archive_line(archive: Mapping[str, Any]) -> str:
+    """``(from the archive: <path>, archived <time>)``: Redis no longer held the run."""
+    return f"(from the archive: {archive['path']}, archived {archive['archived_at']})"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("run_id", metavar="RUN", help="the run id")
     parser.add_argument("--iteration", type=int, metavar="N", help="only this iteration")
@@ -365,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     def body() -> int:
-        snap = load_snapshot(args.run_id, args.iteration)
+        snap = load_snapshot(args.run_id, args.iteration, archive=True)
         doc = snapshot_doc(snap, args.iteration)
         if args.json:
             print(json_line(doc))
