@@ -9,6 +9,9 @@ from typing import TypeVar
 
 import pytest
 
+from pipeline.store.base import BudgetAnswer
+from pipeline.store.memory import MemoryBudgetLedger
+
 T = TypeVar("T")
 
 REQUIRE_FASTSCAN_ENV = "CRITIQUE_TEST_REQUIRE_FASTSCAN"
@@ -69,3 +72,23 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+class RecordingLedger(MemoryBudgetLedger):
+    """The in-memory budget ledger, remembering every reservation asked: (lease id, tokens)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reserved: list[tuple[str, int]] = []
+
+    def ask(
+        self,
+        run_id: str,
+        lease_id: str,
+        tokens: int,
+        cap: int,
+        ttl_s: float,
+        wait_s: float = 0.0,
+    ) -> BudgetAnswer:
+        self.reserved.append((lease_id, tokens))
+        return super().ask(run_id, lease_id, tokens, cap, ttl_s, wait_s)

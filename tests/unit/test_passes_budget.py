@@ -42,9 +42,10 @@ from pipeline.runner import (
     run_submission,
     start,
 )
-from pipeline.store.base import BudgetAnswer, BudgetSnapshot
+from pipeline.store.base import BudgetSnapshot
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore, MemoryTraceSink
 from pipeline.wiring import make_context
+from tests.support import RecordingLedger
 
 MODEL = "openai/critic"
 WORDS = ["north", "south", "region", "store", "online", "order", "growth", "margin", "price"]
@@ -252,25 +253,8 @@ def test_a_repair_round_reserves_counted_prompts_plus_max_tokens_and_charges_rea
     its bound) + the re-critique's max_tokens; the calls go out with those max_tokens; the commit
     charges what the provider reported (the rest comes back), and the result says so."""
 
-    class Recording(MemoryBudgetLedger):
-        def __init__(self) -> None:
-            super().__init__()
-            self.reserved: list[tuple[str, int]] = []
-
-        def ask(
-            self,
-            run_id: str,
-            lease_id: str,
-            tokens: int,
-            cap: int,
-            ttl_s: float,
-            wait_s: float = 0.0,
-        ) -> BudgetAnswer:
-            self.reserved.append((lease_id, tokens))
-            return super().ask(run_id, lease_id, tokens, cap, ttl_s, wait_s)
-
     provider = Provider()
-    ledger = Recording()
+    ledger = RecordingLedger()
     ctx = _llm_context(provider, 10_000_000, budget=ledger)
     sub = _sub()
     result = run_submission(sub, ctx, pass_id="p1")

@@ -25,9 +25,8 @@ from pipeline.repair import (
     repair_token_bound,
 )
 from pipeline.runner import NO_BUDGET_NOTE, L0Outcome, run_submission
-from pipeline.store.base import BudgetAnswer
-from pipeline.store.memory import MemoryBudgetLedger
 from pipeline.wiring import make_context
+from tests.support import RecordingLedger
 
 
 def _env(score: float, *severities: str) -> CritiqueEnvelope:
@@ -345,24 +344,7 @@ def test_no_total_budget_is_noted() -> None:
 def test_reservation_uses_lease_ids_per_attempt() -> None:
     """Each repair reserves under f'{prefix}:{attempt}' and commits after its re-critique."""
 
-    class Recording(MemoryBudgetLedger):
-        def __init__(self) -> None:
-            super().__init__()
-            self.leases: list[str] = []
-
-        def ask(
-            self,
-            run_id: str,
-            lease_id: str,
-            tokens: int,
-            cap: int,
-            ttl_s: float,
-            wait_s: float = 0.0,
-        ) -> BudgetAnswer:
-            self.leases.append(lease_id)
-            return super().ask(run_id, lease_id, tokens, cap, ttl_s, wait_s)
-
-    ledger = Recording()
+    ledger = RecordingLedger()
     ctx = make_context(
         CritiqueConfig(enabled=True, max_repair_attempts=3, budget={"total_tokens": 1_000_000}),
         critic=ScriptedCritic([0.4, 0.5, 0.8]),
@@ -374,7 +356,7 @@ def test_reservation_uses_lease_ids_per_attempt() -> None:
     )
     sub = Submission(run_id="run-1", worker_id="w1", task="Do X.", output={"version": 0})
     run_submission(sub, ctx)
-    assert ledger.leases == ["task-9:1", "task-9:2"]
+    assert [lease for lease, _ in ledger.reserved] == ["task-9:1", "task-9:2"]
     assert ledger.spent("run-1") == 2 * (50 + 30)
 
 
