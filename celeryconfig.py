@@ -130,7 +130,13 @@ result_backend_transport_options = {
 redis_socket_timeout = 30.0
 redis_socket_connect_timeout = 5.0
 redis_socket_keepalive = True
-result_expires = int(os.environ.get("CRITIQUE_RESULT_EXPIRES_S", str(7 * 24 * 3600)))
+# Celery's own results (the gate's summary, stage errors) live as long as the run's records
+# (CRITIQUE_RUN_TTL_S, 7 days by default) unless CRITIQUE_RESULT_EXPIRES_S says otherwise.
+result_expires = int(
+    os.environ.get("CRITIQUE_RESULT_EXPIRES_S")
+    or os.environ.get("CRITIQUE_RUN_TTL_S")
+    or str(7 * 24 * 3600)
+)
 
 # --- security: JSON only, never pickle ------------------------------------------------------
 task_serializer = "json"

@@ -9,7 +9,8 @@ through the real chain (bench/pipeline.py's mix: half clean, half defective; heu
 deterministic repair) in waves of ``--wave`` outputs, each wave a run of its own whose keys are
 deleted once its results are in (so Redis stays small; the worker is what is measured). After
 every ``--every`` outputs it prints the worker's resident memory (VmRSS of the command and every
-process under it), and at the end the ratio RSS(N) / RSS(first checkpoint). Goal: <= 1.2x.
+process under it), and at the end the ratio RSS(N) / RSS(first checkpoint). Goal: <= 1.1x
+from 10,000 to 100,000 outputs (``--n 100000 --every 10000``, about 25 min on 2 cores).
 
 ``--trace`` (one process) starts tracemalloc inside the worker at the first checkpoint and, at
 the end, prints the allocation sites still alive since then (largest first; each folded to its
@@ -36,18 +37,18 @@ from bench.pipeline import CONFIG, BenchWorker, setup_redis, submissions  # noqa
 
 def _wave(client: Any, r: Any, run_id: str, n: int, first: int) -> None:
     """Submit ``n`` outputs as run ``run_id``, wait for all results, delete the run's keys."""
-    from pipeline.store.keys import RESULTS, run_key, run_key_pattern
+    from pipeline.store.keys import PASS_RESULTS, run_key, run_key_pattern
 
     subs = submissions(run_id, first + n)[first:]
-    for s in subs:
-        client.submit(s)
-    rkey = run_key(run_id, RESULTS)
+    handles = [client.submit(s) for s in subs]
+    rkey = run_key(run_id, PASS_RESULTS)  # one field per finished pass
     deadline = time.monotonic() + 600
     while r.hlen(rkey) < n:
         if time.monotonic() > deadline:
             raise RuntimeError(f"run {run_id}: {r.hlen(rkey)} of {n} results after 600 s")
         time.sleep(0.05)
     keys = list(r.scan_iter(match=run_key_pattern(run_id), count=1000))
+    keys += [f"celery-task-meta-{h.task_id}" for h in handles]  # the gates' Celery results
     if keys:
         r.delete(*keys)
 
@@ -109,7 +110,7 @@ def main() -> int:
                     heap0 = _heap("start", 60)
         first, last = readings[0], readings[-1]
         print(f"RSS after {last[0]} outputs / after {first[0]}: {last[1]:.1f} / "
-              f"{first[1]:.1f} MB = {last[1] / first[1]:.2f}x (goal <= 1.20x)")  # fmt: skip
+              f"{first[1]:.1f} MB = {last[1] / first[1]:.2f}x (goal <= 1.10x)")  # fmt: skip
         if args.trace:
             report = _heap("report", 300)
             print(f"\nstill allocated since output {first[0]} (tracemalloc, "

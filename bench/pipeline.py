@@ -262,7 +262,7 @@ def run_real(
 ) -> tuple[float, list[float]]:
     """Submit every submission, wait for every result; returns wall seconds and each output's
     latency (``timing["enqueue_s"]``: how long submitting them all took)."""
-    from pipeline.store.keys import RESULTS, run_key
+    from pipeline.store.keys import PASS_RESULTS, run_key
 
     run_id = subs[0].run_id
     t0 = time.perf_counter()
@@ -274,9 +274,9 @@ def run_real(
         timing["enqueue_s"] = time.perf_counter() - t0
     latencies: list[float] = []
     pending = set(sent)
-    rkey = run_key(run_id, RESULTS)
+    rkey = run_key(run_id, PASS_RESULTS)  # "<iteration>:<worker>:<pass>" -> the pass's result
     while pending:
-        done = {k.decode().split(":", 1)[1] for k in r.hkeys(rkey)} & pending
+        done = {k.decode().split(":")[1] for k in r.hkeys(rkey)} & pending
         now = time.perf_counter()
         latencies += [now - sent[wid] for wid in done]
         pending -= done

@@ -68,6 +68,8 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_KEY_PREFIX",  # Redis key prefix
         "CRITIQUE_RUN_TTL_S",  # expiry of every run key
         "CRITIQUE_LESSONS_TTL_S",  # expiry of the shared lessons keys (refreshed on each write)
+        "CRITIQUE_LIVE_TTL_S",  # expiry of a live pass's step records and first message
+        "CRITIQUE_STEPS_GRACE_S",  # how long a finished pass's step records stay (default 0)
         "CRITIQUE_LEASE_TTL_S",  # how long a dead repair's budget reservation is held
         "CRITIQUE_INLINE_LIMIT",  # largest stage state carried inline in a broker message
         "CRITIQUE_VISIBILITY_TIMEOUT_S",  # Celery: redelivery of unacked messages

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -92,3 +92,14 @@ class RecordingLedger(MemoryBudgetLedger):
     ) -> BudgetAnswer:
         self.reserved.append((lease_id, tokens))
         return super().ask(run_id, lease_id, tokens, cap, ttl_s, wait_s)
+
+
+def run_steps(client: Any, run_id: str) -> dict[str, bytes]:
+    """Every pass's step records of a run still in Redis (each pass has a hash of its own,
+    released when its result lands unless ``CRITIQUE_STEPS_GRACE_S`` keeps it): step -> output."""
+    from pipeline.store import keys
+
+    out: dict[str, bytes] = {}
+    for key in client.scan_iter(keys.pass_steps_key(run_id, "*"), count=1000):
+        out.update({k.decode(): v for k, v in client.hgetall(key).items()})
+    return out

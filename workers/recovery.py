@@ -234,6 +234,10 @@ def _publish(
     return plan.state.next
 
 
+FINISHED = "finished"
+"""What :func:`redrive` answers for a pass that has its result already (nothing is sent)."""
+
+
 def redrive(
     run_id: str,
     iteration: int,
@@ -247,9 +251,14 @@ def redrive(
     Safe at any time: every stage replays its recorded output and every effect is idempotent,
     so a chain that was only slow, not lost, ends in the same result. The pass's progress is
     set to now, so the sweeper leaves it alone for a stall time. Returns the stage it resumed
-    at (``done``: only the gate was missing).
+    at (``done``: only the gate was missing), or ``finished`` when the pass has its result
+    already: then nothing is sent (its step records and first message were released with it).
     """
     s = stores or default_stores()
+    doc = s.runs.submission(run_id, iteration, worker_id) or {}
+    sid = str(doc.get("sid") or "")
+    if sid and s.runs.pass_result(run_id, iteration, worker_id, sid) is not None:
+        return FINISHED
     plan = _plan(s, run_id, iteration, worker_id)
     s.pending.touch(run_id, pass_member(iteration, worker_id, plan.sid), time.time())
     return _publish(s, run_id, iteration, worker_id, plan, by)

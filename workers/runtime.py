@@ -217,8 +217,13 @@ def encode(
     else:
         # Its large parts (submission, outputs, envelopes) by reference too: stored once per
         # pass, not once per stage (pipeline.runner.compact_state).
+        # Only the live chain reads them: they expire with the live TTL (CRITIQUE_LIVE_TTL_S).
         blobs = stores().blobs
-        msg["state_ref"] = blobs.put(compact_state(state, blobs.put))
+
+        def put(data: bytes) -> str:
+            return blobs.put(data, live=True)
+
+        msg["state_ref"] = put(compact_state(state, put))
     if task and task_id:
         msg = signing.address(msg, task, task_id)
     return sign(msg)

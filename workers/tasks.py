@@ -13,8 +13,11 @@ stage is not the state's next one passes the state through (e.g. critique disabl
 are idempotent under redelivery: step records, pattern records, budget leases, trace events and
 the result are keyed by the submission's pass (SPEC §4: a fresh pass id per submit, the state's
 ``pass_id`` and the message's ``sid``), step records and leases also by round and attempt; the
-first record of a step wins and a re-run writes nothing again. Transient errors (Redis, LLM) are
-retried with exponential backoff and jitter; permanent ones fail the task at once.
+first record of a step wins and a re-run writes nothing again. Once the pass's result has landed
+its step records are gone (Redis holds live state, not history): a step of it delivered late
+records nothing and ends its chain there (:class:`pipeline.store.runs.PassFinished`). Transient
+errors (Redis, LLM) are retried with exponential backoff and jitter; permanent ones fail the
+task at once.
 
 A message that cannot be trusted or read (unsigned, forged or altered while ``CRITIQUE_SECRET``
 is set, addressed to another task or task id, or malformed) is refused: a warning in the log
@@ -66,7 +69,7 @@ from pipeline.runner import (
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
-from pipeline.store.runs import completion_member, pass_member
+from pipeline.store.runs import PassFinished, completion_member, pass_member
 from workers import runtime
 from workers.app import app
 
@@ -253,10 +256,13 @@ def _run_stage(
     # A decide run inline on the output this task just recorded cannot have a record yet
     # (a duplicate racing it is settled by record_step below): no read.
     reads = stage == "decide" and decoded is None
-    if reads or _spends_tokens(stage, shared, state) or _repeated(task):
-        recorded = runs.step_output(run_id, step)
-        if recorded is not None:
-            return (*_replayed(task, stage, recorded), None)
+    try:
+        if reads or _spends_tokens(stage, shared, state) or _repeated(task):
+            recorded = runs.step_output(run_id, step)
+            if recorded is not None:
+                return (*_replayed(task, stage, recorded), None)
+    except PassFinished:
+        return (*_end_finished(task, step), None)
     buffer = BufferedTraceSink()
     ctx = dataclasses.replace(shared, trace=buffer, max_budget_wait_s=_budget_wait_cap(task))
     new = STAGES[stage](state, ctx)
@@ -269,7 +275,12 @@ def _run_stage(
         )
     to, to_id = _consumer(task, stage, new.next)
     out = runtime.encode(new, overrides, sid=sid or None, task=to, task_id=to_id)
-    first = runs.record_step(run_id, step, json.dumps(out), buffer.payloads.get(run_id, ()))
+    try:
+        first = runs.record_step(run_id, step, json.dumps(out), buffer.payloads.get(run_id, ()))
+    except PassFinished:
+        if new.lease_id is not None:
+            shared.budget.refund(run_id, new.lease_id)  # reserved for a pass that is over
+        return (*_end_finished(task, step), None)
     if first is None:
         return out, new.next, (new, overrides)
     replay = _replayed(task, stage, first)
@@ -278,6 +289,20 @@ def _run_stage(
         # the budget, say): the reservation this run made would be held for nothing.
         shared.budget.refund(run_id, new.lease_id)
     return (*replay, None)
+
+
+FINISHED: dict[str, Any] = {"pass_finished": True}
+"""What a stage task of a pass that already has its result returns (nothing receives it)."""
+
+
+def _end_finished(task: Task, step: str) -> tuple[dict[str, Any], str]:
+    """End this task's chain here: its pass has its result already (this is a late
+    redelivery, or a duplicate chain), and its step records were released with it. Nothing is
+    recorded or sent on, so the stored result and the trace stay as they are."""
+    log.info("step %s belongs to a finished pass: its chain ends here", step)
+    task.request.chain = None
+    task.request.callbacks = None
+    return dict(FINISHED), "done"
 
 
 def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:

@@ -209,8 +209,10 @@ class CritiqueCache(Protocol):
 class BlobStore(Protocol):
     """Content-addressed bytes: large outputs and files travel as ``sha256:<hex>`` references."""
 
-    def put(self, data: bytes) -> str:
-        """Store ``data`` and return its reference (the same bytes always give the same one)."""
+    def put(self, data: bytes, *, live: bool = False) -> str:
+        """Store ``data`` and return its reference (the same bytes always give the same one).
+        ``live``: only a live chain needs it (a stage state), so it may expire sooner; a blob
+        stored for longer by another writer keeps its longer life."""
         ...
 
     def get(self, ref: str) -> bytes:

@@ -57,6 +57,16 @@ def verified(ref: str, data: bytes) -> bytes:
     return data
 
 
+# KEYS[1] a blob. ARGV[1] TTL (ms). 0 when the blob is not there; else 1, its expiry pushed
+# out to the TTL unless it already lives longer (or for good).
+_EXTEND = """
+local left = redis.call('PTTL', KEYS[1])
+if left == -2 then return 0 end
+if left >= 0 and left < tonumber(ARGV[1]) then redis.call('PEXPIRE', KEYS[1], ARGV[1]) end
+return 1
+"""
+
+
 class RedisBlobStore:
     """Blobs as plain Redis strings under their content hash, with a TTL refreshed on ``put``.
 
@@ -79,16 +89,23 @@ class RedisBlobStore:
         self._prefix = resolve_prefix(prefix)
         self._ttl_ms = resolve_ttl_ms(ttl_s)
         self._errors = store_errors
+        self._extend = client.register_script(_EXTEND)
 
-    def put(self, data: bytes) -> str:
-        """Store ``data`` (once per content) and return its reference; refreshes the TTL."""
+    def put(self, data: bytes, *, live: bool = False) -> str:
+        """Store ``data`` (once per content) and return its reference; pushes its expiry out
+        to the TTL (never in: the same bytes may be another writer's for longer). ``live``: a
+        stage state only a live chain reads, kept ``CRITIQUE_LIVE_TTL_S`` (capped at the TTL)."""
         ref = blob_ref(data)
         key = keys.blob_key(parse_ref(ref), self._prefix)
+        ttl_ms = min(self._ttl_ms, self._live_ttl_ms()) if live else self._ttl_ms
         with self._errors(self._client):
             # Refresh first: a blob already there costs one round trip and no upload.
-            if not self._client.pexpire(key, self._ttl_ms):
-                self._client.set(key, data, px=self._ttl_ms, nx=True)
+            if not self._extend(keys=[key], args=[ttl_ms]):
+                self._client.set(key, data, px=ttl_ms, nx=True)
         return ref
+
+    def _live_ttl_ms(self) -> int:
+        return max(1, keys.live_ttl_s() * 1000)
 
     def get(self, ref: str) -> bytes:
         """The bytes ``ref`` names; BlobMissingError if absent, BlobCorruptError if altered."""

@@ -2,7 +2,9 @@
 
 Run keys are ``<prefix>:{<run_id>}:<suffix>``: the ``{run_id}`` hash tag puts a whole run in one
 Redis Cluster slot, so the Lua scripts may touch several of its keys atomically. Every run key
-expires ``CRITIQUE_RUN_TTL_S`` seconds after its last write. Blob keys are content-addressed and
+expires ``CRITIQUE_RUN_TTL_S`` seconds after its last write; the keys that only serve a live
+chain (a pass's step records, its first message) expire ``CRITIQUE_LIVE_TTL_S`` after theirs,
+and are deleted as soon as the pass's result lands. Blob keys are content-addressed and
 shared by every run (``<prefix>:blob:<sha256 hex>``); they expire too. Lessons
 (``<prefix>:lessons:*``) are shared too and expire ``CRITIQUE_LESSONS_TTL_S`` seconds after the
 last run that taught one.
@@ -21,6 +23,9 @@ PREFIX_ENV = "CRITIQUE_KEY_PREFIX"  # env var that overrides the key prefix
 DEFAULT_PREFIX = "critique"  # key prefix when the env var is unset
 RUN_TTL_ENV = "CRITIQUE_RUN_TTL_S"  # env var that overrides the run TTL (seconds)
 DEFAULT_RUN_TTL_S = 7 * 24 * 3600  # a run's keys live 7 days after their last write
+LIVE_TTL_ENV = "CRITIQUE_LIVE_TTL_S"  # env var that overrides the live-chain TTL (seconds)
+DEFAULT_LIVE_TTL_S = 24 * 3600  # a live pass's steps and first message, after their last write
+STEPS_GRACE_ENV = "CRITIQUE_STEPS_GRACE_S"  # env var: keep a finished pass's steps this long
 LESSONS_TTL_ENV = "CRITIQUE_LESSONS_TTL_S"  # env var that overrides the lessons TTL (seconds)
 DEFAULT_LESSONS_TTL_S = 30 * 24 * 3600  # lessons live 30 days after the last run that taught one
 
@@ -53,12 +58,16 @@ BUDGET_WAITING = "budget:waiting"  # sorted set: waiting lease id -> last ask + 
 TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
 TRACE_EVENT_FIELD = "event"  # the one field of each trace stream entry
 TRACE_MAXLEN = 100_000  # approximate cap on a run's trace stream (XADD MAXLEN ~)
-SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, at}
-RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> the latest pass's CritiqueResult JSON
-PASS_RESULTS = "results:pass"  # hash: "<iteration>:<worker>:<sid>" -> that pass's result JSON
+SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, sid, at}
+MESSAGES = "messages"  # hash: "<iteration>:<worker>:<sid>" -> a live pass's first message (JSON)
+RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> a result stored without a pass
+PASS_RESULTS = "results:pass"  # hash: "<iteration>:<worker>:<sid>" -> that pass's packed result
 PASSES = "passes"  # hash: "<iteration>:<worker_id>" -> the latest pass id (sid), set at submit
 COMPLETIONS = "completions"  # hash: "rejected" -> gate rejections; "req:<id>" -> counted
-STEPS = "steps"  # hash: "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> step output
+STEPS = "steps"  # hash: "complete_gate:<request id>" -> the completion decision (signed JSON)
+PASS_STEPS = "steps:pass"  # hash ``…:steps:pass:<iteration>:<worker>:<sid>``: a live pass's
+# step records, "<iteration>:<worker>:<sid>:<round>:<attempt>:<stage>" -> output; deleted with
+# the pass's result (see pass_steps_key)
 PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress (unix s), unsettled
 RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
 SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
@@ -76,6 +85,7 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     BUDGET_WAITING,
     TRACE,
     SUBMITTED,
+    MESSAGES,
     RESULTS,
     PASS_RESULTS,
     PASSES,
@@ -147,6 +157,35 @@ def run_ttl_s() -> int:
     return _seconds_env(RUN_TTL_ENV, DEFAULT_RUN_TTL_S, "unset it for the 7-day default")
 
 
+def live_ttl_s() -> int:
+    """The live-chain TTL in seconds: ``$CRITIQUE_LIVE_TTL_S`` (a positive integer) or 1 day.
+
+    A pass's step records and first message serve only its live chain: they are deleted when
+    its result lands, and expire this long after their last write if it never does (a pass
+    queued longer than this loses its replay records and its re-drive)."""
+    return _seconds_env(LIVE_TTL_ENV, DEFAULT_LIVE_TTL_S, "unset it for the 1-day default")
+
+
+def steps_grace_s() -> int:
+    """How long a finished pass's step records stay readable (for inspection), in seconds:
+    ``$CRITIQUE_STEPS_GRACE_S`` (a whole number, 0 or more) or 0, deleted with the result. A
+    late delivery of a finished pass's step never needs them: it ends at the result."""
+    raw = os.environ.get(STEPS_GRACE_ENV)
+    if raw is None or not raw.strip():
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(
+            f"{STEPS_GRACE_ENV}={raw!r} is not a whole number of seconds (0 or more)",
+            key=STEPS_GRACE_ENV,
+            hint="unset it to release a pass's steps when its result lands",
+        )
+    return value
+
+
 def lessons_ttl_s() -> int:
     """The lessons TTL in seconds: ``$CRITIQUE_LESSONS_TTL_S`` (a positive integer) or 30 days.
 
@@ -159,6 +198,12 @@ def run_key(run_id: str, suffix: str, prefix: str | None = None) -> str:
     """The key ``<prefix>:{<run_id>}:<suffix>``; ``run_id`` must be a safe identifier."""
     check_identifier(run_id, "run_id")
     return f"{prefix or key_prefix()}:{{{run_id}}}:{suffix}"
+
+
+def pass_steps_key(run_id: str, pass_member: str, prefix: str | None = None) -> str:
+    """The step-record hash of one pass (``pass_member``: ``<iteration>:<worker>:<sid>``), in
+    its run's slot; the one key a finished pass's steps live in, so one ``DEL`` releases them."""
+    return run_key(run_id, f"{PASS_STEPS}:{pass_member}", prefix)
 
 
 def shared_key(suffix: str, prefix: str | None = None) -> str:

@@ -346,7 +346,7 @@ class MemoryBlobStore:
         self._lock = threading.Lock()
         self._blobs: dict[str, bytes] = {}
 
-    def put(self, data: bytes) -> str:
+    def put(self, data: bytes, *, live: bool = False) -> str:
         ref = blob_ref(data)
         with self._lock:
             self._blobs.setdefault(ref, bytes(data))

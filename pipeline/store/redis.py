@@ -29,6 +29,7 @@ from pipeline.store.base import (
     encode_event,
 )
 from pipeline.store.keys import pattern_key
+from pipeline.store.packing import pack_event, unpack
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
 # --- pattern memory --------------------------------------------------------------------------
@@ -571,10 +572,13 @@ TraceEntry = tuple[str, dict[str, Any]]
 
 _EVENT_FIELD = keys.TRACE_EVENT_FIELD
 _PAGE = 1000
+_EVENT_MAX = 1 << 20
+"""Most bytes one packed trace event may unpack to (events are a few hundred bytes)."""
 
 
 class RedisTraceSink:
-    """The run's single trace channel: one Redis stream per run, one JSON event per entry.
+    """The run's single trace channel: one Redis stream per run, one JSON event per entry,
+    stored packed (:func:`pipeline.store.packing.pack_event`: about a third of its JSON).
 
     ``emit`` appends with an approximate ``MAXLEN`` trim and refreshes the run TTL in the same
     MULTI/EXEC; ``read`` returns the whole trace; ``iterate`` follows it live (``XREAD BLOCK``).
@@ -606,10 +610,12 @@ class RedisTraceSink:
         if not payloads:
             return
         key = self._key(run_id)
+        binary = not self._client.connection_pool.connection_kwargs.get("decode_responses")
         with store_errors(self._client):
             pipe = self._client.pipeline(transaction=True)
             for payload in payloads:
-                pipe.xadd(key, {_EVENT_FIELD: payload}, maxlen=self._maxlen, approximate=True)
+                packed = pack_event(payload, binary=binary)
+                pipe.xadd(key, {_EVENT_FIELD: packed}, maxlen=self._maxlen, approximate=True)
             pipe.pexpire(key, self._ttl_ms)
             pipe.execute()
 
@@ -678,7 +684,10 @@ def _stream_entries(reply: Any) -> list[Any]:
 
 def _decode_event(fields: Mapping[Any, Any]) -> dict[str, Any]:
     raw = fields.get(_EVENT_FIELD, fields.get(_EVENT_FIELD.encode()))
-    event = json.loads(text(raw))
+    unpacked = None if raw is None else unpack(raw, _EVENT_MAX)
+    if unpacked is None:
+        raise ValueError(f"trace entry is not a readable event: {raw!r:.200}")
+    event = json.loads(unpacked)
     if not isinstance(event, dict):
         raise ValueError(f"trace entry is not a JSON object: {raw!r}")
     return event

@@ -1,13 +1,26 @@
 """The run registry in Redis: what was submitted, and the final result of each submission.
 
-``submitted`` and ``results`` are hashes keyed ``"<iteration>:<worker_id>"``. Each submit of a
+``submitted`` and ``passes`` are hashes keyed ``"<iteration>:<worker_id>"``. Each submit of a
 submission starts a *pass* with a fresh pass id (``sid``, SPEC §4 "Passes"): the client records
 it as the submission's latest pass (:meth:`RedisRunStore.begin_pass`, before the chain is
-sent, clearing the previous pass's entry in ``results``), and the gate stores the pass's result
-once (:meth:`RedisRunStore.put_result`): in ``results:pass`` under the pass, with its ``result``
-trace event in the same script, and in ``results`` only while it is the latest pass. So
-``results`` holds the latest pass's result (status, reports, the completion gate), and
-``wait(handle)`` reads its own pass's. Every write refreshes the run TTL.
+sent), and the gate stores the pass's result once (:meth:`RedisRunStore.put_result`), in
+``results:pass`` under the pass, with its ``result`` trace event in the same script. A
+submission's result (status, reports, the completion gate) is its latest pass's: the one
+``passes`` names, so a resubmission hides the previous pass's result until its own lands, and
+``wait(handle)`` reads its own pass's. Each result is stored once; ``results`` holds only what
+a gate without a pass wrote (a chain sent without the client). Every write refreshes the run
+TTL.
+
+Bounded Redis: what only the live chain needs goes when the pass's result lands, in the same
+script. A pass's step records live in a hash of their own (:func:`keys.pass_steps_key`), its
+first message in ``messages`` under the pass; both are deleted with the result's write (the
+steps kept ``CRITIQUE_STEPS_GRACE_S`` longer where an operator asks, for inspection), and
+expire ``CRITIQUE_LIVE_TTL_S`` after their last write if no result ever comes. A step of a
+finished pass delivered late (a redelivery, a duplicate chain) records nothing:
+:meth:`RedisRunStore.record_step` and :meth:`RedisRunStore.step_output` raise
+:class:`PassFinished`, and the task ends its chain there. Results are stored packed (zlib,
+:func:`pipeline.store.packing.pack_record`) once sealed, trace events with the
+event dictionary (:func:`pipeline.store.packing.pack_event`).
 
 A pass (or a completion-gate request) that a worker failed for good gets a failure record in
 ``failures`` (:meth:`RedisRunStore.put_failure`): the one place a client learns that a pass
@@ -37,6 +50,7 @@ from pipeline import signing
 from pipeline.errors import ForgedMessageError
 from pipeline.models import CritiqueResult
 from pipeline.store import keys
+from pipeline.store.packing import pack_event, pack_record, unpack
 from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
 
 log = logging.getLogger(__name__)
@@ -53,6 +67,11 @@ _NOTED_MAX = 1024
 """Most unverifiable records (each is logged once), or runs indexed, remembered per store."""
 _INDEX_EVERY_S = 60.0
 """A store puts a run on the archiver's index at most this often (see ``mark_submitted``)."""
+
+
+class PassFinished(Exception):
+    """The pass a step belongs to has its result already: the step records nothing and its
+    chain ends (a late redelivery or a duplicate chain of a finished pass)."""
 
 
 @dataclass(frozen=True)
@@ -84,12 +103,17 @@ return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
 """
 
 
-# KEYS[1] steps hash, KEYS[2] trace stream, KEYS[3] pending sorted set; ARGV: step, output,
-# TTL (ms), stream maxlen, event field, the pass's pending member ("" for none), now (s), then
-# the encoded events. Returns nil when this call recorded the step, else the output recorded
-# first. A first record is the pass's progress: its pending score (if it is still pending, XX)
-# moves to now, which is what the stall sweeper (workers.recovery) measures.
+# KEYS[1] the step-record hash (the pass's own, or the run's for a completion gate), KEYS[2]
+# trace stream, KEYS[3] pending sorted set, KEYS[4] results:pass; ARGV: step, output, TTL of
+# KEYS[1] (ms), stream maxlen, event field, the pass's member ("" for none), now (s), TTL of
+# the trace (ms), then the encoded events. Returns nil when this call recorded the step, ""
+# when the pass has its result already (nothing is written), else the output recorded first.
+# A first record is the pass's progress: its pending score (if it is still pending, XX) moves
+# to now, which is what the stall sweeper (workers.recovery) measures.
 _RECORD_STEP = """
+if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[6]) == 1 then
+  return ''
+end
 if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
   return redis.call('HGET', KEYS[1], ARGV[1])
 end
@@ -97,36 +121,59 @@ redis.call('PEXPIRE', KEYS[1], ARGV[3])
 if ARGV[6] ~= '' then
   redis.call('ZADD', KEYS[3], 'XX', ARGV[7], ARGV[6])
 end
-if #ARGV > 7 then
-  for i = 8, #ARGV do
+if #ARGV > 8 then
+  for i = 9, #ARGV do
     redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i])
   end
-  redis.call('PEXPIRE', KEYS[2], ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], ARGV[8])
 end
 return false
 """
 
 
-# KEYS[1] results, KEYS[2] results:pass, KEYS[3] passes, KEYS[4] pending, KEYS[5] trace.
-# ARGV: submission field, pass field (= the pending member), pass id, result JSON, TTL (ms),
-# stream maxlen, event field, then the encoded events. The first gate of a pass stores its
-# result and appends its events (returns 1); a repeat writes nothing (returns 0). ``results``
-# takes it only while it is the latest pass (or no pass was recorded: a chain sent without the
-# client).
+# KEYS[1] results:pass, KEYS[2] passes, KEYS[3] pending, KEYS[4] trace, KEYS[5] the pass's
+# step records, KEYS[6] messages, KEYS[7] suspects, KEYS[8] resumes. ARGV: submission field,
+# pass field (= the pending member), pass id, the packed result, TTL (ms), stream maxlen,
+# event field, the steps' grace (ms: 0 deletes them now), then the encoded events. The first
+# gate of a pass stores its result (and records the pass as the submission's latest when none
+# was: a chain sent without the client), appends its events and releases what only the live
+# chain needed: the pass's step records, its first message and the sweeper's notes on it
+# (returns 1); a repeat writes nothing (returns 0).
 _PUT_RESULT = """
-if redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[4]) == 0 then
+if redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[4]) == 0 then
   return 0
 end
-local latest = redis.call('HGET', KEYS[3], ARGV[1])
-if (not latest) or latest == ARGV[3] then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[4])
+redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3])
+redis.call('ZREM', KEYS[3], ARGV[2])
+if tonumber(ARGV[8]) > 0 then
+  redis.call('PEXPIRE', KEYS[5], ARGV[8])
+else
+  redis.call('DEL', KEYS[5])
 end
-redis.call('ZREM', KEYS[4], ARGV[2])
-for i = 8, #ARGV do
-  redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i])
+redis.call('HDEL', KEYS[6], ARGV[2])
+redis.call('HDEL', KEYS[7], ARGV[2])
+redis.call('HDEL', KEYS[8], ARGV[2])
+for i = 9, #ARGV do
+  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i])
 end
-for i = 1, 5 do
-  if i ~= 4 then redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('PEXPIRE', KEYS[4], ARGV[5])
+return 1
+"""
+
+# KEYS[1] submitted, KEYS[2] messages, KEYS[3] results:pass, KEYS[4] failures. ARGV: submission
+# field, the record (JSON), TTL (ms), pass field ("" for none), the first message ("" for
+# none), live TTL (ms). The message is kept only while the pass has neither a result nor a
+# failure: a fast pass may finish before its client records it.
+_MARK_SUBMITTED = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+if ARGV[4] ~= '' and ARGV[5] ~= ''
+    and redis.call('HEXISTS', KEYS[3], ARGV[4]) == 0
+    and redis.call('HEXISTS', KEYS[4], ARGV[4]) == 0 then
+  redis.call('HSET', KEYS[2], ARGV[4], ARGV[5])
+  redis.call('PEXPIRE', KEYS[2], ARGV[6])
 end
 return 1
 """
@@ -164,6 +211,11 @@ def pass_member(iteration: int, worker_id: str, sid: str) -> str:
     return f"{iteration}:{worker_id}:{sid}"
 
 
+def pass_member_of(field: str, sid: str) -> str:
+    """The pass member of submission ``field`` (``"<iteration>:<worker_id>"``) and pass id."""
+    return f"{field}:{sid}"
+
+
 def _pass_of_step(step: str) -> str:
     """The pass member a chain step id belongs to (``""`` for a step outside a pass, such as a
     completion gate's): ``"<iteration>:<worker>:<sid>"`` of ``"…:<round>:<attempt>:<stage>"``."""
@@ -181,10 +233,19 @@ class RedisRunStore:
         prefix: str | None = None,
         ttl_s: float | None = None,
         secrets: Callable[[], Sequence[bytes]] | None = None,
+        live_ttl_s: float | None = None,
+        steps_grace_s: float | None = None,
     ) -> None:
         self._r = client
         self._prefix = resolve_prefix(prefix)
         self._ttl_ms = resolve_ttl_ms(ttl_s)
+        live = keys.live_ttl_s() if live_ttl_s is None else live_ttl_s
+        self._live_ttl_ms = min(self._ttl_ms, resolve_ttl_ms(live))
+        grace = keys.steps_grace_s() if steps_grace_s is None else steps_grace_s
+        self._grace_ms = max(0, int(grace * 1000))
+        pool = getattr(client, "connection_pool", None)
+        kwargs = getattr(pool, "connection_kwargs", None) or {}
+        self._binary = not kwargs.get("decode_responses", False)
         self._secrets = secrets or (lambda: ())
         self._noted: set[tuple[str, str, str]] = set()
         self._indexed: dict[str, float] = {}
@@ -192,17 +253,21 @@ class RedisRunStore:
         self._count_once = client.register_script(_COUNT_ONCE)
         self._put_result = client.register_script(_PUT_RESULT)
         self._begin_pass = client.register_script(_BEGIN_PASS)
+        self._mark_submitted = client.register_script(_MARK_SUBMITTED)
 
     def _key(self, run_id: str, suffix: str) -> str:
         return keys.run_key(run_id, suffix, self._prefix)
 
-    def _hset(self, run_id: str, suffix: str, field: str, value: str) -> None:
-        key = self._key(run_id, suffix)
-        with store_errors(self._r):
-            pipe = self._r.pipeline(transaction=True)
-            pipe.hset(key, field, value)
-            pipe.pexpire(key, self._ttl_ms)
-            pipe.execute()
+    def _packed(self, events: Sequence[str]) -> list[bytes | str]:
+        """Encoded trace events as the stream stores them (:func:`pack_event`)."""
+        return [pack_event(e, binary=self._binary) for e in events]
+
+    def _steps_key(self, run_id: str, pass_field: str) -> str:
+        """The step records of one pass; the run's ``steps`` hash for a step outside a pass
+        (a completion gate's)."""
+        if not pass_field:
+            return self._key(run_id, keys.STEPS)
+        return keys.pass_steps_key(run_id, pass_field, self._prefix)
 
     def mark_submitted(
         self,
@@ -216,13 +281,31 @@ class RedisRunStore:
         message: dict[str, Any] | None = None,
     ) -> None:
         """Record that a submission entered the pipeline (for status, the redundancy guard and
-        ``resume``: the pass id ``sid`` and the first stage ``message``)."""
+        ``resume``: the pass id ``sid`` and the first stage ``message``). The message serves
+        only the live chain (a re-drive starts from it): it is kept under the pass in
+        ``messages``, with the live-chain TTL, and deleted when the pass's result lands."""
         doc: dict[str, Any] = {"task_id": task_id, "signature": signature, "at": time.time()}
         if sid:
             doc["sid"] = sid
-        if message is not None:
-            doc["message"] = message
-        self._hset(run_id, keys.SUBMITTED, member(iteration, worker_id), json.dumps(doc))
+        elif message is not None:
+            doc["message"] = message  # no pass to file it under (not the client's path)
+        with store_errors(self._r):
+            self._mark_submitted(
+                keys=[
+                    self._key(run_id, s)
+                    for s in (keys.SUBMITTED, keys.MESSAGES, keys.PASS_RESULTS, keys.FAILURES)
+                ],
+                args=[
+                    member(iteration, worker_id),
+                    json.dumps(doc),
+                    self._ttl_ms,
+                    pass_member(iteration, worker_id, sid) if sid else "",
+                    pack_record(json.dumps(message), binary=self._binary)
+                    if sid and message is not None
+                    else "",
+                    self._live_ttl_ms,
+                ],
+            )
         self._index_for_archive(run_id, doc["at"])
 
     def _index_for_archive(self, run_id: str, now: float) -> None:
@@ -243,10 +326,22 @@ class RedisRunStore:
         self._indexed[run_id] = now
 
     def submission(self, run_id: str, iteration: int, worker_id: str) -> dict[str, Any] | None:
-        """One submission's ``mark_submitted`` record (the latest pass's), or None."""
+        """One submission's ``mark_submitted`` record (the latest pass's), or None; with its
+        first ``message`` while that pass is live (until its result lands)."""
         with store_errors(self._r):
             raw = self._r.hget(self._key(run_id, keys.SUBMITTED), member(iteration, worker_id))
-        return None if raw is None else dict(json.loads(text(raw)))
+            if raw is None:
+                return None
+            doc = dict(json.loads(text(raw)))
+            sid = str(doc.get("sid") or "")
+            if sid:
+                message = self._r.hget(
+                    self._key(run_id, keys.MESSAGES), pass_member(iteration, worker_id, sid)
+                )
+                unpacked = None if message is None else unpack(message)
+                if unpacked is not None:
+                    doc["message"] = json.loads(unpacked)
+        return doc
 
     def latest_step(
         self, run_id: str, iteration: int, worker_id: str, sid: str
@@ -254,22 +349,20 @@ class RedisRunStore:
         """The last recorded step of one submission pass: ``(step id, output)``, or None.
 
         Steps are ordered by (round, attempt, stage): l0 < critic < decide < repair within a
-        round and attempt, which is the order the loop runs them in. A scan of the run's steps
-        hash: meant for recovery and status, not for every stage.
+        round and attempt, which is the order the loop runs them in. Reads the pass's whole
+        step-record hash: meant for recovery and status, not for every stage. None too once
+        the pass has its result (its steps are released then).
         """
-        key = self._key(run_id, keys.STEPS)
         prefix = f"{iteration}:{worker_id}:{sid}:"
-        best: tuple[tuple[int, int, int], str] | None = None
+        best: tuple[tuple[int, int, int], str, str] | None = None
         with store_errors(self._r):
-            for raw in self._r.hscan_iter(key, match=f"{prefix}*", count=1000):
-                step = text(raw[0] if isinstance(raw, tuple) else raw)
-                order = _step_order(step[len(prefix) :])
-                if order is not None and (best is None or order > best[0]):
-                    best = (order, step)
-            if best is None:
-                return None
-            output = self._r.hget(key, best[1])
-        return None if output is None else (best[1], text(output))
+            rows = self._r.hgetall(self._steps_key(run_id, pass_member(iteration, worker_id, sid)))
+        for name, output in rows.items():
+            step = text(name)
+            order = _step_order(step[len(prefix) :]) if step.startswith(prefix) else None
+            if order is not None and (best is None or order > best[0]):
+                best = (order, step, text(output))
+        return None if best is None else (best[1], best[2])
 
     def submitted(self, run_id: str) -> dict[str, dict[str, Any]]:
         """Every submission of the run: field -> {task_id, signature, at}."""
@@ -299,13 +392,19 @@ class RedisRunStore:
     ) -> bool:
         """Store a submission pass's final result once, with its trace ``events`` (encoded).
 
-        With its pass id ``sid``: one atomic script stores it under the pass, in ``results``
-        while it is the latest pass, takes the pass off the pending index (it can no longer
-        stall) and appends the events; a repeated call (a re-run gate) writes nothing and
-        returns False. Without ``sid``: ``results`` is written (idempotently) with the events.
+        With its pass id ``sid``: one atomic script stores it (packed) under the pass, points
+        ``results`` at it while it is the latest pass, takes the pass off the pending index (it
+        can no longer stall), appends the events and deletes the pass's step records and first
+        message (only the live chain needed them); a repeated call (a re-run gate) writes
+        nothing and returns False. Without ``sid``: ``results`` is written (idempotently) with
+        the events.
         """
+        if sid and result.pass_id != sid:
+            if result.pass_id:
+                raise ValueError(f"result of pass {result.pass_id!r} put as pass {sid!r}")
+            result = result.model_copy(update={"pass_id": sid})  # filed under its pass
         field = member(result.iteration, result.worker_id)
-        raw = self._seal(RESULT_KIND, result.model_dump_json())
+        raw = pack_record(self._seal(RESULT_KIND, result.model_dump_json()), binary=self._binary)
         if not sid:
             key = self._key(result.run_id, keys.RESULTS)
             trace = self._key(result.run_id, keys.TRACE)
@@ -316,7 +415,7 @@ class RedisRunStore:
                 for payload in events:
                     pipe.xadd(
                         trace,
-                        {keys.TRACE_EVENT_FIELD: payload},
+                        {keys.TRACE_EVENT_FIELD: pack_event(payload, binary=self._binary)},
                         maxlen=keys.TRACE_MAXLEN,
                         approximate=True,
                     )
@@ -324,22 +423,28 @@ class RedisRunStore:
                     pipe.pexpire(trace, self._ttl_ms)
                 pipe.execute()
             return True
+        pass_field = pass_member(result.iteration, result.worker_id, sid)
         script_keys = [
             self._key(result.run_id, s)
-            for s in (keys.RESULTS, keys.PASS_RESULTS, keys.PASSES, keys.PENDING, keys.TRACE)
+            for s in (keys.PASS_RESULTS, keys.PASSES, keys.PENDING, keys.TRACE)
         ]
+        script_keys.append(self._steps_key(result.run_id, pass_field))
+        script_keys.extend(
+            self._key(result.run_id, s) for s in (keys.MESSAGES, keys.SUSPECTS, keys.RESUMES)
+        )
         with store_errors(self._r):
             got = self._put_result(
                 keys=script_keys,
                 args=[
                     field,
-                    pass_member(result.iteration, result.worker_id, sid),
+                    pass_field,
                     sid,
                     raw,
                     self._ttl_ms,
                     keys.TRACE_MAXLEN,
                     keys.TRACE_EVENT_FIELD,
-                    *events,
+                    self._grace_ms,
+                    *self._packed(events),
                 ],
             )
         return bool(int(got))
@@ -348,8 +453,38 @@ class RedisRunStore:
         """The latest pass's result, or None while it is not there yet (or not verifiable)."""
         field = member(iteration, worker_id)
         with store_errors(self._r):
-            raw = self._r.hget(self._key(run_id, keys.RESULTS), field)
-        return None if raw is None else self._result(raw, run_id, keys.RESULTS, field)
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hget(self._key(run_id, keys.PASSES), field)
+            pipe.hget(self._key(run_id, keys.RESULTS), field)
+            got = pipe.execute()
+        return self._latest(run_id, {field: got[0]}, {field: got[1]}).get(field)
+
+    def _latest(
+        self, run_id: str, passes: dict[Any, Any], unpassed: dict[Any, Any]
+    ) -> dict[str, CritiqueResult]:
+        """The latest pass's result of each submission field: the one ``passes`` names (read
+        from ``results:pass`` in one round trip), else a record in ``results`` (written by a
+        gate without a pass); what does not verify is left out."""
+        named = {text(f): text(sid) for f, sid in passes.items() if sid is not None}
+        wanted = [(f, pass_member_of(f, sid), sid) for f, sid in named.items()]
+        out: dict[str, CritiqueResult] = {}
+        if wanted:
+            with store_errors(self._r):
+                got = self._r.hmget(self._key(run_id, keys.PASS_RESULTS), [w[1] for w in wanted])
+            for (field, pass_field, sid), raw in zip(wanted, got, strict=True):
+                if raw is None:
+                    continue
+                result = self._result(raw, run_id, keys.PASS_RESULTS, pass_field, sid)
+                if result is not None:
+                    out[field] = result
+        for name, raw in unpassed.items():
+            field = text(name)
+            if raw is None or field in named:
+                continue
+            result = self._result(raw, run_id, keys.RESULTS, field)
+            if result is not None:
+                out[field] = result
+        return out
 
     def pass_result(
         self, run_id: str, iteration: int, worker_id: str, sid: str
@@ -383,12 +518,12 @@ class RedisRunStore:
         """The run's results (of one iteration when given), ordered by iteration and worker;
         records that do not verify are left out."""
         with store_errors(self._r):
-            raw = self._r.hgetall(self._key(run_id, keys.RESULTS))
-        out = []
-        for field, value in raw.items():
-            result = self._result(value, run_id, keys.RESULTS, text(field))
-            if result is not None and (iteration is None or result.iteration == iteration):
-                out.append(result)
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hgetall(self._key(run_id, keys.PASSES))
+            pipe.hgetall(self._key(run_id, keys.RESULTS))
+            passes, unpassed = pipe.execute()
+        got = self._latest(run_id, passes, unpassed).values()
+        out = [r for r in got if iteration is None or r.iteration == iteration]
         return sorted(out, key=lambda r: (r.iteration, r.worker_id))
 
     def pass_results(self, run_id: str) -> list[CritiqueResult]:
@@ -549,7 +684,11 @@ class RedisRunStore:
         """A stored result, if it verifies and belongs where it is filed: its run, submission
         (``field`` of ``results``) or pass (``field`` of ``results:pass``, ``sid``)."""
         where = (run_id, hash_, field)
-        doc = self._unseal(RESULT_KIND, raw, where)
+        unpacked = unpack(raw)
+        if unpacked is None:
+            self._note(where, "a packed record that does not unpack")
+            return None
+        doc = self._unseal(RESULT_KIND, unpacked, where)
         if doc is None:
             return None
         try:
@@ -617,10 +756,19 @@ class RedisRunStore:
         )
 
     def step_output(self, run_id: str, step: str) -> str | None:
-        """The recorded output of a chain step, if the step already completed once."""
+        """The recorded output of a chain step, if the step already completed once; raises
+        :class:`PassFinished` when the step's pass has its result (its records are gone: a
+        late delivery must not run the stage again)."""
+        pass_field = _pass_of_step(step)
         with store_errors(self._r):
-            raw = self._r.hget(self._key(run_id, keys.STEPS), step)
-        return None if raw is None else text(raw)
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hget(self._steps_key(run_id, pass_field), step)
+            if pass_field:
+                pipe.hexists(self._key(run_id, keys.PASS_RESULTS), pass_field)
+            got = pipe.execute()
+        if pass_field and got[1]:
+            raise PassFinished(f"pass {pass_field} of run {run_id} has its result")
+        return None if got[0] is None else text(got[0])
 
     def record_step(
         self, run_id: str, step: str, output: str, events: Sequence[str] = ()
@@ -629,26 +777,38 @@ class RedisRunStore:
 
         One atomic script: when this is the first record of ``step``, the output is stored and
         ``events`` (encoded trace payloads) are appended to the run's stream, and None is
-        returned; otherwise nothing is written and the output recorded first is returned.
+        returned; otherwise nothing is written and the output recorded first is returned. A
+        step of a pass that has its result already writes nothing and raises
+        :class:`PassFinished`. A pass's steps expire with the live-chain TTL (a completion
+        gate's decision, outside any pass, with the run's).
         """
-        steps = self._key(run_id, keys.STEPS)
-        trace = self._key(run_id, keys.TRACE)
-        pending = self._key(run_id, keys.PENDING)
+        pass_field = _pass_of_step(step)
         with store_errors(self._r):
             got = self._record_step(
-                keys=[steps, trace, pending],
+                keys=[
+                    self._steps_key(run_id, pass_field),
+                    self._key(run_id, keys.TRACE),
+                    self._key(run_id, keys.PENDING),
+                    self._key(run_id, keys.PASS_RESULTS),
+                ],
                 args=[
                     step,
                     output,
-                    self._ttl_ms,
+                    self._live_ttl_ms if pass_field else self._ttl_ms,
                     keys.TRACE_MAXLEN,
                     keys.TRACE_EVENT_FIELD,
-                    _pass_of_step(step),
+                    pass_field,
                     repr(time.time()),
-                    *events,
+                    self._ttl_ms,
+                    *self._packed(events),
                 ],
             )
-        return None if got is None else text(got)
+        if got is None:
+            return None
+        recorded = text(got)
+        if not recorded:
+            raise PassFinished(f"pass {pass_field} of run {run_id} has its result")
+        return recorded
 
     def count_rejection_once(self, run_id: str, request_id: str) -> int:
         """Count one completion-gate rejection for ``request_id`` unless it was counted already

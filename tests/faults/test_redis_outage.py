@@ -63,7 +63,11 @@ def _missing_report(run_id: str, subs: list[Submission], results: dict[str, Crit
     try:
         r = redis_lib.Redis.from_url(runtime.redis_url(), decode_responses=True)
         pending = r.zrange(keys.run_key(run_id, keys.PENDING), 0, -1, withscores=True)
-        steps = r.hkeys(keys.run_key(run_id, keys.STEPS))
+        steps = [  # the live passes' step records (a finished pass's are released)
+            step
+            for key in r.scan_iter(keys.pass_steps_key(run_id, "*"), count=1000)
+            for step in r.hkeys(key)
+        ]
         for wid in missing[:10]:
             lines.append(f"  {wid}: pending {[p for p in pending if wid in p[0]]}")
             lines.append(f"  {wid}: steps {sorted(k for k in steps if wid in k)}")
@@ -268,7 +272,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
     broker = redis.Redis.from_url(fault_env["REDIS_URL"])
     assert broker.lrem(keys.QUEUE_CPU, 0, broker.lindex(keys.QUEUE_CPU, 0) or b"") == 1
     if lost == "next":
-        first = runtime.stores().runs.submitted(run_id)["1:w1"]["message"]
+        first = (runtime.stores().runs.submission(run_id, 1, "w1") or {})["message"]
         tasks.l0.apply(args=[first])
     worker.start(timeout=60)
     started = time.monotonic()

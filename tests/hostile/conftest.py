@@ -39,6 +39,8 @@ def hostile_env(hostile_url: str) -> Iterator[dict[str, str]]:
         CRITIQUE_SECRET=SECRET,
         CRITIQUE_LLM_API_KEY="sk-worker-secret-key",
         CRITIQUE_STALL_S="600",
+        # The signing tests read finished passes' step records (the messages workers sent on).
+        CRITIQUE_STEPS_GRACE_S="600",
     ) as env:
         yield env
 

@@ -408,7 +408,8 @@ def _lose_l0_successor(worker: WorkerProcess, env: dict[str, str], sub: Submissi
     try:
         handle = CritiqueClient(CONFIG).submit(sub)
         redis.Redis.from_url(env["REDIS_URL"]).delete(keys.QUEUE_CPU)
-        first = runtime.stores().runs.submitted(sub.run_id)[f"1:{sub.worker_id}"]["message"]
+        doc = runtime.stores().runs.submission(sub.run_id, sub.iteration, sub.worker_id)
+        first = (doc or {})["message"]
         tasks.l0.apply(args=[first])
     finally:
         worker.start()

@@ -142,7 +142,7 @@ def _settled(run_id: str, step: str, timeout: float = 30) -> None:
     duplicate chains have run out)."""
     from workers import runtime
 
-    key = keys.run_key(run_id, keys.STEPS)
+    key = keys.pass_steps_key(run_id, ":".join(step.split(":")[:3]))  # no gate runs: it stays
     deadline = time.monotonic() + timeout
     last, quiet = -1, 0
     while time.monotonic() < deadline and quiet < 6:

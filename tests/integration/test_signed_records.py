@@ -11,6 +11,7 @@ import redis
 
 from pipeline.models import CritiqueEnvelope, CritiqueResult
 from pipeline.store import keys
+from pipeline.store.packing import unpack
 from pipeline.store.runs import Failure, RedisRunStore, pass_member
 
 pytestmark = pytest.mark.integration
@@ -45,7 +46,9 @@ def test_a_signed_result_reads_back_and_an_altered_one_does_not(
     runs = signed_store(redis_client)
     runs.begin_pass(RUN, 1, "w1", "s1")
     runs.put_result(result("s1"), sid="s1")
-    raw = redis_client.hget(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
+    packed = redis_client.hget(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
+    assert packed is not None
+    raw = unpack(packed)
     assert raw is not None and json.loads(raw)["sig"].startswith("hmac-sha256:")
     assert runs.pass_result(RUN, 1, "w1", "s1") == result("s1")
     assert runs.result(RUN, 1, "w1") == runs.results(RUN)[0] == result("s1")
@@ -58,11 +61,11 @@ def test_a_signed_result_reads_back_and_an_altered_one_does_not(
 
 
 def test_without_secrets_results_are_stored_as_before(redis_client: redis.Redis) -> None:
-    """Development: a result is stored as its plain JSON (no signature) and read back."""
+    """Development: a result is stored as its JSON (no signature), packed, and read back."""
     runs = RedisRunStore(redis_client)
     runs.put_result(result("s1"), sid="s1")
     raw = redis_client.hget(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
-    assert raw is not None and raw.decode() == result("s1").model_dump_json()
+    assert raw is not None and unpack(raw) == result("s1").model_dump_json()
     assert runs.pass_result(RUN, 1, "w1", "s1") == result("s1")
 
 

@@ -83,6 +83,11 @@ def exercise_every_store(
     runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
     runs.mark_submitted(run_id, 1, "w1", "task-1", "sig")
     runs.begin_pass(run_id, 1, "w1", "sid")
+    runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")  # released below with the pass's result
+    # A second pass still live: its first message and a step record stay.
+    runs.mark_submitted(run_id, 1, "w3", "task-3", "sig", sid="live", message={"m": 1})
+    runs.record_step(run_id, "1:w3:live:1:0:l0", "{}")
+    runs.record_completion(run_id, "req", {"verdict": "complete"})
     result = CritiqueResult(
         run_id=run_id,
         worker_id="w1",
@@ -96,7 +101,6 @@ def exercise_every_store(
     runs.put_result(result)
     runs.put_result(result, sid="sid")
     runs.count_rejection_once(run_id, "req")
-    runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")
     runs.put_failure(run_id, "1:w2:sid", stage="l0", error="E", reason="r", refused=True)
     pending = RedisPendingIndex(client, prefix=prefix, ttl_s=ttl_s)
     pending.add(run_id, "1:w1:sid", 1.0)
@@ -113,6 +117,7 @@ def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
     exercise_every_store(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     found = sorted(k.decode() for k in redis_client.scan_iter(match="*"))
     run_keys = {keys.run_key("run1", s, PREFIX) for s in keys.RUN_KEY_SUFFIXES}
+    run_keys.add(keys.pass_steps_key("run1", "1:w3:live", PREFIX))
     blob = keys.blob_key(blob_ref(b"blob bytes").removeprefix("sha256:"), PREFIX)
     lessons = {keys.shared_key(k, PREFIX) for k in keys.LESSONS_KEYS}
     probe = keys.shared_key(f"{keys.PROBE}:{{{keys.QUEUE_CPU}}}", PREFIX)

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     def body() -> int:
         from workers.client import CritiqueClient, Handle
+        from workers.recovery import FINISHED
 
         snap = load_snapshot(args.run_id, args.iteration, chain_errors=False)
         pending = snap.pending
@@ -64,7 +65,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"resume: nothing pending in run {args.run_id}")
         else:
             for r in resumed:
-                print(f"resumed {args.run_id}  {r['iteration']}  {r['worker_id']}  at {r['stage']}")
+                where = f"{args.run_id}  {r['iteration']}  {r['worker_id']}"
+                if r["stage"] == FINISHED:
+                    print(f"finished {where}  (its result landed meanwhile: nothing to resume)")
+                else:
+                    print(f"resumed {where}  at {r['stage']}")
         return EXIT_OK
 
     return service_guard("resume", body)
