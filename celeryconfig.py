@@ -10,7 +10,8 @@ gives up: every publish (a chain's next stage, ``Task.replace``, a retry, the cl
 and every result-backend write retries with backoff for that long. Workers themselves never
 give up reconnecting, and retry at most 2 s apart (``interval_max``, applied by
 ``workers.recovery.Consumer``). ``CRITIQUE_STALL_S`` and ``CRITIQUE_SWEEP_S`` tune the sweeper
-(``workers.recovery``).
+(``workers.recovery``). ``CRITIQUE_TASK_EVENTS`` (1 or 0) switches task events (Flower): on by
+default, off in the processes of ``critique worker`` unless set (a monitor turns them on).
 
 What survives what, with these settings (measured by ``tests/faults``, see
 docs/operations.md): a killed worker (a pool child's message is requeued at once; the messages
@@ -172,8 +173,24 @@ task_routes = {
 }
 
 # --- monitoring: Flower sees everything ----------------------------------------------------------
-worker_send_task_events = True
-task_send_sent_event = True
+# Task events (task-sent, -received, -started, -succeeded) are what Flower shows. Each is a
+# PUBLISH with the task's arguments in it, four per stage: about 12 % of an LLM-bound worker's
+# CPU (bench/README.md, "LLM-bound throughput"). ``CRITIQUE_TASK_EVENTS`` (1 or 0, default 1)
+# switches them; ``critique worker`` sets it to 0 for its processes unless it is set, because a
+# monitor turns a worker's task events on when it wants them: Flower sends ``enable_events``
+# every 5 s, so a running Flower still lists every task a ``critique worker`` receives.
+_TASK_EVENTS_ENV = "CRITIQUE_TASK_EVENTS"
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return default
+    return raw not in ("0", "false", "no", "off")
+
+
+worker_send_task_events = _flag(_TASK_EVENTS_ENV, True)
+task_send_sent_event = worker_send_task_events
 task_track_started = True
 
 worker_hijack_root_logger = False

@@ -120,12 +120,13 @@ class BenchWorker:
         extra_env: dict[str, str] | None = None,
         log: Path | None = None,
     ) -> None:
-        from workers.commands.worker import available_cpus, node_names
+        from workers.commands.worker import PROCESSES_PER_CPU, available_cpus, node_names
 
         self.name = f"bench{uuid.uuid4().hex[:6]}"
         host = socket.gethostname()
-        # "auto": the command's own default, one per usable CPU for this (LLM-queue) worker
-        self.count = available_cpus() if processes == "auto" else int(processes)
+        # "auto": the command's own default for this (LLM-queue, threads) worker
+        auto = PROCESSES_PER_CPU * available_cpus()
+        self.count = auto if processes == "auto" else int(processes)
         self.nodes = (
             [f"{self.name}@{host}"]
             if self.count == 1

@@ -78,6 +78,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_TASK_TIME_LIMIT_S",  # Celery: hard time limit of every task
         "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
         "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves
+        "CRITIQUE_TASK_EVENTS",  # Celery: task events (Flower); `critique worker` default off
         "CRITIQUE_STALL_S",  # seconds without progress before a chain is re-driven as stalled
         "CRITIQUE_SWEEP_S",  # workers: seconds between sweeps, probes and holder reports
         "CRITIQUE_STALL_MAX_RESUMES",  # re-drives of one stalled chain before giving up on it

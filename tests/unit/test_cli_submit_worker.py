@@ -116,13 +116,13 @@ def test_submit_bad_input_exits_2_before_touching_redis(
 
 
 def test_worker_dry_run_builds_the_celery_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """Defaults: every queue, threads pool, 32 threads; options after -- go to Celery."""
+    """Defaults: every queue, threads pool, 16 threads; options after -- go to Celery."""
     assert main(["worker", "--dry-run"]) == 0
     argv = capsys.readouterr().out.split()
     assert argv[1:6] == ["-m", "celery", "-A", "workers.app", "worker"]
     assert argv[argv.index("-Q") + 1] == "critique.cpu,critique.llm,critique.llm.critic"
     assert argv[argv.index("-P") + 1] == "threads"
-    assert argv[argv.index("-c") + 1] == "32"
+    assert argv[argv.index("-c") + 1] == "16"
     assert main(["worker", "-Q", "critique.cpu", "-P", "prefork", "-c", "3", "--dry-run", "--",
                  "--max-tasks-per-child", "50"]) == 0  # fmt: skip
     argv = capsys.readouterr().out.split()

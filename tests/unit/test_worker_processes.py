@@ -81,16 +81,17 @@ def test_processes_1_is_todays_single_worker(capsys: pytest.CaptureFixture[str])
     assert _option(argv, "-n") == "llm@%h"
 
 
-def test_auto_is_one_process_per_cpu_for_an_llm_threads_worker_else_one(
+def test_auto_is_two_processes_per_cpu_for_an_llm_threads_worker_else_one(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """By default a threads (or gevent) worker that consumes an LLM queue runs one process per
-    usable CPU; a critique.cpu-only worker, and a prefork or solo one, runs one process."""
+    """By default a threads (or gevent) worker that consumes an LLM queue runs two processes
+    per usable CPU; a critique.cpu-only worker, and a prefork or solo one, runs one process."""
     monkeypatch.setattr(worker, "available_cpus", lambda: 4)
     monkeypatch.delenv(worker.PROCESSES_ENV, raising=False)
-    assert len(_dry_run(capsys)) == 4
-    assert len(_dry_run(capsys, "-Q", "critique.llm")) == 4
-    assert len(_dry_run(capsys, "--processes", "auto", "-Q", "critique.llm.critic")) == 4
+    assert worker.PROCESSES_PER_CPU == 2
+    assert len(_dry_run(capsys)) == 8
+    assert len(_dry_run(capsys, "-Q", "critique.llm")) == 8
+    assert len(_dry_run(capsys, "--processes", "auto", "-Q", "critique.llm.critic")) == 8
     assert len(_dry_run(capsys, "-Q", "critique.cpu")) == 1
     assert len(_dry_run(capsys, "-P", "prefork")) == 1
     assert len(_dry_run(capsys, "-P", "solo", "-Q", "critique.llm")) == 1

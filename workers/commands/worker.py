@@ -8,20 +8,25 @@ The stages run on separate queues so they scale separately:
     critique.llm.critic  the LLM critic in mode: dedicated (its own model and workers)
 
 Defaults: every queue, the threads pool (LLM calls wait on I/O, so threads are cheap), and
-``$CRITIQUE_CONCURRENCY`` threads, else 32, in each of ``--processes`` worker processes. A
+``$CRITIQUE_CONCURRENCY`` threads, else 16, in each of ``--processes`` worker processes. A
 worker for ``critique.cpu`` alone is better off with processes: ``critique worker -Q
 critique.cpu -P prefork`` (concurrency defaults to the number of CPUs). Scale out by starting
 more workers, on any machine that reaches the same Redis.
 
 Processes (``--processes N``, ``$CRITIQUE_PROCESSES``, default ``auto``): one Python process
-runs one core's worth of Python however many threads it has (the GIL), so a threads worker on
-an LLM queue defaults to one process per usable CPU (the affinity mask, capped by a cgroup CPU
-quota: a container limited to 2 CPUs gets 2). Threads carry the waits on the network,
-processes carry the CPU. Any other worker (``critique.cpu`` only; the prefork or solo pool)
-defaults to 1 process, as before: prefork already forks one child per CPU. With N = 1 the
-command replaces itself with ``celery worker`` (as it always did). With N > 1 it becomes a
-small supervisor (like gunicorn's arbiter) of N ``celery worker`` processes, each its own node
-(``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>@<host>``):
+runs at most one core's worth of Python however many threads it has (the GIL), and in practice
+less: a thread back from the network waits for the GIL behind the busy ones, and the process's
+core idles meanwhile. So a threads worker on an LLM queue defaults to two processes per usable
+CPU (:data:`PROCESSES_PER_CPU`; the affinity mask, capped by a cgroup CPU quota: a container
+limited to 2 CPUs gets 4), 16 threads each: the same 32 calls in flight per CPU as one process
+of 32 threads, with the cores busy (bench/llm.py on 2 CPUs, 200 ms calls: a third more calls/s
+than one process per CPU; bench/README.md). Each process holds ~230 MB (litellm):
+on many CPUs, ``--processes`` trades that memory against throughput. Threads carry the waits
+on the network, processes carry the CPU. Any other worker (``critique.cpu`` only; the prefork
+or solo pool) defaults to 1 process, as before: prefork already forks one child per CPU.
+With N = 1 the command replaces itself with ``celery worker`` (as it always did). With N > 1
+it becomes a small supervisor (like gunicorn's arbiter) of N ``celery worker`` processes, each
+its own node (``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>@<host>``):
 
 * SIGTERM, SIGINT and SIGQUIT are forwarded to every child (SIGHUP as SIGTERM), so Ctrl-C or a
   service manager's stop is Celery's warm shutdown in every process (twice: cold); the
@@ -37,6 +42,11 @@ small supervisor (like gunicorn's arbiter) of N ``celery worker`` processes, eac
   seconds is a crash loop that restarting will not fix: the rest are stopped (warm) and the
   command exits 1, for the service manager to see. A child that exits 0 on its own was shut
   down on purpose (``celery control shutdown``, a signal sent to it): it is not restarted.
+
+Task events (what Flower lists) are off in these processes unless ``$CRITIQUE_TASK_EVENTS`` is
+set (1 or 0): Flower turns them on in every worker it sees (``enable_events``, every 5 s), and
+without a monitor they cost a PUBLISH each, four per stage (about 12 % of an LLM-bound worker's
+CPU).
 
 Before anything starts, the worker's own configuration is checked, so a mistake stops the
 worker instead of failing every chain it would run (exit 2, naming what to fix): the workflow
@@ -70,7 +80,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -84,10 +94,16 @@ KNOWN_QUEUES = QUEUES  # pipeline.store.keys is redis-free: `critique --help` st
 LLM_QUEUES = (QUEUE_LLM, QUEUE_CRITIC)
 """The queues whose stages may call a model: a worker on them needs the provider keys."""
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
-THREADS_DEFAULT = 32
+THREADS_DEFAULT = 16
+PROCESSES_PER_CPU = 2
+"""``--processes auto`` for a threads worker on an LLM queue: processes per usable CPU."""
 THREAD_POOLS = ("threads", "gevent", "eventlet")
-"""Pools whose concurrency is threads (or greenlets) of one process: one process per CPU."""
+"""Pools whose concurrency is threads (or greenlets) of one process: several processes."""
 PROCESSES_ENV = "CRITIQUE_PROCESSES"
+TASK_EVENTS_ENV = "CRITIQUE_TASK_EVENTS"
+"""1 or 0: task events (what Flower lists; see celeryconfig). Unset, this command's processes
+send none until a monitor asks for them (Flower's ``enable_events``, every 5 s): each event
+is a PUBLISH, four per stage, about 12 % of an LLM-bound worker's CPU."""
 MAX_RESTARTS = 5
 """Unexpected child exits tolerated within :data:`RESTART_WINDOW_S` (more: a crash loop)."""
 RESTART_WINDOW_S = 60.0
@@ -107,7 +123,7 @@ queues:
   critique.llm.critic  LLM critic in mode: dedicated (a separate critic model)
 
 examples:
-  critique worker                                  # every queue, threads pool, 1 process/CPU
+  critique worker                                  # every queue, threads pool, 2 processes/CPU
   critique worker -Q critique.llm -c 64            # LLM stages only, 64 threads per process
   critique worker --processes 4 -c 32              # 4 processes x 32 threads, one command
   critique worker -Q critique.cpu -P prefork -c 4  # CPU stages in 4 processes
@@ -116,10 +132,12 @@ examples:
 sizing: capacity = processes x threads (-c). On the LLM queues the threads carry the waits
 (one per LLM call in flight: ~ calls/s you need x seconds per call) and the processes carry
 the CPU (each process runs one core's worth of Python; the pipeline's own work per output is
-milliseconds of CPU), so the default is one process per usable CPU (affinity mask and cgroup
-quota) with $CRITIQUE_CONCURRENCY (else 32) threads each; raise -c for slow models or many
-calls in flight, keep --processes at the CPU count. A critique.cpu-only or prefork/solo worker
-defaults to 1 process (prefork forks one child per CPU itself). With --processes N > 1 this
+milliseconds of CPU, and one process keeps a core only partly busy: the GIL), so the default
+is two processes per usable CPU (affinity mask and cgroup quota) with $CRITIQUE_CONCURRENCY
+(else 16) threads each: 32 calls in flight per CPU; raise -c for slow models or many calls in
+flight, keep --processes at about twice the CPU count (each process holds ~230 MB). A
+critique.cpu-only or prefork/solo worker defaults to 1 process (prefork forks one child per CPU
+itself). With --processes N > 1 this
 command supervises N `celery worker` nodes (<name>-1@<host> ... <name>-N@<host>, name from -n,
 else "critique"): SIGTERM/SIGINT reach all of them (warm shutdown), a child that dies is
 reported on stderr and restarted (more than 5 in 60 s: the others are stopped, exit 1). A
@@ -128,6 +146,8 @@ reported on stderr and restarted (more than 5 in 60 s: the others are stopped, e
 checks before it starts (exit 2 naming what to fix): the workflow file ($CRITIQUE_CONFIG),
 every CRITIQUE_* variable, CRITIQUE_SECRET, and on an LLM queue the provider key of every
 configured model (e.g. OPENAI_API_KEY; CRITIQUE_LLM_API_KEY serves any provider).
+
+task events (Flower): off unless $CRITIQUE_TASK_EVENTS=1; a running Flower turns them on.
 
 Redis: $REDIS_URL (default redis://127.0.0.1:6379/0); the broker is the same unless
 $CELERY_BROKER_URL says otherwise. Exit 3 when it cannot be reached.
@@ -167,7 +187,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--processes",
         metavar="N",
         help=f"worker processes, each a Celery node with -c threads: a whole number >= 1 or "
-        f"auto (default: ${PROCESSES_ENV}, else auto = one per usable CPU when the pool is "
+        f"auto (default: ${PROCESSES_ENV}, else auto = two per usable CPU when the pool is "
         "threads/gevent/eventlet and an LLM queue is consumed, else 1)",
     )
     parser.add_argument(
@@ -248,14 +268,15 @@ def available_cpus() -> int:
 
 def processes(args: argparse.Namespace, queues: list[str]) -> int:
     """How many worker processes: ``--processes``, else ``$CRITIQUE_PROCESSES``, else auto
-    (:func:`available_cpus` for a threads/gevent/eventlet worker on an LLM queue, else 1).
+    (:data:`PROCESSES_PER_CPU` x :func:`available_cpus` for a threads/gevent/eventlet worker
+    on an LLM queue, else 1).
     Raises ``ValueError`` naming the bad value."""
     raw = args.processes if args.processes is not None else os.environ.get(PROCESSES_ENV)
     where = "--processes" if args.processes is not None else PROCESSES_ENV
     text = str(raw or "auto").strip().lower()
     if text == "auto":
         llm = bool(set(queues) & set(LLM_QUEUES))
-        return available_cpus() if llm and args.pool in THREAD_POOLS else 1
+        return PROCESSES_PER_CPU * available_cpus() if llm and args.pool in THREAD_POOLS else 1
     try:
         n = int(text)
     except ValueError:
@@ -296,6 +317,13 @@ def worker_argvs(
     if count == 1:
         return [celery_argv(args, queues, concurrency)]
     return [celery_argv(args, queues, concurrency, n) for n in node_names(args.hostname, count)]
+
+
+def worker_environment(env: MutableMapping[str, str]) -> None:
+    """What this command sets in its worker processes' environment (``env``, in place): task
+    events off (:data:`TASK_EVENTS_ENV` = 0) unless the operator set them either way."""
+    if not env.get(TASK_EVENTS_ENV, "").strip():
+        env[TASK_EVENTS_ENV] = "0"
 
 
 def unlisted_models_warning(allowed_models: tuple[str, ...]) -> str | None:
@@ -404,6 +432,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_UNAVAILABLE
+    worker_environment(os.environ)
     sys.stdout.flush()
     sys.stderr.flush()
     if len(argvs) == 1:
