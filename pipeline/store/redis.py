@@ -610,7 +610,7 @@ class RedisTraceSink:
         if not payloads:
             return
         key = self._key(run_id)
-        binary = not self._client.connection_pool.connection_kwargs.get("decode_responses")
+        binary = not _decodes(self._client)
         with store_errors(self._client):
             pipe = self._client.pipeline(transaction=True)
             for payload in payloads:
@@ -666,6 +666,12 @@ class RedisTraceSink:
             for entry_id, fields in entries:
                 last_id = text(entry_id)
                 yield last_id, _decode_event(fields)
+
+
+def _decodes(client: Any) -> bool:
+    """Whether ``client`` decodes replies as text (then packed values are stored as text)."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    return bool(kwargs.get("decode_responses", False))
 
 
 def _stream_entries(reply: Any) -> list[Any]:
