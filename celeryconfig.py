@@ -3,7 +3,8 @@
 Loaded by ``workers.app`` with ``app.config_from_object("celeryconfig")``. Environment variables:
 ``REDIS_URL`` (default ``redis://127.0.0.1:6379/0``) is the store and, unless
 ``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` say otherwise, also the broker and the result
-backend.
+backend; each may be a Sentinel URL (``sentinel://host:port;sentinel://host:port;…/db``, with
+``CRITIQUE_REDIS_MASTER`` and, optionally, ``CRITIQUE_SENTINEL_PASSWORD``).
 ``CRITIQUE_TASK_TIME_LIMIT_S`` bounds the longest task (an LLM call with its retries).
 ``CRITIQUE_OUTAGE_S`` (default 120) is how long a Redis outage is ridden out before anything
 gives up: every publish (a chain's next stage, ``Task.replace``, a retry, the client's submit)
@@ -32,13 +33,29 @@ import math
 import os
 import socket
 
+from pipeline.store.redis_common import celery_url, sentinel_transport_options
+
 _redis = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 _time_limit = int(os.environ.get("CRITIQUE_TASK_TIME_LIMIT_S", "600"))
 _outage = max(1.0, float(os.environ.get("CRITIQUE_OUTAGE_S", "120")))
 
 # --- transport -------------------------------------------------------------------------------
-broker_url = os.environ.get("CELERY_BROKER_URL", _redis)
-result_backend = os.environ.get("CELERY_RESULT_BACKEND", _redis)
+# Any of the three may be Redis Sentinel's ``sentinel://host:port;sentinel://host:port;…/db``
+# (kombu's ``sentinel`` transport, Celery's Sentinel result backend), with the master's name in
+# ``CRITIQUE_REDIS_MASTER`` and the Sentinels' own password, if any, in
+# ``CRITIQUE_SENTINEL_PASSWORD`` (see ``pipeline.store.redis_common``). The URL is rewritten with
+# its database and password on every part, which kombu and Celery read differently otherwise;
+# the transport options below gain ``master_name`` and ``sentinel_kwargs``. Workers follow the
+# current master: a failover is a reconnect (``workers.recovery.SentinelTransport``).
+# (Celery reads CELERY_BROKER_URL / CELERY_RESULT_BACKEND from the environment before these
+# settings, so a Sentinel URL there is rewritten in place too.)
+for _env in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
+    if os.environ.get(_env):
+        os.environ[_env] = celery_url(os.environ[_env], setting=_env)
+broker_url = celery_url(os.environ.get("CELERY_BROKER_URL", _redis), setting="CELERY_BROKER_URL")
+result_backend = celery_url(
+    os.environ.get("CELERY_RESULT_BACKEND", _redis), setting="CELERY_RESULT_BACKEND"
+)
 # Redis redelivers an unacked message after the visibility timeout: keep it well above the
 # longest task so a slow LLM call is never run twice just for being slow.
 _visibility = int(os.environ.get("CRITIQUE_VISIBILITY_TIMEOUT_S", str(max(3600, 2 * _time_limit))))
@@ -78,6 +95,8 @@ broker_transport_options = {
     "interval_start": 0,
     "interval_step": 1,
     "interval_max": 2,
+    # sentinel:// only: master_name, sentinel_kwargs (timeouts, CRITIQUE_SENTINEL_PASSWORD).
+    **sentinel_transport_options(broker_url),
 }
 
 # --- riding out a Redis outage -----------------------------------------------------------------
@@ -100,8 +119,9 @@ broker_heartbeat = 10
 # A Redis outage must not end the worker's main process: workers (only they: Flower and other
 # clients read the broker URL's scheme) use kombu's Redis transport with one guard,
 # workers.recovery.RedisTransport, which workers.app selects for redis:// and rediss:// brokers
-# when a worker starts. (A lost connection's channel raised AttributeError('hostname') instead
-# of a connection error, which Celery treats as unrecoverable.)
+# when a worker starts (workers.recovery.SentinelTransport for sentinel:// ones). (A lost
+# connection's channel raised AttributeError('hostname') instead of a connection error, which
+# Celery treats as unrecoverable.)
 # On a connection loss, let running stages finish (they are idempotent, and their successors'
 # publishes wait for Redis) rather than cancel them: Redis would only redeliver a cancelled one
 # after the visibility timeout. (Celery 6 turns this on by default; say it explicitly.)
@@ -126,7 +146,9 @@ result_backend_transport_options = {
         "interval_step": _INTERVAL_STEP,
         "interval_max": _INTERVAL_MAX,
         "timeout": _outage,
-    }
+    },
+    # sentinel:// only: master_name, sentinel_kwargs (Celery's Sentinel backend reads both).
+    **sentinel_transport_options(result_backend),
 }
 redis_socket_timeout = 30.0
 redis_socket_connect_timeout = 5.0

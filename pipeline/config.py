@@ -66,6 +66,8 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_PROCESSES",  # worker processes (`critique worker --processes`)
         "CRITIQUE_LOG_LEVEL",
         "CRITIQUE_KEY_PREFIX",  # Redis key prefix
+        "CRITIQUE_REDIS_MASTER",  # the Sentinel master name (with sentinel:// URLs)
+        "CRITIQUE_SENTINEL_PASSWORD",  # the Sentinels' own password (a secret)
         "CRITIQUE_RUN_TTL_S",  # expiry of every run key
         "CRITIQUE_LESSONS_TTL_S",  # expiry of the shared lessons keys (refreshed on each write)
         "CRITIQUE_LIVE_TTL_S",  # expiry of a live pass's step records and first message
@@ -85,6 +87,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_OUTAGE_S",  # Celery: how long publishes and backend writes ride out an outage
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
         "CRITIQUE_TEST_REQUIRE_FASTSCAN",  # the test suite: fail, not skip, without the C scanner
+        "CRITIQUE_TEST_SENTINEL_DEMOTE",  # the test suite: run the Sentinel demotion variant
         "CRITIQUE_LLM_API_KEY",  # API key for every LLM call (a secret: never in a workflow file)
         "CRITIQUE_SECRET",  # HMAC key signing stage messages (a secret: never in a workflow file)
     }

@@ -8,6 +8,7 @@ connection-loss guard, the stall sweeper and its probe task) in :mod:`workers.re
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from celery import Celery, concurrency
@@ -29,18 +30,72 @@ app.config_from_object("celeryconfig")
 app.steps["worker"].add("workers.recovery:Sweeper")
 
 GUARDED_TRANSPORT = "workers.recovery:RedisTransport"
+GUARDED_SENTINEL_TRANSPORT = "workers.recovery:SentinelTransport"
+GUARDED_TRANSPORTS = {
+    "redis": GUARDED_TRANSPORT,
+    "rediss": GUARDED_TRANSPORT,
+    "sentinel": GUARDED_SENTINEL_TRANSPORT,
+}
+"""The guarded transport a worker uses for each broker URL scheme."""
+
+
+def check_sentinel_settings(conf: Any, env: Any = None) -> None:
+    """Raise ``ConfigError`` (one line naming what to set) when the broker or the result
+    backend is a ``sentinel://`` URL that does not parse or has no master name; otherwise give
+    it the form kombu and Celery read alike (:func:`~pipeline.store.redis_common.celery_url`)
+    and fill in the Sentinel transport options (``master_name``, ``sentinel_kwargs``) where they
+    are missing (a broker URL given on the command line, ``-b sentinel://…``)."""
+    from pipeline.store import redis_common as rc
+
+    env = os.environ if env is None else env
+    for url_key, opts_key, setting in (
+        ("broker_url", "broker_transport_options", "CELERY_BROKER_URL"),
+        ("result_backend", "result_backend_transport_options", "CELERY_RESULT_BACKEND"),
+    ):
+        url = str(conf.get(url_key) or "")
+        if not rc.is_sentinel_url(url):
+            continue
+        if not env.get(setting):
+            setting = "REDIS_URL"  # where the URL came from (celeryconfig's default)
+        rc.parse_sentinel_url(url, setting=setting)
+        conf[url_key] = rc.celery_url(url, setting=setting)  # the db and password on every part
+        opts = dict(conf.get(opts_key) or {})
+        if not opts.get("master_name"):
+            opts["master_name"] = rc.sentinel_master(env, setting=setting)
+        opts.setdefault("sentinel_kwargs", rc.sentinel_kwargs(env))
+        conf[opts_key] = opts
 
 
 @celeryd_init.connect
 def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
-    """A worker starting on a redis:// or rediss:// broker uses kombu's Redis transport with the
-    guard that keeps a Redis outage from ending its main process (see
-    :class:`workers.recovery.RedisTransport`). Only workers: the transport's name shows in the
-    broker URI, and Flower and other clients pick their broker client by that URI's scheme."""
-    if conf is None or conf.broker_transport:
+    """A worker starting on a redis://, rediss:// or sentinel:// broker uses kombu's Redis (or
+    Sentinel) transport with the guard that keeps a Redis outage, or a failover, from ending its
+    main process (see :class:`workers.recovery.RedisTransport`). Only workers: the transport's
+    name shows in the broker URI, and Flower and other clients pick their broker client by that
+    URI's scheme. A Sentinel URL without ``CRITIQUE_REDIS_MASTER`` stops the worker here with
+    one line saying so (exit 2)."""
+    if conf is None:
+        return
+    from pipeline.errors import ConfigError
+
+    try:
+        check_sentinel_settings(conf)
+    except ConfigError as exc:
+        print(f"critique worker: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if conf.broker_transport:
         return  # an operator's own choice of transport wins
-    if str(conf.broker_url or "").partition("://")[0] in ("redis", "rediss"):
-        conf.broker_transport = GUARDED_TRANSPORT
+    scheme = str(conf.broker_url or "").partition("://")[0].lower()
+    if scheme in GUARDED_TRANSPORTS:
+        conf.broker_transport = GUARDED_TRANSPORTS[scheme]
+    if scheme == "sentinel":
+        # kombu treats the Sentinels of a sentinel:// URL as failover alternates: after a
+        # failed connect it switches to the next one *by URL*, which names the transport by its
+        # scheme again; in a worker that scheme is the guarded transport too.
+        from kombu import transport as kombu_transport
+
+        kombu_transport.TRANSPORT_ALIASES["sentinel"] = GUARDED_SENTINEL_TRANSPORT
+        kombu_transport._transport_cache.pop("sentinel", None)
 
 
 LLM_QUEUES = ("critique.llm", "critique.llm.critic")

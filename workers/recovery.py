@@ -76,7 +76,12 @@ from pipeline.runner import LoopState
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex, parse_member
 from pipeline.store.redis import RedisTraceSink
-from pipeline.store.redis_common import text
+from pipeline.store.redis_common import (
+    FailoverConnection,
+    FailoverSSLConnection,
+    client_from_url,
+    text,
+)
 from pipeline.store.runs import RedisRunStore, pass_member
 from workers import runtime
 
@@ -908,9 +913,8 @@ class SweeperThread(threading.Thread):
         self._orphans: dict[str, float] = {}
 
     def run(self) -> None:
-        client = redis.Redis.from_url(
-            runtime.redis_url(), socket_connect_timeout=5, socket_timeout=30
-        )
+        # The store's URL: a sentinel:// one follows the current master (client_from_url).
+        client = client_from_url(runtime.redis_url(), socket_connect_timeout=5, socket_timeout=30)
         s = stores_on(client)
         while True:
             with _tick_lock:
@@ -1050,9 +1054,14 @@ class Sweeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyp
 # --- the broker connection guard ---------------------------------------------------------------
 
 
-class _Channel(kombu_redis.Channel):
-    """kombu's Redis channel, refusing with a *connection error* to build a Redis client once
-    its broker connection was closed, instead of dereferencing the closed connection."""
+class _ChannelGuard:
+    """The guard of :class:`_Channel` and :class:`_SentinelChannel` (a mixin before kombu's
+    channel class): refuse with a *connection error* to build a Redis client once the
+    channel's broker connection was closed, instead of dereferencing the closed connection;
+    one shared Redis client per connection pool."""
+
+    connection: Any  # kombu's channel attributes, for the type checker
+    pool: Any
 
     def _connparams(self, asynchronous: bool = False) -> Any:
         transport = self.connection
@@ -1080,6 +1089,21 @@ class _Channel(kombu_redis.Channel):
         return cached[1]
 
 
+class _Channel(_ChannelGuard, kombu_redis.Channel):
+    """kombu's Redis channel with the guard (:class:`_ChannelGuard`)."""
+
+
+class _SentinelChannel(_ChannelGuard, kombu_redis.SentinelChannel):
+    """kombu's Sentinel channel with the guard, whose connections to the master are
+    :class:`~pipeline.store.redis_common.FailoverConnection`: a demoted master's ``READONLY``
+    *and* ``UNBLOCKED`` replies (the latter to the BRPOP a consumer has in flight when Sentinel
+    turns its server into a replica) drop the connection as a connection error, so the consumer
+    reconnects to the current master instead of taking a plain ``ResponseError``."""
+
+    connection_class = FailoverConnection
+    connection_class_ssl = FailoverSSLConnection  # type: ignore[assignment]
+
+
 class RedisTransport(kombu_redis.Transport):
     """kombu's Redis transport (``redis://``, ``rediss://``) with :class:`_Channel`, so that a
     Redis outage can no longer end the worker's main process.
@@ -1105,6 +1129,19 @@ class RedisTransport(kombu_redis.Transport):
     """
 
     Channel = _Channel
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    """kombu's Sentinel transport (``sentinel://``) with the guard of :class:`RedisTransport`
+    and failover-aware connections (:class:`_SentinelChannel`); ``workers.app`` selects it for
+    ``sentinel://`` brokers. Every new connection asks the Sentinels for the current master, so
+    after a failover the consumer's reconnect (at most 2 s apart, :class:`Consumer`) lands on
+    the promoted replica; the holders report, the orphan restore and the lost-chain proof
+    (:class:`RedisBroker`) read through this channel's pool, so they follow it too. kombu's
+    health check (``health_check_interval``) stays on: kombu keeps it for connection classes
+    that take ``**kwargs``, as Sentinel's do."""
+
+    Channel = _SentinelChannel
 
 
 # --- reconnecting to a lost broker ----------------------------------------------------------

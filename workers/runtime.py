@@ -41,6 +41,7 @@ from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext, compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.redis_common import client_from_url
 from pipeline.wiring import (
     RedisStores,
     contract_l0,
@@ -55,7 +56,8 @@ INLINE_LIMIT = int(os.environ.get("CRITIQUE_INLINE_LIMIT", str(16 * 1024)))
 
 
 def redis_url() -> str:
-    """The store's URL: ``$REDIS_URL`` or the local default."""
+    """The store's URL: ``$REDIS_URL`` or the local default (``redis://``, ``rediss://``,
+    ``unix://``, or ``sentinel://host:port;…/db`` with ``CRITIQUE_REDIS_MASTER``)."""
     return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
@@ -85,8 +87,13 @@ def verify(msg: dict[str, Any]) -> None:
 
 @functools.lru_cache(maxsize=1)
 def client() -> redis.Redis:
-    """The process's Redis client (bytes replies; safe to share between threads)."""
-    return redis.Redis.from_url(
+    """The process's Redis client (bytes replies; safe to share between threads). With a
+    ``sentinel://`` URL, a client of the current master (asked of the Sentinels on every
+    reconnect, so a failover is a reconnect), with the same timeouts, health checks and
+    redis-py's default retry (which may send a command, an ``EVALSHA`` too, again: every store
+    script is idempotent, keyed by pass). ``ConfigError`` when ``CRITIQUE_REDIS_MASTER`` is
+    missing or the URL is malformed."""
+    return client_from_url(
         redis_url(), socket_connect_timeout=5, socket_timeout=30, health_check_interval=30
     )
 

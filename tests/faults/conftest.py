@@ -34,7 +34,28 @@ FAULT_ENV = {
 }
 
 
-class RedisServer:
+class ServerProcess:
+    """A server child process (``proc``) that can be killed or stopped."""
+
+    proc: subprocess.Popen[bytes] | None
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no last fsync (appendfsync always has written every write)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM: the server's own shutdown (SIGKILL after 15 s)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class RedisServer(ServerProcess):
     """A ``redis-server`` with ``appendonly yes`` / ``appendfsync always`` that keeps its port and
     data directory across :meth:`kill` / :meth:`stop` and :meth:`start`."""
 
@@ -73,12 +94,6 @@ class RedisServer:
             time.sleep(0.05)
         raise RuntimeError(f"redis-server did not answer on port {self.port}")
 
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no last fsync (appendfsync always has written every write)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
     def shutdown_nosave(self) -> None:
         """``SHUTDOWN NOSAVE``: no RDB snapshot (the AOF, fsynced on every write, is what a
         restart loads)."""
@@ -86,15 +101,6 @@ class RedisServer:
             with contextlib.suppress(redis.exceptions.ConnectionError):
                 redis.Redis(port=self.port).shutdown(nosave=True)
             self.proc.wait(timeout=15)
-
-    def stop(self) -> None:
-        """SIGTERM: Redis's own shutdown."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 @pytest.fixture

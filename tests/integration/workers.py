@@ -126,9 +126,7 @@ class WorkerProcess:
     def _wait_ready(self, timeout: float) -> None:
         """Ready when the worker answers a remote-control ping: its event loop is running, so
         it is consuming its queues (a reply is handled by the same loop as the tasks)."""
-        from celery import Celery
-
-        probe = Celery("probe", broker=self.redis_url, set_as_current=False)
+        probe = self._probe_app()
         deadline = time.monotonic() + timeout
         try:
             while time.monotonic() < deadline:
@@ -140,6 +138,12 @@ class WorkerProcess:
         finally:
             probe.close()
         raise RuntimeError(f"worker {self.nodename} did not answer a ping within {timeout} s")
+
+    def _probe_app(self) -> Any:
+        """The Celery app that pings this worker (a client of its broker)."""
+        from celery import Celery
+
+        return Celery("probe", broker=self.redis_url, set_as_current=False)
 
     def kill(self) -> None:
         """SIGKILL the whole worker (main process and pool children)."""

@@ -268,10 +268,13 @@ def _sign_with_a_private_secret(
 
 
 def _check_redis(url: str) -> None:
+    from pipeline.errors import ConfigError
     from workers import runtime
 
     try:
         runtime.client().ping()
+    except ConfigError as exc:  # a sentinel:// URL without CRITIQUE_REDIS_MASTER, say
+        raise DemoError(str(exc), EXIT_USAGE) from None
     except Exception as exc:
         raise DemoError(
             f"cannot reach Redis at {url}: {exc}\n"

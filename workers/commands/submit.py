@@ -303,12 +303,12 @@ def broker_url() -> str:
 def _unreachable(url: str, what: str) -> str | None:
     """A message when the Redis at ``url`` does not answer PING, else None (another broker
     transport: Celery reports its own connection errors)."""
-    import redis
+    from pipeline.store.redis_common import client_from_url
 
-    if urlparse(url).scheme not in ("redis", "rediss", "unix"):
+    if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel"):
         return None
     try:
-        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        client = client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
         try:
             client.ping()
         finally:
@@ -330,6 +330,9 @@ def run(args: argparse.Namespace) -> int:
         from pipeline.config import load_config
 
         load_config()  # this process's own configuration: CRITIQUE_CONFIG, CRITIQUE_* variables
+        from pipeline.store.redis_common import check_redis_urls
+
+        check_redis_urls()  # a sentinel:// URL parses and has CRITIQUE_REDIS_MASTER
         overrides = build_overrides(args.config, args.settings)
         from workers import runtime
         from workers.client import CritiqueClient

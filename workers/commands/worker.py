@@ -363,14 +363,15 @@ def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
 
 
 def _unreachable(urls: list[str]) -> str | None:
-    """A message for the first Redis URL that does not answer PING, else None."""
-    import redis
+    """A message for the first Redis URL that does not answer PING, else None (a
+    ``sentinel://`` URL: its current master, found through the Sentinels)."""
+    from pipeline.store.redis_common import client_from_url
 
     for url in urls:
-        if urlparse(url).scheme not in ("redis", "rediss", "unix"):
+        if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel"):
             continue  # another broker transport: Celery reports its own connection errors
         try:
-            client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+            client = client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
             try:
                 client.ping()
             finally:
@@ -406,8 +407,10 @@ def run(args: argparse.Namespace) -> int:
     argvs = worker_argvs(args, queues, concurrency, count)
     from pipeline.errors import ConfigError
     from pipeline.signing import SECRET_ENV, parse_secrets
+    from pipeline.store.redis_common import check_redis_urls
 
     try:
+        check_redis_urls()  # a sentinel:// URL parses and has CRITIQUE_REDIS_MASTER
         allowed_models = check_own_config(keys=bool(set(queues) & set(LLM_QUEUES)))
         signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
     except ConfigError as exc:
