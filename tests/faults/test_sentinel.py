@@ -215,21 +215,24 @@ def _results(run_id: str) -> dict[str, CritiqueResult] | None:
 
 
 def _totals(url: str, workers: list[WorkerProcess]) -> dict[str, int]:
-    """Tasks each worker has run so far (remote control ``stats``, over the broker). (A client
-    process's first remote-control call after a failover may meet a connection of the old
-    master, closed: a connection error, and the next call works.)"""
-    for attempt in range(3):
+    """Tasks each worker has run so far (remote control ``stats``, over the broker). A client
+    process's first remote-control calls after a failover may meet a connection of the old
+    master (closed: a connection error) or get no reply in time: asked again, up to 5 times,
+    until every worker has answered."""
+    nodes = [w.nodename for w in workers]
+    stats: dict[str, Any] = {}
+    for attempt in range(5):
         probe = _control_app(url)
         try:
-            inspect = probe.control.inspect(destination=[w.nodename for w in workers], timeout=3)
-            stats = inspect.stats()
-            break
+            stats = probe.control.inspect(destination=nodes, timeout=3).stats() or {}
         except redis.exceptions.ConnectionError:
-            if attempt == 2:
+            if attempt == 4:
                 raise
         finally:
             probe.close()
-    return {node: sum((doc.get("total") or {}).values()) for node, doc in (stats or {}).items()}
+        if set(nodes) <= set(stats):
+            break
+    return {node: sum((doc.get("total") or {}).values()) for node, doc in stats.items()}
 
 
 @pytest.mark.faults
@@ -242,8 +245,9 @@ def _totals(url: str, workers: list[WorkerProcess]) -> dict[str, int]:
             "demote",
             marks=pytest.mark.skipif(
                 os.environ.get(DEMOTE_ENV) != "1",
-                reason=f"the graceful-demotion variant failed once in 8 runs (cause not yet "
-                f"found): run it with {DEMOTE_ENV}=1",
+                reason=f"the graceful-demotion variant failed 2 in 14 runs, once because the "
+                f"test's remote-control probe got no reply after the failover (now asked again; "
+                f"the other cause not recorded): run it with {DEMOTE_ENV}=1",
             ),
         ),
     ],
