@@ -43,7 +43,6 @@ import os
 import platform
 import re
 import secrets
-import subprocess
 import sys
 import time
 import uuid
@@ -54,6 +53,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._provenance import git_commit  # noqa: E402
 from bench.pipeline import CONFIG, BenchWorker, setup_redis, submissions  # noqa: E402
 
 KB = 1000.0
@@ -67,22 +67,6 @@ Figures = dict[str, tuple[int, int]]
 
 
 # --- where the figures come from -----------------------------------------------------------------
-def git_commit() -> str:
-    """``git rev-parse --short HEAD``, ``+dirty`` when tracked files differ from it."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT, capture_output=True, text=True, check=True,
-        ).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
 def versions(r: Any) -> dict[str, str]:
     """Python, celery, kombu, redis-py, the redis-server answering ``r``, the git commit."""
     import celery

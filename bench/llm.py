@@ -53,6 +53,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench._provenance import git_commit  # noqa: E402
+
 CRITIC_MODEL = "openai/critic-model"
 WORKER_MODEL = "openai/worker-model"
 TASK = "Summarise the quarterly sales report of one region: give a summary and the key findings."
@@ -359,30 +361,6 @@ def dist_version(name: str) -> str:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "not installed"
-
-
-def git_commit() -> str:
-    """The checkout's commit (``+dirty`` when tracked files differ from it), else ``unknown``."""
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short=10", "HEAD"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def redis_server_version(url: str) -> str:

@@ -179,12 +179,14 @@ class _Plan:
     queue: str
 
 
-def _plan(s: RecoveryStores, run_id: str, iteration: int, worker_id: str) -> _Plan:
+def _plan(
+    s: RecoveryStores, run_id: str, iteration: int, worker_id: str, doc: dict[str, Any] | None
+) -> _Plan:
     """The continuation of the latest pass of (run, iteration, worker) from its last recorded
-    step; ``SubmissionError`` when the submission has no recorded first message."""
+    step, given its submission record ``doc`` (``RedisRunStore.submission``, read by the
+    caller); ``SubmissionError`` when the submission has no recorded first message."""
     from workers.tasks import continuation
 
-    doc = s.runs.submission(run_id, iteration, worker_id)
     if not doc or "message" not in doc:
         raise SubmissionError(
             f"cannot resume {worker_id} of run {run_id}: no first message recorded for it "
@@ -260,11 +262,11 @@ def redrive(
     already: then nothing is sent (its step records and first message were released with it).
     """
     s = stores or default_stores()
-    doc = s.runs.submission(run_id, iteration, worker_id) or {}
-    sid = str(doc.get("sid") or "")
+    doc = s.runs.submission(run_id, iteration, worker_id)
+    sid = str((doc or {}).get("sid") or "")
     if sid and s.runs.pass_result(run_id, iteration, worker_id, sid) is not None:
         return FINISHED
-    plan = _plan(s, run_id, iteration, worker_id)
+    plan = _plan(s, run_id, iteration, worker_id, doc)
     s.pending.touch(run_id, pass_member(iteration, worker_id, plan.sid), time.time())
     return _publish(s, run_id, iteration, worker_id, plan, by)
 
@@ -345,7 +347,7 @@ def _examine(
         s.pending.drop(run_id, member)
         return None
     try:
-        plan = _plan(s, run_id, iteration, worker_id)
+        plan = _plan(s, run_id, iteration, worker_id, doc)
     except PermanentError as exc:
         log.error("cannot re-drive %s of run %s: %s", member, run_id, exc)
         s.pending.drop(run_id, member)

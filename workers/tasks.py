@@ -123,9 +123,15 @@ class ReplacingStage(CritiqueTask):
         if self.request.is_eager:
             return super().on_replace(sig)
         sig.delay()
-        self.request.chain = None
-        self.request.callbacks = None
+        _send_nothing_after(self)
         return dict(REPLACED)
+
+
+def _send_nothing_after(task: Task) -> None:
+    """Drop the rest of this task's chain and its callbacks: Celery sends nothing after it
+    (a replacement or a re-sent message carries them, or the pass is over)."""
+    task.request.chain = None
+    task.request.callbacks = None
 
 
 def _attribute(task: Task, run_id: str, field: str, stage: str) -> None:
@@ -300,8 +306,7 @@ def _end_finished(task: Task, step: str) -> tuple[dict[str, Any], str]:
     redelivery, or a duplicate chain), and its step records were released with it. Nothing is
     recorded or sent on, so the stored result and the trace stay as they are."""
     log.info("step %s belongs to a finished pass: its chain ends here", step)
-    task.request.chain = None
-    task.request.callbacks = None
+    _send_nothing_after(task)
     return dict(FINISHED), "done"
 
 
@@ -358,8 +363,7 @@ def _wait_for_budget(task: Task, wait: BudgetWait) -> dict[str, Any]:
     )
     sig.apply_async()
     # The re-sent message carries the rest of the chain: this run sends nothing after it.
-    request.chain = None
-    request.callbacks = None
+    _send_nothing_after(task)
     return {"waiting_for_budget_s": round(wait.retry_s, 3), "reason": wait.reason}
 
 

@@ -78,9 +78,14 @@ class RedisBlobStore:
     ) -> None:
         # Imported here, not above: the reference functions serve the in-process stores,
         # which must import without redis installed (tests/unit/test_layering.py).
-        from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors
+        from pipeline.store.redis_common import (
+            decodes_responses,
+            resolve_prefix,
+            resolve_ttl_ms,
+            store_errors,
+        )
 
-        if client.connection_pool.connection_kwargs.get("decode_responses"):
+        if decodes_responses(client):
             raise ConfigError(
                 "RedisBlobStore needs a Redis client with decode_responses=False",
                 hint="blobs are bytes; create a separate client for them",

@@ -63,23 +63,24 @@ def pack_record(raw: str, *, binary: bool = True) -> bytes | str:
     data = raw.encode("utf-8")
     if len(data) < PACK_MIN:
         return raw
-    return _smaller(raw, zlib.compress(data, 6), binary)
+    return _smaller(raw, len(data), zlib.compress(data, 6), binary)
 
 
 def pack_event(raw: str, *, binary: bool = True) -> bytes | str:
     """One encoded trace event (compact JSON) as stored: deflated with the event dictionary
     when that is shorter, else as it is."""
+    data = raw.encode("utf-8")
     deflate = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_DEFAULT_STRATEGY, _EVENT_DICT_V1)
-    return _smaller(
-        raw, _EVENT_V1 + deflate.compress(raw.encode("utf-8")) + deflate.flush(), binary
-    )
+    return _smaller(raw, len(data), _EVENT_V1 + deflate.compress(data) + deflate.flush(), binary)
 
 
-def _smaller(raw: str, packed: bytes, binary: bool) -> bytes | str:
+def _smaller(raw: str, size: int, packed: bytes, binary: bool) -> bytes | str:
+    """``packed`` as stored (bytes, or ``z:`` + base64 as text) if shorter than ``raw``'s
+    ``size`` bytes, else ``raw``."""
     if binary:
-        return packed if len(packed) < len(raw.encode("utf-8")) else raw
+        return packed if len(packed) < size else raw
     text = _TEXT_PREFIX + base64.b64encode(packed).decode("ascii")
-    return text if len(text) < len(raw.encode("utf-8")) else raw
+    return text if len(text) < size else raw
 
 
 def unpack(stored: bytes | str, limit: int = UNPACK_MAX) -> str | None:

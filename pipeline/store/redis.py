@@ -30,7 +30,13 @@ from pipeline.store.base import (
 )
 from pipeline.store.keys import pattern_key
 from pipeline.store.packing import pack_event, unpack
-from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
+from pipeline.store.redis_common import (
+    decodes_responses,
+    resolve_prefix,
+    resolve_ttl_ms,
+    store_errors,
+    text,
+)
 
 # --- pattern memory --------------------------------------------------------------------------
 
@@ -597,6 +603,7 @@ class RedisTraceSink:
         self._prefix = resolve_prefix(prefix)
         self._ttl_ms = resolve_ttl_ms(ttl_s)
         self._maxlen = maxlen
+        self._binary = not decodes_responses(client)
 
     def _key(self, run_id: str) -> str:
         return keys.run_key(run_id, keys.TRACE, self._prefix)
@@ -610,11 +617,10 @@ class RedisTraceSink:
         if not payloads:
             return
         key = self._key(run_id)
-        binary = not _decodes(self._client)
         with store_errors(self._client):
             pipe = self._client.pipeline(transaction=True)
             for payload in payloads:
-                packed = pack_event(payload, binary=binary)
+                packed = pack_event(payload, binary=self._binary)
                 pipe.xadd(key, {_EVENT_FIELD: packed}, maxlen=self._maxlen, approximate=True)
             pipe.pexpire(key, self._ttl_ms)
             pipe.execute()
@@ -666,12 +672,6 @@ class RedisTraceSink:
             for entry_id, fields in entries:
                 last_id = text(entry_id)
                 yield last_id, _decode_event(fields)
-
-
-def _decodes(client: Any) -> bool:
-    """Whether ``client`` decodes replies as text (then packed values are stored as text)."""
-    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
-    return bool(kwargs.get("decode_responses", False))
 
 
 def _stream_entries(reply: Any) -> list[Any]:

@@ -395,6 +395,13 @@ def store_errors(client: redis.Redis) -> Iterator[None]:
         raise _unavailable(client, exc) from exc
 
 
+def decodes_responses(client: Any) -> bool:
+    """Whether ``client`` decodes replies to ``str`` (``decode_responses=True``); a client
+    without a connection pool (a cluster client) is taken as bytes-mode."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    return bool(kwargs.get("decode_responses", False))
+
+
 def text(value: bytes | str) -> str:
     """A reply as ``str`` whether the client decodes responses or not."""
     return value.decode("utf-8") if isinstance(value, bytes) else value

@@ -51,7 +51,13 @@ from pipeline.errors import ForgedMessageError
 from pipeline.models import CritiqueResult
 from pipeline.store import keys
 from pipeline.store.packing import pack_event, pack_record, unpack
-from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
+from pipeline.store.redis_common import (
+    decodes_responses,
+    resolve_prefix,
+    resolve_ttl_ms,
+    store_errors,
+    text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -243,9 +249,7 @@ class RedisRunStore:
         self._live_ttl_ms = min(self._ttl_ms, resolve_ttl_ms(live))
         grace = keys.steps_grace_s() if steps_grace_s is None else steps_grace_s
         self._grace_ms = max(0, int(grace * 1000))
-        pool = getattr(client, "connection_pool", None)
-        kwargs = getattr(pool, "connection_kwargs", None) or {}
-        self._binary = not kwargs.get("decode_responses", False)
+        self._binary = not decodes_responses(client)
         self._secrets = secrets or (lambda: ())
         self._noted: set[tuple[str, str, str]] = set()
         self._indexed: dict[str, float] = {}

@@ -39,12 +39,8 @@ def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
 @pytest.fixture(scope="module")
 def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="archive", env=env, log=log)
-    w.start()
-    try:
+    with WorkerProcess(env["REDIS_URL"], concurrency=4, name="archive", env=env, log=log):
         yield
-    finally:
-        w.stop()
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

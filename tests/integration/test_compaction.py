@@ -197,12 +197,8 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
 @pytest.fixture(scope="module")
 def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     log = tmp_path_factory.mktemp("compaction") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="compaction", env=env, log=log)
-    w.start()
-    try:
+    with WorkerProcess(env["REDIS_URL"], concurrency=4, name="compaction", env=env, log=log):
         yield
-    finally:
-        w.stop()
 
 
 def _bytes(r: redis.Redis, names: list[Any]) -> int:

@@ -43,12 +43,8 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
 def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """One real worker process (threads pool) for the module."""
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="ops", env=env, log=log)
-    w.start()
-    try:
+    with WorkerProcess(env["REDIS_URL"], concurrency=4, name="ops", env=env, log=log):
         yield
-    finally:
-        w.stop()
 
 
 LOOP = (

@@ -151,6 +151,13 @@ class WorkerProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
 
+    def __enter__(self) -> WorkerProcess:
+        """``with WorkerProcess(...) as w``: started (ready), and stopped at the end."""
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
