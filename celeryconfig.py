@@ -186,11 +186,13 @@ task_routes = {
     "critique.decide": {"queue": "critique.cpu"},
     "critique.gate": {"queue": "critique.cpu"},
     "critique.complete_gate": {"queue": "critique.cpu"},
-    # The critic runs on the CPU queue unless it calls an LLM: then the chain routes it to
-    # critique.llm (mode: inline) or critique.llm.critic (mode: dedicated), per submission.
+    # Layer-0 and the critic run on the CPU queue unless the critic calls an LLM: then a
+    # submission's first task (Layer-0, which runs the critic after it) and a critic sent on
+    # its own go to critique.llm (mode: inline) or critique.llm.critic (mode: dedicated), per
+    # submission (workers.tasks.stage_signature).
     "critique.critic": {"queue": "critique.cpu"},
-    # A repair runs on the LLM queue unless its reviser is token-free: then the chain routes it
-    # to critique.cpu (workers.tasks.repair_signature), so it never waits for LLM workers.
+    # A repair runs on the LLM queue unless its reviser is token-free: then it is routed to
+    # critique.cpu (workers.tasks.repair_queue), so it never waits for LLM workers.
     "critique.repair": {"queue": "critique.llm"},
 }
 

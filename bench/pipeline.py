@@ -303,8 +303,11 @@ def run_bare(
     bare: list[tuple[float, Any]] = []
     for s in subs:
         n = lengths[s.worker_id]
-        # n - 1 no-op stages then one that stores its result, as the real chain's gate
-        sig = chain(stage.s(msgs[s.worker_id]), *[stage.s() for _ in range(n - 2)], noop.s())
+        # n - 1 no-op stages then one that stores its result, as the task that ends a pass
+        if n > 1:
+            sig = chain(stage.s(msgs[s.worker_id]), *[stage.s() for _ in range(n - 2)], noop.s())
+        else:
+            sig = noop.s(msgs[s.worker_id])
         bare.append((time.perf_counter(), sig.apply_async()))
     # Poll the stored results (one GET each) rather than AsyncResult.get: the Redis backend's
     # pub/sub wait can miss a result stored before it subscribed and then waits out its whole

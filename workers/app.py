@@ -17,7 +17,7 @@ from celery.signals import celeryd_init, worker_init
 from workers import logs
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-# Logs: one line per stage at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).
+# Logs: one line per task at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).
 logs.install()
 
 # ``-P threads`` is Celery's threads pool with one fix (workers.recovery.ThreadPool): an error

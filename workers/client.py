@@ -82,7 +82,7 @@ class CritiqueClient:
         is sent. Each failure is a :class:`SubmissionError` that names the submission (its
         index and ``worker_id``) and what is wrong.
         """
-        from workers.tasks import submission_chain
+        from workers.tasks import submission_signature
 
         config = runtime.config_for(self.config)
         unavailable = unreachable_errors()
@@ -99,7 +99,7 @@ class CritiqueClient:
                     task_id=uuid.uuid4().hex,  # the chain's first task runs under this id
                 )
                 json.dumps(msg, allow_nan=False)  # the broker's JSON must carry it as it is
-                prepared.append((sub, msg, submission_chain(msg, config, sub)))
+                prepared.append((sub, msg, submission_signature(msg, config, sub)))
             except unavailable:
                 raise
             except Exception as exc:

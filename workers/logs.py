@@ -1,4 +1,4 @@
-"""Worker logs: one line per stage at INFO — ids, status, timing — and payloads at DEBUG only.
+"""Worker logs: one line per task at INFO — ids, status, timing — and payloads at DEBUG only.
 
 Celery's own ``Task … succeeded in …: <result>`` line carries the task's return value: for a
 stage, the whole stage state with the worker's output (1.4 MB of log for ~210 submissions). It
@@ -37,7 +37,7 @@ HEAD_BYTES = 1024
 """How much of a stage state (inline or blob) is read for its ids."""
 REASON_LIMIT = 300
 
-_started: dict[str, float] = {}
+_started: dict[tuple[str, int], float] = {}
 _lock = threading.Lock()
 _installed = False
 
@@ -141,10 +141,16 @@ def stage_line(
     return " ".join(parts)
 
 
+def _run_key(task_id: str) -> tuple[str, int]:
+    """One task run's key: a task and the one replacing it share an id (``Task.replace``), and
+    may run at once; prerun and postrun of one run happen on the same thread."""
+    return task_id, threading.get_ident()
+
+
 def _on_prerun(task_id: str | None = None, **_: Any) -> None:
     if task_id:
         with _lock:
-            _started[task_id] = time.perf_counter()
+            _started[_run_key(task_id)] = time.perf_counter()
 
 
 def _on_postrun(
@@ -160,7 +166,7 @@ def _on_postrun(
         if not name.startswith("critique.") or not task_id:
             return
         with _lock:
-            began = _started.pop(task_id, None)
+            began = _started.pop(_run_key(task_id), None)
         elapsed = None if began is None else (time.perf_counter() - began) * 1000.0
         level = logging.DEBUG if name == "critique.probe" else logging.INFO
         if not log.isEnabledFor(level):
@@ -193,7 +199,7 @@ def _quiet_celery_info(loglevel: Any = None, **_: Any) -> None:
 
 
 def install() -> None:
-    """Demote Celery's payload-carrying success line and log one line per stage (idempotent)."""
+    """Demote Celery's payload-carrying success line and log one line per task (idempotent)."""
     global _installed
     if _installed:
         return

@@ -1,18 +1,27 @@
 """Thin Celery tasks over the pure stages (DESIGN habit 1).
 
-Per submission one chain: ``critique.l0 → critique.critic → critique.gate``. The critic task
-runs the ``decide`` stage inline after the critique (SPEC §4: decide is pure and cheap), each
-stage with its own step record; when decide chooses a repair, the critic task replaces itself
-(``Task.replace``) with ``critique.repair → critique.l0 → critique.critic``; the replacement
-inherits the rest of the chain, so the loop stays one chain and no task ever waits on another.
-Accepted and stopped outputs never pay for a replacement. ``critique.decide`` remains a task
-for a pass resumed between its critic and its decision, and for messages already queued.
+A submission is sent as one task, ``critique.l0``, on its critic's queue. A task runs its stage
+and then every stage after it that belongs on its queue (:func:`_drive`): Layer-0 and
+``decide`` anywhere (token-free and cheap: SPEC §4 lets decide run inside the critic task), the
+critic where its queue is, and the gate once nothing follows. So an accepted output is one task
+(``l0 → critic → decide → gate``); a repair round is a task of its own: the task replaces itself
+(``Task.replace``) with ``critique.repair``, which runs ``repair → l0 → critic → decide`` and the
+gate or the next round. A critic on another queue than the task's (a token-free reviser on
+critique.cpu before an LLM critic, or ``mode: dedicated``) is a replacement too. Replacements
+keep the task's id, as Celery's own replace does, so the id the client sent the submission
+under ends up holding the summary in Celery's result backend. No task ever waits on another.
+Every stage keeps its own step record and trace events, so a redelivered task replays its
+stages and a pass resumed at any stage (:func:`continuation`) goes on the same way. The stage
+tasks (``critique.critic``, ``critique.decide``, ``critique.repair``, ``critique.gate``) each
+take a message for their stage, and chains sent by older clients (``l0 → critic → gate``) still
+run: a task hands on to the next task of its chain instead of running the gate itself.
 
-Every task: decode the message, run one stage function, encode the new state. A task whose
-stage is not the state's next one passes the state through (e.g. critique disabled). Stages
-are idempotent under redelivery: step records, pattern records, budget leases, trace events and
-the result are keyed by the submission's pass (SPEC §4: a fresh pass id per submit, the state's
-``pass_id`` and the message's ``sid``), step records and leases also by round and attempt; the
+Every stage: decode the message, run one stage function, encode the new state. A task whose
+stage is not the state's next one starts at the state's next (e.g. critique disabled: the
+gate). Stages are idempotent under redelivery: step records, pattern records, budget leases,
+trace events and the result are keyed by the submission's pass (SPEC §4: a fresh pass id per
+submit, the state's ``pass_id`` and the message's ``sid``), step records and leases also by
+round and attempt; the
 first record of a step wins and a re-run writes nothing again. Once the pass's result has landed
 its step records are gone (Redis holds live state, not history): a step of it delivered late
 records nothing and ends its chain there (:class:`pipeline.store.runs.PassFinished`). Transient
@@ -25,10 +34,10 @@ is set, addressed to another task or task id, or malformed) is refused: a warnin
 ``run_id_verified: false``), and the task fails with the reason, never retried and never turned
 into a result.
 
-Every message a stage hands on is addressed (signed) to the task that consumes it: the next task
-of the chain (its id was fixed when the chain was frozen), the repair round that replaces the
-task (an id chosen before signing, given to the replacement), or the task itself (the critic
-decides inline). A task that fails for good records the failure in the store for the pass
+Every message a stage hands on is addressed (signed) to the task that consumes it: the task
+itself (it runs the next stage too), the task that replaces it (under the same id), or the next
+task of an older client's chain (its id was fixed when the chain was frozen). A task that
+fails for good records the failure in the store for the pass
 (:meth:`pipeline.store.runs.RedisRunStore.put_failure`) only when it can attribute it: the
 message verified and was addressed to it. Clients read that record, never Celery's ``FAILURE``
 state, which anyone who can write to the broker can set for any task id.
@@ -39,10 +48,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-import uuid
 from typing import Any
 
-from celery import Task, chain
+from celery import Task
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 
@@ -176,28 +184,66 @@ def _next_in_chain(task: Task) -> tuple[str, str]:
     return str(nxt.get("task") or ""), str(options.get("task_id") or "")
 
 
+def _queue_here(task: Task) -> str | None:
+    """The queue this task's message came from (None when it runs eagerly, without a broker)."""
+    info = task.request.delivery_info or {}
+    key = info.get("routing_key")
+    return str(key) if key else None
+
+
+def critic_queue(config: CritiqueConfig, submission: Submission) -> str:
+    """The queue the submission's critic runs on: critique.llm (mode: inline) or
+    critique.llm.critic (mode: dedicated) for an LLM critic, critique.cpu for a deterministic
+    one, so each scales with its own workers."""
+    if config.uses_llm_critic(submission.model):
+        return keys.QUEUE_CRITIC if config.mode == "dedicated" else keys.QUEUE_LLM
+    return keys.QUEUE_CPU
+
+
+def _runs_here(task: Task, next_stage: str, state: LoopState, overrides: dict[str, Any]) -> bool:
+    """Whether ``task`` runs ``next_stage`` itself, after the stage it just ran.
+
+    Layer-0 and ``decide`` are token-free and cheap: they run wherever the state is. The
+    critic runs here when this task came from the critic's queue (an LLM critic never runs on
+    the CPU workers, nor a deterministic one on the LLM workers). The gate (``done``) runs here
+    when no task follows in the chain (a chain sent by an older client ends in
+    ``critique.gate``: it is left to that). A repair is always a round of its own
+    (``Task.replace``): it charges the budget and may be routed elsewhere."""
+    if next_stage in ("l0", "decide"):
+        return True
+    if next_stage == "done":
+        return not task.request.chain
+    if next_stage == "critic":
+        here = _queue_here(task)
+        return here is None or here == critic_queue(runtime.config_for(overrides), state.submission)
+    return False
+
+
 def _consumer(
-    task: Task, stage: str, next_stage: str, msg: dict[str, Any] | None = None
+    task: Task, next_stage: str, state: LoopState, overrides: dict[str, Any]
 ) -> tuple[str, str]:
     """``(task name, task id)`` the message a stage hands on (its state's next stage
-    ``next_stage``) is addressed to: the critic's goes to this task itself (it decides
-    inline); a decision to repair goes to the repair round that will replace this task (the id
-    ``msg`` already names, else a new one); anything else to the next task of the chain."""
-    if stage == "critic" and next_stage == "decide":
-        return task.name, str(task.request.id or "")
-    if stage == "decide" and next_stage == "repair":
-        named, named_id = signing.addressee(msg or {})
-        if named == keys.TASK_REPAIR and named_id:
-            return named, named_id
-        return keys.TASK_REPAIR, uuid.uuid4().hex
-    return _next_in_chain(task)
+    ``next_stage``) is addressed to: this task itself when it runs that stage too
+    (:func:`_runs_here`); else the next task of the chain, when a chain sent by an older client
+    has one; else the task that replaces this one (``Task.replace``), which keeps this task's
+    id, as Celery's own replace does, so the id the client holds ends up with the result."""
+    own = str(task.request.id or "")
+    if _runs_here(task, next_stage, state, overrides):
+        return task.name, own
+    if next_stage != "repair":
+        name, task_id = _next_in_chain(task)
+        if name:
+            return name, task_id
+    return _FIRST_TASK[next_stage], own
 
 
-def _addressed(task: Task, stage: str, next_stage: str, msg: dict[str, Any]) -> dict[str, Any]:
-    """``msg`` (a pass-through or a replayed output) addressed to its consumer
-    (:func:`_consumer`): re-signed only when it names another task, and only after it verified
-    (it may come from the store)."""
-    return runtime.address(msg, *_consumer(task, stage, next_stage, msg))
+def _addressed(
+    task: Task, msg: dict[str, Any], state: LoopState, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """``msg`` (a pass-through or a replayed output, with its decoded ``state``) addressed to
+    its consumer (:func:`_consumer`): re-signed only when it names another task, and only after
+    it verified (it may come from the store)."""
+    return runtime.address(msg, *_consumer(task, state.next, state, overrides))
 
 
 def _step_id(sid: str, state: LoopState, stage: str) -> str:
@@ -215,60 +261,64 @@ def _pass_id(task: Task, msg: dict[str, Any], state: LoopState) -> str:
     return sid
 
 
-def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any], str]:
-    """Run one stage exactly once in effect; returns the next message and its next stage.
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one stage run hands on: the message for the next stage (``out``, addressed to its
+    consumer), that stage's name, and the message's decoded state and overrides. ``fresh``:
+    this run produced and recorded the output first, so no record of the next step can exist
+    yet (a duplicate racing it is settled when that step is recorded)."""
+
+    out: dict[str, Any]
+    next: str
+    state: LoopState
+    overrides: dict[str, Any]
+    fresh: bool = False
+
+
+OVER = "over"
+"""The pseudo-stage after a step of a pass that already has its result: nothing runs next."""
+
+
+def _run_stage(task: Task, msg: dict[str, Any], stage: str, prev: Step | None = None) -> Step:
+    """Run one stage exactly once in effect; returns what it hands on.
 
     At-least-once delivery can hand a step to a second worker after the first one ran it
     (e.g. killed between finishing and acknowledging). The first completed output of each
     step is recorded in the run's ``steps`` hash, atomically with the step's trace events; a
     repeat returns that output unchanged (and writes no event), so every duplicate downstream
     of it replays too and the result is the same.
+
+    ``prev``: the step this task just ran, whose ``out`` is ``msg`` (then the message is not
+    decoded nor checked at the trust boundary again: this task made it from one that was).
     """
-    out, next_stage, _ = _run_stage(task, msg, stage)
-    return out, next_stage
-
-
-Decoded = tuple[LoopState, dict[str, Any]]
-"""A message's state and configuration overrides, once decoded and past the trust boundary."""
-
-
-def _run_stage(
-    task: Task, msg: dict[str, Any], stage: str, decoded: Decoded | None = None
-) -> tuple[dict[str, Any], str, Decoded | None]:
-    """:func:`_stage`, also returning the new state and overrides when this run produced and
-    recorded the output first (None when it was replayed or passed through), so a task that
-    runs the next stage inline (the critic runs ``decide``) hands it on without decoding the
-    message it just encoded. ``decoded``: the state and overrides of ``msg``, when ``msg`` is
-    such a fresh output of this task (then no earlier record of this step can exist)."""
-    if decoded is None:
+    if prev is None:
         state, overrides = _decoded(task, msg, stage)
     else:
-        state, overrides = decoded
+        state, overrides = prev.state, prev.overrides
     sub = state.submission
     sid = _pass_id(task, msg, state)
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), stage)
-    if decoded is None:
+    if prev is None:
         _boundary_config(
             task, overrides, stage, sub.run_id, sub.iteration, sub.worker_id, sub.model
         )
     if state.next != stage:
-        return _addressed(task, stage, state.next, msg), state.next, None
+        return Step(_addressed(task, msg, state, overrides), state.next, state, overrides)
     run_id = state.submission.run_id
     runs = runtime.stores().runs
     if state.pass_id != sid:
         state = state.model_copy(update={"pass_id": sid})
     step = _step_id(sid, state, stage)
     shared = runtime.context_for(overrides)
-    # A decide run inline on the output this task just recorded cannot have a record yet
-    # (a duplicate racing it is settled by record_step below): no read.
-    reads = stage == "decide" and decoded is None
+    # A decide run on the output this task just recorded cannot have a record yet: no read.
+    reads = stage == "decide" and not (prev is not None and prev.fresh)
     try:
         if reads or _spends_tokens(stage, shared, state) or _repeated(task):
             recorded = runs.step_output(run_id, step)
             if recorded is not None:
-                return (*_replayed(task, stage, recorded), None)
+                return _replayed(task, recorded)
     except PassFinished:
-        return (*_end_finished(task, step), None)
+        return _end_finished(task, step, state, overrides)
     buffer = BufferedTraceSink()
     ctx = dataclasses.replace(shared, trace=buffer, max_budget_wait_s=_budget_wait_cap(task))
     new = STAGES[stage](state, ctx)
@@ -279,35 +329,42 @@ def _run_stage(
             worker_id=state.submission.worker_id,
             attempt=new.attempt,
         )
-    to, to_id = _consumer(task, stage, new.next)
+    to, to_id = _consumer(task, new.next, new, overrides)
     out = runtime.encode(new, overrides, sid=sid or None, task=to, task_id=to_id)
     try:
         first = runs.record_step(run_id, step, json.dumps(out), buffer.payloads.get(run_id, ()))
     except PassFinished:
         if new.lease_id is not None:
             shared.budget.refund(run_id, new.lease_id)  # reserved for a pass that is over
-        return (*_end_finished(task, step), None)
+        return _end_finished(task, step, state, overrides)
     if first is None:
-        return out, new.next, (new, overrides)
-    replay = _replayed(task, stage, first)
-    if new.lease_id is not None and runtime.decode(replay[0])[0].lease_id != new.lease_id:
+        return Step(out, new.next, new, overrides, fresh=True)
+    replay = _replayed(task, first)
+    if new.lease_id is not None and replay.state.lease_id != new.lease_id:
         # Another delivery of this decide recorded first without this lease (it was refused
         # the budget, say): the reservation this run made would be held for nothing.
         shared.budget.refund(run_id, new.lease_id)
-    return (*replay, None)
+    return replay
+
+
+def _stage(task: Task, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any], str]:
+    """One stage's body alone, as ``task`` runs it (:func:`_run_stage`): the message it hands
+    on and its next stage. Tests run single stages with it."""
+    step = _run_stage(task, msg, stage)
+    return step.out, step.next
 
 
 FINISHED: dict[str, Any] = {"pass_finished": True}
 """What a stage task of a pass that already has its result returns (nothing receives it)."""
 
 
-def _end_finished(task: Task, step: str) -> tuple[dict[str, Any], str]:
+def _end_finished(task: Task, step: str, state: LoopState, overrides: dict[str, Any]) -> Step:
     """End this task's chain here: its pass has its result already (this is a late
     redelivery, or a duplicate chain), and its step records were released with it. Nothing is
     recorded or sent on, so the stored result and the trace stay as they are."""
     log.info("step %s belongs to a finished pass: its chain ends here", step)
     _send_nothing_after(task)
-    return dict(FINISHED), "done"
+    return Step(dict(FINISHED), OVER, state, overrides)
 
 
 def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
@@ -367,12 +424,12 @@ def _wait_for_budget(task: Task, wait: BudgetWait) -> dict[str, Any]:
     return {"waiting_for_budget_s": round(wait.retry_s, 3), "reason": wait.reason}
 
 
-def _replayed(task: Task, stage: str, recorded: str) -> tuple[dict[str, Any], str]:
-    """A step's recorded output and its next stage, addressed to this run's consumer of it
-    (a duplicate chain's next task has another id)."""
+def _replayed(task: Task, recorded: str) -> Step:
+    """A step's recorded output, addressed to this run's consumer of it (a duplicate chain's
+    next task has another id)."""
     out = dict(json.loads(recorded))
-    next_stage = runtime.decode(out)[0].next
-    return _addressed(task, stage, next_stage, out), next_stage
+    state, overrides = runtime.decode(out)
+    return Step(_addressed(task, out, state, overrides), state.next, state, overrides)
 
 
 def _boundary_config(
@@ -485,74 +542,98 @@ def _claimed_run_id(msg: Any) -> str | None:
         return None
 
 
-@app.task(name=keys.TASK_L0, bind=True, base=CritiqueTask, **STAGE)
+def _drive(task: Task, msg: dict[str, Any], stage: str) -> dict[str, Any]:
+    """Run ``stage`` on ``msg``, then every stage after it that runs in this task
+    (:func:`_runs_here`), each with its own step record, replay and trace events; then hand the
+    state on: to a repair round or a critic on another queue that replaces this task
+    (``Task.replace``, keeping its id), to the next task of an older client's chain, or, when
+    the pass is over, finish it here (the gate) and return its summary.
+
+    So an accepted output is one task (Layer-0, critic, decide and gate), and each repair
+    round one more; a pass resumed at any stage goes on the same way. While a repair's budget
+    reservation waits for held tokens, the task is handed back to the broker
+    (:func:`_wait_for_budget`); run eagerly (no broker), it waits here."""
+    step: Step | None = None
+    nxt, out = stage, msg
+    while True:
+        try:
+            step = _run_stage(task, out, nxt, step)
+        except BudgetWait as wait:
+            if not task.request.is_eager:
+                return _wait_for_budget(task, wait)
+            time.sleep(wait.retry_s)
+            continue
+        nxt, out = step.next, step.out
+        if nxt == OVER:
+            return out
+        if not _runs_here(task, nxt, step.state, step.overrides):
+            return _hand_on(task, step)
+        if nxt == "done":
+            return _finish_here(task, out, step.state)
+
+
+def _hand_on(task: Task, step: Step) -> dict[str, Any]:
+    """Send the state to the stage this task does not run: an older client's chain takes it
+    on (its next task is what ``step.out`` is addressed to); else this task is replaced by that
+    stage's task (:func:`stage_signature`) under its own id. Under a worker the replaced task
+    returns REPLACED (:meth:`ReplacingStage.on_replace`); eagerly, the replacement's answer."""
+    if step.next != "repair" and task.request.chain:
+        return step.out
+    config = runtime.config_for(step.overrides)
+    sig = stage_signature(step.next, step.out, config, step.state.submission)
+    replaced: dict[str, Any] = task.replace(sig.set(task_id=str(task.request.id)))
+    return replaced
+
+
+def _finish_here(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, Any]:
+    """The gate, run by the task that finished the loop: store the pass's result
+    (:func:`_finish_pass`) and, under this task's id (the one the client's signature was sent
+    with, kept by every replacement), the summary in Celery's result backend, as the gate task
+    stores its own, so any Celery client's ``AsyncResult`` of it returns the summary."""
+    summary = _finish_pass(task, msg, state)
+    if not task.request.is_eager and task.request.id:
+        # store_result: mark_as_done would honour the stage tasks' ignore_result.
+        task.backend.store_result(str(task.request.id), summary, "SUCCESS", request=task.request)
+    return summary
+
+
+@app.task(name=keys.TASK_L0, bind=True, base=ReplacingStage, **STAGE)
 def l0(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """Layer-0 contract checks (token-free)."""
-    return _stage(self, msg, "l0")[0]
+    """Layer-0 contract checks (token-free), then what runs after them here (:func:`_drive`):
+    a submission's first task, sent to its critic's queue."""
+    return _drive(self, msg, "l0")
 
 
 @app.task(name=keys.TASK_CRITIC, bind=True, base=ReplacingStage, **STAGE)
 def critic(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """The configured critic (heuristic, rubric, LLM), then ``decide`` inline (SPEC §4: it is
-    pure and cheap): an accepted or stopped output goes straight on to the gate, and the task
-    replaces itself with the repair round (``Task.replace``) only when a repair follows. Each
-    of the two stages keeps its own step record and trace events, so a redelivery replays
-    both, and a pass stopped between them resumes at ``critique.decide``."""
-    out, next_stage, decoded = _run_stage(self, msg, "critic")
-    if next_stage != "decide":
-        return out
-    return _decide(self, out, decoded)
+    """The configured critic (heuristic, rubric, LLM), then ``decide`` and, for an accepted or
+    stopped output, the gate (:func:`_drive`)."""
+    return _drive(self, msg, "critic")
 
 
-@app.task(name=keys.TASK_REPAIR, bind=True, base=CritiqueTask, **STAGE)
+@app.task(name=keys.TASK_REPAIR, bind=True, base=ReplacingStage, **STAGE)
 def repair(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """One targeted repair attempt, charged to the run's budget."""
-    return _stage(self, msg, "repair")[0]
+    """One targeted repair attempt, charged to the run's budget; then Layer-0 again, the
+    re-critique when its critic runs on this queue, decide and the gate (:func:`_drive`)."""
+    return _drive(self, msg, "repair")
 
 
 @app.task(name=keys.TASK_DECIDE, bind=True, base=ReplacingStage, **STAGE)
 def decide(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``).
 
-    The critic task runs this stage itself; the task stays for a pass resumed between the
-    two (:func:`continuation` from a recorded critic step) and for messages already queued."""
-    return _decide(self, msg)
+    The task that ran the critic runs this stage itself; the task stays for a pass resumed
+    between the two (:func:`continuation` from a recorded critic step) and for messages
+    already queued."""
+    return _drive(self, msg, "decide")
 
 
-def _decide(task: Task, msg: dict[str, Any], decoded: Decoded | None = None) -> dict[str, Any]:
-    """Run ``decide`` on ``msg`` in ``task``; replace the task with the repair round when one
-    follows (the replacement inherits the rest of the chain: the gate). While the repair's
-    budget reservation waits for held tokens, the task is handed back to the broker
-    (:func:`_wait_for_budget`); run eagerly (no broker), it waits here."""
-    while True:
-        try:
-            out, next_stage, new = _run_stage(task, msg, "decide", decoded)
-            break
-        except BudgetWait as wait:
-            if not task.request.is_eager:
-                return _wait_for_budget(task, wait)
-            time.sleep(wait.retry_s)
-    if next_stage != "repair":
-        return out
-    state, overrides = new if new is not None else runtime.decode(out)
-    loop = loop_from("repair", out, runtime.config_for(overrides), state.submission)
-    loop[0].set(task_id=signing.addressee(out)[1])  # the id the repair message is signed for
-    # Under a worker: REPLACED (ReplacingStage.on_replace); eagerly: the replacement's answer.
-    replaced: dict[str, Any] = task.replace(chain(*loop))
-    return replaced
-
-
-@app.task(name=keys.TASK_GATE, bind=True, base=CritiqueTask, **RETRY)
-def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """Finish the submission pass: store its result and write its ``result`` event, both in
-    one atomic step and once per pass (a re-run gate writes nothing); return a summary.
-
-    Only from a message that passed its signature check (``CRITIQUE_SECRET``): a forged
-    finished state is refused before anything is stored."""
-    state, _ = _decoded(self, msg, "gate")
-    sid = _pass_id(self, msg, state)
+def _finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, Any]:
+    """Store the pass's result and write its ``result`` event, both in one atomic step and
+    once per pass (a re-run writes nothing); return a summary."""
+    sid = _pass_id(task, msg, state)
     sub = state.submission
-    _attribute(self, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), "gate")
+    _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), "gate")
     if state.pass_id != sid:
         state = state.model_copy(update={"pass_id": sid})
     result = finish(state)
@@ -567,6 +648,17 @@ def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
         "stop_reason": result.stop_reason,
         "best_score": result.best_score,
     }
+
+
+@app.task(name=keys.TASK_GATE, bind=True, base=CritiqueTask, **RETRY)
+def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
+    """Finish the submission pass (:func:`_finish_pass`): the end of a chain sent by an older
+    client, and of a pass resumed after its last stage.
+
+    Only from a message that passed its signature check (``CRITIQUE_SECRET``): a forged
+    finished state is refused before anything is stored."""
+    state, _ = _decoded(self, msg, "gate")
+    return _finish_pass(self, msg, state)
 
 
 @app.task(name=keys.TASK_COMPLETE_GATE, bind=True, base=CritiqueTask, **RETRY)
@@ -624,89 +716,62 @@ def complete_gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     return dict(out)
 
 
-def critic_signature(config: CritiqueConfig, submission: Submission, *args: Any) -> Any:
-    """``critique.critic`` routed for this submission: an LLM critic runs on critique.llm
-    (mode: inline) or critique.llm.critic (mode: dedicated), a deterministic one on
-    critique.cpu, so each scales with its own workers."""
-    sig = critic.s(*args)
-    if config.uses_llm_critic(submission.model):
-        queue = keys.QUEUE_CRITIC if config.mode == "dedicated" else keys.QUEUE_LLM
-        sig = sig.set(queue=queue)
-    return sig
-
-
-def repair_signature(msg: dict[str, Any], submission: Submission, *args: Any) -> Any:
-    """``critique.repair`` routed for this submission: critique.llm (celeryconfig's route)
-    when its reviser may call a model, critique.cpu when the reviser that serves it is
-    token-free (deterministic), so a token-free repair never waits for LLM workers (KEDA scales
-    critique.llm to zero). ``msg`` carries the submission's configuration overrides."""
-    sig = repair.s(*args)
+def repair_queue(msg: dict[str, Any], submission: Submission) -> str | None:
+    """The queue of the submission's repair when it is not celeryconfig's route (critique.llm):
+    critique.cpu when the reviser that serves it is token-free (deterministic), so a token-free
+    repair never waits for LLM workers (KEDA scales critique.llm to zero). ``msg`` carries the
+    submission's configuration overrides."""
     reviser = runtime.context_for(msg.get("config")).reviser
-    if resolve_for(reviser, submission).token_free:
-        sig = sig.set(queue=keys.QUEUE_CPU)
+    return keys.QUEUE_CPU if resolve_for(reviser, submission).token_free else None
+
+
+def stage_signature(
+    stage: str, msg: dict[str, Any], config: CritiqueConfig, submission: Submission
+) -> Any:
+    """The signature of the task that runs ``stage`` on ``msg``, routed for the submission:
+    Layer-0 and the critic to the critic's queue (:func:`critic_queue`: Layer-0 is a
+    submission's first stage, and the critic runs after it in the same task), the repair to
+    its reviser's (:func:`repair_queue`), ``decide`` and the gate by celeryconfig's routes."""
+    task = _STAGE_TASKS[stage]
+    sig = task.s(msg)
+    if stage in ("l0", "critic"):
+        sig = sig.set(queue=critic_queue(config, submission))
+    elif stage == "repair":
+        queue = repair_queue(msg, submission)
+        if queue:
+            sig = sig.set(queue=queue)
     return sig
 
 
-LOOP = ("repair", "l0", "critic")
-"""The loop's tasks in the order a chain runs them (a submission enters it at ``l0``); the
-critic task runs ``decide`` itself."""
-
-
-def loop_from(
-    stage: str, msg: dict[str, Any], config: CritiqueConfig, submission: Submission
-) -> list[Any]:
-    """Signatures of the loop's tasks from ``stage`` through the critic (which decides), the
-    first carrying ``msg``; the critic and the repair routed for the submission
-    (:func:`critic_signature`, :func:`repair_signature`). From ``decide`` (a pass stopped
-    between its critic and its decision): the ``critique.decide`` task alone."""
-    if stage == "decide":
-        return [decide.s(msg)]
-    sigs: list[Any] = []
-    for name in LOOP[LOOP.index(stage) :]:
-        args = () if sigs else (msg,)
-        if name == "critic":
-            sigs.append(critic_signature(config, submission, *args))
-        elif name == "repair":
-            sigs.append(repair_signature(msg, submission, *args))
-        else:
-            sigs.append(_STAGE_TASKS[name].s(*args))
-    return sigs
-
-
-_STAGE_TASKS: dict[str, Task] = {"repair": repair, "l0": l0, "decide": decide}
-
-
-def submission_chain(msg: dict[str, Any], config: CritiqueConfig, submission: Submission) -> Any:
-    """The chain for one submission message; its first task gets the id ``msg`` is addressed
-    to (the client picks it before signing)."""
-    loop = loop_from("l0", msg, config, submission)
-    first_id = signing.addressee(msg)[1]
-    if first_id:
-        loop[0].set(task_id=first_id)
-    return chain(*loop, gate.s())
-
-
-_FIRST_TASK = {
-    "l0": keys.TASK_L0,
-    "critic": keys.TASK_CRITIC,
-    "decide": keys.TASK_DECIDE,
-    "repair": keys.TASK_REPAIR,
+_STAGE_TASKS: dict[str, Task] = {
+    "l0": l0,
+    "critic": critic,
+    "decide": decide,
+    "repair": repair,
+    "done": gate,
 }
-"""The task a continuation from each stage starts with (:func:`loop_from`)."""
+
+_FIRST_TASK = {stage: task.name for stage, task in _STAGE_TASKS.items()}
+"""The task that runs each stage when a message is sent for it."""
+
+
+def submission_signature(
+    msg: dict[str, Any], config: CritiqueConfig, submission: Submission
+) -> Any:
+    """The one task a submission is sent as: ``critique.l0`` on its critic's queue, under the
+    id ``msg`` is addressed to (the client picks it before signing). The loop goes on in that
+    task and in the tasks that replace it (:func:`_drive`), all under that id."""
+    sig = stage_signature("l0", msg, config, submission)
+    first_id = signing.addressee(msg)[1]
+    return sig.set(task_id=first_id) if first_id else sig
 
 
 def continuation(
-    msg: dict[str, Any], config: CritiqueConfig, submission: Submission, gate_task_id: str
+    msg: dict[str, Any], config: CritiqueConfig, submission: Submission, task_id: str
 ) -> Any:
-    """The rest of a submission's chain from a stage message (its ``state.next``), ending in
-    the gate task with its original id, so whoever waits on that id still gets the answer.
-    ``msg`` (read back from the store: it must verify) is re-addressed to the chain's first
-    task, under a new id."""
+    """The rest of a submission's pass from a stage message (its ``state.next``): the task
+    that runs that stage, under the pass's task id (the submission's, which the result lands
+    under). ``msg`` (read back from the store: it must verify) is re-addressed to it."""
     state, _ = runtime.decode(msg)
-    if state.next == "done":
-        return gate.s(runtime.address(msg, keys.TASK_GATE, gate_task_id)).set(task_id=gate_task_id)
-    first_id = uuid.uuid4().hex
-    msg = runtime.address(msg, _FIRST_TASK[state.next], first_id)
-    loop = loop_from(state.next, msg, config, submission)
-    loop[0].set(task_id=first_id)
-    return chain(*loop, gate.s().set(task_id=gate_task_id))
+    msg = runtime.address(msg, _FIRST_TASK[state.next], task_id)
+    return stage_signature(state.next, msg, config, submission).set(task_id=task_id)

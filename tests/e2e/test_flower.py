@@ -118,8 +118,8 @@ def _sub(run_id: str, worker_id: str, output: str | dict[str, Any]) -> Submissio
 
 
 def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None:
-    """Through Flower's authenticated API: the worker registers critique.* tasks, executed
-    l0/critic/repair/gate tasks and task types are listed, repairs sent task-progress events;
+    """Through Flower's authenticated API: the worker registers critique.* tasks, the two
+    submissions' tasks are listed (one id each), repairs sent task-progress events;
     without (or with wrong) credentials every page answers 401."""
     from workers.client import CritiqueClient
 
@@ -151,18 +151,18 @@ def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None
 
     def tasks_seen() -> dict[str, int] | None:
         counts: dict[str, int] = {}
-        for name in ("critique.l0", "critique.critic", "critique.repair", "critique.gate"):
+        for name in ("critique.l0", "critique.repair"):
             code, raw = _get(f"{base}/api/tasks?taskname={name}&state=SUCCESS")
             counts[name] = len(json.loads(raw)) if code == 200 else 0
-        # two chains: l0 and critic twice for w2 + once per round for w1; one repair; two gates
-        enough = counts["critique.repair"] >= 1 and counts["critique.gate"] >= 2
-        return counts if enough and counts["critique.l0"] >= 3 else None
+        return counts if counts["critique.l0"] >= 1 and counts["critique.repair"] >= 1 else None
 
-    counts = _until("the pipeline's tasks in Flower's task list", tasks_seen)
-    # three critic runs: w2's, and w1's before and after its repair; the critic that handed its
-    # chain to the repair round (Task.replace) lends its task id to the round's last task, the
-    # re-critique, so Flower lists two distinct critic tasks
-    assert counts["critique.critic"] >= 2
+    # One task id per submission: w2's critique.l0 ran its whole loop (Layer-0, critic,
+    # decide, gate); w1's was replaced by its repair round under the same id (Task.replace),
+    # which Flower lists under the round's name.
+    _until("the pipeline's tasks in Flower's task list", tasks_seen)
+    code, raw = _get(f"{base}/api/tasks?state=SUCCESS")
+    ours = [t for t in json.loads(raw).values() if str(t.get("name")).startswith("critique.")]
+    assert code == 200 and len([t for t in ours if t["name"] != "critique.probe"]) == 2
 
     _, raw = _get(f"{base}/api/tasks?taskname=critique.repair")
     repair = next(iter(json.loads(raw).values()))
@@ -179,7 +179,7 @@ def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None
 
     _, raw = _get(f"{base}/api/task/types")
     types = set(json.loads(raw)["task-types"])
-    assert {"critique.l0", "critique.critic", "critique.repair", "critique.gate"} <= types
+    assert {"critique.l0", "critique.repair"} <= types  # the tasks that ran (one per round)
 
     for path in ("/api/workers", "/api/tasks", "/api/task/types", "/"):
         assert _get(f"{base}{path}", None)[0] == 401, path

@@ -273,7 +273,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
     assert broker.lrem(keys.QUEUE_CPU, 0, broker.lindex(keys.QUEUE_CPU, 0) or b"") == 1
     if lost == "next":
         first = (runtime.stores().runs.submission(run_id, 1, "w1") or {})["message"]
-        tasks.l0.apply(args=[first])
+        tasks._stage(tasks.l0, first, "l0")  # the stage alone: its task would go on
     worker.start(timeout=60)
     started = time.monotonic()
 

@@ -272,11 +272,10 @@ def test_a_stage_message_delivered_after_its_pass_finished_writes_nothing(
     assert run_steps(r, run_id) == {}
 
     msg = runtime.encode(start(sub, handle.pass_id), CONFIG)
-    gate = tasks.submission_chain(msg, runtime.config_for(CONFIG), sub).apply_async()
-    l0 = gate.parent.parent
-    wait_until(lambda: _left_the_broker(r, l0.id), 30, what="the late l0 to run")
-    time.sleep(1.5)  # room for a chain that went on (critic, then gate) to show itself
-    assert not _ran(r, gate.id) and AsyncResult(gate.id, app=app).state == "PENDING"
+    late = tasks.submission_signature(msg, runtime.config_for(CONFIG), sub).apply_async()
+    wait_until(lambda: _left_the_broker(r, late.id), 30, what="the late l0 to run")
+    time.sleep(1.5)  # room for a pass that went on (critic, repair, gate) to show itself
+    assert not _ran(r, late.id) and AsyncResult(late.id, app=app).state == "PENDING"
     assert r.xlen(trace) == events
     assert r.hgetall(keys.run_key(run_id, keys.PASS_RESULTS)) == stored
     assert run_steps(r, run_id) == {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import threading
 import uuid
 from collections import Counter
@@ -194,34 +193,33 @@ def test_redelivered_task_bodies_change_no_count_or_charge(
     monkeypatch.setattr(runtime.context_for(CONFIG), "reviser", estimating_revise)
     run_id = f"redo-{uuid.uuid4().hex[:8]}"
     sub = make_sub(run_id, "w1", 1, "looping")
-    msg = runtime.encode(start(sub), CONFIG)
+    msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
     s = runtime.stores()
     m = msg
-    # The critic stage alone (its task also decides, and replaces itself with the repair).
-    critic_stage = functools.partial(tasks._stage, tasks.critic, stage="critic")
-    runs = (
-        lambda m: tasks.l0.apply(args=[m], task_id="fixed-l0").get(),
-        lambda m: critic_stage(m)[0],
-    )
-    for run in runs:
-        first = run(m)
+    # Each stage's body alone (a task runs the stages after it too, and replaces itself with
+    # the repair round).
+    for task, stage in ((tasks.l0, "l0"), (tasks.critic, "critic")):
+        first = tasks._stage(task, m, stage)[0]
         before = (s.patterns.top(run_id, 100), s.budget.spent(run_id))
-        again = run(m)
+        again = tasks._stage(task, m, stage)[0]
         assert (s.patterns.top(run_id, 100), s.budget.spent(run_id)) == before
         assert again == first
         m = first
     assert s.patterns.top(run_id, 100)[0].frequency == 1
-    # decide's own body (its Task.replace needs a worker): the stage twice, the same answer.
     m, next_stage = tasks._stage(tasks.decide, m, "decide")
     assert tasks._stage(tasks.decide, m, "decide") == (m, "repair")
     assert next_stage == runtime.decode(m)[0].next == "repair"
-    repaired = tasks.repair.apply(args=[m], task_id="fixed-repair").get()
-    critic_msg = critic_stage(tasks.l0.apply(args=[repaired]).get())[0]
+
+    def recheck(repaired: dict[str, object]) -> dict[str, object]:
+        return tasks._stage(tasks.critic, tasks._stage(tasks.l0, repaired, "l0")[0], "critic")[0]
+
+    repaired = tasks._stage(tasks.repair, m, "repair")[0]
+    critic_msg = recheck(repaired)
     spent_once = s.budget.spent(run_id)
     patterns_once = s.patterns.top(run_id, 100)
     # Redeliver the repair and its re-critique: the same lease, so no second charge.
-    tasks.repair.apply(args=[m], task_id="fixed-repair").get()
-    critic_stage(tasks.l0.apply(args=[repaired]).get())
+    assert tasks._stage(tasks.repair, m, "repair")[0] == repaired
+    recheck(repaired)
     assert s.budget.spent(run_id) == spent_once > 0
     assert s.budget.holds(run_id) == {}
     assert s.patterns.top(run_id, 100) == patterns_once
@@ -410,7 +408,7 @@ def _lose_l0_successor(worker: WorkerProcess, env: dict[str, str], sub: Submissi
         redis.Redis.from_url(env["REDIS_URL"]).delete(keys.QUEUE_CPU)
         doc = runtime.stores().runs.submission(sub.run_id, sub.iteration, sub.worker_id)
         first = (doc or {})["message"]
-        tasks.l0.apply(args=[first])
+        tasks._stage(tasks.l0, first, "l0")  # the stage alone: its task would go on
     finally:
         worker.start()
     return handle

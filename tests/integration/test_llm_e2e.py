@@ -340,8 +340,9 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
     llm: FakeOpenAIServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """mode: dedicated: the critic model is the configured one and the critic tasks run only
-    on the worker that consumes critique.llm.critic."""
+    """mode: dedicated: the critic model is the configured one, and the submissions' first
+    tasks (Layer-0, then the critic in the same task) run only on the worker that consumes
+    critique.llm.critic."""
     import socket
 
     from workers.app import app
@@ -360,7 +361,7 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
         node = f"dedicated@{socket.gethostname()}"
         stats = app.control.inspect(destination=[node], timeout=2.0).stats() or {}
         stages = {k: v for k, v in stats[node]["total"].items() if k != "critique.probe"}
-        assert stages == {"critique.critic": 3}  # probes: the stall sweeper's queue check
+        assert stages == {"critique.l0": 3}  # probes: the stall sweeper's queue check
     finally:
         dedicated.stop()
 

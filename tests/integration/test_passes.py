@@ -4,7 +4,6 @@ delivered twice leaves no lease held, reserves once, charges once and writes one
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -131,37 +130,36 @@ def _decide_message(run_id: str) -> dict[str, Any]:
 
     sub = make_sub(run_id, "w1", 1, "looping")
     msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
-    msg = tasks.l0.apply(args=[msg]).get()
+    msg = tasks._stage(tasks.l0, msg, "l0")[0]
     msg = tasks._stage(tasks.critic, msg, "critic")[0]  # the stage alone (its task decides too)
     assert runtime.decode(msg)[0].next == "decide"
     return msg
 
 
-def _settled(run_id: str, step: str, timeout: float = 30) -> None:
-    """Wait until ``step`` is recorded and the run's steps stop changing for a while (the
-    duplicate chains have run out)."""
+def _settled(run_id: str, pass_id: str, sent: list[Any], timeout: float = 30) -> None:
+    """Wait until the pass's result is stored and every message ``sent`` has left the broker
+    (a task that replaced one keeps its id: so the duplicate chains have run out)."""
     from workers import runtime
 
-    key = keys.pass_steps_key(run_id, ":".join(step.split(":")[:3]))  # no gate runs: it stays
-    deadline = time.monotonic() + timeout
-    last, quiet = -1, 0
-    while time.monotonic() < deadline and quiet < 6:
-        n = int(runtime.client().hlen(key))
-        done = runtime.client().hexists(key, step)
-        quiet = quiet + 1 if done and n == last else 0
-        last = n
-        time.sleep(0.25)
-    assert quiet >= 6, f"step {step} of run {run_id} did not settle"
+    runs = runtime.stores().runs
+    wait_until(
+        lambda: (
+            runs.pass_result(run_id, 1, "w1", pass_id) is not None
+            and all(_left_the_broker(res.id) for res in sent)
+        ),
+        timeout,
+        what=f"pass {pass_id} of run {run_id} to finish and its messages to be acknowledged",
+    )
 
 
 def _left_the_broker(task_id: str) -> bool:
-    """The message of ``task_id`` is neither waiting on the CPU queue nor delivered and still
+    """The message of ``task_id`` is neither waiting on a queue nor delivered and still
     unacknowledged: a worker took it and (acks_late) acknowledged it after the task ran."""
     from workers import runtime
 
     r = runtime.client()
     tid = task_id.encode()
-    queued = any(tid in m for m in r.lrange(keys.QUEUE_CPU, 0, -1))
+    queued = any(tid in m for q in keys.QUEUES for m in r.lrange(q, 0, -1))
     return not queued and not any(tid in m for m in r.hvals("unacked"))
 
 
@@ -176,19 +174,16 @@ def test_a_decide_delivered_twice_reserves_once_and_leaves_no_lease(
     run_id = _run_id("twice")
     msg = _decide_message(run_id)
     pass_id = runtime.decode(msg)[0].pass_id
-    last = f"1:w1:{pass_id}:2:1:decide"  # the decision after the repair
-    for _ in range(2):
-        app.send_task(keys.TASK_DECIDE, args=[msg])  # decide stores no result: nothing to get
-    _settled(run_id, last)
+    sent = [app.send_task(keys.TASK_DECIDE, args=[msg]) for _ in range(2)]
+    _settled(run_id, pass_id, sent)  # each decide repairs, re-critiques and finishes the pass
     s = runtime.stores()
     assert _leases(run_id) == [f"w1:1:{pass_id}:1"]
     assert s.budget.holds(run_id) == {}
     once = s.budget.spent(run_id)
     assert once > 0
-    # A third delivery, long after: it replays the recorded decision, reserving nothing.
+    # A third delivery, long after: the pass is over, so it ends at once, reserving nothing.
     third = app.send_task(keys.TASK_DECIDE, args=[msg])
-    wait_until(lambda: _left_the_broker(third.id), 30, what="the third decide to run")
-    _settled(run_id, last)
+    _settled(run_id, pass_id, [third])
     assert (s.budget.spent(run_id), _leases(run_id), s.budget.holds(run_id)) == (
         once,
         [f"w1:1:{pass_id}:1"],
@@ -198,19 +193,18 @@ def test_a_decide_delivered_twice_reserves_once_and_leaves_no_lease(
 
 def test_a_critic_delivered_twice_decides_once_and_reserves_once(worker: WorkerProcess) -> None:
     """The critic task decides inline and replaces itself with the repair round. The same
-    critic message sent twice (both run, maybe at once): each step (critic, decide) is
-    recorded and traced once per round, one lease per attempt, charged once, none held."""
+    critic message sent twice (both run, maybe at once): each step (critic, decide) is traced
+    once per round, one lease per attempt, charged once, none held, one result."""
     from workers import runtime, tasks
     from workers.app import app
     from workers.client import CritiqueClient
 
     run_id = _run_id("critic2")
     sub = make_sub(run_id, "w1", 1, "looping")
-    msg = tasks.l0.apply(args=[runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)]).get()
+    msg = tasks._stage(tasks.l0, runtime.encode(start(sub, runtime.new_pass_id()), CONFIG), "l0")[0]
     pass_id = runtime.decode(msg)[0].pass_id
-    for _ in range(2):
-        app.send_task(keys.TASK_CRITIC, args=[msg])  # stores no result: nothing to get
-    _settled(run_id, f"1:w1:{pass_id}:2:1:decide")  # the decision after the repair
+    sent = [app.send_task(keys.TASK_CRITIC, args=[msg]) for _ in range(2)]
+    _settled(run_id, pass_id, sent)
     s = runtime.stores()
     assert _leases(run_id) == [f"w1:1:{pass_id}:1"]
     assert s.budget.holds(run_id) == {}
@@ -219,6 +213,7 @@ def test_a_critic_delivered_twice_decides_once_and_reserves_once(worker: WorkerP
     decided = Counter(e["round"] for e in events if e.get("stage") == "decide")
     critiqued = Counter(e["round"] for e in events if e.get("stage") == "critic")
     assert list(decided.values()) == list(critiqued.values()) == [1, 1]  # two rounds, once each
+    assert [e["type"] for e in events].count("result") == 1
 
 
 def test_a_decide_that_lost_the_race_to_a_refusal_releases_its_lease(
@@ -236,7 +231,7 @@ def test_a_decide_that_lost_the_race_to_a_refusal_releases_its_lease(
     tight = {**CONFIG, "budget": {"total_tokens": 200_000, "wait_s": 0}}
     sub = make_sub(run_id, "w1", 1, "looping")
     msg = runtime.encode(start(sub, runtime.new_pass_id()), tight)
-    msg = tasks.l0.apply(args=[msg]).get()
+    msg = tasks._stage(tasks.l0, msg, "l0")[0]
     msg = tasks._stage(tasks.critic, msg, "critic")[0]  # the stage alone (its task decides too)
     s = runtime.stores()
     monkeypatch.setattr(runtime.context_for(tight), "reviser", estimating_revise)
@@ -262,7 +257,7 @@ def test_a_gate_delivered_twice_writes_one_result_and_one_event(worker: WorkerPr
     run_id = _run_id("gate")
     sub = make_sub(run_id, "w1", 1, "clean")
     msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
-    msg = tasks.l0.apply(args=[msg]).get()
+    msg = tasks._stage(tasks.l0, msg, "l0")[0]
     msg = tasks._stage(tasks.critic, msg, "critic")[0]  # the stage alone (its task decides too)
     msg, next_stage = tasks._stage(tasks.decide, msg, "decide")
     assert next_stage == "done"

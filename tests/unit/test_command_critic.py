@@ -192,11 +192,11 @@ def test_the_command_critic_runs_on_the_cpu_queue() -> None:
     """Token-free, seconds long: critique.critic for ``critic: command`` is routed to
     critique.cpu even when the submission names a model (only LLM critics go to critique.llm)."""
     from workers.app import app
-    from workers.tasks import critic_signature
+    from workers.tasks import stage_signature
 
     s = sub(model="openai/gpt-4o-mini")
-    sig = critic_signature(config(), s)
-    assert sig.options.get("queue") is None
+    sig = stage_signature("critic", {}, config(), s)
+    assert sig.options["queue"] == "critique.cpu"
     assert app.amqp.router.route({}, sig.task)["queue"].name == "critique.cpu"
-    llm = critic_signature(CritiqueConfig(enabled=True), s)
+    llm = stage_signature("critic", {}, CritiqueConfig(enabled=True), s)
     assert llm.options["queue"] == "critique.llm"

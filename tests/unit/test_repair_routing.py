@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pipeline.models import Submission
 from workers import runtime
-from workers.tasks import loop_from
+from workers.tasks import stage_signature
 
 SUB = Submission(run_id="r1", worker_id="w1", task="Summarise.", output={"summary": "x"})
 
 
 def _repair_queue(overrides: dict[str, object], submission: Submission = SUB) -> object:
     config = runtime.config_for(overrides)
-    sig = loop_from("repair", {"config": overrides}, config, submission)[0]
+    sig = stage_signature("repair", {"config": overrides}, config, submission)
     assert sig.task == "critique.repair"
     return sig.options.get("queue")
 

@@ -1,0 +1,122 @@
+"""The tasks a submission costs, through a real worker: the loop's stages run inside the tasks
+(an accepted output is one task, each repair round one more), the id the client sent the
+submission under holds the summary in Celery's result backend, and a chain an older client
+built (``l0 → critic → gate``) still finishes."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.runner import start
+from pipeline.store import keys
+from tests.integration.test_distributed import CONFIG, make_sub
+from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support import wait_until
+
+NODE = f"shape@{socket.gethostname()}"
+
+
+@pytest.fixture(scope="module")
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    with client_on(worker_db_url(redis_url)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    log: Path = tmp_path_factory.mktemp("shape") / "worker.log"
+    w = WorkerProcess(env["REDIS_URL"], concurrency=2, name="shape", env=env, log=log).start()
+    yield
+    w.stop()
+
+
+def _tasks_run() -> Counter[str]:
+    """Tasks the module's worker has run, by name (the sweeper's probes left out)."""
+    from workers.app import app
+
+    stats = app.control.inspect(destination=[NODE], timeout=2.0).stats() or {}
+    total = (stats.get(NODE) or {}).get("total") or {}
+    return Counter({k: int(v) for k, v in total.items() if k != "critique.probe"})
+
+
+def _settled_count(before: Counter[str], expected: Counter[str]) -> Counter[str]:
+    """The worker's task counts since ``before``, once they reach ``expected`` (or time out)."""
+    got: list[Counter[str]] = []
+
+    def reached() -> bool:
+        got.append(_tasks_run() - before)
+        return got[-1] == expected
+
+    wait_until(reached, 20, what=f"the worker to count {dict(expected)}")
+    return got[-1]
+
+
+@pytest.mark.parametrize(
+    ("kind", "status", "tasks"),
+    [
+        ("clean", "accepted", {keys.TASK_L0: 1}),
+        ("looping", "repaired", {keys.TASK_L0: 1, keys.TASK_REPAIR: 1}),
+    ],
+)
+def test_an_output_costs_one_task_plus_one_per_repair_round(
+    worker: None, kind: str, status: str, tasks: dict[str, int]
+) -> None:
+    """A clean output runs as one task (Layer-0, critic, decide and gate in critique.l0); one
+    repaired in one round as two (critique.l0, then critique.repair under the same id), and
+    that id's Celery result is the gate's summary of the stored result."""
+    from celery.result import AsyncResult
+
+    from workers.app import app
+    from workers.client import CritiqueClient
+
+    client = CritiqueClient(CONFIG)
+    before = _tasks_run()
+    handle = client.submit(make_sub(f"shape-{uuid.uuid4().hex[:8]}", "w1", 1, kind))
+    result = client.wait(handle, timeout=60)
+    assert result.status == status
+    assert len(result.attempts) == tasks.get(keys.TASK_REPAIR, 0)
+    stored = AsyncResult(handle.task_id, app=app)
+    assert stored.state == "SUCCESS", stored.state
+    summary = stored.result
+    assert (summary["worker_id"], summary["status"], summary["best_score"]) == (
+        "w1",
+        result.status,
+        result.best_score,
+    )
+    assert _settled_count(before, Counter(tasks)) == Counter(tasks)
+
+
+def test_a_chain_sent_by_an_older_client_still_finishes(worker: None) -> None:
+    """``l0 → critic → gate`` as clients before the fused tasks sent it: the l0 task runs the
+    stages it can, hands the state down the chain instead of finishing the pass itself, and
+    the gate at the end stores the one result under its own id."""
+    from celery import chain
+    from celery.result import AsyncResult
+
+    from workers import runtime, tasks
+    from workers.app import app
+    from workers.client import CritiqueClient
+
+    client = CritiqueClient(CONFIG)
+    sub = make_sub(f"older-{uuid.uuid4().hex[:8]}", "w1", 1, "clean")
+    first = uuid.uuid4().hex
+    msg = runtime.encode(
+        start(sub, runtime.new_pass_id()), CONFIG, task=keys.TASK_L0, task_id=first
+    )
+    older = chain(tasks.l0.s(msg).set(task_id=first), tasks.critic.s(), tasks.gate.s())
+    before = _tasks_run()
+    handle = client._enqueue(sub, msg, older)
+    result = client.wait(handle, timeout=60)
+    assert result.status == "accepted"
+    stored = AsyncResult(handle.task_id, app=app)
+    assert (stored.state, stored.result["status"]) == ("SUCCESS", "accepted")
+    expected = Counter({keys.TASK_L0: 1, keys.TASK_CRITIC: 1, keys.TASK_GATE: 1})
+    assert _settled_count(before, expected) == expected
+    events = [e for e in client.trace(sub.run_id) if e["type"] == "result"]
+    assert len(events) == 1
