@@ -3,7 +3,7 @@ result backend on a Redis of their own: a real 3-master cluster (``redis-server
 --cluster-enabled yes``, ``redis-cli --cluster create … --cluster-replicas 0``), a private broker
 Redis and a real worker process. Runs finish with their reference results, each run's keys in
 its own slot on the node that owns it, spread over the nodes, and nothing of the store on the
-broker; ``critique submit/status/report/resume`` work against it."""
+broker; ``critique submit/status/report/resume/watch/archive`` work against it."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     a run lives on the node owning its ``{run_id}`` slot, the keys spread over all three nodes,
     the sweeper's probes and lock are in the cluster too, and the broker's Redis holds no key
     under the store's prefix. Then the CLI on the same store: ``submit --wait``, ``status``,
-    ``report`` and ``resume`` of a finished run (nothing to re-drive)."""
+    ``report``, ``resume`` of a finished run (nothing to re-drive), ``watch`` and ``archive``."""
     from workers import runtime
     from workers.cli import main
     from workers.client import CritiqueClient
@@ -217,6 +217,11 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     assert list((tmp_path / "ws").rglob("critique.json"))
     assert main(["resume", cli_run, "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == {"run_id": cli_run, "resumed": []}
+    assert main(["watch", run_ids[1], "--json", "--timeout", "30"]) == 0  # XREAD on the cluster
+    capsys.readouterr()
+    assert main(["archive", run_ids[1], "--dir", str(tmp_path / "archive"), "--json"]) == 0
+    capsys.readouterr()
+    assert (tmp_path / "archive" / f"{run_ids[1]}.jsonl").is_file()
     print("store keys per cluster node:", {p: len(v) for p, v in by_node.items()})
 
     leaked = _broker_store_keys(redis_server.port, prefix)
