@@ -3,13 +3,16 @@ result backend on a Redis of their own: a real 3-master cluster (``redis-server
 --cluster-enabled yes``, ``redis-cli --cluster create … --cluster-replicas 0``), a private broker
 Redis and a real worker process. Runs finish with their reference results, each run's keys in
 its own slot on the node that owns it, spread over the nodes, and nothing of the store on the
-broker; ``critique submit/status/report/resume/watch/archive`` work against it."""
+broker; ``critique submit/status/report/resume/watch/archive`` work against it. A second test
+gives each master a replica and SIGKILLs one master mid-run: the worker keeps its process and
+every submission still ends, once."""
 
 from __future__ import annotations
 
 import json
 import shutil
 import subprocess
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ import pytest
 import redis
 from redis.cluster import key_slot
 
+from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.faults.conftest import RedisServer
@@ -31,7 +35,7 @@ RUNS_PER_NODE = 2
 PER_RUN = 8
 CLUSTER_ARGS = (
     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-    "--cluster-node-timeout", "5000", "--appendonly", "no",
+    "--cluster-node-timeout", "2000", "--appendonly", "no",
 )  # fmt: skip
 
 
@@ -49,20 +53,22 @@ def _cluster_ok(port: int) -> bool:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[list[RedisServer]]:
-    """A 3-master Redis Cluster of private servers (no replicas, no persistence)."""
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[RedisServer]]:
+    """A 3-master Redis Cluster of private servers (no persistence); with ``replicas`` (the
+    fixture's indirect parameter, default 0) that many replicas per master."""
     cli = _redis_cli()
+    replicas = int(getattr(request, "param", 0))
     # The cluster bus on a free port of its own (by default the port + 10000, maybe past 65535).
     nodes = [
         RedisServer(tmp_path / f"node-{i}", (*CLUSTER_ARGS, "--cluster-port", str(free_port())))
-        for i in range(NODES)
+        for i in range(NODES * (1 + replicas))
     ]
     try:
         for node in nodes:
             node.start()
         made = subprocess.run(
             [cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes),
-             "--cluster-replicas", "0", "--cluster-yes"],
+             "--cluster-replicas", str(replicas), "--cluster-yes"],
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         assert made.returncode == 0, made.stdout + made.stderr
@@ -153,6 +159,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     prefix = keys.key_prefix()
     ports = [n.port for n in cluster]
     owner = _owner(cluster)
+    assert len(ports) == NODES
     assert set(owner.values()) == set(ports)
     start_worker("cluster", concurrency=4)  # type: ignore[operator]
 
@@ -226,3 +233,72 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
 
     leaked = _broker_store_keys(redis_server.port, prefix)
     assert not leaked, leaked
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("cluster", [1], indirect=True)
+def test_a_cluster_master_killed_mid_run_is_a_reconnect_and_every_submission_ends(
+    cluster: list[RedisServer], fault_env: dict[str, str], start_worker: object
+) -> None:
+    """Three masters with a replica each; the master owning a third of the runs is SIGKILLed
+    once some results are in, and its replica takes over its slots. The worker keeps its
+    process; every submission still ends with the reference's status and stop reason, with
+    exactly one ``result`` event (a result and its event are one script: lost or kept
+    together)."""
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    owner = _owner(cluster)
+    masters = sorted(set(owner.values()))
+    assert len(masters) == NODES
+    worker = start_worker("cluster-failover", concurrency=4)  # type: ignore[operator]
+    run_ids = _run_ids(owner, masters)
+    subs = [
+        make_sub(run_id, f"w{i:02d}", 1, KINDS[i % len(KINDS)])
+        for run_id in run_ids
+        for i in range(PER_RUN * 3)
+    ]
+    client = CritiqueClient(CONFIG)
+    client.submit_many(subs)
+
+    def finished() -> int:
+        try:
+            return sum(len(_results(r)) for r in run_ids)
+        except StoreUnavailableError:  # this process's client, mid-failover
+            return 0
+
+    wait_until(lambda: finished() >= len(subs) // 4, timeout=60, what="a quarter of the results")
+    last = run_ids[-1]  # submitted last: none of its results is in yet, or few
+    victim = next(n for n in cluster if n.port == owner[key_slot(last.encode())])
+    assert len(_results(last)) < PER_RUN * 3  # the kill lands mid-run for the victim's slots
+    victim.kill()
+    killed = time.monotonic()
+    survivors = [n for n in cluster if n is not victim]
+    slot = key_slot(last.encode())
+    wait_until(
+        lambda: _owner(survivors)[slot] != victim.port and _cluster_ok(survivors[0].port),
+        timeout=30,
+        what="the victim's replica promoted",
+    )
+    promoted = time.monotonic() - killed
+    wait_until(lambda: finished() == len(subs), timeout=100, what="every result")
+    done = time.monotonic() - killed
+    print(f"replica promoted {promoted:.1f} s after the kill, every result {done:.1f} s after it")
+
+    assert worker.proc is not None and worker.proc.poll() is None  # the same process
+    want, _ = reference(subs, CONFIG)
+    got = {f"{run_id}/{k}": r for run_id in run_ids for k, r in _results(run_id).items()}
+    assert {k: (r.status, r.stop_reason) for k, r in got.items()} == {
+        f"{s.run_id}/{s.iteration}:{s.worker_id}": (
+            want[f"{s.iteration}:{s.worker_id}"].status,
+            want[f"{s.iteration}:{s.worker_id}"].stop_reason,
+        )
+        for s in subs
+    }
+    for run_id in run_ids:
+        finals = Counter(
+            (e["iteration"], e["worker_id"]) for e in client.trace(run_id) if e["type"] == "result"
+        )
+        assert len(finals) == PER_RUN * 3 and set(finals.values()) == {1}, run_id
+    assert runtime.stores().runs.results(last)  # the promoted replica serves the victim's slots
