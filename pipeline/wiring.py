@@ -45,7 +45,7 @@ from pipeline.runner import (
 from pipeline.store.base import BudgetLedger, CritiqueCache, PatternStore, TraceSink
 
 if TYPE_CHECKING:
-    import redis
+    from pipeline.store.redis_common import StoreClient
 
 # --- Layer-0 and the fixpoint test ------------------------------------------------------------
 
@@ -270,7 +270,7 @@ def default_completer(config: CritiqueConfig) -> Completer:
 
 def rate_limited_completer(
     config: CritiqueConfig,
-    client: redis.Redis,
+    client: StoreClient,
     on_wait: Callable[[str, float], None] | None = None,
 ) -> Completer | None:
     """litellm behind the cluster-wide rate limit of ``llm.rate_limit`` (SPEC §5.10): one
@@ -350,7 +350,7 @@ class RedisStores:
     """The Redis stores of one process, on one client (the store modules load here)."""
 
     def __init__(
-        self, client: redis.Redis, *, secrets: Callable[[], Sequence[bytes]] | None = None
+        self, client: StoreClient, *, secrets: Callable[[], Sequence[bytes]] | None = None
     ) -> None:
         from pipeline.store.blobs import RedisBlobStore
         from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink

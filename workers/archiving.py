@@ -159,8 +159,8 @@ def archive_run(
     record = collect(run_id, stores=stores, now=now, index=idx)
     if record is None:
         raise NothingToArchiveError(
-            f"Redis at {runtime.redis_url()} holds nothing of run {run_id!r} to archive "
-            "(a mistyped run id, another REDIS_URL, or the run's keys expired)"
+            f"Redis at {runtime.store_url()} holds nothing of run {run_id!r} to archive "
+            f"(a mistyped run id, another {runtime.store_setting()}, or the run's keys expired)"
         )
     folder = archive.archive_dir() if directory is None else directory
     path = archive.write(folder, record, runtime.secrets())

@@ -71,7 +71,7 @@ from celery.signals import worker_ready
 from celery.worker import consumer as celery_consumer
 from kombu.transport import redis as kombu_redis
 
-from pipeline.errors import CritiqueError, PermanentError, SubmissionError
+from pipeline.errors import CritiqueError, PermanentError, StoreUnavailableError, SubmissionError
 from pipeline.runner import LoopState
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex, parse_member
@@ -79,7 +79,8 @@ from pipeline.store.redis import RedisTraceSink
 from pipeline.store.redis_common import (
     FailoverConnection,
     FailoverSSLConnection,
-    client_from_url,
+    StoreClient,
+    store_client_from_url,
     text,
 )
 from pipeline.store.runs import RedisRunStore, pass_member
@@ -144,7 +145,7 @@ class RecoveryStores:
 
 
 @functools.lru_cache(maxsize=4)
-def stores_on(client: redis.Redis) -> RecoveryStores:
+def stores_on(client: StoreClient) -> RecoveryStores:
     """The recovery stores over ``client`` (one set per client); the run store verifies what
     workers recorded with ``CRITIQUE_SECRET`` (:func:`workers.runtime.secrets`)."""
     return RecoveryStores(
@@ -915,12 +916,16 @@ class SweeperThread(threading.Thread):
         self._orphans: dict[str, float] = {}
 
     def run(self) -> None:
-        # The store's URL: a sentinel:// one follows the current master (client_from_url).
-        client = client_from_url(runtime.redis_url(), socket_connect_timeout=5, socket_timeout=30)
-        s = stores_on(client)
+        # The store (CRITIQUE_STORE_URL, else REDIS_URL): a sentinel:// one follows the current
+        # master, a redis+cluster:// one is a cluster client. The broker's own reads (unacked,
+        # the holders' reports) go through the broker connection (RedisBroker), never here.
+        client: StoreClient | None = None
+        s: RecoveryStores | None = None
         while True:
             with _tick_lock:
                 try:
+                    if s is None:
+                        client, s = self._store()
                     self.tick(s)
                 except Exception as exc:  # an outage, mostly: say so now and then, carry on
                     self._drop_broker()
@@ -938,7 +943,25 @@ class SweeperThread(threading.Thread):
             if self._broker is not None:
                 self._broker.withdraw(self.token)
         self._drop_broker()
-        client.close()
+        if client is not None:
+            client.close()
+
+    def _store(self) -> tuple[StoreClient, RecoveryStores]:
+        """This thread's own client of the store and the stores on it. A cluster client asks
+        the cluster for its slots as it is built: while the cluster is away this raises
+        ``StoreUnavailableError``, after the tick's report to the broker (this worker's
+        messages are never taken for orphans meanwhile), and the next tick tries again."""
+        try:
+            client = store_client_from_url(
+                runtime.store_url(),
+                setting=runtime.store_setting(),
+                socket_connect_timeout=5,
+                socket_timeout=30,
+            )
+        except StoreUnavailableError:
+            self.report()
+            raise
+        return client, stores_on(client)
 
     def _finished(self) -> bool:
         """After a stop: no task running here any more, or the longest task's time is up."""

@@ -31,7 +31,6 @@ import threading
 import uuid
 from typing import Any
 
-import redis
 from pydantic import Field
 
 from pipeline import signing
@@ -41,7 +40,9 @@ from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext, compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
-from pipeline.store.redis_common import client_from_url
+from pipeline.store.redis_common import DEFAULT_REDIS_URL, StoreClient, store_client_from_url
+from pipeline.store.redis_common import store_setting as store_setting_of
+from pipeline.store.redis_common import store_url as store_url_of
 from pipeline.wiring import (
     RedisStores,
     contract_l0,
@@ -56,9 +57,23 @@ INLINE_LIMIT = int(os.environ.get("CRITIQUE_INLINE_LIMIT", str(16 * 1024)))
 
 
 def redis_url() -> str:
-    """The store's URL: ``$REDIS_URL`` or the local default (``redis://``, ``rediss://``,
-    ``unix://``, or ``sentinel://host:port;…/db`` with ``CRITIQUE_REDIS_MASTER``)."""
-    return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    """``$REDIS_URL`` or the local default (``redis://``, ``rediss://``, ``unix://``, or
+    ``sentinel://host:port;…/db`` with ``CRITIQUE_REDIS_MASTER``): the broker and the result
+    backend unless ``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` say otherwise, and the
+    store unless ``CRITIQUE_STORE_URL`` does (:func:`store_url`)."""
+    return os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
+
+
+def store_url() -> str:
+    """The store's URL: ``$CRITIQUE_STORE_URL`` (which may also be a Redis Cluster,
+    ``redis+cluster://host:port,host:port,…``), else :func:`redis_url`."""
+    return store_url_of(os.environ)
+
+
+def store_setting() -> str:
+    """The setting the store's URL comes from (for messages): ``CRITIQUE_STORE_URL`` or
+    ``REDIS_URL``."""
+    return store_setting_of(os.environ)
 
 
 def secrets() -> tuple[bytes, ...]:
@@ -86,15 +101,21 @@ def verify(msg: dict[str, Any]) -> None:
 
 
 @functools.lru_cache(maxsize=1)
-def client() -> redis.Redis:
-    """The process's Redis client (bytes replies; safe to share between threads). With a
-    ``sentinel://`` URL, a client of the current master (asked of the Sentinels on every
-    reconnect, so a failover is a reconnect), with the same timeouts, health checks and
-    redis-py's default retry (which may send a command, an ``EVALSHA`` too, again: every store
-    script is idempotent, keyed by pass). ``ConfigError`` when ``CRITIQUE_REDIS_MASTER`` is
-    missing or the URL is malformed."""
-    return client_from_url(
-        redis_url(), socket_connect_timeout=5, socket_timeout=30, health_check_interval=30
+def client() -> StoreClient:
+    """The process's client of the store (:func:`store_url`; bytes replies; safe to share
+    between threads). With a ``sentinel://`` URL, a client of the current master (asked of the
+    Sentinels on every reconnect, so a failover is a reconnect); with a ``redis+cluster://``
+    one, a Redis Cluster client (it follows slot moves and failovers); with the same timeouts,
+    health checks and redis-py's default retry (which may send a command, an ``EVALSHA`` too,
+    again: every store script is idempotent, keyed by pass). ``ConfigError`` when
+    ``CRITIQUE_REDIS_MASTER`` is missing or the URL is malformed; ``StoreUnavailableError``
+    when a cluster cannot be reached (nothing is cached: the next call tries again)."""
+    return store_client_from_url(
+        store_url(),
+        setting=store_setting(),
+        socket_connect_timeout=5,
+        socket_timeout=30,
+        health_check_interval=30,
     )
 
 

@@ -16,10 +16,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from pipeline.store import keys
-from pipeline.store.redis_common import resolve_prefix, store_errors, text
+from pipeline.store.redis_common import StoreClient, resolve_prefix, store_errors, text
 
 RECORD_SUFFIXES: tuple[str, ...] = (
     keys.RESULTS,
@@ -68,7 +66,7 @@ class RunState:
 class RedisArchiveIndex:
     """The archiver's index of runs, its per-run markers and its lock."""
 
-    def __init__(self, client: redis.Redis, *, prefix: str | None = None) -> None:
+    def __init__(self, client: StoreClient, *, prefix: str | None = None) -> None:
         self._r = client
         self._prefix = resolve_prefix(prefix)
 

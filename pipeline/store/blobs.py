@@ -16,7 +16,7 @@ from pipeline.errors import ConfigError, PermanentError
 from pipeline.store import keys
 
 if TYPE_CHECKING:
-    import redis
+    from pipeline.store.redis_common import StoreClient
 
 REF_PREFIX = "sha256:"
 _REF = re.compile(r"sha256:([0-9a-f]{64})")  # fullmatch: "$" would accept a trailing newline
@@ -74,7 +74,7 @@ class RedisBlobStore:
     """
 
     def __init__(
-        self, client: redis.Redis, prefix: str | None = None, ttl_s: float | None = None
+        self, client: StoreClient, prefix: str | None = None, ttl_s: float | None = None
     ) -> None:
         # Imported here, not above: the reference functions serve the in-process stores,
         # which must import without redis installed (tests/unit/test_layering.py).

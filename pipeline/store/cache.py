@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import uuid
 
-import redis
-
 from pipeline.store import keys
-from pipeline.store.redis_common import store_errors, text
+from pipeline.store.redis_common import StoreClient, store_errors, text
 
 
 class RedisCritiqueCache:
     """:class:`~pipeline.store.base.CritiqueCache` on Redis."""
 
-    def __init__(self, client: redis.Redis, *, prefix: str | None = None) -> None:
+    def __init__(self, client: StoreClient, *, prefix: str | None = None) -> None:
         self._client = client
         self._prefix = prefix
         self._token = uuid.uuid4().hex

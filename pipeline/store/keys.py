@@ -6,8 +6,17 @@ expires ``CRITIQUE_RUN_TTL_S`` seconds after its last write; the keys that only 
 chain (a pass's step records, its first message) expire ``CRITIQUE_LIVE_TTL_S`` after theirs,
 and are deleted as soon as the pass's result lands. Blob keys are content-addressed and
 shared by every run (``<prefix>:blob:<sha256 hex>``); they expire too. Lessons
-(``<prefix>:lessons:*``) are shared too and expire ``CRITIQUE_LESSONS_TTL_S`` seconds after the
-last run that taught one.
+(``<prefix>:lessons:{lessons}:*``) are shared too and expire ``CRITIQUE_LESSONS_TTL_S`` seconds
+after the last run that taught one.
+
+**Redis Cluster** (``CRITIQUE_STORE_URL=redis+cluster://…``): a key's slot is the hash of its
+first ``{…}`` (its hash tag), else of the whole name. One script, transaction or multi-key
+command touches keys of one tag only: a run's keys share ``{run_id}`` (the archive marker too),
+a queue's two probe keys ``{queue}``, the three lessons keys ``{lessons}``. Every other shared
+key (a blob, a cache entry or claim, a rate-limit bucket, ``pending:runs``, ``archive:runs``,
+the sweep and archive locks) is used alone, each in a slot of its own, so several of them are
+never written in one atomic step. Scripts get every key they touch in ``KEYS``; none builds a
+key name from ``ARGV``.
 """
 
 from __future__ import annotations
@@ -100,9 +109,10 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
 # --- shared (not per-run) keys ---------------------------------------------------------------
 
 BLOB = "blob"  # string under ``<prefix>:blob:<sha256 hex>``: content-addressed bytes, all runs
-LESSONS_RUNS = "lessons:runs"  # sorted set: pattern key -> runs it occurred in + order tiebreak
-LESSONS_DETAIL = "lessons:detail"  # hash: pattern key -> JSON {category, rule, first/last run}
-LESSONS_SEQ = "lessons:seq"  # string: the last first-learned order handed out to a lesson
+LESSONS_TAG = "{lessons}"  # the lessons' one hash tag: one cluster slot for their one script
+LESSONS_RUNS = f"lessons:{LESSONS_TAG}:runs"  # sorted set: pattern key -> runs + order tiebreak
+LESSONS_DETAIL = f"lessons:{LESSONS_TAG}:detail"  # hash: pattern key -> JSON {category, rule…}
+LESSONS_SEQ = f"lessons:{LESSONS_TAG}:seq"  # string: the last first-learned order handed out
 LESSONS_KEYS = (LESSONS_RUNS, LESSONS_DETAIL, LESSONS_SEQ)  # all expire CRITIQUE_LESSONS_TTL_S
 PENDING_RUNS = "pending:runs"  # sorted set: run id -> last submit; runs the stall sweeper scans
 SWEEP_LOCK = "sweep:lock"  # string: token of the worker sweeping for stalls now (expires)

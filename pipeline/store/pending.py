@@ -26,10 +26,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import redis
-
 from pipeline.store import keys
-from pipeline.store.redis_common import resolve_prefix, resolve_ttl_ms, store_errors, text
+from pipeline.store.redis_common import (
+    StoreClient,
+    resolve_prefix,
+    resolve_ttl_ms,
+    store_errors,
+    text,
+)
 
 PROBE_TTL_S = 3600
 """Probe keys expire an hour after the last probe (or with the run TTL, if shorter: only pending
@@ -106,7 +110,7 @@ class RedisPendingIndex:
     """Pending submission passes by last progress, the sweep lock, and queue-drain probes."""
 
     def __init__(
-        self, client: redis.Redis, *, prefix: str | None = None, ttl_s: float | None = None
+        self, client: StoreClient, *, prefix: str | None = None, ttl_s: float | None = None
     ) -> None:
         self._r = client
         self._prefix = resolve_prefix(prefix)

@@ -18,12 +18,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import redis
-
 from pipeline.config import RateLimit
 from pipeline.errors import LLMTransientError
 from pipeline.store import keys
-from pipeline.store.redis_common import store_errors
+from pipeline.store.redis_common import StoreClient, store_errors
 
 _GCRA = """
 -- KEYS[1]: the model's hash (fields rpm, tpm: TAT in ms)
@@ -78,7 +76,7 @@ class RedisRateLimiter:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: StoreClient,
         *,
         prefix: str | None = None,
         sleep: Callable[[float], None] = time.sleep,

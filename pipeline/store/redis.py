@@ -1,6 +1,7 @@
 """Redis implementations of the run stores (SPEC §4), behind the protocols of ``base``.
 
-Each store takes an injected ``redis.Redis`` client (``decode_responses`` False or True: both
+Each store takes an injected client (:data:`~pipeline.store.redis_common.StoreClient`: a
+``redis.Redis``, or a ``redis.cluster.RedisCluster``; ``decode_responses`` False or True: both
 work), a key prefix and a run TTL (defaults from :mod:`pipeline.store.keys`). Multi-key updates
 are single Lua scripts (``register_script``: EVALSHA with a NOSCRIPT fallback), so a run's
 state is changed atomically and every write path refreshes the run keys' expiry. Connection
@@ -13,8 +14,6 @@ import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
-
-import redis
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
 from pipeline.store import keys
@@ -31,6 +30,8 @@ from pipeline.store.base import (
 from pipeline.store.keys import pattern_key
 from pipeline.store.packing import pack_event, unpack
 from pipeline.store.redis_common import (
+    StoreClient,
+    connection_kwargs,
     decodes_responses,
     resolve_prefix,
     resolve_ttl_ms,
@@ -182,7 +183,7 @@ class RedisPatternStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: StoreClient,
         prefix: str | None = None,
         ttl_s: float | None = None,
         lessons_ttl_s: float | None = None,
@@ -477,7 +478,7 @@ class RedisBudgetLedger:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: StoreClient,
         prefix: str | None = None,
         ttl_s: float | None = None,
         clock: Callable[[], float] | None = None,
@@ -592,7 +593,7 @@ class RedisTraceSink:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: StoreClient,
         prefix: str | None = None,
         ttl_s: float | None = None,
         maxlen: int = keys.TRACE_MAXLEN,
@@ -652,7 +653,7 @@ class RedisTraceSink:
         """
         if block_ms < 1:
             raise ValueError("block_ms must be ≥ 1 (0 would block forever)")
-        timeout = self._client.connection_pool.connection_kwargs.get("socket_timeout")
+        timeout = connection_kwargs(self._client).get("socket_timeout")
         if timeout is not None and block_ms >= timeout * 1000:
             raise ValueError(
                 f"block_ms={block_ms} must be below the client's socket_timeout ({timeout} s)"

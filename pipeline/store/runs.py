@@ -44,14 +44,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from pipeline import signing
 from pipeline.errors import ForgedMessageError
 from pipeline.models import CritiqueResult
 from pipeline.store import keys
 from pipeline.store.packing import pack_event, pack_record, unpack
 from pipeline.store.redis_common import (
+    StoreClient,
     decodes_responses,
     resolve_prefix,
     resolve_ttl_ms,
@@ -234,7 +233,7 @@ class RedisRunStore:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: StoreClient,
         *,
         prefix: str | None = None,
         ttl_s: float | None = None,

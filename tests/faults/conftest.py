@@ -10,7 +10,7 @@ import contextlib
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -57,12 +57,14 @@ class ServerProcess:
 
 class RedisServer(ServerProcess):
     """A ``redis-server`` with ``appendonly yes`` / ``appendfsync always`` that keeps its port and
-    data directory across :meth:`kill` / :meth:`stop` and :meth:`start`."""
+    data directory across :meth:`kill` / :meth:`stop` and :meth:`start`; ``args`` are more
+    options, after (so in place of) those (e.g. a cluster node's)."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, args: Sequence[str] = ()) -> None:
         self.port = free_port()
         self.dir = workdir
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.args = list(args)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def url(self, db: int = 0) -> str:
@@ -73,7 +75,7 @@ class RedisServer(ServerProcess):
             redis_executable(),
             "--port", str(self.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
             "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-            "--dir", str(self.dir),
+            "--dir", str(self.dir), *self.args,
         ]  # fmt: skip
         log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it open
         self.proc = subprocess.Popen(
@@ -125,10 +127,19 @@ def _forget_app_connections() -> None:
 
 
 @pytest.fixture
-def fault_env(redis_server: RedisServer) -> Iterator[dict[str, str]]:
-    """This process's client pointed at the private Redis (db 0), with :data:`FAULT_ENV`; the
-    environment for the test's worker processes."""
-    with client_on(redis_server.url(0), **FAULT_ENV) as env:
+def fault_store_env() -> dict[str, str]:
+    """More environment for :func:`fault_env` (none; a test module overrides this fixture to
+    put the store elsewhere, e.g. ``CRITIQUE_STORE_URL``)."""
+    return {}
+
+
+@pytest.fixture
+def fault_env(
+    redis_server: RedisServer, fault_store_env: dict[str, str]
+) -> Iterator[dict[str, str]]:
+    """This process's client pointed at the private Redis (db 0), with :data:`FAULT_ENV` and
+    :func:`fault_store_env`; the environment for the test's worker processes."""
+    with client_on(redis_server.url(0), **FAULT_ENV, **fault_store_env) as env:
         _forget_app_connections()
         try:
             yield env

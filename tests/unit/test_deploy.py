@@ -165,3 +165,112 @@ def test_the_check_itself_refuses_a_typo() -> None:
     """The helper these tests use does catch a mistyped variable."""
     with pytest.raises(pytest.fail.Exception):
         _accepted({"CRITIQUE_MAX_REPAIRS": "3"}, "a typo")
+
+
+# --- the Sentinel variants -----------------------------------------------------------------------
+def _sentinel_url_hosts(url: str, master_env: str | None) -> set[tuple[str, int]]:
+    """The Sentinels a ``sentinel://`` URL lists, after the check every command makes (it parses
+    and the master name is set)."""
+    from pipeline.store.redis_common import check_redis_urls, parse_sentinel_url
+
+    check_redis_urls(
+        {"REDIS_URL": url, **({"CRITIQUE_REDIS_MASTER": master_env} if master_env else {})}
+    )
+    return set(parse_sentinel_url(url).sentinels)
+
+
+def _monitor(conf: str) -> tuple[str, str, int, int]:
+    """The ``sentinel monitor <name> <host> <port> <quorum>`` line of a Sentinel configuration."""
+    m = re.search(r"^\s*sentinel monitor (\S+) (\S+) (\d+) (\d+)\s*$", conf, re.MULTILINE)
+    assert m is not None, conf
+    return m.group(1), m.group(2), int(m.group(3)), int(m.group(4))
+
+
+def test_compose_sentinel_variant_points_every_service_at_its_sentinels() -> None:
+    """compose.sentinel.yml, layered over docker-compose.yml: a master with AOF, a replica of it,
+    three Sentinels whose quorum a majority can reach, monitoring the name every worker and
+    Flower is given; each of those services gets a sentinel:// REDIS_URL listing exactly those
+    Sentinels (and waits for them), and every CRITIQUE_* it sets is accepted."""
+    overlay = yaml.safe_load((DEPLOY / "compose.sentinel.yml").read_text(encoding="utf-8"))
+    base = _compose()["services"]
+    services = overlay["services"]
+    sentinels = {
+        n: s for n, s in services.items() if "--sentinel" in "\n".join(s.get("command") or [])
+    }
+    assert len(sentinels) == 3
+    monitors = {_monitor("\n".join(s["command"])) for s in sentinels.values()}
+    ((name, host, port, quorum),) = monitors
+    assert (host, port) == ("redis", 6379) and quorum == 2 <= len(sentinels) // 2 + 1
+    master, replica = services["redis"]["command"], services["redis-replica"]["command"]
+    assert "--appendonly" in master and "--replicaof" not in master
+    assert replica[replica.index("--replicaof") + 1 :][:2] == ["redis", "6379"]
+    assert "--appendonly" in replica
+    clients = [n for n, svc in base.items() if "REDIS_URL" in (svc.get("environment") or {})]
+    assert {"worker-cpu", "worker-llm", "worker-critic", "flower"} <= set(clients)
+    for svc_name in clients:
+        env = {**base[svc_name]["environment"], **services[svc_name]["environment"]}
+        assert env["CRITIQUE_REDIS_MASTER"] == name, svc_name
+        hosts = _sentinel_url_hosts(env["REDIS_URL"], env["CRITIQUE_REDIS_MASTER"])
+        assert hosts == {(s, 26379) for s in sentinels}, svc_name
+        assert set(services[svc_name]["depends_on"]) == set(sentinels), svc_name
+        _accepted(env, f"compose.sentinel.yml service {svc_name}")
+    for svc_name, svc in services.items():  # a misspelt service would start half-configured
+        assert svc_name in base or "image" in svc, svc_name
+
+
+def _sentinel_k8s() -> list[dict[str, Any]]:
+    docs = []
+    for path in sorted((DEPLOY / "kubernetes" / "sentinel").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text(encoding="utf-8")) if d]
+    return docs
+
+
+def test_kubernetes_sentinel_variant_matches_the_url_the_workers_get() -> None:
+    """kubernetes/sentinel/: the Sentinel StatefulSet runs the pods the documented
+    critique-redis URL lists (via its headless Service), monitoring the master name of the
+    critique-sentinel ConfigMap with a reachable quorum; Redis runs as two pods with AOF; every
+    worker Deployment and Flower read that ConfigMap (optionally), and KEDA's ScaledObjects
+    there scale each worker on its own queue through the Sentinels."""
+    docs = _sentinel_k8s()
+    by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
+    scripts = by[("ConfigMap", "redis-sentinel-scripts")]["data"]
+    settings = by[("ConfigMap", "critique-sentinel")]["data"]
+    _accepted(settings, "ConfigMap critique-sentinel")
+    sentinel_set = by[("StatefulSet", "sentinel")]["spec"]
+    assert sentinel_set["serviceName"] == "sentinel" and ("Service", "sentinel") in by
+    name, _, port, quorum = _monitor(scripts["sentinel.sh"].replace("$master", "m"))
+    assert name == settings["CRITIQUE_REDIS_MASTER"] and port == 6379
+    assert quorum == sentinel_set["replicas"] // 2 + 1
+    pods = {(f"sentinel-{i}.sentinel", 26379) for i in range(sentinel_set["replicas"])}
+    url = re.search(
+        r"url='(sentinel://[^']+)'", (DEPLOY / "kubernetes/sentinel/config.yaml").read_text()
+    )
+    assert url is not None
+    assert _sentinel_url_hosts(url.group(1), name) == pods
+    assert set(settings["REDIS_SENTINEL_ADDRESSES"].split(",")) == {f"{h}:{p}" for h, p in pods}
+    redis_set = by[("StatefulSet", "redis")]["spec"]
+    assert redis_set["replicas"] == 2 and "--appendonly yes" in scripts["redis.sh"]
+    assert "get-master-addr-by-name critique" in scripts["redis.sh"]  # rejoin as a replica
+    flower = [
+        d for d in _k8s_docs() if (d["kind"], d["metadata"]["name"]) == ("Deployment", "flower")
+    ]
+    for d in [*_worker_deployments().values(), *flower]:
+        (container,) = d["spec"]["template"]["spec"]["containers"]
+        refs = [e["configMapRef"] for e in container.get("envFrom", []) if "configMapRef" in e]
+        assert {"name": "critique-sentinel", "optional": True} in refs, d["metadata"]["name"]
+    scaled = {
+        d["spec"]["triggers"][0]["metadata"]["listName"]: d["spec"]["scaleTargetRef"]["name"]
+        for d in docs
+        if d["kind"] == "ScaledObject"
+    }
+    assert scaled == {
+        q: n
+        for n, dep in _worker_deployments().items()
+        for q in _queues(list(dep["spec"]["template"]["spec"]["containers"][0]["command"]))
+    }
+    for d in docs:
+        if d["kind"] == "ScaledObject":
+            meta = d["spec"]["triggers"][0]
+            assert meta["type"] == "redis-sentinel"
+            assert meta["metadata"]["addressesFromEnv"] in settings
+            assert meta["metadata"]["sentinelMasterFromEnv"] == "CRITIQUE_REDIS_MASTER"

@@ -150,8 +150,8 @@ def load_snapshot(
     if not submitted and not results:
         where = "" if iteration is None else f" in iteration {iteration}"
         raise UnknownRunError(
-            f"no submission of run {run_id!r}{where} in the store at {runtime.redis_url()} "
-            "(a mistyped run id, another REDIS_URL, or the run's keys expired)"
+            f"no submission of run {run_id!r}{where} in the store at {runtime.store_url()} "
+            f"(a mistyped run id, another {runtime.store_setting()}, or the run's keys expired)"
         )
     snap = RunSnapshot(run_id, submitted, results)
     if chain_errors and snap.unfinished:
@@ -170,8 +170,8 @@ def _archived_snapshot(run_id: str, iteration: int | None) -> RunSnapshot:
         where = "" if iteration is None else f" in iteration {iteration}"
         path = archive_dir() / f"{run_id}.jsonl"
         raise UnknownRunError(
-            f"no submission of run {run_id!r}{where} in the store at {runtime.redis_url()} "
-            f"and no archive at {path} (a mistyped run id, another REDIS_URL or "
+            f"no submission of run {run_id!r}{where} in the store at {runtime.store_url()} "
+            f"and no archive at {path} (a mistyped run id, another {runtime.store_setting()} or "
             "CRITIQUE_ARCHIVE_DIR, or the run's keys expired before it was archived)"
         )
     path, record = got
@@ -268,10 +268,10 @@ def service_guard(command: str, body: Callable[[], int]) -> int:
         print(f"critique {command}: {exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     except unreachable_errors() as exc:
-        url = runtime.redis_url()
+        url = runtime.store_url()
         print(
             f"critique {command}: cannot reach Redis at {url}: {exc} "
-            f"(hint: is Redis running at {url}? set REDIS_URL)",
+            f"(hint: is Redis running at {url}? set {runtime.store_setting()})",
             file=sys.stderr,
         )
         return EXIT_UNAVAILABLE

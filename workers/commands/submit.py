@@ -293,8 +293,8 @@ def check_keys_for(subs: list[Any], config: Any) -> None:
 
 
 def broker_url() -> str:
-    """The broker's URL as :mod:`celeryconfig` reads it (``CELERY_BROKER_URL``, else the
-    store's ``REDIS_URL``)."""
+    """The broker's URL as :mod:`celeryconfig` reads it (``CELERY_BROKER_URL``, else
+    ``REDIS_URL``)."""
     from workers import runtime
 
     return os.environ.get("CELERY_BROKER_URL") or runtime.redis_url()
@@ -303,18 +303,18 @@ def broker_url() -> str:
 def _unreachable(url: str, what: str) -> str | None:
     """A message when the Redis at ``url`` does not answer PING, else None (another broker
     transport: Celery reports its own connection errors)."""
-    from pipeline.store.redis_common import client_from_url
+    from pipeline.store.redis_common import CLUSTER_SCHEMES, store_client_from_url, store_setting
 
-    if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel"):
+    if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel", *CLUSTER_SCHEMES):
         return None
     try:
-        client = client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        client = store_client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
         try:
             client.ping()
         finally:
             client.close()
     except Exception as exc:
-        env = "CELERY_BROKER_URL" if what == "the broker" else "REDIS_URL"
+        env = "CELERY_BROKER_URL" if what == "the broker" else store_setting()
         return f"cannot reach {what} at {url}: {exc}\nstart Redis there or set {env}"
     return None
 
@@ -357,7 +357,7 @@ def run(args: argparse.Namespace) -> int:
             )
             return EXIT_USAGE
 
-    store, broker = runtime.redis_url(), broker_url()
+    store, broker = runtime.store_url(), broker_url()
     problem = _unreachable(store, "Redis") or (
         _unreachable(broker, "the broker") if broker != store else None
     )
@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
             else (
                 "Redis",
                 store,
-                "REDIS_URL",
+                runtime.store_setting(),
             )
         )
         print(

@@ -150,7 +150,8 @@ configured model (e.g. OPENAI_API_KEY; CRITIQUE_LLM_API_KEY serves any provider)
 task events (Flower): off unless $CRITIQUE_TASK_EVENTS=1; a running Flower turns them on.
 
 Redis: $REDIS_URL (default redis://127.0.0.1:6379/0); the broker is the same unless
-$CELERY_BROKER_URL says otherwise. Exit 3 when it cannot be reached.
+$CELERY_BROKER_URL says otherwise, the store unless $CRITIQUE_STORE_URL does (it may be a
+Redis Cluster: redis+cluster://host:port,host:port,...). Exit 3 when one cannot be reached.
 """
 
 
@@ -364,14 +365,15 @@ def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
 
 def _unreachable(urls: list[str]) -> str | None:
     """A message for the first Redis URL that does not answer PING, else None (a
-    ``sentinel://`` URL: its current master, found through the Sentinels)."""
-    from pipeline.store.redis_common import client_from_url
+    ``sentinel://`` URL: its current master, found through the Sentinels; a
+    ``redis+cluster://`` one: the cluster's nodes)."""
+    from pipeline.store.redis_common import CLUSTER_SCHEMES, store_client_from_url
 
     for url in urls:
-        if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel"):
+        if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel", *CLUSTER_SCHEMES):
             continue  # another broker transport: Celery reports its own connection errors
         try:
-            client = client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
+            client = store_client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
             try:
                 client.ping()
             finally:
@@ -424,14 +426,16 @@ def run(args: argparse.Namespace) -> int:
     unlisted = unlisted_models_warning(allowed_models)
     if unlisted:
         print(f"critique worker: warning: {unlisted}", file=sys.stderr)
-    store = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-    broker = os.environ.get("CELERY_BROKER_URL", store)
+    from pipeline.store.redis_common import DEFAULT_REDIS_URL, store_url
+
+    store = store_url()  # CRITIQUE_STORE_URL, else REDIS_URL
+    broker = os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
     problem = _unreachable(list(dict.fromkeys([store, broker])))
     if problem:
         print(
             f"critique worker: {problem}\n"
-            "start Redis there, or point REDIS_URL (and CELERY_BROKER_URL, if you set it) at "
-            "a running one",
+            "start Redis there, or point REDIS_URL (and CELERY_BROKER_URL or "
+            "CRITIQUE_STORE_URL, if you set them) at a running one",
             file=sys.stderr,
         )
         return EXIT_UNAVAILABLE
