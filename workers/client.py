@@ -65,6 +65,11 @@ class CritiqueClient:
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
+        # Every URL setting first: a scheme-less REDIS_URL is one ConfigError naming it here,
+        # not a traceback from redis-py (or kombu) at the first submit.
+        from pipeline.store.urls import check_urls
+
+        check_urls()
         # Fail fast on a bad configuration, and on one a submission may not carry (a
         # worker-only field, a limit above this process's own configuration): SPEC §3.
         runtime.config_for(self.config)

@@ -16,9 +16,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
 
 import redis
 import redis.sentinel
@@ -28,132 +26,25 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.store import keys
+from pipeline.store.urls import (  # the Sentinel URL parser lives with every URL's check
+    DEFAULT_SENTINEL_PORT as DEFAULT_SENTINEL_PORT,
+)
+from pipeline.store.urls import MASTER_ENV as MASTER_ENV
+from pipeline.store.urls import SENTINEL_PASSWORD_ENV as SENTINEL_PASSWORD_ENV
+from pipeline.store.urls import SENTINEL_SCHEME as SENTINEL_SCHEME
+from pipeline.store.urls import SETTINGS, check_url, check_urls
+from pipeline.store.urls import SentinelURL as SentinelURL
+from pipeline.store.urls import is_sentinel_url as is_sentinel_url
+from pipeline.store.urls import parse_sentinel_url as parse_sentinel_url
+from pipeline.store.urls import sentinel_master as sentinel_master
 
 # --- Sentinel URLs and settings --------------------------------------------------------------
 
-SENTINEL_SCHEME = "sentinel"
-MASTER_ENV = "CRITIQUE_REDIS_MASTER"
-"""The master name the Sentinels monitor (required with a ``sentinel://`` URL)."""
-SENTINEL_PASSWORD_ENV = "CRITIQUE_SENTINEL_PASSWORD"
-"""The Sentinels' own password (``requirepass`` in their configuration), if they have one."""
-DEFAULT_SENTINEL_PORT = 26379
-URL_ENVS = ("REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
-"""The settings that name a Redis (any of them may be a ``sentinel://`` URL)."""
+URL_ENVS = tuple(SETTINGS)
+"""The URL settings (any may be a ``sentinel://`` URL): :data:`pipeline.store.urls.SETTINGS`."""
 SENTINEL_SOCKET_TIMEOUT_S = 5.0
 """Connect and reply timeout on a connection to a Sentinel: a Sentinel that is down or cut off
 is skipped for the next one within this, never waited on forever."""
-
-
-def is_sentinel_url(url: str | None) -> bool:
-    """Whether ``url`` is a ``sentinel://`` URL (kombu's and Celery's Sentinel form)."""
-    return (url or "").strip().lower().startswith(SENTINEL_SCHEME + "://")
-
-
-@dataclass(frozen=True)
-class SentinelURL:
-    """A parsed ``sentinel://`` URL: the Sentinels' addresses, and the master's database and
-    credentials."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    db: int
-    username: str | None = None
-    password: str | None = None
-
-    def url(self) -> str:
-        """The URL with the database and credentials on every part, the one form that kombu (it
-        reads them from the first part) and Celery's Sentinel backend (each part, then the
-        first) both read the same way."""
-        auth = ""
-        if self.username or self.password:
-            user = quote(self.username or "", safe="")
-            auth = f"{user}:{quote(self.password, safe='')}@" if self.password else f"{user}@"
-        return ";".join(
-            f"{SENTINEL_SCHEME}://{auth}{_host(h)}:{p}/{self.db}" for h, p in self.sentinels
-        )
-
-    def redacted(self) -> str:
-        """The URL without its password (for messages)."""
-        return ";".join(f"{SENTINEL_SCHEME}://{_host(h)}:{p}/{self.db}" for h, p in self.sentinels)
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def parse_sentinel_url(url: str, *, setting: str = "REDIS_URL") -> SentinelURL:
-    """Parse ``sentinel://[user:password@]host[:port][/db];sentinel://host[:port];…``.
-
-    The database and credentials may be on any part (on the last, ``…;sentinel://host:port/2``,
-    or on the first); parts that give them must agree. Raises ``ConfigError`` naming ``setting``
-    for anything else."""
-    sentinels: list[tuple[str, int]] = []
-    dbs: set[int] = set()
-    users: set[str] = set()
-    passwords: set[str] = set()
-    parts = [p.strip() for p in url.strip().split(";") if p.strip()]
-    if not parts:
-        raise ConfigError(f"{setting} is empty", key=setting)
-    for part in parts:
-        where = f"{setting}: {part.split('@')[-1]!r}"
-        try:
-            u = urlsplit(part)
-            port = u.port
-        except ValueError as exc:
-            raise ConfigError(
-                f"{where} is not a valid Sentinel address: {exc}", key=setting
-            ) from None
-        if u.scheme.lower() != SENTINEL_SCHEME:
-            raise ConfigError(
-                f"{where}: every part of a Sentinel URL starts with sentinel:// "
-                "(sentinel://host:port;sentinel://host:port/db)",
-                key=setting,
-            )
-        if not u.hostname:
-            raise ConfigError(f"{where} names no Sentinel host", key=setting)
-        if u.query or u.fragment:
-            raise ConfigError(
-                f"{where}: query parameters are not read from a Sentinel URL; "
-                f"the master name goes in {MASTER_ENV}",
-                key=setting,
-            )
-        path = u.path.strip("/")
-        if path:
-            if not path.isdigit():
-                raise ConfigError(
-                    f"{where}: the path must be a database number, got {path!r}", key=setting
-                )
-            dbs.add(int(path))
-        if u.username:
-            users.add(unquote(u.username))
-        if u.password is not None:
-            passwords.add(unquote(u.password))
-        sentinels.append((u.hostname, port or DEFAULT_SENTINEL_PORT))
-    if len(dbs) > 1 or len(users) > 1 or len(passwords) > 1:
-        what = "databases" if len(dbs) > 1 else "credentials"
-        raise ConfigError(
-            f"{setting}: its parts name different {what}; give the database (and the "
-            "master's password) once, e.g. sentinel://:pw@h1:26379/0;sentinel://h2:26379",
-            key=setting,
-        )
-    return SentinelURL(
-        tuple(dict.fromkeys(sentinels)),
-        dbs.pop() if dbs else 0,
-        users.pop() if users else None,
-        passwords.pop() if passwords else None,
-    )
-
-
-def sentinel_master(env: Mapping[str, str] | None = None, *, setting: str = "REDIS_URL") -> str:
-    """The master name (``CRITIQUE_REDIS_MASTER``); ``ConfigError`` naming it when unset."""
-    env = os.environ if env is None else env
-    name = (env.get(MASTER_ENV) or "").strip()
-    if not name:
-        raise ConfigError(
-            f"{setting} is a sentinel:// URL but {MASTER_ENV} is not set: set it to the name "
-            "the Sentinels monitor (their 'sentinel monitor <name> <ip> <port> <quorum>' line)",
-            key=MASTER_ENV,
-        )
-    return name
 
 
 def sentinel_kwargs(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -173,15 +64,10 @@ def sentinel_kwargs(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def check_redis_urls(env: Mapping[str, str] | None = None) -> None:
-    """Raise ``ConfigError`` (one line, naming the setting) unless every ``sentinel://`` URL in
-    ``REDIS_URL`` / ``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` parses and
-    ``CRITIQUE_REDIS_MASTER`` is set. Other URLs are left to their clients."""
-    env = os.environ if env is None else env
-    for setting in URL_ENVS:
-        url = env.get(setting)
-        if is_sentinel_url(url):
-            parse_sentinel_url(str(url), setting=setting)
-            sentinel_master(env, setting=setting)
+    """Raise ``ConfigError`` (one line, naming the setting) unless every URL setting parses:
+    :func:`pipeline.store.urls.check_urls` (schemes, hosts, database numbers, and for a
+    ``sentinel://`` URL its parts and ``CRITIQUE_REDIS_MASTER``)."""
+    check_urls(env)
 
 
 def celery_url(url: str, *, setting: str) -> str:
@@ -313,10 +199,13 @@ def client_from_url(
     of the master named by ``CRITIQUE_REDIS_MASTER`` (``ConfigError`` naming it when unset),
     found through the Sentinels on every (re)connect, with the same ``kwargs``; a demoted
     master's ``READONLY`` or ``UNBLOCKED`` reply drops the connection
-    (:class:`FailoverConnection`)."""
+    (:class:`FailoverConnection`). A URL of a known setting (:data:`pipeline.store.urls.SETTINGS`)
+    that is wrong (no scheme, no host…) is a one-line ``ConfigError`` naming the setting."""
+    env = os.environ if env is None else env
+    if setting in SETTINGS:
+        check_url(setting, url, env)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)
-    env = os.environ if env is None else env
     parsed = parse_sentinel_url(url, setting=setting)
     master = sentinel_master(env, setting=setting)
     ssl = bool(kwargs.pop("ssl", False))
