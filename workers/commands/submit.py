@@ -267,6 +267,14 @@ def _result_line(result: Any) -> str:
     return escape_controls(line)
 
 
+def _result_lines(result: Any) -> str:
+    """The result's line and, for an escalated or failed output, why (its deciding defects)
+    and what to do next, indented under it (:meth:`CritiqueResult.why`)."""
+    from workers.commands.status import why_lines
+
+    return "\n".join([_result_line(result), *why_lines(result)])
+
+
 def _handle_doc(h: Any) -> dict[str, Any]:
     return {
         "run_id": h.run_id,
@@ -433,7 +441,7 @@ def _wait(client: Any, handles: list[Any], args: Any) -> int:
                     doc = {"type": "result", "task_id": h.task_id, **answer.model_dump(mode="json")}
                     progress.line(json_line(doc))
                 else:
-                    progress.line(_result_line(answer))
+                    progress.line(_result_lines(answer))
             count()
     except CritiqueTimeout:
         timed_out = True
