@@ -81,6 +81,18 @@ def test_demo_json_runs_the_sample_run(tmp_path: Path) -> None:
         assert (run_dir / "iterations" / f"{n:03d}" / "CRITIQUE.md").is_file()
     assert (run_dir / "report.html").is_file()
     assert all(Path(p).is_file() for p in doc["artifacts"])
+    # One token story: report.html shows what providers reported, 0 without a model, as the
+    # budget line does (it once summed 13360 "repair tokens" while the budget said 0 spent).
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "<dt>repair tokens (reported)</dt><dd>0</dd>" in page
+    assert "<dt>all tokens (reported)</dt><dd>0</dd>" in page
+    # CRITIQUE.md: no escalated output with a score band, no line with two scores.
+    for n in (1, 2, 3):
+        md = (run_dir / "iterations" / f"{n:03d}" / "CRITIQUE.md").read_text(encoding="utf-8")
+        for section in md.split("\n## Worker ")[1:]:
+            if " — escalated " in section or " — failed " in section:
+                assert "| band | accept" not in section and "| next | " in section, section
+        assert not re.search(r"score \d\.\d\d[^\n]*score \d\.\d\d", md)
     assert doc["elapsed_s"] < 60
     assert "embedded Redis on" in proc.stderr  # progress goes to stderr with --json
     port = int(re.search(r":(\d+)/", doc["redis"]["url"]).group(1))  # type: ignore[union-attr]
