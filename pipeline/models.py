@@ -494,7 +494,7 @@ class RoundTrace(Frozen):
 
 NEXT_STEP: dict[str, str] = {
     "needs_model": "send it back to its worker with these defects, or configure a model "
-    "(`model`, docs/llm.md) so the repairer can write what is missing",
+    "(CRITIQUE_MODEL, docs/llm.md) to write what is missing",
     "escalate_band": "re-dispatch the subtask: the output scores under 0.3, too far off to repair",
     "repair_fixpoint_detected": "repairs stopped changing it: send it back to its worker with "
     "these defects, or have a person finish it",
