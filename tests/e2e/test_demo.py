@@ -165,3 +165,86 @@ def test_with_redis_url_and_no_worker_exits_3(tmp_path: Path, redis_url: str) ->
     assert proc.returncode == 3
     assert "no Celery worker answered" in proc.stderr
     assert "critique worker" in proc.stderr
+
+
+# --- the demo's output as README.md and docs/demo.md show it -------------------------------------
+
+_VARIABLE = [
+    (re.compile(r"redis://127\.0\.0\.1:\d+/"), "redis://127.0.0.1:PORT/"),
+    (re.compile(r"demo-\d{8}-\d{6}-[0-9a-f]{6}"), "demo-RUN"),
+    (re.compile(r"critique-demo-\d+@\S+"), "critique-demo-PID@HOST"),
+    (re.compile(r"done in [\d.]+ s"), "done in T s"),
+]
+
+
+def _masked(line: str) -> str:
+    for pattern, repl in _VARIABLE:
+        line = pattern.sub(repl, line)
+    return line.rstrip()
+
+
+def _demo_block(doc: str) -> list[str]:
+    """The ``text`` block of ``doc`` that shows the demo's output (its first ``[ 1/26]``)."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    for m in re.finditer(r"^```text\n(.*?)^```", text, re.S | re.M):
+        if "[ 1/26]" in m.group(1):
+            shown = [ln for ln in m.group(1).split("\n") if not ln.startswith("real\t")]
+            while shown and not shown[-1].strip():
+                shown.pop()  # the blank line before `time`'s own output
+            return shown
+    raise AssertionError(f"{doc} shows no demo output")
+
+
+_PROGRESS = re.compile(r"^\[\s*\d+/\d+\] ")
+
+
+def _shows(expected: list[str], got: list[str]) -> str | None:
+    """None when ``got`` holds ``expected``'s lines in order, each run of lines between two
+    ``…`` lines (the doc's "shortened here") contiguous; else the first line not found.
+    Progress lines (``[ 3/26] …``) come in completion order: each must be there, anywhere,
+    whatever its counter."""
+    lines = [_masked(g) for g in got]
+    progress = {_PROGRESS.sub("", line) for line in lines if _PROGRESS.match(line)}
+    segments: list[list[str]] = [[]]
+    for line in expected:
+        if _PROGRESS.match(line):
+            if _PROGRESS.sub("", _masked(line)) not in progress:
+                return line
+            segments.append([])
+        elif line.strip() == "…":
+            segments.append([])
+        else:
+            segments[-1].append(_masked(line))
+    lines = [line for line in lines if not _PROGRESS.match(line)]
+    at = 0
+    for seg in filter(None, segments):
+        for start in range(at, len(lines) - len(seg) + 1):
+            if lines[start : start + len(seg)] == seg:
+                at = start + len(seg)
+                break
+        else:
+            return next((s for s in seg if s not in lines), seg[0])
+    return None
+
+
+@pytest.fixture(scope="module")
+def demo_output(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """`critique demo` on a bare machine, stdout and stderr as a terminal shows them."""
+    where = tmp_path_factory.mktemp("demo-doc")
+    proc = subprocess.run(
+        demo_cmd(),
+        env=bare_env(PYTHONUNBUFFERED="1"),
+        cwd=where,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout.rstrip("\n").split("\n")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/demo.md"])
+def test_the_demo_prints_what_the_docs_show(doc: str, demo_output: list[str]) -> None:
+    missing = _shows(_demo_block(doc), demo_output)
+    assert missing is None, f"{doc} shows {missing!r}; the demo printed:\n" + "\n".join(demo_output)
