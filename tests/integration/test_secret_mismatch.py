@@ -63,3 +63,29 @@ def test_a_mis_keyed_resubmit_is_refused_and_the_finished_results_stay(signed: s
     assert len(snap.results) == 3 and snap.pending == [] and snap.failed == []
     again = client.wait_many(client.submit_many(_subs()), timeout=60)  # the right key: fine
     assert [r.status for r in again] == ["accepted"] * 3
+
+
+def test_a_mis_keyed_submit_wait_says_the_worker_refused_it_and_why(signed: str) -> None:
+    """A fresh run submitted with the wrong secret: --wait times out naming the refusal and
+    the secret to compare, not "is a worker consuming …?"."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.integration.workers import ROOT, worker_env
+
+    line = json.dumps({"run_id": "fresh-mk", "worker_id": "w1", "task": "t", "output": "ok"})
+    done = subprocess.run(
+        [sys.executable, "-m", "workers.cli", "submit", "-", "--wait", "--timeout", "4"],
+        input=line,
+        capture_output=True,
+        text=True,
+        env=worker_env(signed, CRITIQUE_SECRET=MANAGERS_TYPO),
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "a worker refused 1 message(s) claiming this run since the submit: " in done.stderr
+    assert "bad signature" in done.stderr
+    assert "compare the manager's CRITIQUE_SECRET with the workers'" in done.stderr
+    assert "is a worker consuming" not in done.stderr
