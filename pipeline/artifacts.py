@@ -128,6 +128,23 @@ def _score(value: object) -> str:
     return f"{value:.2f}" if isinstance(value, int | float) else "—"
 
 
+def _band(result: CritiqueResult, band: str) -> str:
+    """The score band, except where the verdict was not the score's: an escalated or failed
+    output says what decided it instead (``accept_with_warnings`` there read as a contradiction)."""
+    if result.status in ("escalated", "failed"):
+        return f"— (not decided by the score: stop {result.stop_reason})"
+    return band
+
+
+def _why_rows(result: CritiqueResult) -> list[tuple[str, str]]:
+    """``why`` (the deciding defects) and ``next`` rows for an escalated or failed output."""
+    lines = result.why()
+    if not lines:
+        return []
+    *defects, step = lines
+    return [("why", "; ".join(defects)), ("next", step.removeprefix("next: "))]
+
+
 def render_critique_md(summary: dict[str, Any], results: Sequence[CritiqueResult]) -> str:
     """CRITIQUE.md: a table per worker, prescriptions, known pitfalls, repair history."""
     ordered = _sorted_results(results)
@@ -154,10 +171,11 @@ def render_critique_md(summary: dict[str, Any], results: Sequence[CritiqueResult
             "|---|---|",
             f"| original score | {_score(w['original_score'])} |",
             f"| best score | {_score(w['best_score'])} |",
-            f"| band | {_cell(w['band'])} |",
+            f"| band | {_cell(_band(r, w['band']))} |",
             f"| defects | {d['critical']} critical, {d['warning']} warning, {d['info']} info |",
             f"| repair attempts | {w['repair_attempts']} |",
             f"| critic | {_cell(w['critic'])} |",
+            *(f"| {k} | {_cell(v)} |" for k, v in _why_rows(r)),
             "",
         ]
         if r.envelope.defects:

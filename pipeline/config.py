@@ -22,7 +22,7 @@ import difflib
 import json
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -318,6 +318,25 @@ def _fields_help(model: type[BaseModel]) -> str:
     return ", ".join(sorted(model.model_fields))
 
 
+def did_you_mean(word: str, choices: Mapping[str, str] | Sequence[str]) -> str:
+    """``"did you mean X? "`` for the choice closest to ``word`` (difflib, case-insensitive),
+    else ``""``: the one helper behind every unknown-name message (environment variables,
+    ``--set`` keys, workflow-file keys). A mapping is compared by its keys and answers with
+    its values (``{"concurrency": "CRITIQUE_CONCURRENCY"}``)."""
+    named = dict(choices) if isinstance(choices, Mapping) else {c: c for c in choices}
+    lowered = {k.lower(): v for k, v in named.items()}
+    close = difflib.get_close_matches(word.lower(), list(lowered), n=1)
+    return f"did you mean {lowered[close[0]]}? " if close else ""
+
+
+def _env_names() -> dict[str, str]:
+    """Every ``CRITIQUE_*`` name the product reads, keyed by its name after the prefix:
+    configuration fields and the settings of :data:`ENV_NON_FIELDS` (worker, store, tests)."""
+    names = {f: f"{ENV_PREFIX}{f.upper()}" for f in CritiqueConfig.model_fields}
+    names.update({n[len(ENV_PREFIX) :].lower(): n for n in ENV_NON_FIELDS})
+    return names
+
+
 def _explain(err: ValidationError, prefix: str) -> ConfigError:
     """Turn pydantic's error into one ConfigError naming the first bad key and what is allowed."""
     first = err.errors()[0]
@@ -330,8 +349,12 @@ def _explain(err: ValidationError, prefix: str) -> ConfigError:
             ann = field.annotation if field else None
             if isinstance(ann, type) and issubclass(ann, BaseModel):
                 parent = ann
+        guess = did_you_mean(str(first["loc"][-1]), list(parent.model_fields))
+        if guess:
+            where = ".".join([prefix, *(str(p) for p in first["loc"][:-1])])
+            guess = guess.replace("did you mean ", f"did you mean {where}.", 1)
         return ConfigError(
-            f"unknown configuration key {key!r}; allowed here: {_fields_help(parent)}",
+            f"unknown configuration key {key!r}; {guess}allowed here: {_fields_help(parent)}",
             key=key,
         )
     return ConfigError(f"bad value for {key!r}: {first['msg']}", key=key)
@@ -396,8 +419,7 @@ def read_env(env: Mapping[str, str]) -> dict[str, Any]:
         parts = name[len(ENV_PREFIX) :].lower().split("__")
         top = parts[0]
         if top not in CritiqueConfig.model_fields:
-            close = difflib.get_close_matches(top, list(CritiqueConfig.model_fields), n=1)
-            guess = f"did you mean {ENV_PREFIX}{close[0].upper()}? " if close else ""
+            guess = did_you_mean(name[len(ENV_PREFIX) :], _env_names())
             raise ConfigError(
                 f"unknown environment variable {name}; {guess}configuration fields are "
                 f"{_fields_help(CritiqueConfig)} (as CRITIQUE_<FIELD>)",

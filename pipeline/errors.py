@@ -63,10 +63,9 @@ class ForgedMessageError(SubmissionError):
     payload."""
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
-        super().__init__(
-            message,
-            hint=hint or "every worker and client must share the same CRITIQUE_SECRET",
-        )
+        if hint is None and "CRITIQUE_SECRET" not in message:
+            hint = "every worker and client must share the same CRITIQUE_SECRET"
+        super().__init__(message, hint=hint)
 
 
 class RefusedOverrideError(SubmissionError):

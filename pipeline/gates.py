@@ -157,6 +157,11 @@ class CompletionDecision(Frozen):
     placeholder_hits: tuple[PlaceholderHit, ...] = ()
     """Exactly which stubs to replace, for the manager's next iteration."""
 
+    def __str__(self) -> str:
+        """``rejected: placeholder: 1 placeholder(s) to replace: …``: the verdict and its
+        reasons as sentences (``print(decision)``), not a tuple's repr."""
+        return f"{self.verdict}: {'; '.join(self.reasons)}" if self.reasons else self.verdict
+
 
 def contract_runner(contract: OutputContractConfig, items: Sequence[TextItem]) -> list[L0Finding]:
     """The default L0 runner: ``pipeline.contract``'s suite built from ``contract``."""
@@ -579,7 +584,14 @@ def evaluate_completion(
     # 4. Placeholder scan: L0's no_placeholder plus the gate's own stub patterns.
     hits = _placeholder_hits(final_result, items, run_l0)
     if hits:
-        listed = _listing([f"{h.where}: {h.match!r} ({h.pattern})" for h in hits])
+        # An L0 finding's match is its sentence (quotes inside); a stub pattern's is raw text.
+        listed = _listing(
+            [
+                f"{h.where}: {h.match if h.pattern == 'no_placeholder' else repr(h.match)} "
+                f"({h.pattern})"
+                for h in hits
+            ]
+        )
         reason = f"{len(hits)} placeholder(s) to replace: {listed}"
         events.append(_event(GATE_PLACEHOLDER, "reject", reason, iteration))
     elif unread:

@@ -492,8 +492,36 @@ class RoundTrace(Frozen):
     """Here now, not in the previous round, but fixed in an earlier round (back again)."""
 
 
+NEXT_STEP: dict[str, str] = {
+    "needs_model": "send it back to its worker with these defects, or configure a model "
+    "(CRITIQUE_MODEL, docs/llm.md) to write what is missing",
+    "escalate_band": "re-dispatch the subtask: the output scores under 0.3, too far off to repair",
+    "repair_fixpoint_detected": "repairs stopped changing it: send it back to its worker with "
+    "these defects, or have a person finish it",
+    "no_improvement": "repairs did not raise its score: send it back to its worker with these "
+    "defects",
+    "attempts_exhausted": "its repair attempts ran out: send it back to its worker with these "
+    "defects, or raise max_repair_attempts",
+    "plateau": "the rubric score stopped improving: send it back to its worker, or use it as it is",
+    "budget": "the round cap (rubric.max_rounds) was reached: send it back to its worker",
+    "repair_budget_exhausted": "the run's repair budget is spent: raise budget.total_tokens, or "
+    "send it back to its worker with these defects",
+}
+"""What the manager should do with an ``escalated`` or ``failed`` output, by stop reason."""
+
+WHY_DEFECTS = 3
+"""Deciding defects a one-line explanation names (the envelope lists every one)."""
+
+
+def defect_line(defect: Defect) -> str:
+    """``missing_data at findings: required field 'findings' is missing``: one line."""
+    where = f" at {defect.location}" if defect.location else ""
+    return " ".join(f"{defect.category}{where}: {defect.description}".split())
+
+
 class CritiqueResult(Frozen):
-    """The per-output final answer."""
+    """The per-output final answer. ``str(result)`` is one line saying what happened, and for
+    an escalated or failed output why (its deciding defects) and what to do next."""
 
     schema_version: int = SCHEMA_VERSION
     run_id: str
@@ -519,6 +547,46 @@ class CritiqueResult(Frozen):
     """The pass (one submit of this submission, SPEC §4) this result belongs to."""
     notes: tuple[str, ...] = ()
     """Things the user should know (e.g. no total budget configured; fallback critic used)."""
+
+    @property
+    def deciding_defects(self) -> tuple[Defect, ...]:
+        """The defects that decided an escalated or failed verdict: the best output's actionable
+        ones (critical first), grounding's false positives left out; () for other verdicts."""
+        if self.status not in ("escalated", "failed"):
+            return ()
+        left = [d for d in self.envelope.actionable if not d.false_positive]
+        return tuple(sorted(left, key=lambda d: d.severity != "critical"))
+
+    @property
+    def next_step(self) -> str | None:
+        """What the manager should do next with an escalated or failed output, else None."""
+        if self.status not in ("escalated", "failed"):
+            return None
+        return NEXT_STEP.get(self.stop_reason, "send it back to its worker with these defects")
+
+    def why(self) -> tuple[str, ...]:
+        """For an escalated or failed output, one line per deciding defect (at most
+        :data:`WHY_DEFECTS`, then ``… and N more``) and ``next: …``; () otherwise."""
+        step = self.next_step
+        if step is None:
+            return ()
+        deciding = self.deciding_defects
+        lines = [defect_line(d) for d in deciding[:WHY_DEFECTS]]
+        if len(deciding) > WHY_DEFECTS:
+            lines.append(f"… and {len(deciding) - WHY_DEFECTS} more in the envelope")
+        if not deciding:
+            lines.append(f"no actionable defect listed; score {self.best_score:.2f}")
+        return (*lines, f"next: {step}")
+
+    def __str__(self) -> str:
+        repairs = len(self.attempts)
+        head = (
+            f"{self.worker_id} {self.status} ({self.stop_reason}, {repairs} "
+            f"repair{'s' if repairs != 1 else ''}) {self.original_score:.2f} → "
+            f"{self.best_score:.2f}"
+        )
+        why = self.why()
+        return f"{head}: {'; '.join(why)}" if why else head
 
     def trace_event(self, *, round: int, stage: str) -> dict[str, Any]:
         """The pass's ``result`` trace event: one shape whoever writes it (the in-process

@@ -125,7 +125,8 @@ def _verify(message: Mapping[str, Any], secrets: Sequence[bytes], prefix: bytes,
         matched |= hmac.compare_digest(_mac(body, secret).encode("ascii"), given)
     if not matched:
         raise ForgedMessageError(
-            f"bad signature: the {what} was altered or signed with another key"
+            f"bad signature: the {what} was altered or signed with another key (compare the "
+            "manager's CRITIQUE_SECRET with the workers': they must be the same)"
         )
 
 

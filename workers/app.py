@@ -77,8 +77,10 @@ def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
     if conf is None:
         return
     from pipeline.errors import ConfigError
+    from pipeline.store.urls import check_urls
 
     try:
+        check_urls()  # a worker started by `celery -A workers.app worker` checks them too
         check_sentinel_settings(conf)
     except ConfigError as exc:
         print(f"critique worker: {exc}", file=sys.stderr, flush=True)

@@ -43,6 +43,9 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 """The reader of stdout went away (``critique status RUN --json | head``): as SIGPIPE would."""
 
+OFFLINE_COMMANDS = frozenset({"l0", "loop"})
+"""Commands that reach no Redis and no broker: the only ones that skip the URL check."""
+
 EXIT_CODES = """\
 exit codes (every command):
   0  ran: every output has a verdict (accepted, repaired, escalated and failed are outcomes,
@@ -60,6 +63,20 @@ exit codes (every command):
 def _prepare_environment() -> None:
     """Settings every command needs before any heavy import: never fetch litellm's cost map."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+
+def url_problem() -> str | None:
+    """The one-line message for the first bad URL setting (``REDIS_URL``, the broker, the
+    result backend, the store, Sentinel's), or None: every command but :data:`OFFLINE_COMMANDS`
+    checks them before it starts anything (:func:`pipeline.store.urls.check_urls`)."""
+    from pipeline.errors import ConfigError
+    from pipeline.store.urls import check_urls
+
+    try:
+        check_urls()
+    except ConfigError as exc:
+        return " ".join(str(exc).split())
+    return None
 
 
 def version() -> str:
@@ -101,6 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_run", None):
         parser.print_help()
         return EXIT_USAGE
+    if args.command not in OFFLINE_COMMANDS:
+        problem = url_problem()
+        if problem:
+            print(f"critique {args.command}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
     try:
         code = int(args._run(args))
         sys.stdout.flush()  # a reader gone after the last write shows here, not at exit

@@ -34,9 +34,33 @@ from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Submissi
 from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import admit, start
 from pipeline.store import keys
-from pipeline.store.runs import Failure, pass_member
+from pipeline.store.runs import Failure, member, pass_member
 from workers import runtime
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
+
+
+def _check_secret_matches(subs: Sequence[Submission]) -> None:
+    """Refuse to resubmit over a finished result this process cannot verify: it was signed
+    with another ``CRITIQUE_SECRET`` (or none), so the workers would refuse this process's
+    messages too, and the new pass would supersede that result with one no worker will run."""
+    by_run: dict[str, list[str]] = {}
+    for sub in subs:
+        by_run.setdefault(sub.run_id, []).append(member(sub.iteration, sub.worker_id))
+    for run_id, fields in by_run.items():
+        bad = runtime.stores().runs.unverifiable(run_id, list(dict.fromkeys(fields)))
+        if bad:
+            from pipeline.errors import ConfigError
+
+            raise ConfigError(
+                f"run {run_id}'s stored result for {bad[0]}"
+                + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                + " does not verify with this process's CRITIQUE_SECRET: the workers sign with "
+                "another secret (or none), so they would refuse these messages too; nothing "
+                "was submitted",
+                key="CRITIQUE_SECRET",
+                hint="compare the manager's CRITIQUE_SECRET with the workers': they must be "
+                "the same",
+            )
 
 
 @dataclass(frozen=True)
@@ -65,6 +89,11 @@ class CritiqueClient:
 
     def __init__(self, config: Mapping[str, Any] | None = None) -> None:
         self.config = dict(config or {})
+        # Every URL setting first: a scheme-less REDIS_URL is one ConfigError naming it here,
+        # not a traceback from redis-py (or kombu) at the first submit.
+        from pipeline.store.urls import check_urls
+
+        check_urls()
         # Fail fast on a bad configuration, and on one a submission may not carry (a
         # worker-only field, a limit above this process's own configuration): SPEC §3.
         runtime.config_for(self.config)
@@ -86,9 +115,10 @@ class CritiqueClient:
 
         config = runtime.config_for(self.config)
         unavailable = unreachable_errors()
+        subs = [_as_submission(value, index) for index, value in enumerate(submissions)]
+        _check_secret_matches(subs)
         prepared: list[tuple[Submission, dict[str, Any], Any]] = []
-        for index, value in enumerate(submissions):
-            sub = _as_submission(value, index)
+        for index, sub in enumerate(subs):
             try:
                 admit(sub, config, runtime.file_bytes)
                 check_submission_model(sub.model, runtime.own_config())

@@ -855,7 +855,7 @@ def open_broker(app: Any) -> RedisBroker | None:
 # --- queue-drain probes ----------------------------------------------------------------------
 
 
-@shared_task(name=keys.TASK_PROBE, ignore_result=True, acks_late=False)
+@shared_task(name=keys.TASK_PROBE, ignore_result=True, acks_late=False, send_events=False)
 def probe(queue: str, sent: float) -> None:
     """Record that ``queue`` was drained past ``sent`` (this message was enqueued then)."""
     default_stores().pending.probe_done(str(queue), float(sent), time.time())
@@ -867,7 +867,20 @@ def send_probes(s: RecoveryStores, queues: list[str], now: float, every_s: float
     for queue in queues:
         if s.pending.probe_due(queue, now, every_s, 3 * every_s):
             # No long publish retries here: a probe that is not sent is replaced later.
-            probe.apply_async((queue, now), queue=queue, retry=False)
+            # No task events either: a probe is plumbing, not work a monitor should list (its
+            # own are off by send_events=False; this drops the "task-sent" its sender would
+            # publish when CRITIQUE_TASK_EVENTS is on).
+            probe.apply_async((queue, now), queue=queue, retry=False, event_dispatcher=_NO_EVENTS)
+
+
+class _NoEvents:
+    """An event dispatcher that publishes nothing (for :func:`send_probes`)."""
+
+    def publish(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NO_EVENTS = _NoEvents()
 
 
 # --- the sweeper thread ------------------------------------------------------------------------

@@ -146,8 +146,10 @@ def _totals(
         ("mean original score", _score(_mean(r.original_score for r in results))),
         ("mean best score", _score(_mean(r.best_score for r in results))),
         ("repair attempts", str(sum(len(r.attempts) for r in results))),
-        ("repair tokens", str(sum(r.repair_usage.tokens for r in results))),
-        ("all tokens", str(sum(r.usage.tokens for r in results))),
+        # What providers reported (SPEC §5.3), never an estimate: token-free critics and
+        # revisers report 0, so a run without a model shows 0 here as the budget line does.
+        ("repair tokens (reported)", str(sum(r.repair_usage.tokens for r in results))),
+        ("all tokens (reported)", str(sum(r.usage.tokens for r in results))),
     ]
     cards += [(s.replace("_", " "), str(statuses.get(s, 0))) for s in STATUSES]
     items = "".join(f'<div class="card"><dt>{esc(k)}</dt><dd>{esc(v)}</dd></div>' for k, v in cards)

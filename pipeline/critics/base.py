@@ -233,10 +233,14 @@ def merge_l0(envelope: CritiqueEnvelope, l0_defects: Sequence[Defect]) -> Critiq
         *(l0_prescription(d) for d in l0_defects if d.severity != "info"),
         *envelope.prescriptions,
     )
+    # One score on the line: the token-free critic's own summary ends "score 1.00", which read
+    # as a contradiction of the penalised score next to it.
     summary = (
-        f"layer-0 contract failed ({errors} error(s), {warnings} warning(s)); "
-        f"critic skipped, token-free score {score:.2f}. {envelope.summary}"
-    ).strip()
+        f"layer-0 contract failed ({errors} error(s), {warnings} warning(s)): critic skipped, "
+        f"no tokens spent; score {score:.2f} = the token-free {envelope.critic} critic's "
+        f"{envelope.score:.2f} less {L0_ERROR_PENALTY:.1f} per Layer-0 error and "
+        f"{L0_WARNING_PENALTY:.1f} per warning"
+    )
     return envelope.model_copy(
         update={
             "score": score,

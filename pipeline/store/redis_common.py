@@ -28,9 +28,7 @@ import os
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
 
 import redis
 import redis.cluster
@@ -49,238 +47,38 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.store import keys
+from pipeline.store.urls import (  # every URL's parser and check live in one module
+    CLUSTER_SCHEMES as CLUSTER_SCHEMES,
+)
+from pipeline.store.urls import DEFAULT_CLUSTER_PORT as DEFAULT_CLUSTER_PORT
+from pipeline.store.urls import DEFAULT_REDIS_URL as DEFAULT_REDIS_URL
+from pipeline.store.urls import DEFAULT_SENTINEL_PORT as DEFAULT_SENTINEL_PORT
+from pipeline.store.urls import MASTER_ENV as MASTER_ENV
+from pipeline.store.urls import SENTINEL_PASSWORD_ENV as SENTINEL_PASSWORD_ENV
+from pipeline.store.urls import SENTINEL_SCHEME as SENTINEL_SCHEME
+from pipeline.store.urls import SETTINGS, check_url, check_urls, host_part
+from pipeline.store.urls import STORE_URL_ENV as STORE_URL_ENV
+from pipeline.store.urls import ClusterURL as ClusterURL
+from pipeline.store.urls import SentinelURL as SentinelURL
+from pipeline.store.urls import is_cluster_url as is_cluster_url
+from pipeline.store.urls import is_sentinel_url as is_sentinel_url
+from pipeline.store.urls import parse_cluster_url as parse_cluster_url
+from pipeline.store.urls import parse_sentinel_url as parse_sentinel_url
+from pipeline.store.urls import sentinel_master as sentinel_master
+from pipeline.store.urls import store_setting as store_setting
+from pipeline.store.urls import store_url as store_url
 
-# --- Sentinel URLs and settings --------------------------------------------------------------
+# --- URLs and settings: parsed and checked in pipeline.store.urls, re-exported here ---------
 
-SENTINEL_SCHEME = "sentinel"
-MASTER_ENV = "CRITIQUE_REDIS_MASTER"
-"""The master name the Sentinels monitor (required with a ``sentinel://`` URL)."""
-SENTINEL_PASSWORD_ENV = "CRITIQUE_SENTINEL_PASSWORD"
-"""The Sentinels' own password (``requirepass`` in their configuration), if they have one."""
-DEFAULT_SENTINEL_PORT = 26379
 URL_ENVS = ("REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
-"""The settings that name a Redis (any of them may be a ``sentinel://`` URL)."""
-STORE_URL_ENV = "CRITIQUE_STORE_URL"
-"""The store's URL, when it is not ``REDIS_URL`` (a Redis Cluster, another Redis or Sentinel)."""
-DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
-"""The URL schemes of a Redis Cluster store (plain and TLS)."""
-DEFAULT_CLUSTER_PORT = 6379
+"""The settings that name the broker's and the backend's Redis (any may be ``sentinel://``)."""
 
 StoreClient = redis.Redis | redis.cluster.RedisCluster
 """A client of the store: one Redis (or Sentinel's current master), or a Redis Cluster."""
 
-
-def store_url(env: Mapping[str, str] | None = None) -> str:
-    """The store's URL: ``CRITIQUE_STORE_URL``, else ``REDIS_URL``, else the local default."""
-    env = os.environ if env is None else env
-    return (
-        (env.get(STORE_URL_ENV) or "").strip()
-        or (env.get("REDIS_URL") or "").strip()
-        or DEFAULT_REDIS_URL
-    )
-
-
-def store_setting(env: Mapping[str, str] | None = None) -> str:
-    """The setting the store's URL comes from (for messages): ``CRITIQUE_STORE_URL`` when it is
-    set, else ``REDIS_URL``."""
-    env = os.environ if env is None else env
-    return STORE_URL_ENV if (env.get(STORE_URL_ENV) or "").strip() else "REDIS_URL"
-
-
-def is_cluster_url(url: str | None) -> bool:
-    """Whether ``url`` is a Redis Cluster URL (``redis+cluster://`` or ``rediss+cluster://``)."""
-    scheme = (url or "").strip().partition("://")[0].lower()
-    return scheme in CLUSTER_SCHEMES and "://" in (url or "")
-
-
-@dataclass(frozen=True)
-class ClusterURL:
-    """A parsed ``redis+cluster://`` URL: startup nodes, credentials, TLS."""
-
-    nodes: tuple[tuple[str, int], ...]
-    username: str | None = None
-    password: str | None = None
-    ssl: bool = False
-
-    def redacted(self) -> str:
-        """The URL without its credentials (for messages)."""
-        scheme = CLUSTER_SCHEMES[1] if self.ssl else CLUSTER_SCHEMES[0]
-        return f"{scheme}://" + ",".join(f"{_host(h)}:{p}" for h, p in self.nodes)
-
-
-def parse_cluster_url(url: str, *, setting: str = STORE_URL_ENV) -> ClusterURL:
-    """Parse ``redis+cluster://[user:password@]host[:port],host[:port],…[/0]`` (or
-    ``rediss+cluster://`` for TLS). A cluster has database 0 only. Raises ``ConfigError``, one
-    line naming ``setting``, for anything else."""
-    example = "redis+cluster://10.0.0.1:6379,10.0.0.2:6379,10.0.0.3:6379"
-    raw = url.strip()
-    scheme, sep, rest = raw.partition("://")
-    if not sep or scheme.lower() not in CLUSTER_SCHEMES:
-        raise ConfigError(
-            f"{setting}: a Redis Cluster URL starts with redis+cluster:// or rediss+cluster:// "
-            f"(e.g. {example})",
-            key=setting,
-        )
-    auth, at, hosts = rest.rpartition("@")
-    if not at:
-        auth, hosts = "", rest
-    hosts, slash, path = hosts.partition("/")
-    if "?" in hosts or "#" in hosts or "?" in path or "#" in path:
-        raise ConfigError(
-            f"{setting}: query parameters are not read from a Redis Cluster URL (e.g. {example})",
-            key=setting,
-        )
-    if slash and path.strip("/") not in ("", "0"):
-        raise ConfigError(
-            f"{setting}: a Redis Cluster has database 0 only, got /{path.strip('/')} "
-            f"(e.g. {example})",
-            key=setting,
-        )
-    nodes: list[tuple[str, int]] = []
-    for part in (p.strip() for p in hosts.split(",")):
-        if not part:
-            continue
-        try:
-            u = urlsplit(f"redis://{part}")
-            port = u.port
-        except ValueError as exc:
-            raise ConfigError(
-                f"{setting}: {part!r} is not a valid cluster node address: {exc} (e.g. {example})",
-                key=setting,
-            ) from None
-        if not u.hostname or u.path:
-            raise ConfigError(
-                f"{setting}: {part!r} is not a cluster node address host:port (e.g. {example})",
-                key=setting,
-            )
-        nodes.append((u.hostname, port or DEFAULT_CLUSTER_PORT))
-    if not nodes:
-        raise ConfigError(f"{setting} names no Redis Cluster node (e.g. {example})", key=setting)
-    user, colon, password = auth.partition(":")
-    return ClusterURL(
-        tuple(dict.fromkeys(nodes)),
-        unquote(user) or None,
-        unquote(password) if colon else None,
-        scheme.lower() == CLUSTER_SCHEMES[1],
-    )
-
-
 SENTINEL_SOCKET_TIMEOUT_S = 5.0
 """Connect and reply timeout on a connection to a Sentinel: a Sentinel that is down or cut off
 is skipped for the next one within this, never waited on forever."""
-
-
-def is_sentinel_url(url: str | None) -> bool:
-    """Whether ``url`` is a ``sentinel://`` URL (kombu's and Celery's Sentinel form)."""
-    return (url or "").strip().lower().startswith(SENTINEL_SCHEME + "://")
-
-
-@dataclass(frozen=True)
-class SentinelURL:
-    """A parsed ``sentinel://`` URL: the Sentinels' addresses, and the master's database and
-    credentials."""
-
-    sentinels: tuple[tuple[str, int], ...]
-    db: int
-    username: str | None = None
-    password: str | None = None
-
-    def url(self) -> str:
-        """The URL with the database and credentials on every part, the one form that kombu (it
-        reads them from the first part) and Celery's Sentinel backend (each part, then the
-        first) both read the same way."""
-        auth = ""
-        if self.username or self.password:
-            user = quote(self.username or "", safe="")
-            auth = f"{user}:{quote(self.password, safe='')}@" if self.password else f"{user}@"
-        return ";".join(
-            f"{SENTINEL_SCHEME}://{auth}{_host(h)}:{p}/{self.db}" for h, p in self.sentinels
-        )
-
-    def redacted(self) -> str:
-        """The URL without its password (for messages)."""
-        return ";".join(f"{SENTINEL_SCHEME}://{_host(h)}:{p}/{self.db}" for h, p in self.sentinels)
-
-
-def _host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
-
-
-def parse_sentinel_url(url: str, *, setting: str = "REDIS_URL") -> SentinelURL:
-    """Parse ``sentinel://[user:password@]host[:port][/db];sentinel://host[:port];…``.
-
-    The database and credentials may be on any part (on the last, ``…;sentinel://host:port/2``,
-    or on the first); parts that give them must agree. Raises ``ConfigError`` naming ``setting``
-    for anything else."""
-    sentinels: list[tuple[str, int]] = []
-    dbs: set[int] = set()
-    users: set[str] = set()
-    passwords: set[str] = set()
-    parts = [p.strip() for p in url.strip().split(";") if p.strip()]
-    if not parts:
-        raise ConfigError(f"{setting} is empty", key=setting)
-    for part in parts:
-        where = f"{setting}: {part.split('@')[-1]!r}"
-        try:
-            u = urlsplit(part)
-            port = u.port
-        except ValueError as exc:
-            raise ConfigError(
-                f"{where} is not a valid Sentinel address: {exc}", key=setting
-            ) from None
-        if u.scheme.lower() != SENTINEL_SCHEME:
-            raise ConfigError(
-                f"{where}: every part of a Sentinel URL starts with sentinel:// "
-                "(sentinel://host:port;sentinel://host:port/db)",
-                key=setting,
-            )
-        if not u.hostname:
-            raise ConfigError(f"{where} names no Sentinel host", key=setting)
-        if u.query or u.fragment:
-            raise ConfigError(
-                f"{where}: query parameters are not read from a Sentinel URL; "
-                f"the master name goes in {MASTER_ENV}",
-                key=setting,
-            )
-        path = u.path.strip("/")
-        if path:
-            if not path.isdigit():
-                raise ConfigError(
-                    f"{where}: the path must be a database number, got {path!r}", key=setting
-                )
-            dbs.add(int(path))
-        if u.username:
-            users.add(unquote(u.username))
-        if u.password is not None:
-            passwords.add(unquote(u.password))
-        sentinels.append((u.hostname, port or DEFAULT_SENTINEL_PORT))
-    if len(dbs) > 1 or len(users) > 1 or len(passwords) > 1:
-        what = "databases" if len(dbs) > 1 else "credentials"
-        raise ConfigError(
-            f"{setting}: its parts name different {what}; give the database (and the "
-            "master's password) once, e.g. sentinel://:pw@h1:26379/0;sentinel://h2:26379",
-            key=setting,
-        )
-    return SentinelURL(
-        tuple(dict.fromkeys(sentinels)),
-        dbs.pop() if dbs else 0,
-        users.pop() if users else None,
-        passwords.pop() if passwords else None,
-    )
-
-
-def sentinel_master(env: Mapping[str, str] | None = None, *, setting: str = "REDIS_URL") -> str:
-    """The master name (``CRITIQUE_REDIS_MASTER``); ``ConfigError`` naming it when unset."""
-    env = os.environ if env is None else env
-    name = (env.get(MASTER_ENV) or "").strip()
-    if not name:
-        raise ConfigError(
-            f"{setting} is a sentinel:// URL but {MASTER_ENV} is not set: set it to the name "
-            "the Sentinels monitor (their 'sentinel monitor <name> <ip> <port> <quorum>' line)",
-            key=MASTER_ENV,
-        )
-    return name
 
 
 def sentinel_kwargs(env: Mapping[str, str] | None = None) -> dict[str, Any]:
@@ -300,56 +98,11 @@ def sentinel_kwargs(env: Mapping[str, str] | None = None) -> dict[str, Any]:
 
 
 def check_redis_urls(env: Mapping[str, str] | None = None) -> None:
-    """Raise ``ConfigError`` (one line, naming the setting) unless every ``sentinel://`` URL in
-    ``REDIS_URL`` / ``CELERY_BROKER_URL`` / ``CELERY_RESULT_BACKEND`` / ``CRITIQUE_STORE_URL``
-    parses and ``CRITIQUE_REDIS_MASTER`` is set, and every ``redis+cluster://`` URL parses and
-    names the store only (never the broker nor the result backend). Other URLs are left to
-    their clients."""
-    env = os.environ if env is None else env
-    for setting in (*URL_ENVS, STORE_URL_ENV):
-        url = env.get(setting)
-        if is_sentinel_url(url):
-            parse_sentinel_url(str(url), setting=setting)
-            sentinel_master(env, setting=setting)
-        elif is_cluster_url(url):
-            parse_cluster_url(str(url), setting=setting)
-            _store_only(setting, env)
-        elif setting == STORE_URL_ENV and (url or "").strip():
-            _plain_url(str(url), setting)
-
-
-def _store_only(setting: str, env: Mapping[str, str]) -> None:
-    """A Redis Cluster URL in ``setting`` must not become the broker or the result backend."""
-    hint = (
-        "a Redis Cluster can hold only the store: set CRITIQUE_STORE_URL to it and point "
-        "REDIS_URL (or CELERY_BROKER_URL and CELERY_RESULT_BACKEND) at a plain Redis or Sentinel"
-    )
-    if setting in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
-        raise ConfigError(f"{setting} is a Redis Cluster URL: {hint}", key=setting)
-    if setting == "REDIS_URL":
-        lacking = [s for s in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND") if not env.get(s)]
-        if lacking:
-            raise ConfigError(
-                f"REDIS_URL is a Redis Cluster URL and {' and '.join(lacking)} "
-                f"{'is' if len(lacking) == 1 else 'are'} not set: {hint}",
-                key=setting,
-            )
-
-
-def _plain_url(url: str, setting: str) -> None:
-    """``ConfigError`` unless ``url`` is a ``redis://``, ``rediss://`` or ``unix://`` URL that
-    redis-py reads."""
-    scheme = url.strip().partition("://")[0].lower()
-    if scheme not in ("redis", "rediss", "unix") or "://" not in url:
-        raise ConfigError(
-            f"{setting}: {url.split('@')[-1]!r} is not a store URL: use redis://, rediss://, "
-            "unix://, sentinel://host:port;…/db or redis+cluster://host:port,host:port,…",
-            key=setting,
-        )
-    try:
-        redis.connection.parse_url(url.strip())  # type: ignore[no-untyped-call]
-    except ValueError as exc:
-        raise ConfigError(f"{setting}: {exc}", key=setting) from None
+    """Raise ``ConfigError`` (one line, naming the setting) unless every URL setting parses:
+    :func:`pipeline.store.urls.check_urls` (schemes, hosts, database numbers; a ``sentinel://``
+    URL's parts and ``CRITIQUE_REDIS_MASTER``; a ``redis+cluster://`` URL's nodes, and that it
+    names the store only)."""
+    check_urls(env)
 
 
 def celery_url(url: str, *, setting: str) -> str:
@@ -482,15 +235,19 @@ def client_from_url(
     found through the Sentinels on every (re)connect, with the same ``kwargs``; a demoted
     master's ``READONLY`` or ``UNBLOCKED`` reply drops the connection
     (:class:`FailoverConnection`). A Redis Cluster URL is refused here (``ConfigError``): only
-    the store may be one, :func:`store_client_from_url`."""
+    the store may be one, :func:`store_client_from_url`. A URL of a known setting
+    (:data:`pipeline.store.urls.SETTINGS`) that is wrong (no scheme, no host…) is a one-line
+    ``ConfigError`` naming the setting."""
     if is_cluster_url(url):
         raise ConfigError(
             f"{setting} is a Redis Cluster URL, which only the store may use (CRITIQUE_STORE_URL)",
             key=setting,
         )
+    env = os.environ if env is None else env
+    if setting in SETTINGS:
+        check_url(setting, url, env)
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **kwargs)
-    env = os.environ if env is None else env
     parsed = parse_sentinel_url(url, setting=setting)
     master = sentinel_master(env, setting=setting)
     ssl = bool(kwargs.pop("ssl", False))
@@ -560,7 +317,7 @@ def redis_url_of(client: StoreClient) -> str:
         nodes = client.get_primaries() or client.get_nodes()  # type: ignore[no-untyped-call]
         ssl = bool(connection_kwargs(client).get("ssl"))
         scheme = CLUSTER_SCHEMES[1] if ssl else CLUSTER_SCHEMES[0]
-        return f"{scheme}://" + ",".join(f"{_host(n.host)}:{n.port}" for n in nodes)
+        return f"{scheme}://" + ",".join(f"{host_part(n.host)}:{n.port}" for n in nodes)
     pool = client.connection_pool
     kw = pool.connection_kwargs
     db = kw.get("db", 0)

@@ -529,6 +529,51 @@ class RedisRunStore:
         out = [r for r in got if iteration is None or r.iteration == iteration]
         return sorted(out, key=lambda r: (r.iteration, r.worker_id))
 
+    def unverifiable(self, run_id: str, fields: Sequence[str]) -> list[str]:
+        """The submission fields (of ``fields``) whose latest result is stored but whose
+        signature does not verify with this process's secrets: written by workers with another
+        ``CRITIQUE_SECRET`` (or none), or altered. A client checks this before it begins a new
+        pass, so a resubmit that no worker will accept does not supersede a finished result.
+        Three round trips at most for the whole batch; ``[]`` without secrets."""
+        secrets = self._secrets()
+        if not fields or not secrets:
+            return []
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hmget(self._key(run_id, keys.PASSES), list(fields))
+            pipe.hmget(self._key(run_id, keys.RESULTS), list(fields))
+            sids, unpassed = pipe.execute()
+            named = [
+                (f, pass_member_of(f, text(sid)))
+                for f, sid in zip(fields, sids, strict=True)
+                if sid
+            ]
+            raws = (
+                self._r.hmget(self._key(run_id, keys.PASS_RESULTS), [m for _, m in named])
+                if named
+                else []
+            )
+        stored = [(f, raw) for (f, _), raw in zip(named, raws, strict=True) if raw is not None]
+        stored += [
+            (f, raw)
+            for f, sid, raw in zip(fields, sids, unpassed, strict=True)
+            if not sid and raw is not None
+        ]
+        out = []
+        for field, raw in stored:
+            unpacked = unpack(raw)
+            try:
+                doc = json.loads(unpacked) if unpacked is not None else None
+            except ValueError:
+                doc = None
+            if not isinstance(doc, dict):
+                continue  # unreadable for another reason: not a secret mismatch
+            try:
+                signing.verify_record(RESULT_KIND, doc, secrets)
+            except ForgedMessageError:
+                out.append(field)
+        return out
+
     def pass_results(self, run_id: str) -> list[CritiqueResult]:
         """Every pass result the run holds (``results:pass``: the latest passes' and superseded
         ones), ordered by iteration, worker and pass; records that do not verify are left out."""

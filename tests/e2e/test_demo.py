@@ -81,6 +81,18 @@ def test_demo_json_runs_the_sample_run(tmp_path: Path) -> None:
         assert (run_dir / "iterations" / f"{n:03d}" / "CRITIQUE.md").is_file()
     assert (run_dir / "report.html").is_file()
     assert all(Path(p).is_file() for p in doc["artifacts"])
+    # One token story: report.html shows what providers reported, 0 without a model, as the
+    # budget line does (it once summed 13360 "repair tokens" while the budget said 0 spent).
+    page = (run_dir / "report.html").read_text(encoding="utf-8")
+    assert "<dt>repair tokens (reported)</dt><dd>0</dd>" in page
+    assert "<dt>all tokens (reported)</dt><dd>0</dd>" in page
+    # CRITIQUE.md: no escalated output with a score band, no line with two scores.
+    for n in (1, 2, 3):
+        md = (run_dir / "iterations" / f"{n:03d}" / "CRITIQUE.md").read_text(encoding="utf-8")
+        for section in md.split("\n## Worker ")[1:]:
+            if " — escalated " in section or " — failed " in section:
+                assert "| band | accept" not in section and "| next | " in section, section
+        assert not re.search(r"score \d\.\d\d[^\n]*score \d\.\d\d", md)
     assert doc["elapsed_s"] < 60
     assert "embedded Redis on" in proc.stderr  # progress goes to stderr with --json
     port = int(re.search(r":(\d+)/", doc["redis"]["url"]).group(1))  # type: ignore[union-attr]
@@ -153,3 +165,86 @@ def test_with_redis_url_and_no_worker_exits_3(tmp_path: Path, redis_url: str) ->
     assert proc.returncode == 3
     assert "no Celery worker answered" in proc.stderr
     assert "critique worker" in proc.stderr
+
+
+# --- the demo's output as README.md and docs/demo.md show it -------------------------------------
+
+_VARIABLE = [
+    (re.compile(r"redis://127\.0\.0\.1:\d+/"), "redis://127.0.0.1:PORT/"),
+    (re.compile(r"demo-\d{8}-\d{6}-[0-9a-f]{6}"), "demo-RUN"),
+    (re.compile(r"critique-demo-\d+@\S+"), "critique-demo-PID@HOST"),
+    (re.compile(r"done in [\d.]+ s"), "done in T s"),
+]
+
+
+def _masked(line: str) -> str:
+    for pattern, repl in _VARIABLE:
+        line = pattern.sub(repl, line)
+    return line.rstrip()
+
+
+def _demo_block(doc: str) -> list[str]:
+    """The ``text`` block of ``doc`` that shows the demo's output (its first ``[ 1/26]``)."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    for m in re.finditer(r"^```text\n(.*?)^```", text, re.S | re.M):
+        if "[ 1/26]" in m.group(1):
+            shown = [ln for ln in m.group(1).split("\n") if not ln.startswith("real\t")]
+            while shown and not shown[-1].strip():
+                shown.pop()  # the blank line before `time`'s own output
+            return shown
+    raise AssertionError(f"{doc} shows no demo output")
+
+
+_PROGRESS = re.compile(r"^\[\s*\d+/\d+\] ")
+
+
+def _shows(expected: list[str], got: list[str]) -> str | None:
+    """None when ``got`` holds ``expected``'s lines in order, each run of lines between two
+    ``…`` lines (the doc's "shortened here") contiguous; else the first line not found.
+    Progress lines (``[ 3/26] …``) come in completion order: each must be there, anywhere,
+    whatever its counter."""
+    lines = [_masked(g) for g in got]
+    progress = {_PROGRESS.sub("", line) for line in lines if _PROGRESS.match(line)}
+    segments: list[list[str]] = [[]]
+    for line in expected:
+        if _PROGRESS.match(line):
+            if _PROGRESS.sub("", _masked(line)) not in progress:
+                return line
+            segments.append([])
+        elif line.strip() == "…":
+            segments.append([])
+        else:
+            segments[-1].append(_masked(line))
+    lines = [line for line in lines if not _PROGRESS.match(line)]
+    at = 0
+    for seg in filter(None, segments):
+        for start in range(at, len(lines) - len(seg) + 1):
+            if lines[start : start + len(seg)] == seg:
+                at = start + len(seg)
+                break
+        else:
+            return next((s for s in seg if s not in lines), seg[0])
+    return None
+
+
+@pytest.fixture(scope="module")
+def demo_output(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """`critique demo` on a bare machine, stdout and stderr as a terminal shows them."""
+    where = tmp_path_factory.mktemp("demo-doc")
+    proc = subprocess.run(
+        demo_cmd(),
+        env=bare_env(PYTHONUNBUFFERED="1"),
+        cwd=where,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout
+    return proc.stdout.rstrip("\n").split("\n")
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/demo.md"])
+def test_the_demo_prints_what_the_docs_show(doc: str, demo_output: list[str]) -> None:
+    missing = _shows(_demo_block(doc), demo_output)
+    assert missing is None, f"{doc} shows {missing!r}; the demo printed:\n" + "\n".join(demo_output)

@@ -130,6 +130,13 @@ def test_stdin_json_lines_escalation_exits_0(worker: WorkerProcess, db_url: str)
     assert out.count("submitted ") == 2
     assert "hopeless" in out and "escalated (escalate_band" in out
     assert "accepted (accepted" in out
+    # The escalated line says why: its deciding defects, then what the manager should do.
+    rows = out.split("\n")
+    at = next(i for i, row in enumerate(rows) if "escalated (escalate_band" in row)
+    why = rows[at + 1 : next(i for i in range(at + 1, len(rows)) if "next: " in rows[i]) + 1]
+    assert len(why) >= 2 and all(row.startswith("      ") for row in why), out
+    assert " at " in why[0] or ": " in why[0]
+    assert why[-1].startswith("      next: re-dispatch the subtask")
     assert (
         "submit: 2 submission(s): 2 finished (accepted 1, escalated 1), 0 failed, 0 pending" in out
     )

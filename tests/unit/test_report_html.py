@@ -174,7 +174,7 @@ def test_totals_tables_pitfalls_and_repairs_are_reported() -> None:
     assert "<dt>pending</dt><dd>1</dd>" in page
     assert "<dt>mean original score</dt><dd>0.40</dd>" in page
     assert "<dt>mean best score</dt><dd>0.90</dd>" in page
-    assert "<dt>repair tokens</dt><dd>160</dd>" in page
+    assert "<dt>repair tokens (reported)</dt><dd>160</dd>" in page
     assert 'id="iteration-001"' in page
     assert "3x</td><td>missing_data</td><td>Always include the &#x27;findings&#x27; field" in page
     assert page.count("<td>accepted</td></tr>") == 2  # one repair row per worker

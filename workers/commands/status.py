@@ -17,7 +17,10 @@ run (nothing submitted, no result); 3 Redis unreachable. ``--json`` prints one o
 mean_original_score, mean_best_score, submissions: [...]}`` where ``failed`` and ``pending``
 list ``"<iteration>:<worker>"`` keys, ``errors`` maps each failed key to its reason and every
 row has a ``state`` (``finished`` | ``failed`` | ``pending``). A finished row whose critic or
-reviser fell back says so (``FALLBACK …`` under it; ``fallbacks`` in ``--json``).
+reviser fell back says so (``FALLBACK …`` under it; ``fallbacks`` in ``--json``); an escalated
+or failed one says why under it: its deciding defects and ``next: …``, what the manager should
+do (``why`` in ``--json``); a repaired round says what the repair did in words when its reviser
+said (``did`` in each of ``rounds``).
 
 Once Redis holds no submission and no result of the run (its keys expired), the run's archive
 answers (:mod:`workers.archiving`): the table says ``(from the archive: <path>, archived
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -286,6 +290,34 @@ def fallbacks(result: CritiqueResult) -> list[str]:
     return [n for n in result.notes if n.startswith("critic fallback:") or " reviser used" in n]
 
 
+WHY_LIMIT = 300
+"""Longest line of a result's explanation shown (characters)."""
+
+
+def why_lines(result: CritiqueResult, indent: str = "      ") -> list[str]:
+    """An escalated or failed result's deciding defects and next step, one indented,
+    terminal-safe line each (the stored text is worker-made); [] for other verdicts."""
+    return [escape_controls(f"{indent}{printable(line, WHY_LIMIT)}") for line in result.why()]
+
+
+_FIXED_NOTE = re.compile(r"^repair (\d+): fixed: (.*)$")
+_LEFT = re.compile(r"^\d+ defect\(s\) left for ")
+
+
+def repair_labels(result: CritiqueResult) -> dict[int, str]:
+    """What each repair did, in words, from the reviser's notes (``repair 1: fixed: deleted a
+    repeated paragraph; …``), keyed by the round it produced (repair N → round N + 1)."""
+    out: dict[int, str] = {}
+    for note in result.notes:
+        m = _FIXED_NOTE.match(note)
+        if m is None:
+            continue
+        did = [p for p in m.group(2).split("; ") if p and not _LEFT.match(p)]
+        if did:
+            out[int(m.group(1)) + 1] = "; ".join(did)
+    return out
+
+
 def _mean(values: Sequence[float]) -> float | None:
     return round(math.fsum(values) / len(values), 6) if values else None
 
@@ -300,12 +332,15 @@ def _ref(ref: dict[str, Any]) -> str:
 
 
 def round_diffs(result: CritiqueResult) -> list[dict[str, Any]]:
-    """The defect diff of each round after a repair (SPEC §5.4), JSON-ready."""
+    """The defect diff of each round after a repair (SPEC §5.4), JSON-ready; ``did``: what the
+    repair before it did, in words, when its reviser said (else null)."""
+    labels = repair_labels(result)
     return [
         {
             "round": t.round,
             "score": t.score,
             "verdict": t.verdict,
+            "did": labels.get(t.round),
             **{
                 name: [r.model_dump(mode="json") for r in getattr(t, name) or ()]
                 for name in ("fixed", "remaining", "new", "regressed")
@@ -317,11 +352,14 @@ def round_diffs(result: CritiqueResult) -> list[dict[str, Any]]:
 
 
 def diff_line(diff: dict[str, Any]) -> str:
-    """``round 2 (0.45): fixed missing_data@summary; new hallucination@line 7; remaining 1``."""
+    """``round 2 (0.45): fixed missing_data@summary; new hallucination@line 7; remaining 1``;
+    with what the repair did in words (``did``), that instead of the fixed defects' references:
+    ``round 2 (0.80): deleted a repeated paragraph; remaining 1``."""
+    did = diff.get("did")
     parts = [
-        f"{name} {', '.join(_ref(r) for r in diff[name])}"
+        did if name == "fixed" and did else f"{name} {', '.join(_ref(r) for r in diff[name])}"
         for name in ("fixed", "new", "regressed")
-        if diff[name]
+        if diff[name] or (name == "fixed" and did)
     ]
     if diff["remaining"]:
         parts.append(f"remaining {len(diff['remaining'])}")
@@ -351,6 +389,7 @@ def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
             "repairs": len(r.attempts),
             "fallbacks": fallbacks(r),
             "rounds": round_diffs(r),
+            "why": list(r.why()),
         }
         for r in snap.results
     ]
@@ -420,6 +459,8 @@ def render_text(doc: dict[str, Any]) -> str:
             lines.append(f"{'':>6}FALLBACK {printable(note, 200)}")
         for diff in r.get("rounds") or ():
             lines.append(f"{'':>6}{printable(diff_line(diff), 300)}")
+        for line in r.get("why") or ():
+            lines.append(f"{'':>6}{printable(line, WHY_LIMIT)}")
     lines.append("")
     counts = ", ".join(f"{k} {v}" for k, v in doc["counts"].items()) or "none yet"
     lines.append(f"verdicts: {counts}")

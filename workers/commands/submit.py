@@ -45,9 +45,11 @@ identifier with a newline, and a ``--set`` value the configuration refuses are a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -267,6 +269,14 @@ def _result_line(result: Any) -> str:
     return escape_controls(line)
 
 
+def _result_lines(result: Any) -> str:
+    """The result's line and, for an escalated or failed output, why (its deciding defects)
+    and what to do next, indented under it (:meth:`CritiqueResult.why`)."""
+    from workers.commands.status import why_lines
+
+    return "\n".join([_result_line(result), *why_lines(result)])
+
+
 def _handle_doc(h: Any) -> dict[str, Any]:
     return {
         "run_id": h.run_id,
@@ -365,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"critique submit: {problem}", file=sys.stderr)
         return EXIT_UNAVAILABLE
     unavailable: tuple[type[BaseException], ...] = (OSError, *unreachable_errors())
+    began = time.time()
     try:
         handles = client.submit_many(subs)
     except unavailable as exc:
@@ -394,10 +405,26 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if not args.wait:
         return EXIT_OK
-    return _wait(client, handles, args)
+    return _wait(client, handles, args, since=began)
 
 
-def _wait(client: Any, handles: list[Any], args: Any) -> int:
+def refusals_since(run_ids: list[str], since: float) -> tuple[int, str]:
+    """How many ``refused`` trace events the runs got since ``since`` (wall clock), and the
+    first one's reason: what a worker said of messages it would not run. Their run id is the
+    message's claim, unverified, so they only explain a wait (never a verdict)."""
+    from workers import runtime
+
+    count, first = 0, ""
+    sink = runtime.stores().trace
+    for run_id in dict.fromkeys(run_ids):
+        for _, event in sink.iterate(run_id, 1, f"{int(since * 1000)}-0", idle_limit=1):
+            if event.get("type") == "refused":
+                count += 1
+                first = first or str(event.get("reason") or "")
+    return count, first
+
+
+def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> int:
     """Print every answer as it comes, then the tally; returns the exit code."""
     from pipeline.errors import SubmissionError
     from workers.client import CritiqueTimeout
@@ -433,7 +460,7 @@ def _wait(client: Any, handles: list[Any], args: Any) -> int:
                     doc = {"type": "result", "task_id": h.task_id, **answer.model_dump(mode="json")}
                     progress.line(json_line(doc))
                 else:
-                    progress.line(_result_line(answer))
+                    progress.line(_result_lines(answer))
             count()
     except CritiqueTimeout:
         timed_out = True
@@ -472,10 +499,21 @@ def _wait(client: Any, handles: list[Any], args: Any) -> int:
             f"in {elapsed:.1f} s"
         )
     if timed_out:
+        from workers.commands._text import printable
+
+        refused, reason = 0, ""
+        with contextlib.suppress(Exception):  # only a better hint: never fail over it
+            refused, reason = refusals_since([h.run_id for h in pending], since)
+        hint = (
+            f"a worker refused {refused} message(s) claiming this run since the submit: "
+            f"{printable(reason, 300)}"
+            if refused
+            else "is a worker consuming critique.cpu and critique.llm? start one with "
+            "`critique worker`"
+        )
         print(
             f"critique submit: timed out after {args.timeout:g} s; still pending: "
-            f"{', '.join(h.worker_id for h in pending)} (is a worker consuming critique.cpu "
-            "and critique.llm? start one with `critique worker`)",
+            f"{', '.join(h.worker_id for h in pending)} ({hint})",
             file=sys.stderr,
         )
     return EXIT_FAILED if failed or pending else EXIT_OK
