@@ -98,6 +98,24 @@ def settle_amqp_settings(conf: Any, env: Any = None) -> None:
     conf.worker_enable_prefetch_count_reduction = False
 
 
+def amqp_queue_refused(reply_text: str, vhost: str) -> Any:
+    """The ``ConfigError`` for RabbitMQ refusing to declare a pipeline queue as configured
+    (``PRECONDITION_FAILED``, ``reply_text`` naming the queue and the argument): the queue exists
+    with another type, which RabbitMQ cannot change in place. Workers (at start) and clients (on
+    submit) raise it."""
+    from pipeline.errors import ConfigError
+
+    wanted = str(app.conf.get("amqp_queue_type") or "quorum")  # celeryconfig's reading
+    other = "classic" if wanted == "quorum" else "quorum"
+    return ConfigError(
+        f"RabbitMQ (vhost {vhost!r}) refused the {wanted} queue: {reply_text}. RabbitMQ cannot "
+        "change a queue's type in place: move the queues over as docs/operations.md says "
+        f'("Upgrading to quorum queues"), or set CRITIQUE_AMQP_QUEUE_TYPE={other} on every '
+        "worker and client to keep the queues the broker has",
+        key="CRITIQUE_AMQP_QUEUE_TYPE",
+    )
+
+
 def check_amqp_queues(conf: Any) -> None:
     """Declare the pipeline's queues as configured (quorum, or classic with
     ``CRITIQUE_AMQP_QUEUE_TYPE=classic``) before the worker starts consuming, and raise
@@ -108,10 +126,6 @@ def check_amqp_queues(conf: Any) -> None:
     own reconnect loop."""
     import amqp
 
-    from pipeline.errors import ConfigError
-
-    wanted = str(conf.get("amqp_queue_type") or "quorum")  # celeryconfig's reading
-    other = "classic" if wanted == "quorum" else "quorum"
     conn = app.connection_for_write(url=conf.broker_url)
     try:
         try:
@@ -123,15 +137,7 @@ def check_amqp_queues(conf: Any) -> None:
                 with conn.channel() as channel:
                     queue(channel).declare()
             except amqp.exceptions.PreconditionFailed as exc:
-                raise ConfigError(
-                    f"queue {queue.name!r} exists on the broker (vhost "
-                    f"{conn.virtual_host!r}) with other arguments than the {wanted} queue this "
-                    f"worker declares: {exc.reply_text}. RabbitMQ cannot change a queue's type in "
-                    'place: move the queues over as docs/operations.md says ("Upgrading to '
-                    f'quorum queues"), or set CRITIQUE_AMQP_QUEUE_TYPE={other} on every worker '
-                    "and client to keep the queues the broker has",
-                    key="CRITIQUE_AMQP_QUEUE_TYPE",
-                ) from None
+                raise amqp_queue_refused(str(exc.reply_text), str(conn.virtual_host)) from None
             except conn.connection_errors:
                 return
     finally:

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -210,15 +211,18 @@ def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefet
 
 @pytest.mark.faults
 @pytest.mark.timeout(120)
-def test_a_worker_refuses_to_start_on_a_classic_queue_with_the_upgrade_named(
-    amqp_url: str, start_worker: StartWorker
+def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
+    amqp_url: str, start_worker: StartWorker, tmp_path: Path
 ) -> None:
     """Where ``critique.cpu`` exists as a classic queue (a broker used by an earlier version),
     RabbitMQ refuses to redeclare it as a quorum queue: the worker stops at start with exit 2
     and one line naming the queue, ``CRITIQUE_AMQP_QUEUE_TYPE`` and the upgrade in
-    docs/operations.md, instead of reconnecting forever; with
-    ``CRITIQUE_AMQP_QUEUE_TYPE=classic`` it starts and consumes it."""
+    docs/operations.md, instead of reconnecting forever; a client's submit raises the same
+    ConfigError; with ``CRITIQUE_AMQP_QUEUE_TYPE=classic`` the worker starts and consumes it."""
     from kombu import Connection, Exchange, Queue
+
+    from pipeline.errors import ConfigError
+    from workers.client import CritiqueClient
 
     with Connection(amqp_url) as conn:
         Queue("critique.cpu", Exchange("critique.cpu"), "critique.cpu")(
@@ -226,6 +230,13 @@ def test_a_worker_refuses_to_start_on_a_classic_queue_with_the_upgrade_named(
         ).declare()
     with pytest.raises(RuntimeError, match="exited early with code 2"):
         start_worker("refused", env={"CELERY_BROKER_URL": amqp_url})
+    said = (tmp_path / "worker-refused.log").read_text(errors="replace").strip().splitlines()[-1]
+    assert said.startswith("critique worker: RabbitMQ (vhost ")
+    for named in ("'critique.cpu'", "x-queue-type", "Upgrading to quorum queues"):
+        assert named in said, said
+    assert "CRITIQUE_AMQP_QUEUE_TYPE=classic" in said
+    with pytest.raises(ConfigError, match="CRITIQUE_AMQP_QUEUE_TYPE=classic"):
+        CritiqueClient(CONFIG).submit(_submissions(f"refused-{uuid.uuid4().hex[:8]}", 1)[0])
     types = _queue_types(_vhost_of(amqp_url))
     assert types.get("critique.cpu") == "classic"
     classic = start_worker(
@@ -239,8 +250,8 @@ def test_a_worker_refuses_to_start_on_a_classic_queue_with_the_upgrade_named(
 def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
     amqp_url: str, start_worker: StartWorker
 ) -> None:
-    """RabbitMQ cancels a worker's consumer (``basic.cancel``: its queue deleted here; a quorum
-    queue's leader moving does the same in a cluster): the worker keeps its process, declares
+    """RabbitMQ cancels a worker's consumer (``basic.cancel``: its queue deleted here; in a cluster,
+    a failed node holding the queue does the same): the worker keeps its process, declares
     the queue again (a quorum queue) and consumes it again, and submissions sent afterwards end
     with their reference results within a minute."""
     from workers.client import CritiqueClient
