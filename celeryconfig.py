@@ -21,8 +21,9 @@ held-message reports stop, not after the visibility timeout); a Redis restart or
 shorter than ``CRITIQUE_OUTAGE_S`` (publishes wait, workers reconnect within 2 s of Redis being
 back, a message the restart lost is proved lost and re-driven within seconds; the stall time,
 the task time limit + 30 s, stays the backstop where nothing can be proved: a non-Redis broker);
-a RabbitMQ restart (consumers reconnect within 2 s; dead connections are noticed by 10 s
-heartbeats and TCP keepalive after about 25 s). A Redis restart without persistence loses every
+a RabbitMQ restart (quorum queues, publisher confirms; consumers reconnect within 2 s and
+RabbitMQ redelivers what they held; dead connections are noticed by 10 s heartbeats and TCP
+keepalive after about 25 s). A Redis restart without persistence loses every
 queued message and the submissions' records: nothing can re-drive those (run Redis with
 ``appendonly yes``).
 """
