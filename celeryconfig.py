@@ -34,9 +34,6 @@ import math
 import os
 import socket
 
-from kombu import Exchange, Queue
-
-from pipeline.store import keys
 from pipeline.store.redis_common import celery_url, sentinel_transport_options
 
 _redis = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -189,23 +186,23 @@ task_time_limit = _time_limit
 task_soft_time_limit = max(1, _time_limit - 30)
 
 # --- routing: CPU stages and LLM stages scale separately ---------------------------------------
-# The pipeline's three queues, each with a direct exchange of its name (what Celery would create
-# for a missing queue). On RabbitMQ they are quorum queues (replicated by Raft; a message is
-# confirmed once a majority holds it, and a consumer's unacknowledged messages are redelivered
-# when its connection or channel goes), declared with ``x-queue-type: quorum`` by every worker
-# and client; ``CRITIQUE_AMQP_QUEUE_TYPE=classic`` keeps classic queues (a broker whose queues
-# exist as classic ones: RabbitMQ refuses to redeclare a queue with another type, see
-# docs/operations.md, "Upgrading to quorum queues"). Pidbox (remote control) and event queues
-# stay as Celery makes them (transient, auto-delete). Redis ignores queue arguments: there the
-# queues are the same lists as before.
-# (Any other value stops a worker on RabbitMQ at start: workers.app.settle_amqp_settings.)
-amqp_queue_type = os.environ.get("CRITIQUE_AMQP_QUEUE_TYPE", "").strip().lower() or "quorum"
-_queue_arguments = {"x-queue-type": "quorum"} if amqp_queue_type == "quorum" else None
-task_queues = tuple(
-    Queue(name, Exchange(name, type="direct"), routing_key=name, queue_arguments=_queue_arguments)
-    for name in keys.QUEUES
-)
-# Quorum queues have no global QoS: with a quorum queue among task_queues Celery sets the
+# The pipeline's three queues are made by Celery as it meets them (a direct exchange of the
+# queue's name), as before. On RabbitMQ they are quorum queues (replicated by Raft; a message
+# is confirmed once a majority holds it, and a consumer's unacknowledged messages are
+# redelivered when its connection or channel goes), declared with ``x-queue-type: quorum`` by
+# every worker and client; ``CRITIQUE_AMQP_QUEUE_TYPE=classic`` keeps classic queues (a broker
+# whose queues exist as classic ones: RabbitMQ refuses to redeclare a queue with another type,
+# see docs/operations.md, "Upgrading to quorum queues"; any other value stops a worker on
+# RabbitMQ at start, workers.app.settle_amqp_settings). Pidbox (remote control) and event
+# queues stay as Celery makes them (transient, auto-delete). Redis ignores queue arguments:
+# there the queues are the same lists as before.
+amqp_queue_type = (
+    "classic" if os.environ.get("CRITIQUE_AMQP_QUEUE_TYPE", "").strip().lower() == "classic"
+    else "quorum"
+)  # fmt: skip
+task_default_queue_type = amqp_queue_type
+task_create_missing_queue_type = amqp_queue_type
+# Quorum queues have no global QoS: with a quorum queue among its queues Celery sets the
 # prefetch per consumer (worker_prefetch_multiplier x concurrency, fixed while it runs).
 worker_detect_quorum_queues = True
 task_default_queue = "critique.cpu"

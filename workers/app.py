@@ -126,13 +126,16 @@ def check_amqp_queues(conf: Any) -> None:
     own reconnect loop."""
     import amqp
 
+    from pipeline.store import keys
+
     conn = app.connection_for_write(url=conf.broker_url)
     try:
         try:
             conn.connect()
         except Exception:
             return  # not reachable yet: the consumer retries and says so
-        for queue in conf.task_queues or ():
+        queues = app.amqp.Queues(conf.task_queues)  # a copy: the worker's own is untouched
+        for queue in (queues[name] for name in keys.QUEUES):
             try:
                 with conn.channel() as channel:
                     queue(channel).declare()

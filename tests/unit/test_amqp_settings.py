@@ -11,27 +11,32 @@ from pipeline.config import load_config
 from tests.unit.test_sentinel_settings import _probe
 
 _QUEUES_PROBE = """
-import json, celeryconfig as c
+import json
+from workers.app import app
+c = app.conf
+qs = [app.amqp.queues[name] for name in ("critique.cpu", "critique.llm", "critique.llm.critic")]
 print(json.dumps([[q.name, q.exchange.name, q.exchange.type, q.routing_key, q.queue_arguments]
-                  for q in c.task_queues]
+                  for q in qs]
                  + [c.broker_transport_options["confirm_publish"], c.worker_detect_quorum_queues,
-                    c.task_acks_late]))
+                    c.task_acks_late, c.task_queues]))
 """
 
 
 def test_the_pipeline_queues_are_declared_as_quorum_queues_with_publisher_confirms() -> None:
-    """The three queues, each with a direct exchange of its name (what Celery makes for a
-    missing queue, so a Redis broker's lists are the same as before), carry ``x-queue-type:
-    quorum``; publishes wait for confirms; acks stay late."""
+    """The three queues, each with a direct exchange of its name (Celery makes them as it meets
+    them, as before, so a Redis broker's lists are the same), carry ``x-queue-type: quorum``;
+    publishes wait for confirms; acks stay late."""
     out = _probe(_QUEUES_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
     assert out.returncode == 0, out.stderr
-    *queues, confirm, detect, late = json.loads(out.stdout)
+    *queues, confirm, detect, late, defined = json.loads(out.stdout)
     quorum = {"x-queue-type": "quorum"}
     assert queues == [
         [name, name, "direct", name, quorum]
         for name in ("critique.cpu", "critique.llm", "critique.llm.critic")
     ]
     assert (confirm, detect, late) == (True, True, True)
+    assert defined is None  # Celery makes them as it meets them: `celery worker` without -Q
+    # still consumes critique.cpu alone
 
 
 def test_classic_queues_are_kept_with_critique_amqp_queue_type_classic() -> None:
