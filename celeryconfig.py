@@ -119,8 +119,9 @@ worker_consumer = "workers.recovery:Consumer"
 # RabbitMQ (amqp://): heartbeats every 10 s (Celery's default 120 s), so a consumer whose
 # connection died without a close (a broker restart behind a proxy, a network cut) notices
 # within about 20 s rather than 4 minutes and reconnects; RabbitMQ requeues what it held
-# unacknowledged at once. Celery sends heartbeats from the event loop (prefork pool); a
-# threads-pool worker leaves them off and notices on its next read (drain_events, every 2 s).
+# unacknowledged at once. Celery sends them from the worker's event loop, which the prefork
+# and the threads pools both run (rabbitmqctl list_connections shows timeout 10 for both):
+# a loop blocked for ~3 heartbeats gets its connection closed by RabbitMQ.
 broker_heartbeat = 10
 # A Redis outage must not end the worker's main process: workers (only they: Flower and other
 # clients read the broker URL's scheme) use kombu's Redis transport with one guard,
