@@ -1,9 +1,10 @@
 """RabbitMQ as the broker (SPEC §4 shape c), the store on a private Redis: the pipeline's queues
 are quorum queues, consumers come back within seconds when the broker drops their connections,
 and a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a pause of seconds.
-Runs where ``rabbitmqctl`` can manage a RabbitMQ on 127.0.0.1:5672 (guest/guest); each test
-uses a vhost of its own, made and deleted by the test, and touches no other, except the broker
-restart, which stops the whole broker for 5 s (and always starts it again)."""
+Against the RabbitMQ on 127.0.0.1:5672 (guest/guest), managed with ``rabbitmqctl``; skipped
+only where no RabbitMQ answers there. Each test uses a vhost of its own, made and deleted by the
+test, and touches no other, except the broker restart, which stops the whole broker for 5 s
+(and always starts it again)."""
 
 from __future__ import annotations
 
@@ -43,13 +44,10 @@ def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _rabbitmq_here() -> bool:
-    if shutil.which("rabbitmqctl") is None:
-        return False
+    """Whether a RabbitMQ answers on 127.0.0.1:5672 (the only reason these tests skip)."""
     with socket.socket() as s:
         s.settimeout(1.0)
-        if s.connect_ex(("127.0.0.1", 5672)) != 0:
-            return False
-    return True
+        return s.connect_ex(("127.0.0.1", 5672)) == 0
 
 
 @pytest.fixture
@@ -57,12 +55,15 @@ def amqp_url(fault_env: dict[str, str]) -> Iterator[str]:
     """A vhost of this test's own on the local RabbitMQ (deleted afterwards), set as this
     process's broker; the store stays the private Redis."""
     if not _rabbitmq_here():
-        pytest.skip("no RabbitMQ managed by rabbitmqctl on 127.0.0.1:5672")
+        pytest.skip("no RabbitMQ answers on 127.0.0.1:5672")
+    if shutil.which("rabbitmqctl") is None:
+        pytest.fail("a RabbitMQ answers on 127.0.0.1:5672 but rabbitmqctl is not on PATH")
     from workers.app import app
 
     vhost = f"critique-test-{uuid.uuid4().hex[:8]}"
-    if _ctl("add_vhost", vhost).returncode != 0:
-        pytest.skip("rabbitmqctl cannot add a vhost here")
+    added = _ctl("add_vhost", vhost)
+    if added.returncode != 0:
+        pytest.fail(f"rabbitmqctl cannot add a vhost on the RabbitMQ here: {added.stderr.strip()}")
     try:
         assert _ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*").returncode == 0
         url = f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
