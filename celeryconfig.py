@@ -21,8 +21,9 @@ held-message reports stop, not after the visibility timeout); a Redis restart or
 shorter than ``CRITIQUE_OUTAGE_S`` (publishes wait, workers reconnect within 2 s of Redis being
 back, a message the restart lost is proved lost and re-driven within seconds; the stall time,
 the task time limit + 30 s, stays the backstop where nothing can be proved: a non-Redis broker);
-a RabbitMQ restart (consumers reconnect within 2 s; dead connections are noticed by 10 s
-heartbeats and TCP keepalive after about 25 s). A Redis restart without persistence loses every
+a RabbitMQ restart (quorum queues, publisher confirms; consumers reconnect within 2 s and
+RabbitMQ redelivers what they held; dead connections are noticed by 10 s heartbeats and TCP
+keepalive after about 25 s). A Redis restart without persistence loses every
 queued message and the submissions' records: nothing can re-drive those (run Redis with
 ``appendonly yes``).
 """
@@ -95,6 +96,11 @@ broker_transport_options = {
     "interval_start": 0,
     "interval_step": 1,
     "interval_max": 2,
+    # RabbitMQ (amqp://) only: every publish waits for the broker's confirm (basic.ack), so a
+    # publish into a connection the broker is closing (a restart) raises and is retried on a
+    # new one instead of being lost in a socket buffer; quorum queues confirm once a majority
+    # of their replicas hold the message. (kombu's Redis transport ignores it.)
+    "confirm_publish": True,
     # sentinel:// only: master_name, sentinel_kwargs (timeouts, CRITIQUE_SENTINEL_PASSWORD).
     **sentinel_transport_options(broker_url),
 }
@@ -113,8 +119,9 @@ worker_consumer = "workers.recovery:Consumer"
 # RabbitMQ (amqp://): heartbeats every 10 s (Celery's default 120 s), so a consumer whose
 # connection died without a close (a broker restart behind a proxy, a network cut) notices
 # within about 20 s rather than 4 minutes and reconnects; RabbitMQ requeues what it held
-# unacknowledged at once. Celery sends heartbeats from the event loop (prefork pool); a
-# threads-pool worker leaves them off and notices on its next read (drain_events, every 2 s).
+# unacknowledged at once. Celery sends them from the worker's event loop, which the prefork
+# and the threads pools both run (rabbitmqctl list_connections shows timeout 10 for both):
+# a loop blocked for ~3 heartbeats gets its connection closed by RabbitMQ.
 broker_heartbeat = 10
 # A Redis outage must not end the worker's main process: workers (only they: Flower and other
 # clients read the broker URL's scheme) use kombu's Redis transport with one guard,
@@ -180,6 +187,25 @@ task_time_limit = _time_limit
 task_soft_time_limit = max(1, _time_limit - 30)
 
 # --- routing: CPU stages and LLM stages scale separately ---------------------------------------
+# The pipeline's three queues are made by Celery as it meets them (a direct exchange of the
+# queue's name), as before. On RabbitMQ they are quorum queues (replicated by Raft; a message
+# is confirmed once a majority holds it, and a consumer's unacknowledged messages are
+# redelivered when its connection or channel goes), declared with ``x-queue-type: quorum`` by
+# every worker and client; ``CRITIQUE_AMQP_QUEUE_TYPE=classic`` keeps classic queues (a broker
+# whose queues exist as classic ones: RabbitMQ refuses to redeclare a queue with another type,
+# see docs/operations.md, "Upgrading to quorum queues"; any other value stops a worker on
+# RabbitMQ at start, workers.app.settle_amqp_settings). Pidbox (remote control) and event
+# queues stay as Celery makes them (transient, auto-delete). Redis ignores queue arguments:
+# there the queues are the same lists as before.
+amqp_queue_type = (
+    "classic" if os.environ.get("CRITIQUE_AMQP_QUEUE_TYPE", "").strip().lower() == "classic"
+    else "quorum"
+)  # fmt: skip
+task_default_queue_type = amqp_queue_type
+task_create_missing_queue_type = amqp_queue_type
+# Quorum queues have no global QoS: with a quorum queue among its queues Celery sets the
+# prefetch per consumer (worker_prefetch_multiplier x concurrency, fixed while it runs).
+worker_detect_quorum_queues = True
 task_default_queue = "critique.cpu"
 task_routes = {
     "critique.l0": {"queue": "critique.cpu"},

@@ -86,6 +86,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_STALL_MAX_RESUMES",  # re-drives of one stalled chain before giving up on it
         "CRITIQUE_OUTAGE_S",  # Celery: how long publishes and backend writes ride out an outage
         "CRITIQUE_STORE_URL",  # the store's Redis, when not REDIS_URL (may be a Redis Cluster)
+        "CRITIQUE_AMQP_QUEUE_TYPE",  # Celery on RabbitMQ: quorum (default) or classic queues
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
         "CRITIQUE_TEST_REQUIRE_FASTSCAN",  # the test suite: fail, not skip, without the C scanner
         "CRITIQUE_TEST_SENTINEL_DEMOTE",  # the test suite: run the Sentinel demotion variant

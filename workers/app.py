@@ -66,6 +66,87 @@ def check_sentinel_settings(conf: Any, env: Any = None) -> None:
         conf[opts_key] = opts
 
 
+AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
+"""Broker URL schemes of RabbitMQ (kombu's py-amqp transport)."""
+
+
+def settle_amqp_settings(conf: Any, env: Any = None) -> None:
+    """A worker on RabbitMQ: ``CRITIQUE_AMQP_QUEUE_TYPE`` must be ``quorum`` or ``classic``
+    (``ConfigError`` otherwise), and Celery's prefetch reduction after a reconnect is off.
+
+    That reduction (``worker_enable_prefetch_count_reduction``) lowers the prefetch count while
+    the tasks that ran through the connection loss finish, then raises it by one on each
+    acknowledgement: a synchronous ``basic.qos`` sent from whichever thread acknowledges. In a
+    threads-pool worker that is a task thread, reading the consumer's connection while its event
+    loop reads it too: the two split the AMQP frame stream (``UnexpectedFrame: Received
+    frame_end 0x04 while expecting 0xce``), the connection drops again, every acknowledgement in
+    flight fails ("Couldn't ack … connection already closed") and the consumer came back in
+    bursts 30 s apart for minutes after a 5 s broker restart. Quorum queues (per-consumer
+    prefetch) skip the reduction in Celery 5.7 already; classic ones (``CRITIQUE_AMQP_QUEUE_TYPE
+    =classic``) would not. Without it, a reconnected consumer asks for its full prefetch at
+    once: at most the tasks still running from before are reserved in addition, and they wait
+    for a free slot. Redis brokers keep Celery's default (the reduction is client-side there)."""
+    from pipeline.errors import ConfigError
+
+    env = os.environ if env is None else env
+    raw = str(env.get("CRITIQUE_AMQP_QUEUE_TYPE") or "").strip().lower()
+    if raw and raw not in ("quorum", "classic"):
+        raise ConfigError(
+            f"CRITIQUE_AMQP_QUEUE_TYPE={raw!r}: use quorum (the default) or classic",
+            key="CRITIQUE_AMQP_QUEUE_TYPE",
+        )
+    conf.worker_enable_prefetch_count_reduction = False
+
+
+def amqp_queue_refused(reply_text: str, vhost: str) -> Any:
+    """The ``ConfigError`` for RabbitMQ refusing to declare a pipeline queue as configured
+    (``PRECONDITION_FAILED``, ``reply_text`` naming the queue and the argument): the queue exists
+    with another type, which RabbitMQ cannot change in place. Workers (at start) and clients (on
+    submit) raise it."""
+    from pipeline.errors import ConfigError
+
+    wanted = str(app.conf.get("amqp_queue_type") or "quorum")  # celeryconfig's reading
+    other = "classic" if wanted == "quorum" else "quorum"
+    return ConfigError(
+        f"RabbitMQ (vhost {vhost!r}) refused the {wanted} queue: {reply_text}. RabbitMQ cannot "
+        "change a queue's type in place: move the queues over as docs/operations.md says "
+        f'("Upgrading to quorum queues"), or set CRITIQUE_AMQP_QUEUE_TYPE={other} on every '
+        "worker and client to keep the queues the broker has",
+        key="CRITIQUE_AMQP_QUEUE_TYPE",
+    )
+
+
+def check_amqp_queues(conf: Any) -> None:
+    """Declare the pipeline's queues as configured (quorum, or classic with
+    ``CRITIQUE_AMQP_QUEUE_TYPE=classic``) before the worker starts consuming, and raise
+    ``ConfigError`` naming the queue and the way out when RabbitMQ refuses because the queue
+    exists with another type (``PRECONDITION_FAILED - inequivalent arg 'x-queue-type'``): a
+    queue's type cannot change in place, and the worker's consumer would otherwise reconnect
+    forever on that channel error. A broker that does not answer yet is left to the worker's
+    own reconnect loop."""
+    import amqp
+
+    from pipeline.store import keys
+
+    conn = app.connection_for_write(url=conf.broker_url)
+    try:
+        try:
+            conn.connect()
+        except Exception:
+            return  # not reachable yet: the consumer retries and says so
+        queues = app.amqp.Queues(conf.task_queues)  # a copy: the worker's own is untouched
+        for queue in (queues[name] for name in keys.QUEUES):
+            try:
+                with conn.channel() as channel:
+                    queue(channel).declare()
+            except amqp.exceptions.PreconditionFailed as exc:
+                raise amqp_queue_refused(str(exc.reply_text), str(conn.virtual_host)) from None
+            except conn.connection_errors:
+                return
+    finally:
+        conn.release()
+
+
 @celeryd_init.connect
 def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
     """A worker starting on a redis://, rediss:// or sentinel:// broker uses kombu's Redis (or
@@ -73,21 +154,26 @@ def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
     main process (see :class:`workers.recovery.RedisTransport`). Only workers: the transport's
     name shows in the broker URI, and Flower and other clients pick their broker client by that
     URI's scheme. A Sentinel URL without ``CRITIQUE_REDIS_MASTER`` stops the worker here with
-    one line saying so (exit 2)."""
+    one line saying so (exit 2). A worker on RabbitMQ (amqp://) settles its settings
+    (:func:`settle_amqp_settings`) and declares its queues first (:func:`check_amqp_queues`): a
+    queue that exists with another type stops it the same way."""
     if conf is None:
         return
     from pipeline.errors import ConfigError
     from pipeline.store.urls import check_urls
 
+    scheme = str(conf.broker_url or "").partition("://")[0].lower()
     try:
         check_urls()  # a worker started by `celery -A workers.app worker` checks them too
         check_sentinel_settings(conf)
+        if scheme in AMQP_SCHEMES:
+            settle_amqp_settings(conf)
+            check_amqp_queues(conf)
     except ConfigError as exc:
         print(f"critique worker: {exc}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     if conf.broker_transport:
         return  # an operator's own choice of transport wins
-    scheme = str(conf.broker_url or "").partition("://")[0].lower()
     if scheme in GUARDED_TRANSPORTS:
         conf.broker_transport = GUARDED_TRANSPORTS[scheme]
     if scheme == "sentinel":

@@ -163,6 +163,9 @@ class CritiqueClient:
         except StoreUnavailableError:
             raise  # the stores name Redis themselves
         except Exception as exc:
+            refused = _queue_refused(exc)
+            if refused is not None:
+                raise refused from exc
             if not is_unreachable(exc):
                 raise
             # Not a store's (mapped above): the publish, so the broker.
@@ -494,6 +497,22 @@ def _failure_reason(exc: Any) -> str:
     if isinstance(exc, (SubmissionError, ConfigError)):
         return f"was refused by the worker: {line}"
     return f"failed: {type(exc).__name__}: {line}"
+
+
+def _queue_refused(exc: BaseException) -> Exception | None:
+    """The configuration error for a publish RabbitMQ refused because a pipeline queue exists
+    with another type (``PRECONDITION_FAILED`` on its declare), else None."""
+    try:
+        from amqp.exceptions import PreconditionFailed
+    except ImportError:  # pragma: no cover - py-amqp comes with Celery
+        return None
+    if not isinstance(exc, PreconditionFailed) or "x-queue-type" not in str(exc.reply_text):
+        return None
+    from workers.app import amqp_queue_refused, app
+
+    vhost = str(app.conf.broker_url or "").rpartition("/")[2] or "/"
+    refused: Exception = amqp_queue_refused(str(exc.reply_text), vhost)
+    return refused
 
 
 def _as_submission(value: Submission | Mapping[str, Any], index: int = 0) -> Submission:

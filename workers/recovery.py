@@ -27,7 +27,10 @@ queue, with kombu's own restore (one transaction: never twice).
 **Stalls, the backstop.** A pass is stalled when no step of it was recorded for the stall time
 (:func:`stall_after_s`) *and* the queue its next stage goes to has been drained past its last
 progress long enough ago that the message, if it existed, would have run. This holds for any
-broker (RabbitMQ has no ``unacked`` to read; it redelivers a lost consumer's messages itself).
+broker, and on RabbitMQ it is the only rule: RabbitMQ has no ``unacked`` hash to read
+(:func:`open_broker` answers None there), so the sweeper reports no held messages, restores no
+orphans (RabbitMQ redelivers a lost consumer's messages itself) and proves nothing lost; it
+still sends probes and sweeps, and a stalled pass is re-driven with ``reason: stalled``.
 The pending index (:mod:`pipeline.store.pending`) holds every pass's last progress; probes
 (``critique.probe``, a no-op task each worker sends to its queues every sweep interval) measure
 how far each queue has been drained, so a long queue never reads as a stall or a loss and is

@@ -149,7 +149,7 @@ def fault_env(
 
 @pytest.fixture
 def start_worker(fault_env: dict[str, str], tmp_path: Path) -> Iterator[object]:
-    """``start_worker(name, pool=..., concurrency=..., env=...)`` → a started
+    """``start_worker(name, pool=..., concurrency=..., env=..., queues=...)`` → a started
     :class:`WorkerProcess` (``env``: more environment); every one is stopped after the test
     (and its log printed when the test failed)."""
     started: list[WorkerProcess] = []
@@ -160,11 +160,13 @@ def start_worker(fault_env: dict[str, str], tmp_path: Path) -> Iterator[object]:
         pool: str = "threads",
         concurrency: int = 4,
         env: dict[str, str] | None = None,
+        queues: str = "critique.cpu,critique.llm",
     ) -> WorkerProcess:
         w = WorkerProcess(
             fault_env["REDIS_URL"],
             pool=pool,
             concurrency=concurrency,
+            queues=queues,
             name=name,
             env={**fault_env, **(env or {})},
             log=tmp_path / f"worker-{name}.log",

@@ -1,11 +1,14 @@
-"""RabbitMQ as the broker (SPEC §4 shape c), the store on a private Redis: consumers come back
-within seconds when the broker drops their connections. Runs where ``rabbitmqctl`` can manage a
-RabbitMQ on 127.0.0.1:5672 (guest/guest); each test uses a vhost of its own and touches no
-other (a whole-broker restart, ``stop_app``/``start_app``, would: it is measured by hand, see
-docs/operations.md)."""
+"""RabbitMQ as the broker (SPEC §4 shape c), the store on a private Redis: the pipeline's queues
+are quorum queues, consumers come back within seconds when the broker drops their connections,
+and a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a pause of seconds.
+Against the RabbitMQ on 127.0.0.1:5672 (guest/guest), managed with ``rabbitmqctl``; skipped
+only where no RabbitMQ answers there. Each test uses a vhost of its own, made and deleted by the
+test, and touches no other, except the broker restart, which stops the whole broker for 5 s
+(and always starts it again)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -15,11 +18,17 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.faults.conftest import _forget_app_connections
-from tests.faults.test_redis_outage import _submissions, _wait_for_results
+from tests.faults.test_redis_outage import (
+    _check_run,
+    _results,
+    _submissions,
+    _wait_for_results,
+)
 from tests.integration.test_distributed import CONFIG, reference
 from tests.integration.workers import WorkerProcess
 
@@ -35,13 +44,10 @@ def _ctl(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _rabbitmq_here() -> bool:
-    if shutil.which("rabbitmqctl") is None:
-        return False
+    """Whether a RabbitMQ answers on 127.0.0.1:5672 (the only reason these tests skip)."""
     with socket.socket() as s:
         s.settimeout(1.0)
-        if s.connect_ex(("127.0.0.1", 5672)) != 0:
-            return False
-    return True
+        return s.connect_ex(("127.0.0.1", 5672)) == 0
 
 
 @pytest.fixture
@@ -49,12 +55,15 @@ def amqp_url(fault_env: dict[str, str]) -> Iterator[str]:
     """A vhost of this test's own on the local RabbitMQ (deleted afterwards), set as this
     process's broker; the store stays the private Redis."""
     if not _rabbitmq_here():
-        pytest.skip("no RabbitMQ managed by rabbitmqctl on 127.0.0.1:5672")
+        pytest.skip("no RabbitMQ answers on 127.0.0.1:5672")
+    if shutil.which("rabbitmqctl") is None:
+        pytest.fail("a RabbitMQ answers on 127.0.0.1:5672 but rabbitmqctl is not on PATH")
     from workers.app import app
 
     vhost = f"critique-test-{uuid.uuid4().hex[:8]}"
-    if _ctl("add_vhost", vhost).returncode != 0:
-        pytest.skip("rabbitmqctl cannot add a vhost here")
+    added = _ctl("add_vhost", vhost)
+    if added.returncode != 0:
+        pytest.fail(f"rabbitmqctl cannot add a vhost on the RabbitMQ here: {added.stderr.strip()}")
     try:
         assert _ctl("set_permissions", "-p", vhost, "guest", ".*", ".*", ".*").returncode == 0
         url = f"amqp://guest:guest@127.0.0.1:5672/{vhost}"
@@ -115,3 +124,237 @@ def test_consumers_are_back_within_seconds_when_rabbitmq_drops_their_connections
     gates = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
     assert len(gates) == len(subs) and set(gates.values()) == {1}
     print(f"RabbitMQ connections dropped: all results {took:.1f} s later")
+
+
+PIPELINE_QUEUES = ("critique.cpu", "critique.llm", "critique.llm.critic")
+
+
+def _vhost_of(url: str) -> str:
+    return url.rsplit("/", 1)[1]
+
+
+def _queue_types(vhost: str) -> dict[str, str]:
+    """``rabbitmqctl list_queues -p VHOST name type``: queue name -> type."""
+    out = _ctl("-q", "list_queues", "-p", vhost, "name", "type")
+    assert out.returncode == 0, out.stderr
+    rows = [line.split("\t") for line in out.stdout.splitlines() if "\t" in line]
+    return {row[0]: row[1] for row in rows if row[0] != "name"}
+
+
+def _consumer_prefetch(vhost: str) -> dict[str, list[int]]:
+    """``rabbitmqctl list_consumers``: queue name -> each consumer's own prefetch count (0 where
+    the channel's global QoS applies instead)."""
+    out = _ctl("-q", "list_consumers", "-p", vhost, "queue_name", "prefetch_count")
+    assert out.returncode == 0, out.stderr
+    got: dict[str, list[int]] = {}
+    for line in out.stdout.splitlines():
+        name, _, count = line.partition("\t")
+        if count.strip().isdigit():
+            got.setdefault(name, []).append(int(count))
+    return got
+
+
+def _broker_answers(timeout: float) -> bool:
+    """RabbitMQ takes AMQP connections again (within ``timeout`` seconds)."""
+    from kombu import Connection
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with (
+            contextlib.suppress(Exception),
+            Connection("amqp://guest:guest@127.0.0.1:5672//", connect_timeout=2) as conn,
+        ):
+            conn.connect()
+            return True
+        time.sleep(0.5)
+    return False
+
+
+@contextlib.contextmanager
+def _broker_stopped() -> Iterator[float]:
+    """The whole broker stopped (``rabbitmqctl stop_app``: every connection closed, nothing
+    accepted) for the ``with`` block; started again (``start_app``) however the block ends,
+    and answering again before this returns. Yields when the stop had completed."""
+    stopped = _ctl("stop_app")
+    try:
+        assert stopped.returncode == 0, stopped.stderr
+        yield time.monotonic()
+    finally:
+        started = _ctl("start_app")
+        _ctl("await_startup")
+        assert started.returncode == 0, started.stderr
+        assert _broker_answers(60), "RabbitMQ does not answer after start_app"
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefetch(
+    amqp_url: str, start_worker: StartWorker
+) -> None:
+    """A worker on RabbitMQ declares the three pipeline queues as quorum queues
+    (``rabbitmqctl list_queues name type``) and consumes each with a per-consumer prefetch of
+    its concurrency (quorum queues have no global QoS); its remote-control (pidbox) and event
+    queues stay classic, as Celery makes them."""
+    vhost = _vhost_of(amqp_url)
+    start_worker(
+        "quorum",
+        concurrency=4,
+        env={"CELERY_BROKER_URL": amqp_url},
+        queues=",".join(PIPELINE_QUEUES),
+    )
+    types = _queue_types(vhost)
+    assert {q: types.get(q) for q in PIPELINE_QUEUES} == dict.fromkeys(PIPELINE_QUEUES, "quorum")
+    pidbox = [q for q in types if q.endswith(".celery.pidbox")]
+    assert pidbox and {types[q] for q in pidbox} == {"classic"}, types
+    prefetch = _consumer_prefetch(vhost)
+    assert {q: prefetch.get(q) for q in PIPELINE_QUEUES} == {q: [4] for q in PIPELINE_QUEUES}
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
+    amqp_url: str, start_worker: StartWorker, tmp_path: Path
+) -> None:
+    """Where ``critique.cpu`` exists as a classic queue (a broker used by an earlier version),
+    RabbitMQ refuses to redeclare it as a quorum queue: the worker stops at start with exit 2
+    and one line naming the queue, ``CRITIQUE_AMQP_QUEUE_TYPE`` and the upgrade in
+    docs/operations.md, instead of reconnecting forever; a client's submit raises the same
+    ConfigError; with ``CRITIQUE_AMQP_QUEUE_TYPE=classic`` the worker starts and consumes it."""
+    from kombu import Connection, Exchange, Queue
+
+    from pipeline.errors import ConfigError
+    from workers.client import CritiqueClient
+
+    with Connection(amqp_url) as conn:
+        Queue("critique.cpu", Exchange("critique.cpu"), "critique.cpu")(
+            conn.default_channel
+        ).declare()
+    with pytest.raises(RuntimeError, match="exited early with code 2"):
+        start_worker("refused", env={"CELERY_BROKER_URL": amqp_url})
+    said = (tmp_path / "worker-refused.log").read_text(errors="replace").strip().splitlines()[-1]
+    assert said.startswith("critique worker: RabbitMQ (vhost ")
+    for named in ("'critique.cpu'", "x-queue-type", "Upgrading to quorum queues"):
+        assert named in said, said
+    assert "CRITIQUE_AMQP_QUEUE_TYPE=classic" in said
+    with pytest.raises(ConfigError, match="CRITIQUE_AMQP_QUEUE_TYPE=classic"):
+        CritiqueClient(CONFIG).submit(_submissions(f"refused-{uuid.uuid4().hex[:8]}", 1)[0])
+    types = _queue_types(_vhost_of(amqp_url))
+    assert types.get("critique.cpu") == "classic"
+    classic = start_worker(
+        "classic", env={"CELERY_BROKER_URL": amqp_url, "CRITIQUE_AMQP_QUEUE_TYPE": "classic"}
+    )
+    assert classic.proc is not None and classic.proc.poll() is None
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
+    amqp_url: str, start_worker: StartWorker
+) -> None:
+    """RabbitMQ cancels a worker's consumer (``basic.cancel``: its queue deleted here; in a cluster,
+    a failed node holding the queue does the same): the worker keeps its process, declares
+    the queue again (a quorum queue) and consumes it again, and submissions sent afterwards end
+    with their reference results within a minute."""
+    from workers.client import CritiqueClient
+
+    vhost = _vhost_of(amqp_url)
+    worker = start_worker("cancel", env={"CELERY_BROKER_URL": amqp_url})
+    assert worker.proc is not None
+    pid = worker.proc.pid
+    deleted = _ctl("delete_queue", "-p", vhost, "critique.cpu")
+    assert deleted.returncode == 0, deleted.stderr
+    cancelled = time.monotonic()
+    while "critique.cpu" not in _consumer_prefetch(vhost) and time.monotonic() - cancelled < 60:
+        time.sleep(0.5)
+    assert _queue_types(vhost).get("critique.cpu") == "quorum"
+    run_id = f"rabbit-cancel-{uuid.uuid4().hex[:8]}"
+    subs = _submissions(run_id, 20)
+    CritiqueClient(CONFIG).submit_many(subs)
+    results = _wait_for_results(run_id, len(subs), RECONNECT_SLA_S)
+    _check_run(run_id, subs, results, [worker], [pid], transport="amqp://")
+    print(f"consumer cancelled: consuming again {time.monotonic() - cancelled:.1f} s later")
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
+    amqp_url: str, start_worker: StartWorker
+) -> None:
+    """On RabbitMQ the sweeper has no ``unacked`` hash to prove a loss with: a chain whose
+    message was purged from its queue (nobody waiting) is re-driven by the stall rule once its
+    last progress is older than the stall time (5 s here) and its queue was drained past it:
+    one ``resume`` event by the sweeper, reason ``stalled``, and the reference result; the
+    sweeper thread keeps running through it (no Redis broker to read)."""
+    from workers.client import CritiqueClient
+
+    vhost = _vhost_of(amqp_url)
+    env = {"CELERY_BROKER_URL": amqp_url, "CRITIQUE_STALL_S": "5", "CRITIQUE_SWEEP_S": "0.5"}
+    worker = start_worker("stall", env=env)
+    worker.stop()
+    run_id = f"rabbit-stall-{uuid.uuid4().hex[:8]}"
+    sub = _submissions(run_id, 1)[0]
+    client = CritiqueClient(CONFIG)
+    handle = client.submit(sub)
+    purged = _ctl("purge_queue", "-p", vhost, "critique.cpu")
+    assert purged.returncode == 0, purged.stderr
+    worker.start(timeout=60)
+    started = time.monotonic()
+    while (result := client.result(handle)) is None and time.monotonic() - started < 60:
+        time.sleep(0.25)
+    assert result is not None, "the sweeper did not re-drive the lost chain"
+    want = reference([sub], CONFIG)[0][f"{sub.iteration}:{sub.worker_id}"]
+    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
+    resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
+    assert [(e["by"], e["reason"]) for e in resumes] == [("sweeper", "stalled")]
+    log = worker.log.read_text(errors="replace") if worker.log else ""
+    assert "stall sweeper:" not in log  # no error in its ticks
+    print(f"purged message: re-driven, result {time.monotonic() - started:.1f} s after start")
+
+
+RESTART_SLA_S = 120.0
+"""The issue's bound: every submission has its normal result within this of its submit."""
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(300)
+def test_600_submissions_through_a_5_second_rabbitmq_stop_app_and_start_app(
+    amqp_url: str, start_worker: StartWorker
+) -> None:
+    """600 submissions on quorum queues through two workers (threads, prefork), the whole
+    broker stopped (``rabbitmqctl stop_app``) for 5 s at 10 % of the results while submission
+    still goes on, then started again: every submission ends with its normal result within
+    120 s of the submit, one ``result`` trace event each, and the same worker processes."""
+    from workers.client import CritiqueClient
+
+    env = {"CELERY_BROKER_URL": amqp_url}
+    workers = [
+        start_worker("threads", pool="threads", concurrency=4, env=env),
+        start_worker("prefork", pool="prefork", concurrency=2, env=env),
+    ]
+    pids = [w.proc.pid for w in workers if w.proc is not None]
+    run_id = f"rabbit-restart-{uuid.uuid4().hex[:8]}"
+    subs = _submissions(run_id, 600)
+    submitted = time.monotonic()
+    submitter = threading.Thread(target=CritiqueClient(CONFIG).submit_many, args=(subs,))
+    submitter.start()
+    assert len(_wait_for_results(run_id, len(subs) // 10, 60)) >= len(subs) // 10
+    stopping = time.monotonic()
+    with _broker_stopped() as stopped:
+        time.sleep(5)
+        before = len(_results(run_id) or {})
+    restarted = time.monotonic()
+    while len(_results(run_id) or {}) <= before and time.monotonic() - restarted < 60:
+        time.sleep(0.1)
+    resumed = time.monotonic()
+    submitter.join(RESTART_SLA_S)
+    results = _wait_for_results(run_id, len(subs), submitted + RESTART_SLA_S - time.monotonic())
+    took = time.monotonic() - submitted
+    resumes = _check_run(run_id, subs, results, workers, pids, transport="amqp://")
+    assert resumes == []  # nothing was lost: RabbitMQ redelivered what the workers held
+    assert took <= RESTART_SLA_S, f"the last result came {took:.1f} s after the submit"
+    print(
+        f"RabbitMQ stop_app ({stopped - stopping:.1f} s) + 5 s + start_app "
+        f"({restarted - stopped - 5:.1f} s): first new result {resumed - restarted:.1f} s after "
+        f"start_app, the last {time.monotonic() - restarted:.1f} s after it, "
+        f"{took:.1f} s after the first submit"
+    )

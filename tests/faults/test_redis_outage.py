@@ -91,11 +91,14 @@ def _check_run(
     results: dict[str, CritiqueResult],
     workers: list[WorkerProcess],
     pids: list[int],
+    *,
+    transport: str = "workers.recovery:RedisTransport://",
 ) -> list[dict[str, Any]]:
     """Every submission ended with its reference result (none failed, none missing), every
-    worker process is the one that started (the guarded transport in use, no "Unrecoverable
-    error"), each submission has exactly one ``result`` trace event, nothing is left pending.
-    Returns the run's ``resume`` events (all by the sweeper: no client waited)."""
+    worker process is the one that started (its banner names ``transport``, by default the
+    guarded Redis one; no "Unrecoverable error"), each submission has exactly one ``result``
+    trace event, nothing is left pending. Returns the run's ``resume`` events (all by the
+    sweeper: no client waited)."""
     from workers import runtime
     from workers.client import CritiqueClient
 
@@ -110,7 +113,7 @@ def _check_run(
         assert w.proc is not None and w.proc.poll() is None, "a worker process exited"
         assert w.proc.pid == pid
         log = w.log.read_text(errors="replace") if w.log else ""
-        assert "transport:   workers.recovery:RedisTransport://" in log  # the guarded one
+        assert f"transport:   {transport}" in log  # (on Redis: the guarded one)
         assert "Unrecoverable error" not in log
 
     events = list(CritiqueClient(CONFIG).trace(run_id))

@@ -77,6 +77,38 @@ def test_compose_passes_provider_keys_to_llm_workers_and_env_is_accepted() -> No
         assert "CRITIQUE_SECRET" in svc["environment"], name
 
 
+def _rabbitmq_override() -> dict[str, Any]:
+    doc = yaml.safe_load((DEPLOY / "docker-compose.rabbitmq.yml").read_text(encoding="utf-8"))
+    assert isinstance(doc, dict)
+    return doc
+
+
+def test_the_rabbitmq_override_points_every_worker_and_flower_at_a_healthy_rabbitmq() -> None:
+    """docker-compose.rabbitmq.yml adds a `rabbitmq` service (management image, a healthcheck,
+    a data volume, a password that must be set) and gives every worker service of
+    docker-compose.yml and Flower an amqp:// CELERY_BROKER_URL on it, started only once it is
+    healthy; Flower also gets the management API (its Broker tab); every CRITIQUE_* set is
+    accepted."""
+    override = _rabbitmq_override()["services"]
+    rabbit = override["rabbitmq"]
+    assert "management" in rabbit["image"]
+    assert rabbit["healthcheck"]["test"][:2] == ["CMD", "rabbitmq-diagnostics"]
+    assert any(v.endswith(":/var/lib/rabbitmq") for v in rabbit["volumes"])
+    assert ":?" in rabbit["environment"]["RABBITMQ_DEFAULT_PASS"]  # compose refuses without it
+    vhost = rabbit["environment"]["RABBITMQ_DEFAULT_VHOST"]
+    for name in [*_compose_workers(), "flower"]:
+        svc = override.get(name)
+        assert svc is not None, f"{name} keeps the Redis broker"
+        env = svc["environment"]
+        _accepted(env, f"rabbitmq override {name}")
+        url = env["CELERY_BROKER_URL"]
+        assert url.startswith("amqp://critique:") and url.endswith(f"@rabbitmq:5672/{vhost}")
+        assert svc["depends_on"]["rabbitmq"] == {"condition": "service_healthy"}
+        assert svc["depends_on"]["redis"] == {"condition": "service_healthy"}  # still the store
+    assert override["flower"]["environment"]["FLOWER_BROKER_API"].endswith("@rabbitmq:15672/api/")
+    assert set(rabbit["networks"]) >= set(_compose()["services"]["flower"]["networks"])
+
+
 # --- systemd -------------------------------------------------------------------------------------
 def _env_file(path: Path) -> dict[str, str]:
     out = {}
