@@ -6,61 +6,20 @@ Redis database; the submissions go through the real chain.
 
 from __future__ import annotations
 
-import base64
 import json
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.error
-import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from pipeline.models import Submission
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
+from tests.flower import USER, FlowerProcess, until
+from tests.flower import get as _get
+from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.e2e
-
-USER, PASSWORD = "user", "secret"
-T = TypeVar("T")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str, auth: tuple[str, str] | None = (USER, PASSWORD)) -> tuple[int, bytes]:
-    """GET ``url`` (with basic auth unless ``auth`` is None): status code and body."""
-    req = urllib.request.Request(url)
-    if auth is not None:
-        token = base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
-        req.add_header("Authorization", f"Basic {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def _until(what: str, probe: Callable[[], T | None], timeout: float = 20.0) -> T:
-    """Poll ``probe`` until it returns something truthy, or fail naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            got = probe()
-        except (OSError, ValueError):
-            got = None
-        if got:
-            return got
-        time.sleep(0.25)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -74,36 +33,16 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
 def cluster(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A worker and Flower (basic auth) running; yields Flower's base URL. Both are killed."""
     logs = tmp_path_factory.mktemp("flower")
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
     worker = WorkerProcess(env["REDIS_URL"], concurrency=2, name="flowerw", env=env)
-    flower: subprocess.Popen[bytes] | None = None
+    flower = FlowerProcess(env, logs / "flower.log")
     try:
         worker.start()
-        argv = [
-            sys.executable, "-m", "celery", "-A", "workers.app", "flower",
-            "--address=127.0.0.1", f"--port={port}", f"--basic-auth={USER}:{PASSWORD}",
-        ]  # fmt: skip
-        with open(logs / "flower.log", "wb") as log:
-            flower = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        _until("Flower's healthcheck", lambda: _get(f"{base}/healthcheck", None)[0] == 200)
-
-        def worker_alive() -> bool:
-            status, body = _get(f"{base}/api/workers?status=1")
-            alive: dict[str, bool] = json.loads(body) if status == 200 else {}
-            return any(name.startswith("flowerw@") and up for name, up in alive.items())
-
+        flower.start()
         # Flower's event receiver has heard the worker's heartbeat: task events will be seen.
-        _until("the worker's heartbeat in Flower", worker_alive)
-        yield base
+        flower.wait_worker_alive("flowerw@")
+        yield flower.base
     finally:
-        if flower is not None and flower.poll() is None:
-            flower.terminate()
-            try:
-                flower.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                flower.kill()
-                flower.wait(timeout=5)
+        flower.stop()
         worker.stop()
 
 
@@ -159,7 +98,7 @@ def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None
     # One task id per submission: w2's critique.l0 ran its whole loop (Layer-0, critic,
     # decide, gate); w1's was replaced by its repair round under the same id (Task.replace),
     # which Flower lists under the round's name.
-    _until("the pipeline's tasks in Flower's task list", tasks_seen)
+    until("the pipeline's tasks in Flower's task list", tasks_seen)
     code, raw = _get(f"{base}/api/tasks?state=SUCCESS")
     ours = [t for t in json.loads(raw).values() if str(t.get("name")).startswith("critique.")]
     assert code == 200 and len([t for t in ours if t["name"] != "critique.probe"]) == 2
@@ -175,7 +114,7 @@ def test_flower_api_lists_pipeline_tasks_behind_basic_auth(cluster: str) -> None
         )
         return m.group(0) if code == 200 and m and "critique.repair" in m.group(0) else None
 
-    assert float(_until("a task-progress event", progress_counted).rsplit(" ", 1)[1]) >= 1
+    assert float(until("a task-progress event", progress_counted).rsplit(" ", 1)[1]) >= 1
 
     _, raw = _get(f"{base}/api/task/types")
     types = set(json.loads(raw)["task-types"])

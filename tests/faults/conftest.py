@@ -1,5 +1,6 @@
-"""Fault-test services: a private ``redis-server`` with AOF that a test kills and restarts, and
-the environment that points this process and real worker processes at it.
+"""Fault-test services: a private ``redis-server`` with AOF that a test kills and restarts, a
+Sentinel deployment (``tests.faults.sentinel``), and the environment that points this process
+and real worker processes at them.
 
 Never the shared Redis: each test gets its own server on a free loopback port, in a temp dir.
 """
@@ -7,17 +8,22 @@ Never the shared Redis: each test gets its own server on a free loopback port, i
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
 
 from tests.integration.workers import WorkerProcess, client_on
 from workers.embedded import free_port, ping, redis_executable
+
+if TYPE_CHECKING:  # tests.faults.sentinel imports this module
+    from tests.faults.sentinel import SentinelSetup
 
 # Fast sweeps and restores; a stall time and a visibility timeout longer than any test, so
 # neither backstop acts within one: what a test sees recovered in seconds, the sweeper's proof
@@ -177,3 +183,48 @@ def start_worker(fault_env: dict[str, str], tmp_path: Path) -> Iterator[object]:
     yield start
     for w in started:
         w.stop()
+
+
+@pytest.fixture
+def sentinels(tmp_path: Path) -> Iterator[SentinelSetup]:
+    """A master (AOF), one replica and three Sentinels, settled (``tests.faults.sentinel``);
+    every one stopped afterwards."""
+    from tests.faults.sentinel import SentinelSetup
+
+    setup = SentinelSetup(tmp_path / "redis")
+    try:
+        yield setup.start()
+    finally:
+        setup.stop()
+
+
+@pytest.fixture
+def sentinel_env(sentinels: SentinelSetup) -> Iterator[dict[str, str]]:
+    """This process's client (store, broker, result backend) on the Sentinel URL; the
+    environment for the workers."""
+    from pipeline.store.redis_common import celery_url
+    from tests.faults.sentinel import MASTER
+    from workers.app import app, check_sentinel_settings
+
+    url = sentinels.url()
+    saved = (app.conf.broker_transport_options, app.conf.result_backend_transport_options)
+    with client_on(url, flush=False, CRITIQUE_REDIS_MASTER=MASTER, **FAULT_ENV) as env:
+        # celeryconfig was read before this test set the URL: what it does at start-up for a
+        # sentinel:// URL (normalized URL, master_name, sentinel_kwargs), done here.
+        # (Celery reads CELERY_BROKER_URL / CELERY_RESULT_BACKEND from the environment first.)
+        normalized = celery_url(url, setting="REDIS_URL")
+        os.environ["CELERY_BROKER_URL"] = os.environ["CELERY_RESULT_BACKEND"] = normalized
+        app.conf.broker_url = app.conf.result_backend = normalized
+        app.conf.broker_transport_options = {
+            k: v for k, v in saved[0].items() if k not in ("master_name", "sentinel_kwargs")
+        }
+        app.conf.result_backend_transport_options = {
+            k: v for k, v in saved[1].items() if k not in ("master_name", "sentinel_kwargs")
+        }
+        check_sentinel_settings(app.conf)
+        _forget_app_connections()
+        try:
+            yield env
+        finally:
+            _forget_app_connections()
+            app.conf.broker_transport_options, app.conf.result_backend_transport_options = saved

@@ -10,14 +10,11 @@ loopback port in the test's temp dir and is stopped afterwards."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
-import subprocess
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +25,11 @@ from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis_common import FailoverConnection, celery_url
-from tests.faults.conftest import FAULT_ENV, ServerProcess, _forget_app_connections
+from tests.faults.sentinel import MASTER, SentinelSetup, SentinelWorker, control_app
 from tests.faults.test_worker_kills import DEDUPE_SKIP, _event_key
 from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
-from tests.integration.workers import WorkerProcess, client_on
-from workers.embedded import free_port, ping
+from tests.integration.workers import WorkerProcess
 
-MASTER = "mymaster"
 N = 300
 DEMOTE_ENV = "CRITIQUE_TEST_SENTINEL_DEMOTE"
 """Set to 1 to run the ``SENTINEL FAILOVER`` variant (not in the default run yet)."""
@@ -46,162 +41,6 @@ pytestmark = pytest.mark.skipif(
     reason="redis-server is not on PATH: the Sentinel failover test needs real redis-server "
     "processes (a master, a replica, three Sentinels); install Redis to run it",
 )
-
-
-class _Server(ServerProcess):
-    """One ``redis-server`` process (a data node or, with ``sentinel``, a Sentinel)."""
-
-    def __init__(self, workdir: Path, name: str) -> None:
-        self.name = name
-        self.port = free_port()
-        self.dir = workdir / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, argv: list[str], timeout: float = 15.0) -> _Server:
-        log = open(self.dir / "redis.log", "ab")  # noqa: SIM115 - the child keeps it open
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-        log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                log_text = (self.dir / "redis.log").read_text(errors="replace")[-2000:]
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {log_text}")
-            if ping("127.0.0.1", self.port):
-                return self
-            time.sleep(0.05)
-        raise RuntimeError(f"{self.name} did not answer on port {self.port}")
-
-    def client(self) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=5, decode_responses=True)
-
-
-class SentinelSetup:
-    """A master (AOF, ``appendfsync always``), one replica of it (AOF too) and three Sentinels
-    monitoring it (quorum 2, down after 1 s, failover timeout 5 s)."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.exe = str(shutil.which("redis-server"))
-        self.master = _Server(workdir, "master")
-        self.replica = _Server(workdir, "replica")
-        self.sentinels = [_Server(workdir, f"sentinel{i}") for i in range(3)]
-
-    def _data_argv(self, s: _Server, *extra: str) -> list[str]:
-        return [
-            self.exe,
-            "--port", str(s.port), "--bind", "127.0.0.1", "--protected-mode", "yes",
-            "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-            "--dir", str(s.dir), *extra,
-        ]  # fmt: skip
-
-    def start(self) -> SentinelSetup:
-        self.master.start(self._data_argv(self.master))
-        self.replica.start(
-            self._data_argv(self.replica, "--replicaof", "127.0.0.1", str(self.master.port))
-        )
-        for s in self.sentinels:
-            conf = s.dir / "sentinel.conf"  # each Sentinel rewrites its own config file
-            conf.write_text(
-                f"port {s.port}\nbind 127.0.0.1\ndir {s.dir}\n"
-                f"sentinel monitor {MASTER} 127.0.0.1 {self.master.port} 2\n"
-                f"sentinel down-after-milliseconds {MASTER} 1000\n"
-                f"sentinel failover-timeout {MASTER} 5000\n"
-                f"sentinel parallel-syncs {MASTER} 1\n"
-            )
-            s.start([self.exe, str(conf), "--sentinel"])
-        self._wait_settled(self.master.port, 40.0)
-        return self
-
-    def _wait_settled(self, master_port: int, timeout: float) -> None:
-        """Until the replica is in sync and every Sentinel knows the master, its replica and
-        the two other Sentinels (they find each other through the master's hello channel)."""
-        deadline = time.monotonic() + timeout
-        seen: Any = None
-        while time.monotonic() < deadline:
-            with contextlib.suppress(redis.exceptions.RedisError):
-                seen = [s.client().sentinel_master(MASTER) for s in self.sentinels]
-                link = self.replica.client().info("replication").get("master_link_status")
-                if link == "up" and all(
-                    int(m["port"]) == master_port
-                    and int(m["num-slaves"]) >= 1
-                    and int(m["num-other-sentinels"]) >= 2
-                    for m in seen
-                ):
-                    return
-            time.sleep(0.2)
-        raise RuntimeError(f"the Sentinels did not settle within {timeout} s: {seen}")
-
-    def url(self) -> str:
-        """The issue's form: the Sentinels ``;``-separated, the database once, at the end."""
-        return ";".join(f"sentinel://127.0.0.1:{s.port}" for s in self.sentinels) + "/0"
-
-    def master_port(self) -> int | None:
-        """The master's port as the first Sentinel that answers says."""
-        for s in self.sentinels:
-            with contextlib.suppress(redis.exceptions.RedisError):
-                addr = s.client().sentinel_get_master_addr_by_name(MASTER)
-                if addr:
-                    return int(addr[1])
-        return None
-
-    def stop(self) -> None:
-        for s in [*self.sentinels, self.replica, self.master]:
-            s.stop()
-
-
-@pytest.fixture
-def sentinels(tmp_path: Path) -> Iterator[SentinelSetup]:
-    setup = SentinelSetup(tmp_path / "redis")
-    try:
-        yield setup.start()
-    finally:
-        setup.stop()
-
-
-@pytest.fixture
-def sentinel_env(sentinels: SentinelSetup) -> Iterator[dict[str, str]]:
-    """This process's client (store, broker, result backend) on the Sentinel URL; the
-    environment for the workers."""
-    from workers.app import app, check_sentinel_settings
-
-    url = sentinels.url()
-    saved = (app.conf.broker_transport_options, app.conf.result_backend_transport_options)
-    with client_on(url, flush=False, CRITIQUE_REDIS_MASTER=MASTER, **FAULT_ENV) as env:
-        # celeryconfig was read before this test set the URL: what it does at start-up for a
-        # sentinel:// URL (normalized URL, master_name, sentinel_kwargs), done here.
-        # (Celery reads CELERY_BROKER_URL / CELERY_RESULT_BACKEND from the environment first.)
-        normalized = celery_url(url, setting="REDIS_URL")
-        os.environ["CELERY_BROKER_URL"] = os.environ["CELERY_RESULT_BACKEND"] = normalized
-        app.conf.broker_url = app.conf.result_backend = normalized
-        app.conf.broker_transport_options = {
-            k: v for k, v in saved[0].items() if k not in ("master_name", "sentinel_kwargs")
-        }
-        app.conf.result_backend_transport_options = {
-            k: v for k, v in saved[1].items() if k not in ("master_name", "sentinel_kwargs")
-        }
-        check_sentinel_settings(app.conf)
-        _forget_app_connections()
-        try:
-            yield env
-        finally:
-            _forget_app_connections()
-            app.conf.broker_transport_options, app.conf.result_backend_transport_options = saved
-
-
-class SentinelWorker(WorkerProcess):
-    """A worker process on the Sentinel URL; its readiness probe (a remote-control ping) needs
-    the master name too."""
-
-    def _probe_app(self) -> Any:
-        return _control_app(self.redis_url)
-
-
-def _control_app(url: str) -> Any:
-    from celery import Celery
-
-    probe = Celery("probe", broker=celery_url(url, setting="REDIS_URL"), set_as_current=False)
-    probe.conf.broker_transport_options = {"master_name": MASTER}
-    return probe
 
 
 def _results(run_id: str) -> dict[str, CritiqueResult] | None:
@@ -222,7 +61,7 @@ def _totals(url: str, workers: list[WorkerProcess]) -> dict[str, int]:
     nodes = [w.nodename for w in workers]
     stats: dict[str, Any] = {}
     for attempt in range(5):
-        probe = _control_app(url)
+        probe = control_app(url)
         try:
             stats = probe.control.inspect(destination=nodes, timeout=3).stats() or {}
         except redis.exceptions.ConnectionError:

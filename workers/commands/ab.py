@@ -13,7 +13,7 @@ its own run (``run_id``), so repetitions are independent. Defects are counted by
 Where the pipeline runs: with ``REDIS_URL`` unset, an embedded Redis and an in-process worker
 (as ``critique demo``); when no ``command`` is configured, that worker runs the tests with
 ``python -m pytest -q``. With ``REDIS_URL`` set, the running workers (they need
-``CRITIQUE_COMMAND`` for python inputs).
+``CRITIQUE_COMMAND`` for python inputs). ``CRITIQUE_STORE_URL`` without ``REDIS_URL``: exit 2.
 
 Writes ``DIR/ab.csv`` (``run_id,mode,input_id,defects,latency_s,tokens_in,tokens_out,loops``)
 and ``DIR/escalations/<run_id>.md`` for each B row the pipeline escalated or failed. Prints a
@@ -211,7 +211,8 @@ def _start_pipeline(
     python: bool,
 ) -> None:
     """The embedded Redis and an in-process worker when ``REDIS_URL`` is unset, else a check
-    that the running workers answer (both as ``critique demo``)."""
+    that the running workers answer (both as ``critique demo``; ``CRITIQUE_STORE_URL`` without
+    ``REDIS_URL``: exit 2)."""
     from workers.commands.demo import (
         DemoError,
         InProcessWorker,
@@ -219,9 +220,10 @@ def _start_pipeline(
         _check_redis,
         _sign_with_a_private_secret,
         _start_embedded,
+        wants_embedded,
     )
 
-    embedded = not os.environ.get("REDIS_URL")
+    embedded = wants_embedded()
     url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
     from workers import runtime
 

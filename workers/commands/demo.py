@@ -4,7 +4,8 @@ With no ``REDIS_URL`` in the environment the demo starts a private Redis server
 (:class:`workers.embedded.EmbeddedRedis`) and a real Celery worker inside this process (a
 ``WorkController`` on the threads pool, in a background thread, consuming ``critique.cpu`` and
 ``critique.llm`` from that Redis — not eager mode). With ``REDIS_URL`` set it uses that server
-and the ``critique worker`` processes already consuming it. The embedded run signs its stage
+and the ``critique worker`` processes already consuming it; ``CRITIQUE_STORE_URL`` without
+``REDIS_URL`` is refused (exit 2, :func:`wants_embedded`). The embedded run signs its stage
 messages as a deployment does: with ``CRITIQUE_SECRET``, or a random one for this process.
 
 It submits the sample run of :mod:`workers.samples` (two dozen worker outputs over three
@@ -232,6 +233,26 @@ def _sigterm_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def wants_embedded() -> bool:
+    """Whether to start an embedded Redis (and an in-process worker): when ``REDIS_URL`` is
+    unset. ``CRITIQUE_STORE_URL`` without it is a usage error (exit 2), not an embedded run:
+    the embedded broker would put this run's records on that store (a shared one, as a rule),
+    with no worker of the deployment ever seeing them; nor can the deployment's workers be used
+    without the broker they consume (``REDIS_URL``, and ``CELERY_BROKER_URL`` if it differs)."""
+    from pipeline.store.redis_common import STORE_URL_ENV
+
+    if os.environ.get("REDIS_URL"):
+        return False
+    if (os.environ.get(STORE_URL_ENV) or "").strip():
+        raise DemoError(
+            f"{STORE_URL_ENV} is set but REDIS_URL is not: set REDIS_URL (and CELERY_BROKER_URL "
+            f"if it differs) to the broker your workers consume, or unset {STORE_URL_ENV} to "
+            "run on an embedded Redis",
+            EXIT_USAGE,
+        )
+    return True
+
+
 def _start_embedded(stack: contextlib.ExitStack, progress: Callable[[str], None]) -> str:
     from workers.embedded import EmbeddedRedis
 
@@ -411,7 +432,7 @@ def _check_config() -> None:
 def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[str], None]) -> int:
     began = time.monotonic()
     _check_config()
-    embedded = not os.environ.get("REDIS_URL")
+    embedded = wants_embedded()
     url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
 
     from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
