@@ -97,10 +97,21 @@ def _refreshed_worker(flower: FlowerProcess) -> dict[str, Any]:
     return until("the worker in /api/workers?refresh=1", ours)
 
 
-def _probes(flower: FlowerProcess) -> set[str]:
-    """The ids of the sweeper's ``critique.probe`` tasks Flower has seen succeed (the fault
-    environment's sweeper sends one every 0.5 s: a steady stream of task events)."""
-    return set(flower.json("/api/tasks?taskname=critique.probe&state=SUCCESS") or {})
+def _canary_seen(flower: FlowerProcess) -> bool:
+    """Submit one accepted output and wait a few seconds for Flower to list its task: whether
+    Flower receives the workers' task events (what was published before it subscribed again,
+    after a failover, is never seen; the sweeper's probes send no task events)."""
+    from workers.client import CritiqueClient
+
+    client = CritiqueClient({"enabled": True, "budget": {"total_tokens": 1_000_000}})
+    [handle] = client.submit_many(_subs(f"flower-canary-{uuid.uuid4().hex[:8]}")[1:])
+    client.wait(handle, timeout=60)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if handle.task_id in (flower.json("/api/tasks?state=SUCCESS") or {}):
+            return True
+        time.sleep(0.25)
+    return False
 
 
 @pytest.mark.timeout(240)
@@ -113,7 +124,7 @@ def test_flower_follows_a_sentinel_broker_through_a_failover(
     submissions' task ids (one each: ``critique.repair`` for the repaired one, ``critique.l0``
     for the other), the broker tab's ``/api/queues/length`` answers for both queues. After the
     master is SIGKILLed and a Sentinel promotes the replica, the same Flower process receives
-    task events again within 60 s (a sweeper probe sent after the promotion), then lists the
+    task events again within 60 s (a canary submission sent after the promotion), then lists the
     next two submissions' tasks and the worker. With the URL's first Sentinel down, the broker
     tab's queue lengths fail (Flower's own client asks only that one) while remote control
     still answers."""
@@ -148,10 +159,9 @@ def test_flower_follows_a_sentinel_broker_through_a_failover(
         )
         promoted = time.monotonic()
         # Events are pub/sub: what the worker publishes before Flower has subscribed again (on
-        # the new master) is never seen. Flower is following once a task event sent after the
-        # promotion arrives: a sweeper probe it had not seen.
-        seen = _probes(flower)
-        until("a task event through the new master", lambda: _probes(flower) - seen, 60)
+        # the new master) is never seen. Flower is following once a task sent after the
+        # promotion shows in its list.
+        until("a task event through the new master", lambda: _canary_seen(flower), 60)
         following = time.monotonic() - promoted
         after = _listed(flower, _submit(f"flower-sentinel-{uuid.uuid4().hex[:8]}"), timeout=60)
         assert not set(before) & set(after)
