@@ -106,10 +106,10 @@ def test_garbage_under_every_gate_id_leaves_every_verdict_honest(
     worker: WorkerProcess, hostile_url: str
 ) -> None:
     """The issue's attack on 30 honest submissions: an unsigned `{}` sent to critique.gate under
-    every task id read from the `submitted` hash. Each is refused and the backend says FAILURE
-    under those ids (over a summary already stored, or before it), yet every wait() and
-    as_completed() answers the honest verdict, no failure is recorded and status shows none
-    failed."""
+    every task id read from the `submitted` hash. Each is refused (its FAILURE shows under an id
+    whose pass is still running, never over a stored summary), every wait() and as_completed()
+    answers the honest verdict, no failure is recorded, status shows none failed, and in the
+    end the backend holds each pass's own summary under its id."""
     from workers import runtime
     from workers.app import app
     from workers.client import CritiqueClient
@@ -128,8 +128,6 @@ def test_garbage_under_every_gate_id_leaves_every_verdict_honest(
         30,
         what="the worker's refusal of every forged gate message",
     )
-    forged = [h for h in handles if AsyncResult(h.task_id, app=app).state == "FAILURE"]
-    assert forged, "no forged FAILURE state is visible: the attack did not land"
     waited = [client.wait(h, timeout=60) for h in handles[:15]]
     completed = list(client.as_completed(handles[15:], timeout=60))
     assert [r.status for r in waited] == ["accepted"] * 15
@@ -139,6 +137,15 @@ def test_garbage_under_every_gate_id_leaves_every_verdict_honest(
     assert runtime.stores().runs.failures(run_id) == {}
     snap = load_snapshot(run_id)
     assert (len(snap.results), snap.failed, snap.pending) == (30, [], [])
+    by_id = {h.task_id: h.worker_id for h in handles}
+
+    def honest_summaries() -> bool:
+        got = {g: AsyncResult(g, app=app) for g in gate_ids}
+        return all(
+            r.state == "SUCCESS" and r.result["worker_id"] == by_id[g] for g, r in got.items()
+        )
+
+    wait_until(honest_summaries, 30, what="each pass's own summary under its id")
 
 
 # -- signed messages cover the task id -------------------------------------------------------------
