@@ -68,8 +68,24 @@ def secrets() -> tuple[bytes, ...]:
 
 
 @functools.lru_cache(maxsize=4)
-def _parse_secrets(raw: str | None) -> tuple[bytes, ...]:
-    return signing.parse_secrets(raw)
+def _parse_secrets(raw: str | None, env: str = signing.SECRET_ENV) -> tuple[bytes, ...]:
+    return signing.parse_secrets(raw, env)
+
+
+def entry_secrets() -> tuple[bytes, ...]:
+    """The keys entry messages (``critique.submit``) verify with: ``$CRITIQUE_ENTRY_SECRET``
+    when set (the managers' key, which signs nothing else), else :func:`secrets` (one-secret
+    setups); ``()`` when neither is set: entry messages go unchecked."""
+    raw = os.environ.get(signing.ENTRY_SECRET_ENV)
+    if raw is not None and raw.strip():
+        return _parse_secrets(raw, signing.ENTRY_SECRET_ENV)
+    return secrets()
+
+
+def sign_entry(msg: dict[str, Any]) -> dict[str, Any]:
+    """An entry message signed with the first of :func:`entry_secrets` (unchanged without)."""
+    keys_ = entry_secrets()
+    return signing.sign(msg, keys_) if keys_ else msg
 
 
 def sign(msg: dict[str, Any]) -> dict[str, Any]:

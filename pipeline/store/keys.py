@@ -43,6 +43,8 @@ TASK_REPAIR = "critique.repair"  # task: one targeted repair attempt
 TASK_GATE = "critique.gate"  # task: the per-submission gate at the end of the chain
 TASK_COMPLETE_GATE = "critique.complete_gate"  # task: the manager's completion gate
 TASK_PROBE = "critique.probe"  # task: a queue-drain probe (workers.recovery), no payload
+TASK_SUBMIT = "critique.submit"  # task: the entry task, one JSON submission (docs/entry.md)
+QUEUE_SUBMIT = QUEUE_CPU  # queue managers publish entry messages to (a plain Redis list)
 
 # --- run key suffixes (under ``<prefix>:{<run_id>}:``) -----------------------------------------
 
@@ -72,6 +74,7 @@ PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress
 RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
 SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
 FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
+ENTRIES = "entries"  # hash: entry task id -> "<iteration>:<worker>:<sid>", the pass it started
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
     PATTERNS_FREQ,
@@ -95,6 +98,7 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     RESUMES,
     SUSPECTS,
     FAILURES,
+    ENTRIES,
 )  # every run key suffix, for scans, reports and tests
 
 # --- shared (not per-run) keys ---------------------------------------------------------------
