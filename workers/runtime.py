@@ -41,6 +41,7 @@ from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext, compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.metrics import FleetMetrics
 from pipeline.store.redis_common import client_from_url
 from pipeline.wiring import (
     RedisStores,
@@ -114,6 +115,29 @@ def client() -> redis.Redis:
     )
 
 
+@functools.lru_cache(maxsize=1)
+def metrics() -> FleetMetrics:
+    """This process's buffer of fleet-metric increments (:mod:`pipeline.store.metrics`), on
+    :func:`client`; a worker flushes it after every task."""
+    return FleetMetrics(client())
+
+
+class _CountingCache:
+    """The critique cache, counting hits in the fleet metrics."""
+
+    def __init__(self, inner: RedisCritiqueCache) -> None:
+        self._inner = inner
+
+    def get(self, key: str) -> str | None:
+        got = self._inner.get(key)
+        if got is not None:
+            metrics().add("cache_hits")
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
 Stores = RedisStores
 """The Redis stores of a process (built in :mod:`pipeline.wiring`)."""
 
@@ -179,7 +203,7 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
         ctx = make_context(
             config,
             complete=rate_limited_completer(config, client(), _progress_wait),
-            cache=RedisCritiqueCache(client()),
+            cache=_CountingCache(RedisCritiqueCache(client())),
             patterns=s.patterns,
             budget=s.budget,
             trace=s.trace,

@@ -52,6 +52,7 @@ from typing import Any
 
 from celery import Task, states
 from celery.exceptions import Ignore
+from celery.signals import task_postrun
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 
@@ -80,6 +81,7 @@ from pipeline.runner import (
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
+from pipeline.store.metrics import refusal_reason
 from pipeline.store.runs import PassFinished, completion_member, pass_member
 from workers import runtime
 from workers.app import app
@@ -324,7 +326,9 @@ def _run_stage(task: Task, msg: dict[str, Any], stage: str, prev: Step | None = 
         return _end_finished(task, step, state, overrides)
     buffer = BufferedTraceSink()
     ctx = dataclasses.replace(shared, trace=buffer, max_budget_wait_s=_budget_wait_cap(task))
+    began = time.monotonic()
     new = STAGES[stage](state, ctx)
+    runtime.metrics().observe(stage, time.monotonic() - began)
     if stage == "repair":
         task.send_event(
             "task-progress",
@@ -453,6 +457,7 @@ def _boundary_config(
         check_submission_model(model, runtime.own_config())
     except PermanentError as exc:
         reason = exc.message
+        runtime.metrics().add(f"refused:{refusal_reason(exc)}")
         log.warning("refused a %s message of run %s: %s", stage, run_id, reason)
         event = {
             "type": "refused",
@@ -501,6 +506,7 @@ def _refuse(task: Task, msg: Any, stage: str, exc: Exception) -> None:
     message is trusted: the run id only files the refusal where the run's owner looks)."""
     run_id = _claimed_run_id(msg)
     reason = str(exc)[:500]
+    runtime.metrics().add(f"refused:{refusal_reason(exc)}")
     log.warning(
         "refused a %s message (task %s, claimed run %s): %s: %s",
         stage,
@@ -644,7 +650,8 @@ def _finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str,
     result = finish(state)
     event = result.trace_event(round=state.round, stage="gate")
     # The pass leaves the pending index in the same step: it can no longer stall.
-    runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)])
+    if runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)]):
+        _count_result(result)
     return {
         "run_id": result.run_id,
         "iteration": result.iteration,
@@ -653,6 +660,21 @@ def _finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str,
         "stop_reason": result.stop_reason,
         "best_score": result.best_score,
     }
+
+
+def _count_result(result: Any) -> None:
+    """The fleet metrics of a pass's result, counted once (its first store)."""
+    m = runtime.metrics()
+    m.add(f"outputs:{result.status}")
+    m.add("tokens:critique", max(0, result.usage.tokens - result.repair_usage.tokens))
+    m.add("tokens:repair", result.repair_usage.tokens)
+    m.add("budget_charged", result.budget_charged)
+
+
+@task_postrun.connect
+def _flush_metrics(**_: Any) -> None:
+    """After every task: its fleet-metric increments in one round trip."""
+    runtime.metrics().flush()
 
 
 @app.task(name=keys.TASK_GATE, bind=True, base=CritiqueTask, **RETRY)
@@ -852,6 +874,7 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
     # Whatever the message's headers ask: Celery stores nothing of this task's (a failure is
     # stored by EntryTask.on_failure, in one line; the replacement stores the summary).
     self.request.ignore_result = True
+    began = time.monotonic()
     task_id = str(self.request.id or "")
     try:
         sub, overrides = entry.decode_entry(msg, task_name=self.name, task_id=task_id)
@@ -884,5 +907,6 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
             sid=sid,
             message=first_msg,
         )
+    runtime.metrics().observe("submit", time.monotonic() - began)
     replaced: dict[str, Any] = self.replace(submission_signature(first_msg, config, sub))
     return replaced

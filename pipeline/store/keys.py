@@ -117,6 +117,9 @@ CACHE = "cache:critique"  # string ``<prefix>:cache:critique:<sha256>``: envelop
 CACHE_CLAIM = "cache:claim"  # string ``<prefix>:cache:claim:<sha256>``: who critiques it (TTL)
 RATELIMIT = "ratelimit"  # hash ``<prefix>:ratelimit:<model>``: "rpm", "tpm" -> GCRA TAT (ms)
 PROBE = "probe"  # hash ``<prefix>:probe:{<queue>}``: "sent", "done" -> last probe sent, run
+METRICS_COUNTERS = "metrics:{counters}"  # hash: fleet counters (pipeline.store.metrics), no TTL
+METRICS_DURATIONS = "metrics:{durations}"  # hash: "<stage>:b<i>" / "<stage>:sum": stage histogram
+METRICS_KEYS = (METRICS_COUNTERS, METRICS_DURATIONS)  # each its own {tag}: its own cluster slot
 PROBE_DRAINED = "drained"  # sorted set ``<prefix>:probe:{<queue>}:drained``: probe sent -> ran
 
 # --- broker keys (in the Redis broker's database, beside kombu's own) -------------------------
