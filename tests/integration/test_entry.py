@@ -5,7 +5,11 @@ with ``hmac``/``json`` alone), verdicts read from ``celery-task-meta-<id>``."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import socket
+import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +22,7 @@ from pipeline.runner import start
 from pipeline.store import keys
 from tests.integration.rawcelery import QUEUE, entry_body, push, sign, task_meta
 from tests.integration.test_distributed import CONFIG, REQUIRED, make_sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
 
 WORKER_KEY = "workers-only-key-" + "w" * 16
@@ -272,3 +276,79 @@ class TestSplitKeys:
 def _altered(body: dict[str, Any]) -> dict[str, Any]:
     body["submission"]["output"]["summary"] = "Sales rose 40%."
     return body
+
+
+NODE = shutil.which("node")
+
+
+def _docs_js(tmp_path: Path) -> Path:
+    """The JavaScript example of docs/entry.md, as a file."""
+    text = (ROOT / "docs" / "entry.md").read_text(encoding="utf-8")
+    [code] = re.findall(r"```js\n(.*?)```", text, flags=re.S)
+    path = tmp_path / "submit.js"
+    path.write_text(code, encoding="utf-8")
+    return path
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+class TestTheDocsJavaScriptExample:
+    def test_its_signature_is_the_python_one(self, tmp_path: Path) -> None:
+        """docs/entry.md's signEntry gives the signature pipeline.signing computes, for a body
+        with non-ASCII text, nesting, decimals, null and booleans."""
+        from pipeline import signing
+
+        js = _docs_js(tmp_path)
+        body = {
+            "v": 1,
+            "submission": {**hand_built("run-ü"), "notes": ["Δ 0.5", None, True, 3]},
+            "config": {"min_score_to_complete": 0.85, "budget": {"total_tokens": 5000}},
+            "task_name": "critique.submit",
+            "task_id": "id-1",
+        }
+        script = "const m = require(process.argv[1]); const b = JSON.parse(process.argv[2]);"
+        script += "console.log(m.signEntry(b, process.argv[3]).sig)"
+        out = subprocess.run(
+            [str(NODE), "-e", script, str(js), json.dumps(body), MANAGER_KEY],
+            capture_output=True, text=True, check=True,
+        )  # fmt: skip
+        assert out.stdout.strip() == signing.signature(body, MANAGER_KEY.encode())
+
+    def test_it_submits_and_prints_the_verdict(self, split: redis.Redis, tmp_path: Path) -> None:
+        """Run as documented against a worker with split keys: it pushes a signed entry
+        message and prints the accepted verdict it read from the result backend."""
+        js = _docs_js(tmp_path)
+        run_id = f"node-{uuid.uuid4().hex[:8]}"
+        (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
+        (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+        conn = split.connection_pool.connection_kwargs
+        env = {
+            **os.environ,
+            "REDIS_HOST": str(conn["host"]),
+            "REDIS_PORT": str(conn["port"]),
+            "REDIS_DB": str(conn.get("db", 0)),
+            "CRITIQUE_ENTRY_SECRET": MANAGER_KEY,
+        }
+        out = subprocess.run(
+            [str(NODE), str(js), str(tmp_path / "sub.json"), str(tmp_path / "config.json")],
+            capture_output=True, text=True, env=env, timeout=90,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        verdict = json.loads(out.stdout)
+        assert (verdict["run_id"], verdict["status"]) == (run_id, "accepted")
+
+    def test_an_unsigned_run_prints_the_refusal(self, split: redis.Redis, tmp_path: Path) -> None:
+        """Without the managers' key the example exits 1 printing the one-line reason."""
+        js = _docs_js(tmp_path)
+        (tmp_path / "sub.json").write_text(json.dumps(hand_built(f"node-{uuid.uuid4().hex[:8]}")))
+        conn = split.connection_pool.connection_kwargs
+        env = {k: v for k, v in os.environ.items() if "SECRET" not in k}
+        env.update(REDIS_HOST=str(conn["host"]), REDIS_PORT=str(conn["port"]))
+        env["REDIS_DB"] = str(conn.get("db", 0))
+        out = subprocess.run(
+            [str(NODE), str(js), str(tmp_path / "sub.json")],
+            capture_output=True, text=True, env=env, timeout=90,
+        )  # fmt: skip
+        assert out.returncode == 1
+        assert out.stderr.strip() == (
+            "refused: ForgedMessageError: unsigned message: it carries no 'sig' field"
+        )
