@@ -138,3 +138,42 @@ def test_the_dashboard_queries_only_metrics_the_exporter_serves(
     dashboard = (ROOT / "deploy" / "grafana-dashboard.json").read_text()
     used = set(re.findall(r"critique_[a-z_]+", dashboard)) - {"critique_pipeline"}
     assert used and used <= served, used - served
+
+
+class _LostInTheBroker:
+    """A chain whose message the broker lost: registered by the client, never delivered."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+
+    def apply_async(self) -> _LostInTheBroker:
+        return self
+
+
+def test_a_redrive_is_counted_once(fleet: tuple[dict[str, str], str]) -> None:
+    """A pass whose first message was lost, resumed from the store: one re-drive counted, and
+    its verdict counted as an output."""
+    from pipeline.runner import start
+    from pipeline.store import keys
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    _, url = fleet
+    before = _samples(_scrape(url) or "")
+    client = CritiqueClient(CONFIG)
+    sub = make_sub(f"lost-{uuid.uuid4().hex[:8]}", "w1", 1, "clean")
+    task_id = uuid.uuid4().hex
+    msg = runtime.encode(
+        start(sub, runtime.new_pass_id()), CONFIG, task=keys.TASK_L0, task_id=task_id
+    )
+    handle = client._enqueue(sub, msg, _LostInTheBroker(task_id))
+    assert client.resume(handle) == "l0"
+    assert client.wait(handle, timeout=60).status == "accepted"
+    accepted = ("critique_outputs_total", (("status", "accepted"),))
+
+    def counted() -> dict[Any, float] | None:
+        got = _samples(_scrape(url) or "")
+        return got if got.get(accepted) == before[accepted] + 1 else None
+
+    got = wait_until(counted, 30, what="the exporter to count the re-driven pass")
+    assert got[("critique_redrives_total", ())] == before[("critique_redrives_total", ())] + 1
