@@ -111,3 +111,72 @@ def test_the_manager_user_cannot_touch_the_store(manager: redis.Redis, attempt: 
     the other queues with NOPERM."""
     with pytest.raises(redis.exceptions.NoPermissionError):
         attempt(manager, "acl-run")  # type: ignore[operator]
+    kw = manager.connection_pool.connection_kwargs
+    celery_user = redis.Redis(
+        host=kw["host"],
+        port=kw["port"],
+        username="critique-manager-celery",
+        password=kw["password"],
+    )
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        attempt(celery_user, "acl-run")  # type: ignore[operator]
+
+
+def test_a_celery_library_manager_sends_with_send_task_and_gets_the_verdict(
+    manager: redis.Redis,
+) -> None:
+    """As critique-manager-celery, Celery's send_task (kombu declares the queue and binding
+    first) and AsyncResult.get are enough to submit and read the verdict."""
+    from celery import Celery
+
+    from workers.entry import ENTRY_VERSION
+
+    kw = manager.connection_pool.connection_kwargs
+    url = f"redis://critique-manager-celery:{kw['password']}@{kw['host']}:{kw['port']}/0"
+    app = Celery("manager-celery", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json", result_serializer="json", accept_content=["json"],
+        result_accept_content=["json"], task_publish_retry=False,
+    )  # fmt: skip
+    run_id = f"acl-{uuid.uuid4().hex[:8]}"
+    task_id = str(uuid.uuid4())
+    body = entry_body(hand_built(run_id), task_id, CONFIG, MANAGER_KEY)
+    assert body["v"] == ENTRY_VERSION
+    try:
+        res = app.send_task(
+            keys.TASK_SUBMIT, args=(body,), queue=keys.QUEUE_SUBMIT, task_id=task_id
+        )
+        summary = res.get(timeout=60)
+        assert (summary["run_id"], summary["status"]) == (run_id, "accepted")
+    finally:
+        app.close()
+
+
+def test_a_celery_client_as_the_manager_user_gets_the_verdict_with_asyncresult(
+    manager: redis.Redis,
+) -> None:
+    """Celery's own AsyncResult.get (GET and SUBSCRIBE on the result channel) works with the
+    manager user's rights alone."""
+    from celery import Celery
+    from celery.result import AsyncResult
+
+    kw = manager.connection_pool.connection_kwargs
+    url = f"redis://{kw['username']}:{kw['password']}@{kw['host']}:{kw['port']}/0"
+    app = Celery("manager", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        result_serializer="json", accept_content=["json"], result_accept_content=["json"]
+    )
+    run_id = f"acl-{uuid.uuid4().hex[:8]}"
+    task_id = str(uuid.uuid4())
+    try:
+        result = AsyncResult(task_id, app=app)
+        push(
+            manager,
+            keys.TASK_SUBMIT,
+            task_id,
+            entry_body(hand_built(run_id), task_id, CONFIG, MANAGER_KEY),
+        )
+        summary = result.get(timeout=60)
+        assert (summary["run_id"], summary["status"]) == (run_id, "accepted")
+    finally:
+        app.close()
