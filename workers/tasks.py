@@ -647,11 +647,13 @@ def _finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str,
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), "gate")
     if state.pass_id != sid:
         state = state.model_copy(update={"pass_id": sid})
+    began = time.monotonic()
     result = finish(state)
     event = result.trace_event(round=state.round, stage="gate")
     # The pass leaves the pending index in the same step: it can no longer stall.
     if runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)]):
         _count_result(result)
+        runtime.metrics().observe("gate", time.monotonic() - began)
     return {
         "run_id": result.run_id,
         "iteration": result.iteration,

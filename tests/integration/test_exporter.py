@@ -105,13 +105,14 @@ def test_a_scrape_after_a_known_run_counts_what_the_run_did(
     assert rounds > 0 and statuses["repaired"] > 0  # the run exercised a repair round
     count = {
         stage: got[("critique_stage_duration_seconds_count", (("stage", stage),))]
-        for stage in ("l0", "critic", "decide", "repair")
+        for stage in ("l0", "critic", "decide", "repair", "gate")
     }
     assert count == {
         "l0": len(results) + rounds,
         "critic": len(results) + rounds,
         "decide": len(results) + rounds,
         "repair": rounds,
+        "gate": len(results),
     }
     inf = got[("critique_stage_duration_seconds_bucket", (("le", "+Inf"), ("stage", "l0")))]
     assert inf == count["l0"]
