@@ -84,6 +84,35 @@ def split(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         w.stop()
 
 
+@pytest.fixture(scope="class")
+def one_secret(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
+    """A worker with CRITIQUE_SECRET alone (a one-secret setup), and a client of its Redis."""
+    with client_on(worker_db_url(redis_url), CRITIQUE_SECRET=WORKER_KEY) as env:
+        log = tmp_path_factory.mktemp("entry-one") / "worker.log"
+        w = _worker(env, log, "entryone")
+        yield redis.Redis.from_url(env["REDIS_URL"])
+        w.stop()
+
+
+class TestOneSecret:
+    def test_an_entry_signed_with_critique_secret_is_accepted(
+        self, one_secret: redis.Redis
+    ) -> None:
+        """Without CRITIQUE_ENTRY_SECRET, entry messages sign with CRITIQUE_SECRET (setups
+        from before the split keep working) and unsigned ones are still refused."""
+        run_id = f"one-{uuid.uuid4().hex[:8]}"
+        task_id = str(uuid.uuid4())
+        body = entry_body(hand_built(run_id), task_id, CONFIG, WORKER_KEY)
+        push(one_secret, "critique.submit", task_id, body)
+        meta = task_meta(one_secret, task_id)
+        assert (meta["status"], meta["result"]["status"]) == ("SUCCESS", "accepted"), meta
+        unsigned_id = str(uuid.uuid4())
+        push(
+            one_secret, "critique.submit", unsigned_id, entry_body(hand_built(run_id), unsigned_id)
+        )
+        assert _refusal(task_meta(one_secret, unsigned_id))[0] == "ForgedMessageError"
+
+
 class TestWithoutASecret:
     @pytest.fixture
     def r(self, plain: redis.Redis) -> redis.Redis:
@@ -281,7 +310,7 @@ def _altered(body: dict[str, Any]) -> dict[str, Any]:
 NODE = shutil.which("node")
 
 
-def _docs_js(tmp_path: Path) -> Path:
+def docs_js(tmp_path: Path) -> Path:
     """The JavaScript example of docs/entry.md, as a file."""
     text = (ROOT / "docs" / "entry.md").read_text(encoding="utf-8")
     [code] = re.findall(r"```js\n(.*?)```", text, flags=re.S)
@@ -297,7 +326,7 @@ class TestTheDocsJavaScriptExample:
         with non-ASCII text, nesting, decimals, null and booleans."""
         from pipeline import signing
 
-        js = _docs_js(tmp_path)
+        js = docs_js(tmp_path)
         body = {
             "v": 1,
             "submission": {**hand_built("run-ü"), "notes": ["Δ 0.5", None, True, 3]},
@@ -316,7 +345,7 @@ class TestTheDocsJavaScriptExample:
     def test_it_submits_and_prints_the_verdict(self, split: redis.Redis, tmp_path: Path) -> None:
         """Run as documented against a worker with split keys: it pushes a signed entry
         message and prints the accepted verdict it read from the result backend."""
-        js = _docs_js(tmp_path)
+        js = docs_js(tmp_path)
         run_id = f"node-{uuid.uuid4().hex[:8]}"
         (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
         (tmp_path / "config.json").write_text(json.dumps(CONFIG))
@@ -338,7 +367,7 @@ class TestTheDocsJavaScriptExample:
 
     def test_an_unsigned_run_prints_the_refusal(self, split: redis.Redis, tmp_path: Path) -> None:
         """Without the managers' key the example exits 1 printing the one-line reason."""
-        js = _docs_js(tmp_path)
+        js = docs_js(tmp_path)
         (tmp_path / "sub.json").write_text(json.dumps(hand_built(f"node-{uuid.uuid4().hex[:8]}")))
         conn = split.connection_pool.connection_kwargs
         env = {k: v for k, v in os.environ.items() if "SECRET" not in k}
