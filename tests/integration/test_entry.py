@@ -329,7 +329,10 @@ class TestTheDocsJavaScriptExample:
         js = docs_js(tmp_path)
         body = {
             "v": 1,
-            "submission": {**hand_built("run-ü"), "notes": ["Δ 0.5", None, True, 3]},
+            "submission": {
+                **hand_built("run-ü"),
+                "notes": ['Δ 0.5\n\t\u0001 "q" \\', None, True, 3],
+            },
             "config": {"min_score_to_complete": 0.85, "budget": {"total_tokens": 5000}},
             "task_name": "critique.submit",
             "task_id": "id-1",
