@@ -212,6 +212,9 @@ task_routes = {
     "critique.decide": {"queue": "critique.cpu"},
     "critique.gate": {"queue": "critique.cpu"},
     "critique.complete_gate": {"queue": "critique.cpu"},
+    # The entry task (docs/entry.md): token-free validation, then it replaces itself with the
+    # submission's first task on its critic's queue.
+    "critique.submit": {"queue": "critique.cpu"},
     # Layer-0 and the critic run on the CPU queue unless the critic calls an LLM: then a
     # submission's first task (Layer-0, which runs the critic after it) and a critic sent on
     # its own go to critique.llm (mode: inline) or critique.llm.critic (mode: dedicated), per

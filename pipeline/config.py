@@ -92,6 +92,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_TEST_SENTINEL_DEMOTE",  # the test suite: run the Sentinel demotion variant
         "CRITIQUE_LLM_API_KEY",  # API key for every LLM call (a secret: never in a workflow file)
         "CRITIQUE_SECRET",  # HMAC key signing stage messages (a secret: never in a workflow file)
+        "CRITIQUE_ENTRY_SECRET",  # HMAC key(s) of the managers' entry messages (critique.submit)
     }
 )
 

@@ -6,6 +6,10 @@ message as ``"sig": "hmac-sha256:<hex>"``. Keys rotate: ``CRITIQUE_SECRET`` may 
 comma-separated secrets; the first signs, any of them verifies (deploy the new secret second
 everywhere, then first, then drop the old one). Pure: no I/O, no environment reads here.
 
+Two keys: ``CRITIQUE_SECRET`` signs stage messages, gate requests and records (workers only,
+and the Python client's own path); ``CRITIQUE_ENTRY_SECRET``, when set, signs entry messages
+only, so a manager that holds just that key can submit but never forge a stage or a record.
+
 What a signature proves: the message was built by a holder of a secret, and not one byte of it
 changed since. It does not prove freshness: a validly signed message can be replayed.
 
@@ -34,6 +38,11 @@ SCHEME = "hmac-sha256:"
 """The signature's prefix: the algorithm, so another one can be introduced later."""
 SECRET_ENV = "CRITIQUE_SECRET"
 """The environment variable holding the secret(s), comma-separated, the signing one first."""
+ENTRY_SECRET_ENV = "CRITIQUE_ENTRY_SECRET"
+"""The environment variable holding the managers' key(s) for entry messages
+(``critique.submit``), comma-separated like :data:`SECRET_ENV`. Unset: entry messages are signed
+with :data:`SECRET_ENV` (one-secret setups). Set: entry messages verify only with it, and stage
+messages and records only with :data:`SECRET_ENV`, a key the managers never hold."""
 MIN_SECRET_CHARS = 16
 """Shortest secret accepted: a guessable key would make the signature worthless."""
 TASK_FIELD = "task_name"
@@ -45,11 +54,11 @@ RECORD_DOMAIN = b"critique-record:"
 canonical JSON starts with ``{``, so the two can never be confused."""
 
 
-def parse_secrets(raw: str | None) -> tuple[bytes, ...]:
+def parse_secrets(raw: str | None, env: str = SECRET_ENV) -> tuple[bytes, ...]:
     """The secrets in ``raw`` (comma-separated, the signing one first); ``()`` when unset/blank.
 
-    Raises ``ConfigError`` (naming ``CRITIQUE_SECRET``, never its value) for a secret shorter
-    than :data:`MIN_SECRET_CHARS`.
+    Raises ``ConfigError`` (naming ``env``, never its value) for a secret shorter than
+    :data:`MIN_SECRET_CHARS`.
     """
     if raw is None:
         return ()
@@ -58,9 +67,9 @@ def parse_secrets(raw: str | None) -> tuple[bytes, ...]:
     for i, secret in enumerate(secrets):
         if len(secret) < MIN_SECRET_CHARS:
             raise ConfigError(
-                f"{SECRET_ENV}: secret #{i + 1} is {len(secret)} characters; at least "
+                f"{env}: secret #{i + 1} is {len(secret)} characters; at least "
                 f"{MIN_SECRET_CHARS} are needed",
-                key=SECRET_ENV,
+                key=env,
                 hint="generate one with `openssl rand -hex 32`",
             )
     return tuple(s.encode("utf-8") for s in secrets)

@@ -35,6 +35,7 @@ COMMANDS: dict[str, str] = {
     "archive": "archive",
     "resume": "resume",
     "ab": "ab",
+    "exporter": "exporter",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3

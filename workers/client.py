@@ -8,7 +8,9 @@ Usage::
     result = client.wait(handle, timeout=60)        # a pipeline.models.CritiqueResult
     print(client.pitfalls(submission.run_id))       # Known Pitfalls for the next workers
 
-Any Celery client can do the same with plain messages: see ``workers.tasks`` for the task names.
+A manager in another language submits with one JSON message to the entry task
+``critique.submit`` instead (docs/entry.md, :mod:`workers.entry`), which does on a worker what
+``submit`` does here, and reads the verdict from Celery's result backend.
 The broker is the same Redis unless ``CELERY_BROKER_URL`` says otherwise.
 
 What the client believes comes from the store, never from Celery's result backend: a pass's

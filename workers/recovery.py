@@ -229,6 +229,9 @@ def _publish(
 ) -> str:
     """Send the plan's chain and write the ``resume`` trace event; returns the stage."""
     plan.signature.apply_async()
+    fleet = runtime.metrics()
+    fleet.add("redrives")
+    fleet.flush()
     s.trace.emit(
         run_id,
         {

@@ -40,6 +40,7 @@ from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext, compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.metrics import FleetMetrics
 from pipeline.store.redis_common import DEFAULT_REDIS_URL, StoreClient, store_client_from_url
 from pipeline.store.redis_common import store_setting as store_setting_of
 from pipeline.store.redis_common import store_url as store_url_of
@@ -83,8 +84,24 @@ def secrets() -> tuple[bytes, ...]:
 
 
 @functools.lru_cache(maxsize=4)
-def _parse_secrets(raw: str | None) -> tuple[bytes, ...]:
-    return signing.parse_secrets(raw)
+def _parse_secrets(raw: str | None, env: str = signing.SECRET_ENV) -> tuple[bytes, ...]:
+    return signing.parse_secrets(raw, env)
+
+
+def entry_secrets() -> tuple[bytes, ...]:
+    """The keys entry messages (``critique.submit``) verify with: ``$CRITIQUE_ENTRY_SECRET``
+    when set (the managers' key, which signs nothing else), else :func:`secrets` (one-secret
+    setups); ``()`` when neither is set: entry messages go unchecked."""
+    raw = os.environ.get(signing.ENTRY_SECRET_ENV)
+    if raw is not None and raw.strip():
+        return _parse_secrets(raw, signing.ENTRY_SECRET_ENV)
+    return secrets()
+
+
+def sign_entry(msg: dict[str, Any]) -> dict[str, Any]:
+    """An entry message signed with the first of :func:`entry_secrets` (unchanged without)."""
+    keys_ = entry_secrets()
+    return signing.sign(msg, keys_) if keys_ else msg
 
 
 def sign(msg: dict[str, Any]) -> dict[str, Any]:
@@ -117,6 +134,29 @@ def client() -> StoreClient:
         socket_timeout=30,
         health_check_interval=30,
     )
+
+
+@functools.lru_cache(maxsize=1)
+def metrics() -> FleetMetrics:
+    """This process's buffer of fleet-metric increments (:mod:`pipeline.store.metrics`), on
+    :func:`client`; a worker flushes it after every task."""
+    return FleetMetrics(client())
+
+
+class _CountingCache:
+    """The critique cache, counting hits in the fleet metrics."""
+
+    def __init__(self, inner: RedisCritiqueCache) -> None:
+        self._inner = inner
+
+    def get(self, key: str) -> str | None:
+        got = self._inner.get(key)
+        if got is not None:
+            metrics().add("cache_hits")
+        return got
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
 
 Stores = RedisStores
@@ -184,7 +224,7 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
         ctx = make_context(
             config,
             complete=rate_limited_completer(config, client(), _progress_wait),
-            cache=RedisCritiqueCache(client()),
+            cache=_CountingCache(RedisCritiqueCache(client())),
             patterns=s.patterns,
             budget=s.budget,
             trace=s.trace,

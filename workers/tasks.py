@@ -50,7 +50,9 @@ import json
 import time
 from typing import Any
 
-from celery import Task
+from celery import Task, states
+from celery.exceptions import Ignore
+from celery.signals import task_postrun
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 
@@ -70,13 +72,16 @@ from pipeline.runner import (
     BudgetWait,
     LoopState,
     StageContext,
+    admit,
     finish,
     is_token_free,
     resolve_for,
+    start,
 )
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
+from pipeline.store.metrics import refusal_reason
 from pipeline.store.runs import PassFinished, completion_member, pass_member
 from workers import runtime
 from workers.app import app
@@ -321,7 +326,9 @@ def _run_stage(task: Task, msg: dict[str, Any], stage: str, prev: Step | None = 
         return _end_finished(task, step, state, overrides)
     buffer = BufferedTraceSink()
     ctx = dataclasses.replace(shared, trace=buffer, max_budget_wait_s=_budget_wait_cap(task))
+    began = time.monotonic()
     new = STAGES[stage](state, ctx)
+    runtime.metrics().observe(stage, time.monotonic() - began)
     if stage == "repair":
         task.send_event(
             "task-progress",
@@ -450,6 +457,7 @@ def _boundary_config(
         check_submission_model(model, runtime.own_config())
     except PermanentError as exc:
         reason = exc.message
+        runtime.metrics().add(f"refused:{refusal_reason(exc)}")
         log.warning("refused a %s message of run %s: %s", stage, run_id, reason)
         event = {
             "type": "refused",
@@ -498,6 +506,7 @@ def _refuse(task: Task, msg: Any, stage: str, exc: Exception) -> None:
     message is trusted: the run id only files the refusal where the run's owner looks)."""
     run_id = _claimed_run_id(msg)
     reason = str(exc)[:500]
+    runtime.metrics().add(f"refused:{refusal_reason(exc)}")
     log.warning(
         "refused a %s message (task %s, claimed run %s): %s: %s",
         stage,
@@ -528,6 +537,8 @@ def _claimed_run_id(msg: Any) -> str | None:
     if not isinstance(msg, dict):
         return None
     run_id = msg.get("run_id")
+    if run_id is None and isinstance(msg.get("submission"), dict):
+        run_id = msg["submission"].get("run_id")  # an entry message (critique.submit)
     state = msg.get("state")
     if run_id is None and isinstance(state, str) and len(state) <= _CLAIM_LIMIT:
         try:
@@ -636,10 +647,13 @@ def _finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str,
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), "gate")
     if state.pass_id != sid:
         state = state.model_copy(update={"pass_id": sid})
+    began = time.monotonic()
     result = finish(state)
     event = result.trace_event(round=state.round, stage="gate")
     # The pass leaves the pending index in the same step: it can no longer stall.
-    runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)])
+    if runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)]):
+        _count_result(result)
+        runtime.metrics().observe("gate", time.monotonic() - began)
     return {
         "run_id": result.run_id,
         "iteration": result.iteration,
@@ -648,6 +662,21 @@ def _finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str,
         "stop_reason": result.stop_reason,
         "best_score": result.best_score,
     }
+
+
+def _count_result(result: Any) -> None:
+    """The fleet metrics of a pass's result, counted once (its first store)."""
+    m = runtime.metrics()
+    m.add(f"outputs:{result.status}")
+    m.add("tokens:critique", max(0, result.usage.tokens - result.repair_usage.tokens))
+    m.add("tokens:repair", result.repair_usage.tokens)
+    m.add("budget_charged", result.budget_charged)
+
+
+@task_postrun.connect
+def _flush_metrics(**_: Any) -> None:
+    """After every task: its fleet-metric increments in one round trip."""
+    runtime.metrics().flush()
 
 
 @app.task(name=keys.TASK_GATE, bind=True, base=CritiqueTask, **RETRY)
@@ -775,3 +804,111 @@ def continuation(
     state, _ = runtime.decode(msg)
     msg = runtime.address(msg, _FIRST_TASK[state.next], task_id)
     return stage_signature(state.next, msg, config, submission).set(task_id=task_id)
+
+
+# --- the entry task (docs/entry.md) -----------------------------------------------------------
+
+ENTRY = {
+    **RETRY,
+    # Nothing of the entry task's own is stored on success (it is replaced by the submission's
+    # first task, under its id, which stores the summary), and a failure is stored by
+    # EntryTask.on_failure alone: one line, no traceback.
+    "ignore_result": True,
+    "store_errors_even_if_ignored": False,
+    "throws": (PermanentError,),  # a refusal is logged as one line, not a traceback
+}
+
+
+class EntryTask(ReplacingStage):
+    """``critique.submit``: a failure for good is stored in Celery's result backend under the
+    task's id as ``FAILURE`` with a one-line reason and no traceback (``result.exc_type``,
+    ``result.exc_message[0]``), so a manager in any language reads why; never over a result
+    already there (a message forged under a live submission's id cannot hide its verdict)."""
+
+    def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+        super().on_failure(exc, task_id, args, kwargs, einfo)
+        _store_entry_failure(self, exc, task_id)
+
+    def on_replace(self, sig: Any) -> Any:
+        """Celery's own: publish the replacement, then ``Ignore``, so nothing of this task's is
+        stored even when its message asks for results (a hand-built message's
+        ``ignore_result: false`` header overrides the task's): the replacement stores the
+        summary under this id."""
+        return Task.on_replace(self, sig)
+
+
+def one_line(exc: BaseException) -> str:
+    """An error's message on one line (at most 500 characters), else its type's name."""
+    message = exc.message if isinstance(exc, CritiqueError) else str(exc)
+    return " ".join(str(message).split())[:500] or type(exc).__name__
+
+
+def _store_entry_failure(task: Task, exc: BaseException, task_id: str) -> None:
+    if task.request.is_eager or not task_id:
+        return
+    try:
+        # Never over a verdict (garbage sent under a finished submission's id).
+        meta = task.backend.get_task_meta(task_id, cache=False)
+        if meta.get("status") == states.SUCCESS:
+            log.warning("entry task %s failed after its pass stored an outcome: kept", task_id)
+            return
+        exc.args = (one_line(exc),)
+        task.backend.store_result(task_id, exc, states.FAILURE, traceback=None, request=None)
+    except Exception as store_exc:  # never mask the task's own failure
+        log.warning("could not store the failure of entry task %s: %s", task_id, store_exc)
+
+
+@app.task(name=keys.TASK_SUBMIT, bind=True, base=EntryTask, **ENTRY)
+def submit(self: Task, msg: Any) -> dict[str, Any]:
+    """The entry task: one submission as plain JSON (:mod:`workers.entry`), from a manager in
+    any language. Does on the worker what ``CritiqueClient.submit`` does (check the message
+    and the trust boundary, admit, start the pass, register it), then replaces itself with the
+    submission's first task (:func:`submission_signature`) under its own id, so that id ends up
+    holding the gate's summary in Celery's result backend.
+
+    Idempotent under redelivery: the pass is claimed under the entry task's id
+    (``RedisRunStore.claim_entry``), so the same message delivered twice runs one pass (a
+    redelivery sends that pass's first task again, which replays its recorded steps, or does
+    nothing once the pass has its outcome)."""
+    from workers import entry
+    from workers.recovery import register
+
+    # Whatever the message's headers ask: Celery stores nothing of this task's (a failure is
+    # stored by EntryTask.on_failure, in one line; the replacement stores the summary).
+    self.request.ignore_result = True
+    began = time.monotonic()
+    task_id = str(self.request.id or "")
+    try:
+        sub, overrides = entry.decode_entry(msg, task_name=self.name, task_id=task_id)
+    except PermanentError as exc:
+        _refuse(self, msg, "submit", exc)
+        raise
+    config = _boundary_config(
+        self, overrides, "submit", sub.run_id, sub.iteration, sub.worker_id, sub.model
+    )
+    admit(sub, config, runtime.file_bytes)
+    runs = runtime.stores().runs
+    sid, first = runs.claim_entry(
+        sub.run_id, sub.iteration, sub.worker_id, task_id, runtime.new_pass_id()
+    )
+    if not first and runs.pass_outcome(sub.run_id, sub.iteration, sub.worker_id, sid):
+        log.info("entry task %s delivered again: its pass %s has its outcome", task_id, sid)
+        raise Ignore()  # store nothing over the pass's summary
+    first_msg = runtime.encode(
+        start(sub, sid), overrides, sid=sid, task=keys.TASK_L0, task_id=task_id
+    )
+    if first or runs.latest_pass(sub.run_id, sub.iteration, sub.worker_id) is None:
+        runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, sid)
+        register(sub.run_id, sub.iteration, sub.worker_id, sid)
+        runs.mark_submitted(
+            sub.run_id,
+            sub.iteration,
+            sub.worker_id,
+            task_id,
+            sub.subtask_signature,
+            sid=sid,
+            message=first_msg,
+        )
+    runtime.metrics().observe("submit", time.monotonic() - began)
+    replaced: dict[str, Any] = self.replace(submission_signature(first_msg, config, sub))
+    return replaced

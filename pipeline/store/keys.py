@@ -52,6 +52,8 @@ TASK_REPAIR = "critique.repair"  # task: one targeted repair attempt
 TASK_GATE = "critique.gate"  # task: the per-submission gate at the end of the chain
 TASK_COMPLETE_GATE = "critique.complete_gate"  # task: the manager's completion gate
 TASK_PROBE = "critique.probe"  # task: a queue-drain probe (workers.recovery), no payload
+TASK_SUBMIT = "critique.submit"  # task: the entry task, one JSON submission (docs/entry.md)
+QUEUE_SUBMIT = QUEUE_CPU  # queue managers publish entry messages to (a plain Redis list)
 
 # --- run key suffixes (under ``<prefix>:{<run_id>}:``) -----------------------------------------
 
@@ -81,6 +83,7 @@ PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress
 RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
 SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
 FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
+ENTRIES = "entries"  # hash: entry task id -> "<iteration>:<worker>:<sid>", the pass it started
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
     PATTERNS_FREQ,
@@ -104,6 +107,7 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     RESUMES,
     SUSPECTS,
     FAILURES,
+    ENTRIES,
 )  # every run key suffix, for scans, reports and tests
 
 # --- shared (not per-run) keys ---------------------------------------------------------------
@@ -123,6 +127,9 @@ CACHE = "cache:critique"  # string ``<prefix>:cache:critique:<sha256>``: envelop
 CACHE_CLAIM = "cache:claim"  # string ``<prefix>:cache:claim:<sha256>``: who critiques it (TTL)
 RATELIMIT = "ratelimit"  # hash ``<prefix>:ratelimit:<model>``: "rpm", "tpm" -> GCRA TAT (ms)
 PROBE = "probe"  # hash ``<prefix>:probe:{<queue>}``: "sent", "done" -> last probe sent, run
+METRICS_COUNTERS = "metrics:{counters}"  # hash: fleet counters (pipeline.store.metrics), no TTL
+METRICS_DURATIONS = "metrics:{durations}"  # hash: "<stage>:b<i>" / "<stage>:sum": stage histogram
+METRICS_KEYS = (METRICS_COUNTERS, METRICS_DURATIONS)  # each its own {tag}: its own cluster slot
 PROBE_DRAINED = "drained"  # sorted set ``<prefix>:probe:{<queue>}:drained``: probe sent -> ran
 
 # --- broker keys (in the Redis broker's database, beside kombu's own) -------------------------

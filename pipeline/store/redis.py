@@ -324,8 +324,9 @@ class RedisPatternStore:
 # 3 waiting: then expires_us is when it began to wait); records stay until the run expires, so
 # a repeated reserve, commit or refund of a lease id is answered from its record. The budget
 # hash holds "spent" and "overrun" (tokens charged past their reservations; above 0 it refuses
-# every new reservation of the run). The waiting set scores each waiting lease with the time it
-# stops counting as queued (its last ask + the grace): older waiters are served first.
+# every new reservation of the run), and "cap" (the cap the last reservation asked against,
+# read by the exporter: pipeline.store.metrics). The waiting set scores each waiting lease with
+# the time it stops counting as queued (its last ask + the grace): older waiters are served first.
 _BUDGET = """
 local op = ARGV[1]
 local function now_us()
@@ -359,6 +360,7 @@ end
 
 if op == 'reserve' then
   local lease, tokens, cap = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
+  redis.call('HSET', KEYS[1], 'cap', ARGV[6])  -- the run's cap, for the fleet metrics
   local wait, grace = tonumber(ARGV[8]), tonumber(ARGV[9])
   local now = now_us()
   local since = now

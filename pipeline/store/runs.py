@@ -45,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import signing
-from pipeline.errors import ForgedMessageError
+from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.models import CritiqueResult
 from pipeline.store import keys
 from pipeline.store.packing import pack_event, pack_record, unpack
@@ -183,6 +183,14 @@ end
 return 1
 """
 
+# KEYS[1] entries. ARGV: entry task id, the pass member it would start, TTL (ms). Returns the
+# pass member the entry task id started (the first one claimed) and 1 when this call claimed it.
+_CLAIM_ENTRY = """
+local first = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return {redis.call('HGET', KEYS[1], ARGV[1]), first}
+"""
+
 # KEYS[1] passes, KEYS[2] results. ARGV: submission field, pass id, TTL (ms).
 _BEGIN_PASS = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
@@ -256,6 +264,7 @@ class RedisRunStore:
         self._count_once = client.register_script(_COUNT_ONCE)
         self._put_result = client.register_script(_PUT_RESULT)
         self._begin_pass = client.register_script(_BEGIN_PASS)
+        self._claim_entry = client.register_script(_CLAIM_ENTRY)
         self._mark_submitted = client.register_script(_MARK_SUBMITTED)
 
     def _key(self, run_id: str, suffix: str) -> str:
@@ -383,6 +392,27 @@ class RedisRunStore:
                 keys=[self._key(run_id, keys.PASSES), self._key(run_id, keys.RESULTS)],
                 args=[field, sid, self._ttl_ms],
             )
+
+    def claim_entry(
+        self, run_id: str, iteration: int, worker_id: str, entry_id: str, sid: str
+    ) -> tuple[str, bool]:
+        """The pass the entry task ``entry_id`` (``critique.submit``) runs: ``sid`` and True
+        when this call is the first to claim one for it, else the pass id an earlier delivery of
+        the same entry message claimed and False; so a redelivered entry message never starts a
+        second pass. Kept for the run TTL."""
+        wanted = pass_member(iteration, worker_id, sid)
+        with store_errors(self._r):
+            got, first = self._claim_entry(
+                keys=[self._key(run_id, keys.ENTRIES)], args=[entry_id, wanted, self._ttl_ms]
+            )
+        claimed = text(got)
+        prefix = f"{iteration}:{worker_id}:"
+        if not claimed.startswith(prefix):  # the same entry id for another submission
+            raise SubmissionError(
+                f"entry task id {entry_id[:64]!r} already started another submission of run "
+                f"{run_id}: send each submission under a fresh task id"
+            )
+        return claimed[len(prefix) :], bool(int(first))
 
     def latest_pass(self, run_id: str, iteration: int, worker_id: str) -> str | None:
         """The submission's latest pass id, or None (never submitted through the client)."""

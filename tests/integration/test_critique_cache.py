@@ -14,6 +14,7 @@ from pipeline.models import Submission
 from pipeline.store.cache import RedisCritiqueCache
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
+from tests.support import wait_until
 
 CRITIC_MODEL = "openai/critic-model"
 
@@ -76,3 +77,15 @@ def test_twenty_identical_outputs_one_llm_critique(
     hits = [r for r in results if any("critique cache hit" in n for n in r.notes)]
     assert len(hits) == 19 and all(r.usage.tokens == 0 for r in hits)
     assert sum(r.usage.tokens for r in results) > 0
+    # The fleet metrics (critique exporter) count the same: 19 hits, the one critique's tokens.
+    from pipeline.store.metrics import FleetMetrics
+    from workers import runtime
+
+    fleet = FleetMetrics(runtime.client())
+    tokens = sum(r.usage.tokens for r in results)
+    counted = wait_until(
+        lambda: (c := fleet.read()[0]).get("outputs:accepted") == 20 and c,
+        10,
+        what="the workers' metrics flush",
+    )
+    assert (counted["cache_hits"], counted["tokens:critique"]) == (19, tokens)

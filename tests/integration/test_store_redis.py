@@ -101,6 +101,7 @@ def exercise_every_store(
     runs.put_result(result)
     runs.put_result(result, sid="sid")
     runs.count_rejection_once(run_id, "req")
+    runs.claim_entry(run_id, 1, "w1", "entry-task-id", "sid")
     runs.put_failure(run_id, "1:w2:sid", stage="l0", error="E", reason="r", refused=True)
     pending = RedisPendingIndex(client, prefix=prefix, ttl_s=ttl_s)
     pending.add(run_id, "1:w1:sid", 1.0)
@@ -446,3 +447,16 @@ def test_latest_step_follows_the_loop_order(redis_client: redis.Redis) -> None:
     assert runs.latest_step("ls1", 1, "w1", "sid") == ("1:w1:sid:1:1:critic", "1:1:critic")
     runs.record_step("ls1", "1:w1:sid:2:1:decide", "2:1:decide")
     assert runs.latest_step("ls1", 1, "w1", "sid") == ("1:w1:sid:2:1:decide", "2:1:decide")
+
+
+def test_an_entry_task_id_claims_one_pass(redis_client: redis.Redis) -> None:
+    """The first claim of an entry task id wins its pass; a redelivery gets that pass back, and
+    the same id for another submission is refused."""
+    from pipeline.errors import SubmissionError
+    from pipeline.store.runs import RedisRunStore
+
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    assert runs.claim_entry("run-e", 1, "w1", "t1", "first") == ("first", True)
+    assert runs.claim_entry("run-e", 1, "w1", "t1", "second") == ("first", False)
+    with pytest.raises(SubmissionError, match="another submission"):
+        runs.claim_entry("run-e", 1, "w2", "t1", "third")

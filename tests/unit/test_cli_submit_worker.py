@@ -166,3 +166,14 @@ def test_help_lists_the_commands_without_importing_celery() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_worker_refuses_a_short_entry_secret(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A guessable CRITIQUE_ENTRY_SECRET stops `critique worker` at start (exit 2), naming the
+    variable and never its value."""
+    monkeypatch.setenv("CRITIQUE_ENTRY_SECRET", "guessable")
+    assert main(["worker", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "CRITIQUE_ENTRY_SECRET" in err and "guessable" not in err

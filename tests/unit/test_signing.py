@@ -442,3 +442,44 @@ def test_demo_signs_with_a_private_secret_when_none_is_set(
     with contextlib.ExitStack() as stack:
         _sign_with_a_private_secret(stack, lines.append)
     assert os.environ["CRITIQUE_SECRET"] == "mine" * 8
+
+
+def test_entry_messages_verify_with_the_entry_key_and_stage_messages_never_do(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With CRITIQUE_ENTRY_SECRET set, entry messages sign and verify with it alone, and the
+    workers' CRITIQUE_SECRET stays the only key of stage messages (split keys)."""
+    from workers import runtime
+
+    monkeypatch.setenv("CRITIQUE_SECRET", "w" * 32)
+    monkeypatch.setenv("CRITIQUE_ENTRY_SECRET", "m" * 32)
+    assert runtime.entry_secrets() == (b"m" * 32,)
+    assert runtime.secrets() == (b"w" * 32,)
+    entry = runtime.sign_entry({"v": 1})
+    signing.verify(entry, runtime.entry_secrets())
+    with pytest.raises(ForgedMessageError, match="another key"):
+        runtime.verify(entry)
+
+
+def test_one_secret_setups_sign_entry_messages_with_critique_secret(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without CRITIQUE_ENTRY_SECRET (or with it blank), entry messages use CRITIQUE_SECRET."""
+    from workers import runtime
+
+    monkeypatch.setenv("CRITIQUE_SECRET", "w" * 32)
+    monkeypatch.setenv("CRITIQUE_ENTRY_SECRET", " ")
+    assert runtime.entry_secrets() == (b"w" * 32,)
+    runtime.verify(runtime.sign_entry({"v": 1}))
+
+
+def test_a_short_entry_secret_is_refused_naming_its_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A guessable managers' key fails naming CRITIQUE_ENTRY_SECRET, never its value."""
+    from workers import runtime
+
+    monkeypatch.setenv("CRITIQUE_ENTRY_SECRET", "short-key")
+    with pytest.raises(ConfigError, match="CRITIQUE_ENTRY_SECRET") as info:
+        runtime.entry_secrets()
+    assert "short-key" not in str(info.value)

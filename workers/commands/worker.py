@@ -408,13 +408,14 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     argvs = worker_argvs(args, queues, concurrency, count)
     from pipeline.errors import ConfigError
-    from pipeline.signing import SECRET_ENV, parse_secrets
+    from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_secrets
     from pipeline.store.redis_common import check_redis_urls
 
     try:
         check_redis_urls()  # a sentinel:// URL parses and has CRITIQUE_REDIS_MASTER
         allowed_models = check_own_config(keys=bool(set(queues) & set(LLM_QUEUES)))
         signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
+        parse_secrets(os.environ.get(ENTRY_SECRET_ENV), ENTRY_SECRET_ENV)  # too short: exit 2
     except ConfigError as exc:
         print(f"critique worker: {one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE

@@ -1,0 +1,180 @@
+"""``critique exporter`` after a known run through a real worker: the scraped text parses with
+prometheus_client's parser and its counts are the run's (statuses, stage runs, tokens,
+refusals), read from the counters the worker wrote to the store."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.integration.rawcelery import entry_body, push, task_meta
+from tests.integration.test_distributed import CONFIG, KINDS, make_sub
+from tests.integration.test_entry import hand_built
+from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
+from tests.support import wait_until
+from workers.embedded import free_port
+
+
+@pytest.fixture(scope="module")
+def fleet(
+    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[dict[str, str], str]]:
+    """A worker and an exporter on the same (flushed) store; yields (env, metrics URL)."""
+    logs: Path = tmp_path_factory.mktemp("exporter")
+    with client_on(worker_db_url(redis_url), CRITIQUE_SECRET="") as env:
+        w = WorkerProcess(
+            env["REDIS_URL"], concurrency=2, name="exp", env=env, log=logs / "worker.log"
+        ).start()
+        port = free_port()
+        with open(logs / "exporter.log", "wb") as out:
+            exporter = subprocess.Popen(
+                [sys.executable, "-m", "workers.cli", "exporter", "--host", "127.0.0.1",
+                 "--port", str(port)],
+                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{port}/metrics"
+        try:
+            wait_until(lambda: _scrape(url) is not None, 30, what="the exporter to serve")
+            yield env, url
+        finally:
+            exporter.terminate()
+            exporter.wait(timeout=10)
+            w.stop()
+
+
+def _scrape(url: str) -> str | None:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as resp:
+            return str(resp.read().decode())
+    except OSError:
+        return None
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the scraped text, parsed by prometheus_client: (name, labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_a_scrape_after_a_known_run_counts_what_the_run_did(
+    fleet: tuple[dict[str, str], str],
+) -> None:
+    """Outputs by status, stage runs, tokens by phase and refusals match the run's results."""
+    from workers.client import CritiqueClient
+
+    env, url = fleet
+    run_id = f"metrics-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(CONFIG)
+    subs = [make_sub(run_id, f"w{i}", 1, kind) for i, kind in enumerate(KINDS * 2)]
+    results = client.wait_many(client.submit_many(subs), timeout=120)
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    refused_id = str(uuid.uuid4())
+    bad = entry_body(hand_built(f"refused-{run_id}"), refused_id, {"command": "rm -rf /"})
+    push(r, "critique.submit", refused_id, bad)
+    assert task_meta(r, refused_id)["status"] == "FAILURE"
+
+    statuses = Counter(res.status for res in results)
+    rounds = sum(len(res.attempts) for res in results)
+
+    def settled() -> dict[Any, float] | None:
+        text = _scrape(url)
+        got = _samples(text) if text else {}
+        total = sum(v for (name, _), v in got.items() if name == "critique_outputs_total")
+        refused = got.get(("critique_refused_total", (("reason", "override"),)), 0)
+        return got if total == len(results) and refused == 1 else None
+
+    got = wait_until(settled, 30, what="the exporter to count the run")
+    for status in ("accepted", "accepted_with_warnings", "repaired", "escalated", "failed"):
+        key = ("critique_outputs_total", (("status", status),))
+        assert got[key] == statuses.get(status, 0), status
+    assert rounds > 0 and statuses["repaired"] > 0  # the run exercised a repair round
+    count = {
+        stage: got[("critique_stage_duration_seconds_count", (("stage", stage),))]
+        for stage in ("l0", "critic", "decide", "repair", "gate")
+    }
+    assert count == {
+        "l0": len(results) + rounds,
+        "critic": len(results) + rounds,
+        "decide": len(results) + rounds,
+        "repair": rounds,
+        "gate": len(results),
+    }
+    inf = got[("critique_stage_duration_seconds_bucket", (("le", "+Inf"), ("stage", "l0")))]
+    assert inf == count["l0"]
+    critique_tokens = sum(res.usage.tokens - res.repair_usage.tokens for res in results)
+    repair_tokens = sum(res.repair_usage.tokens for res in results)
+    assert got[("critique_llm_tokens_total", (("phase", "critique"),))] == critique_tokens
+    assert got[("critique_llm_tokens_total", (("phase", "repair"),))] == repair_tokens
+    assert got[("critique_budget_charged_tokens_total", ())] == sum(
+        res.budget_charged for res in results
+    )
+    assert got[("critique_redrives_total", ())] == 0
+    assert ("critique_cache_hits_total", ()) in got
+    assert ("critique_budget_cap_tokens", ()) in got
+    labels = {dict(k[1]).get("status") for k in got if k[0] == "critique_outputs_total"}
+    assert labels <= {"accepted", "accepted_with_warnings", "repaired", "escalated", "failed"}
+
+
+def test_the_dashboard_queries_only_metrics_the_exporter_serves(
+    fleet: tuple[dict[str, str], str],
+) -> None:
+    """Every critique_* name in deploy/grafana-dashboard.json is in a scrape."""
+    _, url = fleet
+    served = {name for name, _ in _samples(_scrape(url) or "")}
+    dashboard = (ROOT / "deploy" / "grafana-dashboard.json").read_text()
+    used = set(re.findall(r"critique_[a-z_]+", dashboard)) - {"critique_pipeline"}
+    assert used and used <= served, used - served
+
+
+class _LostInTheBroker:
+    """A chain whose message the broker lost: registered by the client, never delivered."""
+
+    def __init__(self, task_id: str) -> None:
+        self.id = task_id
+
+    def apply_async(self) -> _LostInTheBroker:
+        return self
+
+
+def test_a_redrive_is_counted_once(fleet: tuple[dict[str, str], str]) -> None:
+    """A pass whose first message was lost, resumed from the store: one re-drive counted, and
+    its verdict counted as an output."""
+    from pipeline.runner import start
+    from pipeline.store import keys
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    _, url = fleet
+    before = _samples(_scrape(url) or "")
+    client = CritiqueClient(CONFIG)
+    sub = make_sub(f"lost-{uuid.uuid4().hex[:8]}", "w1", 1, "clean")
+    task_id = uuid.uuid4().hex
+    msg = runtime.encode(
+        start(sub, runtime.new_pass_id()), CONFIG, task=keys.TASK_L0, task_id=task_id
+    )
+    handle = client._enqueue(sub, msg, _LostInTheBroker(task_id))
+    assert client.resume(handle) == "l0"
+    assert client.wait(handle, timeout=60).status == "accepted"
+    accepted = ("critique_outputs_total", (("status", "accepted"),))
+
+    def counted() -> dict[Any, float] | None:
+        got = _samples(_scrape(url) or "")
+        return got if got.get(accepted) == before[accepted] + 1 else None
+
+    got = wait_until(counted, 30, what="the exporter to count the re-driven pass")
+    assert got[("critique_redrives_total", ())] == before[("critique_redrives_total", ())] + 1

@@ -1,0 +1,212 @@
+"""deploy/redis-acl.conf as shipped, on a Redis this test starts: a manager logged in as
+``critique-manager`` submits through the entry task and reads its verdict, and Redis refuses
+(NOPERM) its writes to store keys, result keys and stage queues; the workers run as
+``critique-worker``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import string
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from pipeline.store import keys
+from tests.integration.rawcelery import entry_body, push, task_meta
+from tests.integration.test_distributed import CONFIG
+from tests.integration.test_entry import NODE, docs_js, hand_built
+from tests.integration.workers import ROOT, WorkerProcess
+from workers.embedded import EmbeddedRedis
+
+ACL_FILE = ROOT / "deploy" / "redis-acl.conf"
+PASSWORDS = {
+    "CRITIQUE_MANAGER_REDIS_PASSWORD": "manager-" + uuid.uuid4().hex,
+    "CRITIQUE_WORKER_REDIS_PASSWORD": "worker-" + uuid.uuid4().hex,
+    "CRITIQUE_FLOWER_REDIS_PASSWORD": "flower-" + uuid.uuid4().hex,
+}
+WORKER_KEY = "workers-only-key-" + "w" * 16
+MANAGER_KEY = "managers-entry-key-" + "m" * 16
+
+
+def acl_commands() -> list[list[str]]:
+    """The shipped file's commands, passwords filled in as envsubst would."""
+    out = []
+    for line in ACL_FILE.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            out.append(shlex.split(string.Template(line).substitute(PASSWORDS)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[EmbeddedRedis]:
+    srv = EmbeddedRedis().start()
+    admin = redis.Redis.from_url(srv.url_for(0))
+    for command in acl_commands():
+        assert admin.execute_command(*command) in (b"OK", "OK", True), command
+    yield srv
+    srv.stop()
+
+
+def _url(server: EmbeddedRedis, user: str, password_env: str) -> str:
+    return f"redis://{user}:{PASSWORDS[password_env]}@127.0.0.1:{server.port}/0"
+
+
+@pytest.fixture(scope="module")
+def manager(
+    server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[redis.Redis]:
+    """A worker logged in as critique-worker, and a manager's connection as critique-manager."""
+    url = _url(server, "critique-worker", "CRITIQUE_WORKER_REDIS_PASSWORD")
+    log: Path = tmp_path_factory.mktemp("acl") / "worker.log"
+    env = {"CRITIQUE_SECRET": WORKER_KEY, "CRITIQUE_ENTRY_SECRET": MANAGER_KEY}
+    w = WorkerProcess(url, concurrency=2, name="acl", env=env, log=log).start()
+    try:
+        yield redis.Redis.from_url(
+            _url(server, "critique-manager", "CRITIQUE_MANAGER_REDIS_PASSWORD")
+        )
+    finally:
+        w.stop()
+
+
+def test_the_manager_user_submits_and_reads_its_verdict(manager: redis.Redis) -> None:
+    """LPUSH on the entry queue and GET of its result key are all a manager needs."""
+    run_id = f"acl-{uuid.uuid4().hex[:8]}"
+    task_id = str(uuid.uuid4())
+    push(
+        manager,
+        keys.TASK_SUBMIT,
+        task_id,
+        entry_body(hand_built(run_id), task_id, CONFIG, MANAGER_KEY),
+    )
+    meta = task_meta(manager, task_id)
+    assert (meta["status"], meta["result"]["status"]) == ("SUCCESS", "accepted"), meta
+
+
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        lambda r, run: r.hset(keys.run_key(run, keys.PASS_RESULTS), "1:w1:p", "forged"),
+        lambda r, run: r.hset(keys.pass_steps_key(run, "1:w1:p"), "1:w1:p:0:0:l0", "forged"),
+        lambda r, run: r.hset(keys.run_key(run, keys.RESULTS), "1:w1", "forged"),
+        lambda r, run: r.set(f"celery-task-meta-{uuid.uuid4()}", '{"status": "SUCCESS"}'),
+        lambda r, run: r.lpush(keys.QUEUE_LLM, "a stage message"),
+        lambda r, run: r.hgetall(keys.run_key(run, keys.PASS_RESULTS)),
+        lambda r, run: r.delete(keys.QUEUE_CPU),
+    ],
+    ids=[
+        "pass-result",
+        "step-record",
+        "result",
+        "result-backend",
+        "stage-queue",
+        "read-store",
+        "del",
+    ],
+)
+def test_the_manager_user_cannot_touch_the_store(manager: redis.Redis, attempt: object) -> None:
+    """Redis refuses the manager's writes (and reads) of store keys, result-backend keys and
+    the other queues with NOPERM."""
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        attempt(manager, "acl-run")  # type: ignore[operator]
+    kw = manager.connection_pool.connection_kwargs
+    celery_user = redis.Redis(
+        host=kw["host"],
+        port=kw["port"],
+        username="critique-manager-celery",
+        password=kw["password"],
+    )
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        attempt(celery_user, "acl-run")  # type: ignore[operator]
+
+
+def test_a_celery_library_manager_sends_with_send_task_and_gets_the_verdict(
+    manager: redis.Redis,
+) -> None:
+    """As critique-manager-celery, Celery's send_task (kombu declares the queue and binding
+    first) and AsyncResult.get are enough to submit and read the verdict."""
+    from celery import Celery
+
+    from workers.entry import ENTRY_VERSION
+
+    kw = manager.connection_pool.connection_kwargs
+    url = f"redis://critique-manager-celery:{kw['password']}@{kw['host']}:{kw['port']}/0"
+    app = Celery("manager-celery", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        task_serializer="json", result_serializer="json", accept_content=["json"],
+        result_accept_content=["json"], task_publish_retry=False,
+    )  # fmt: skip
+    run_id = f"acl-{uuid.uuid4().hex[:8]}"
+    task_id = str(uuid.uuid4())
+    body = entry_body(hand_built(run_id), task_id, CONFIG, MANAGER_KEY)
+    assert body["v"] == ENTRY_VERSION
+    try:
+        res = app.send_task(
+            keys.TASK_SUBMIT, args=(body,), queue=keys.QUEUE_SUBMIT, task_id=task_id
+        )
+        summary = res.get(timeout=60)
+        assert (summary["run_id"], summary["status"]) == (run_id, "accepted")
+    finally:
+        app.close()
+
+
+def test_a_celery_client_as_the_manager_user_gets_the_verdict_with_asyncresult(
+    manager: redis.Redis,
+) -> None:
+    """Celery's own AsyncResult.get (GET and SUBSCRIBE on the result channel) works with the
+    manager user's rights alone."""
+    from celery import Celery
+    from celery.result import AsyncResult
+
+    kw = manager.connection_pool.connection_kwargs
+    url = f"redis://{kw['username']}:{kw['password']}@{kw['host']}:{kw['port']}/0"
+    app = Celery("manager", broker=url, backend=url, set_as_current=False)
+    app.conf.update(
+        result_serializer="json", accept_content=["json"], result_accept_content=["json"]
+    )
+    run_id = f"acl-{uuid.uuid4().hex[:8]}"
+    task_id = str(uuid.uuid4())
+    try:
+        result = AsyncResult(task_id, app=app)
+        push(
+            manager,
+            keys.TASK_SUBMIT,
+            task_id,
+            entry_body(hand_built(run_id), task_id, CONFIG, MANAGER_KEY),
+        )
+        summary = result.get(timeout=60)
+        assert (summary["run_id"], summary["status"]) == (run_id, "accepted")
+    finally:
+        app.close()
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_the_docs_javascript_manager_logs_in_as_the_manager_user(
+    manager: redis.Redis, tmp_path: Path
+) -> None:
+    """docs/entry.md's Node example, as critique-manager (AUTH user password), submits and
+    prints the verdict: the whole manager in another language, with no store rights."""
+    js = docs_js(tmp_path)
+    run_id = f"acl-node-{uuid.uuid4().hex[:8]}"
+    (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    kw = manager.connection_pool.connection_kwargs
+    env = {
+        **os.environ,
+        "REDIS_HOST": str(kw["host"]),
+        "REDIS_PORT": str(kw["port"]),
+        "REDIS_USER": "critique-manager",
+        "REDIS_PASSWORD": str(kw["password"]),
+        "CRITIQUE_ENTRY_SECRET": MANAGER_KEY,
+    }
+    out = subprocess.run(
+        [str(NODE), str(js), str(tmp_path / "sub.json"), str(tmp_path / "config.json")],
+        capture_output=True, text=True, env=env, timeout=90,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["status"] == "accepted"

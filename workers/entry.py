@@ -1,0 +1,110 @@
+"""The entry message of ``critique.submit``: one submission as plain JSON, for managers in any
+language (docs/entry.md).
+
+An entry message is the one argument of a ``critique.submit`` task on ``critique.cpu``::
+
+    {"v": 1,
+     "submission": {...},              # a pipeline.models.Submission (SPEC §2) as JSON
+     "config": {...},                  # optional: policy overrides (SPEC §3), as CritiqueClient's
+     "task_name": "critique.submit",   # the task and task id the message is sent as: required
+     "task_id": "<the message's id>",  #   when signed, so it cannot be replayed under another id
+     "sig": "hmac-sha256:<hex>"}       # with CRITIQUE_ENTRY_SECRET (else CRITIQUE_SECRET) set
+
+``sig`` is HMAC-SHA256, keyed with the managers' key, over the canonical JSON of every other
+field: ``json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` encoded
+as UTF-8 (:func:`pipeline.signing.canonical`), in lower-case hex after ``hmac-sha256:``.
+
+The worker checks the signature, the address, the submission and its overrides (the trust
+boundary, as for the Python client), then starts the pass under the entry task's own id: the
+gate's summary lands in Celery's result backend under that id. A refused message fails the task
+with a one-line reason (``exc_type``, ``exc_message``), never a traceback, never retried.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+
+from pipeline import signing
+from pipeline.errors import SubmissionError
+from pipeline.models import Submission
+from pipeline.store import keys
+from workers import runtime
+
+ENTRY_VERSION = 1
+"""The entry message's ``v``."""
+FIELDS = frozenset(
+    {"v", "submission", "config", signing.TASK_FIELD, signing.TASK_ID_FIELD, signing.SIG_FIELD}
+)
+"""Every field an entry message may carry."""
+
+
+def entry_message(
+    submission: Submission | dict[str, Any],
+    task_id: str,
+    config: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The entry message for ``submission`` sent as task id ``task_id``, signed with the
+    managers' key when one is set (:func:`workers.runtime.sign_entry`): the reference for the
+    other languages' builders in docs/entry.md."""
+    doc = submission.model_dump(mode="json") if isinstance(submission, Submission) else submission
+    msg: dict[str, Any] = {"v": ENTRY_VERSION, "submission": doc, "config": dict(config or {})}
+    return runtime.sign_entry(signing.address(msg, keys.TASK_SUBMIT, task_id))
+
+
+def decode_entry(msg: Any, *, task_name: str, task_id: str) -> tuple[Submission, dict[str, Any]]:
+    """The submission and policy overrides an entry message carries, received as ``task_name``
+    running as ``task_id``.
+
+    With a managers' key set (:func:`workers.runtime.entry_secrets`), the signature is checked
+    first and then the address (``ForgedMessageError``: unsigned, altered, signed with another
+    key, or addressed to another task or id). Then the shape (``SubmissionError``, one line,
+    never quoting the payload). The overrides are checked by the caller against the worker's
+    own configuration (``RefusedOverrideError``)."""
+    if not isinstance(msg, dict):
+        raise SubmissionError(f"entry message: expected a JSON object, got {type(msg).__name__}")
+    secrets = runtime.entry_secrets()
+    if secrets:
+        signing.verify(msg, secrets)
+        signing.check_addressed(msg, task_name, task_id)
+    unknown = sorted(str(k)[:40] for k in set(msg) - FIELDS)
+    if unknown:
+        raise SubmissionError(
+            f"entry message: unknown field(s) {', '.join(unknown[:5])}; expected only "
+            f"{', '.join(sorted(FIELDS))}"
+        )
+    if msg.get("v") != ENTRY_VERSION:
+        raise SubmissionError(f"entry message: 'v' must be {ENTRY_VERSION}")
+    config = msg.get("config")
+    if config is None:
+        config = {}
+    if not isinstance(config, dict):
+        raise SubmissionError("entry message: 'config' must be an object")
+    doc = msg.get("submission")
+    if not isinstance(doc, dict):
+        raise SubmissionError("entry message: 'submission' must be an object (SPEC §2)")
+    try:
+        sub = Submission.model_validate(doc)
+    except ValidationError as exc:
+        raise SubmissionError(f"entry message: malformed submission: {_problems(exc)}") from None
+    return sub, dict(config)
+
+
+def claimed_run_id(msg: Any) -> Any:
+    """The run id an entry message's submission names (unchecked), or None."""
+    if isinstance(msg, dict) and isinstance(msg.get("submission"), dict):
+        return msg["submission"].get("run_id")
+    return None
+
+
+def _problems(exc: ValidationError) -> str:
+    """A validation error in one line, without the input values (never echo a payload)."""
+    errors = exc.errors(include_input=False, include_url=False)
+    parts = [
+        f"field '{'.'.join(str(p) for p in e['loc']) or 'submission'}': "
+        f"{' '.join(str(e['msg']).split())[:200]}"
+        for e in errors[:3]
+    ]
+    more = len(errors) - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
