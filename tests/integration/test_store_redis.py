@@ -360,7 +360,9 @@ def test_iterate_follows_live_events(redis_client: redis.Redis) -> None:
     producer = threading.Thread(target=produce)
     producer.start()
     seen: list[int] = []
-    stream = sink.iterate("run1", block_ms=200, last_id="$", idle_limit=10)
+    # From the stream's position before any event ("0-0": it is empty). With "$" the first
+    # XREAD, sent only at the first next(), could miss an event emitted before it.
+    stream = sink.iterate("run1", block_ms=200, last_id="0-0", idle_limit=10)
     started.set()
     for _, event in stream:
         seen.append(event["i"])
