@@ -319,6 +319,29 @@ def docs_js(tmp_path: Path) -> Path:
     return path
 
 
+def run_docs_js(
+    tmp_path: Path, run_id: str, client: redis.Redis, **redis_env: str
+) -> subprocess.CompletedProcess[str]:
+    """Run docs/entry.md's Node example on a hand-built submission of ``run_id`` (with the
+    run's CONFIG), against the Redis ``client`` talks to, signing with the managers' key;
+    ``redis_env`` adds the example's other variables (REDIS_DB, REDIS_USER, …)."""
+    js = docs_js(tmp_path)
+    (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    conn = client.connection_pool.connection_kwargs
+    env = {
+        **os.environ,
+        "REDIS_HOST": str(conn["host"]),
+        "REDIS_PORT": str(conn["port"]),
+        **redis_env,
+        "CRITIQUE_ENTRY_SECRET": MANAGER_KEY,
+    }
+    return subprocess.run(
+        [str(NODE), str(js), str(tmp_path / "sub.json"), str(tmp_path / "config.json")],
+        capture_output=True, text=True, env=env, timeout=90,
+    )  # fmt: skip
+
+
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
 class TestTheDocsJavaScriptExample:
     def test_its_signature_is_the_python_one(self, tmp_path: Path) -> None:
@@ -348,22 +371,9 @@ class TestTheDocsJavaScriptExample:
     def test_it_submits_and_prints_the_verdict(self, split: redis.Redis, tmp_path: Path) -> None:
         """Run as documented against a worker with split keys: it pushes a signed entry
         message and prints the accepted verdict it read from the result backend."""
-        js = docs_js(tmp_path)
         run_id = f"node-{uuid.uuid4().hex[:8]}"
-        (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
-        (tmp_path / "config.json").write_text(json.dumps(CONFIG))
         conn = split.connection_pool.connection_kwargs
-        env = {
-            **os.environ,
-            "REDIS_HOST": str(conn["host"]),
-            "REDIS_PORT": str(conn["port"]),
-            "REDIS_DB": str(conn.get("db", 0)),
-            "CRITIQUE_ENTRY_SECRET": MANAGER_KEY,
-        }
-        out = subprocess.run(
-            [str(NODE), str(js), str(tmp_path / "sub.json"), str(tmp_path / "config.json")],
-            capture_output=True, text=True, env=env, timeout=90,
-        )  # fmt: skip
+        out = run_docs_js(tmp_path, run_id, split, REDIS_DB=str(conn.get("db", 0)))
         assert out.returncode == 0, out.stderr
         verdict = json.loads(out.stdout)
         assert (verdict["run_id"], verdict["status"]) == (run_id, "accepted")

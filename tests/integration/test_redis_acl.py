@@ -6,10 +6,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import string
-import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ import redis
 from pipeline.store import keys
 from tests.integration.rawcelery import entry_body, push, task_meta
 from tests.integration.test_distributed import CONFIG
-from tests.integration.test_entry import NODE, docs_js, hand_built
+from tests.integration.test_entry import NODE, hand_built, run_docs_js
 from tests.integration.workers import ROOT, WorkerProcess
 from workers.embedded import EmbeddedRedis
 
@@ -191,22 +189,14 @@ def test_the_docs_javascript_manager_logs_in_as_the_manager_user(
 ) -> None:
     """docs/entry.md's Node example, as critique-manager (AUTH user password), submits and
     prints the verdict: the whole manager in another language, with no store rights."""
-    js = docs_js(tmp_path)
     run_id = f"acl-node-{uuid.uuid4().hex[:8]}"
-    (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
     kw = manager.connection_pool.connection_kwargs
-    env = {
-        **os.environ,
-        "REDIS_HOST": str(kw["host"]),
-        "REDIS_PORT": str(kw["port"]),
-        "REDIS_USER": "critique-manager",
-        "REDIS_PASSWORD": str(kw["password"]),
-        "CRITIQUE_ENTRY_SECRET": MANAGER_KEY,
-    }
-    out = subprocess.run(
-        [str(NODE), str(js), str(tmp_path / "sub.json"), str(tmp_path / "config.json")],
-        capture_output=True, text=True, env=env, timeout=90,
-    )  # fmt: skip
+    out = run_docs_js(
+        tmp_path,
+        run_id,
+        manager,
+        REDIS_USER="critique-manager",
+        REDIS_PASSWORD=str(kw["password"]),
+    )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["status"] == "accepted"
