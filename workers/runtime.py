@@ -143,6 +143,18 @@ def metrics() -> FleetMetrics:
     return FleetMetrics(client())
 
 
+def forget_store() -> None:
+    """Drop this process's store client and everything built on it (the stores, the fleet
+    metrics buffer), so the next use connects to the store the environment names now (a
+    command that started an embedded Redis, a test pointing the process elsewhere). Metrics
+    still buffered go to the store they were counted for first (a flush never raises)."""
+    if metrics.cache_info().currsize:
+        metrics().flush()
+    client.cache_clear()
+    stores.cache_clear()
+    metrics.cache_clear()
+
+
 class _CountingCache:
     """The critique cache, counting hits in the fleet metrics."""
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.errors import StoreUnavailableError
 from pipeline.models import Submission
 from tests.faults.sentinel import SentinelSetup, SentinelWorker
 from tests.flower import FlowerProcess, until
@@ -104,7 +105,10 @@ def _canary_seen(flower: FlowerProcess) -> bool:
     from workers.client import CritiqueClient
 
     client = CritiqueClient({"enabled": True, "budget": {"total_tokens": 1_000_000}})
-    [handle] = client.submit_many(_subs(f"flower-canary-{uuid.uuid4().hex[:8]}")[1:])
+    try:
+        [handle] = client.submit_many(_subs(f"flower-canary-{uuid.uuid4().hex[:8]}")[1:])
+    except StoreUnavailableError:  # the client has not found the new master yet: next try
+        return False
     client.wait(handle, timeout=60)
     deadline = time.monotonic() + 5.0
     while time.monotonic() < deadline:

@@ -22,6 +22,13 @@ from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
 from tests.integration.workers import WorkerProcess
+from tests.support import wait_until
+
+
+def _log_text(worker: WorkerProcess) -> str:
+    """What ``worker`` has logged so far."""
+    return worker.log.read_text(errors="replace") if worker.log else ""
+
 
 N = 1000
 SLA_S = 120.0
@@ -148,6 +155,14 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     pool = _children(main)
     assert pool, "the prefork worker has no pool child to kill"
     _kill(pool[0])
+    # The main process notices its pool child's death on its own schedule: before killing it
+    # too, wait for the line that says it did (one task per output now finishes the run's
+    # first 40 % sooner than it notices).
+    wait_until(
+        lambda: "exited with 'signal 9 (SIGKILL)'" in _log_text(victim),
+        30,
+        what="the prefork worker to log its pool child's SIGKILL",
+    )
     assert len(_wait_for(run_id, 4 * N // 10, 60)) >= 4 * N // 10
     orphans = _children(main)
     victim.kill()  # SIGKILL of the main process
@@ -190,8 +205,7 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     finals = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
     assert len(finals) == N and set(finals.values()) == {1}
     resumes = [e for e in events if e["type"] == "resume"]
-    victim_log = victim.log.read_text(errors="replace") if victim.log else ""
-    assert "exited with 'signal 9 (SIGKILL)'" in victim_log  # the pool child's kill
+    assert "exited with 'signal 9 (SIGKILL)'" in _log_text(victim)  # the pool child's kill
     log = workers["rescuer"].log
     restored = sum(
         int(line.split("restored ", 1)[1].split()[0])

@@ -44,8 +44,7 @@ def client_on(url: str, *, flush: bool = True, **extra: str) -> Iterator[dict[st
     saved_conf = (app.conf.broker_url, app.conf.result_backend)
     env = worker_env(url, **extra)
     os.environ.update(env)
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
+    runtime.forget_store()
     _forget_configs(runtime)
     app.conf.broker_url = url
     app.conf.result_backend = url
@@ -55,8 +54,7 @@ def client_on(url: str, *, flush: bool = True, **extra: str) -> Iterator[dict[st
         os.environ.clear()
         os.environ.update(saved)
         app.conf.broker_url, app.conf.result_backend = saved_conf
-        runtime.client.cache_clear()
-        runtime.stores.cache_clear()
+        runtime.forget_store()
         _forget_configs(runtime)
 
 

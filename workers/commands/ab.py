@@ -227,8 +227,7 @@ def _start_pipeline(
     url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
     from workers import runtime
 
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
+    runtime.forget_store()
     _check_redis(url)
     from workers.app import app
 

@@ -442,8 +442,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     from workers.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
     from workers.unreachable import unreachable_errors
 
-    runtime.client.cache_clear()
-    runtime.stores.cache_clear()
+    runtime.forget_store()
     _check_redis(url)
     from workers.app import app
 
