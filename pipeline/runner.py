@@ -1,4 +1,4 @@
-"""The broker-free critique loop: one stage shape, one loop (DESIGN habit 2).
+"""The critique loop's stages and the broker-free loop: one stage shape, one loop.
 
 Each stage is ``stage(state, ctx) -> state``: it reads a frozen, JSON-safe :class:`LoopState`,
 does one step, and says which stage comes next (``state.next``). :func:`run_submission` runs
@@ -7,11 +7,15 @@ stages across workers, carrying ``LoopState`` in its messages::
 
     l0 → critic → decide → (repair → l0 → critic → decide)* → done
 
-Policy lives in :mod:`pipeline.convergence` (:func:`~pipeline.convergence.decide_round`, the
-one pure round decision) and :mod:`pipeline.repair` (the prompt, the token bound); this module
-only sequences them, gathers the facts a decision asks for, keeps the best output, charges the
-budget and writes the trace. What the stages run with (critic, reviser, stores, the real Layer-0
-step) is built from configuration by :mod:`pipeline.wiring`, the composition root.
+This module only sequences the stages. Each mechanism a stage uses lives in its own module:
+the round decision in :mod:`pipeline.convergence` (:func:`~pipeline.convergence.decide_round`,
+pure), the repair prompt and estimates in :mod:`pipeline.repair`, the sizing of a repair round
+in :mod:`pipeline.repair_sizing`, the critique cache's claim and poll in
+:mod:`pipeline.critique_cache`, the round's defect diff in :mod:`pipeline.defect_diff`. The
+decide stage is a row of named steps: keep the best output, gather the round's facts, decide,
+record the repair attempt, diff the defects, trace the round. What the stages run with (critic,
+reviser, stores, the real Layer-0 step) is built from configuration by :mod:`pipeline.wiring`,
+the composition root.
 
 Layer-0 rule: when L0 reports an error, the configured critic is not called (no critic tokens):
 the envelope is a token-free critic's (the configured one if it is token-free, else the
@@ -29,11 +33,10 @@ parts by reference (:func:`compact_state`), so an output carried by every stage 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -55,7 +58,6 @@ from pipeline.critics.base import (
     PromptedReviser,
     Reviser,
     RevisionResult,
-    SizedCritic,
     bound_envelope,
     clip,
     fold_defects,
@@ -63,6 +65,8 @@ from pipeline.critics.base import (
 )
 from pipeline.critics.base import resolve_for as resolve_for  # re-exported: workers.tasks
 from pipeline.critics.heuristic import HeuristicCritic
+from pipeline.critique_cache import CacheUse, cached_envelope, critique_cache_key
+from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
 from pipeline.errors import SubmissionError, TransientError
 from pipeline.files import FileReader, inline_bytes
 from pipeline.files import read_file as read_file_bytes
@@ -83,15 +87,8 @@ from pipeline.models import (
     Usage,
 )
 from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
-from pipeline.repair import (
-    RepairBound,
-    RepairOrder,
-    build_repair_prompt,
-    estimated_critique_tokens,
-    estimated_output_tokens,
-    estimated_repair_tokens,
-    is_acceptable,
-)
+from pipeline.repair import RepairBound, RepairOrder, is_acceptable
+from pipeline.repair_sizing import order_repair
 from pipeline.store.base import (
     BudgetLedger,
     BudgetSnapshot,
@@ -173,8 +170,9 @@ class LoopState(Frozen):
 
     submission: Submission
     pass_id: str = ""
-    """This pass's id (SPEC §4 "Passes": one per submit): it keys the pass's budget leases,
-    pattern records, trace events and result, so a resubmission never meets an earlier pass's."""
+    """This pass's id (one per submit; see docs/client.md, "Passes: submitting the same
+    submission again"): it keys the pass's budget leases, pattern records, trace events and
+    result, so a resubmission never meets an earlier pass's."""
     output: str | dict[str, Any]
     """The current output (the original, then each repair's result)."""
     next: Next = "l0"
@@ -354,8 +352,9 @@ def _utf8_len(text: str) -> int:
 def admit(
     submission: Submission, config: CritiqueConfig, read_file: FileReader | None = None
 ) -> None:
-    """Refuse a submission the pipeline must not take (SPEC §3: ``max_output_bytes`` bounds
-    the whole submission): a :class:`SubmissionError` naming the limit and the sizes.
+    """Refuse a submission the pipeline must not take (``max_output_bytes`` bounds the whole
+    submission, not only its output; see docs/pipeline.md, "Files by reference and the size
+    limit"): a :class:`SubmissionError` naming the limit and the sizes.
 
     Counted in UTF-8 bytes: the output's canonical text, the task, every inline file's content,
     every other file's bytes as ``read_file`` returns them (a blob's real length, never its
@@ -425,7 +424,7 @@ def lease_for(ctx: StageContext, state: LoopState) -> str:
     return f"{prefix}:{state.attempt + 1}"
 
 
-def critique_key(state: LoopState, round_no: int) -> str:
+def pattern_record_key(state: LoopState, round_no: int) -> str:
     """The pattern-memory key of one critique: (worker, iteration, pass, round), recorded once."""
     return f"{pass_key(state)}:{round_no}"
 
@@ -533,23 +532,16 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
     )
     try:
         with token_allowance(allowance):
-            envelope, cache = _critique(state, ctx)
+            envelope, cache = _envelope_for(state, ctx)
     except BaseException as exc:
         if state.lease_id is not None and not isinstance(exc, TransientError):
             # The chain ends here: charge what the repair spent and release the hold.
             ctx.budget.commit(sub.run_id, state.lease_id, state.pending_repair_tokens)
         raise
-    return _critiqued(state, ctx, envelope, began, cache)
+    return _record_critique(state, ctx, envelope, began, cache)
 
 
-CacheUse = Literal["hit", "miss", ""]
-"""What the critique cache did for a critique: served it, stored it, or was not used."""
-
-CACHE_POLL_S = 0.05
-"""How often a critique waiting on another's claim looks for the cached envelope."""
-
-
-def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, CacheUse]:
+def _envelope_for(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, CacheUse]:
     """The envelope of the current output: the configured critic's (through the critique cache
     when it is on), or a token-free one merged with the Layer-0 defects when Layer-0 failed."""
     sub = state.submission
@@ -575,7 +567,10 @@ def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, Ca
             and ctx.config.cache.enabled
             and not is_token_free(ctx.critic, sub)
         ):
-            envelope, cache_use = _cached_critique(ctx, ctx.cache, state, critique)
+            key = critique_cache_key(ctx.config, ctx.critic, sub, state.output)
+            envelope, cache_use = cached_envelope(
+                ctx.cache, ctx.config.cache, key, sub.worker_id, critique
+            )
         else:
             envelope = critique()
         if state.l0_defects:
@@ -596,75 +591,12 @@ def checked_envelope(
     return bound_envelope(apply_injections(envelope, hits))
 
 
-def critique_cache_key(ctx: StageContext, submission: Submission, output: Any) -> str:
-    """The cache key of a critique (SPEC §5.10): a hash of the output, the files (their
-    digests or content), the task and contract, the critic configuration and the model. Who
-    sent it (run, worker, iteration) is not part of it."""
-    serving: Critic = resolve_for(ctx.critic, submission)
-    doc = {
-        "output": output,
-        "submission": submission.model_dump(
-            mode="json", exclude={"run_id", "worker_id", "iteration", "subtask_signature", "output"}
-        ),
-        "config": ctx.config.model_dump(mode="json", exclude={"cache", "budget"}),
-        "critic": serving.name,
-    }
-    raw = json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
-
-
-def _cached_critique(
-    ctx: StageContext,
-    cache: CritiqueCache,
-    state: LoopState,
-    critique: Callable[[], CritiqueEnvelope],
-) -> tuple[CritiqueEnvelope, CacheUse]:
-    """Serve the critique from the cache, or critique once and store it. Of several
-    concurrent identical critiques the first claims the key and the others wait (up to
-    ``cache.lock_s``) for its envelope. A fallback envelope is never stored."""
-    sub = state.submission
-    settings = ctx.config.cache
-    key = critique_cache_key(ctx, sub, state.output)
-
-    def cached() -> CritiqueEnvelope | None:
-        raw = cache.get(key)
-        if raw is None:
-            return None
-        hit = CritiqueEnvelope.model_validate_json(raw)
-        return hit.model_copy(update={"worker_id": sub.worker_id, "usage": Usage()})
-
-    hit = cached()
-    if hit is not None:
-        return hit, "hit"
-    claimed = cache.claim(key, settings.lock_s)
-    deadline = time.monotonic() + settings.lock_s
-    while not claimed and time.monotonic() < deadline:
-        time.sleep(CACHE_POLL_S)
-        hit = cached()
-        if hit is not None:
-            return hit, "hit"
-        claimed = cache.claim(key, settings.lock_s)
-    if claimed:  # the previous holder may have stored it and let go since our first look
-        hit = cached()
-        if hit is not None:
-            cache.release(key)
-            return hit, "hit"
-    try:
-        envelope = critique()
-        if envelope.fallback_reason is None:
-            cache.put(key, envelope.model_dump_json(), settings.ttl_s)
-    finally:
-        if claimed:
-            cache.release(key)
-    return envelope, "miss"
-
-
 def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple[str, ...]]:
     """Commit the open lease with the round's real spend; returns (charge, notes).
 
     The ledger charges the real figure even past the reservation (never under-counted); when a
     provider reported more than was reserved, the note says so, and the run's budget grants no
-    further repairs (SPEC §5.3: the reservation's ``max_tokens`` should have made it impossible).
+    further repairs (the reservation's ``max_tokens`` should have made an overrun impossible).
     """
     lease = state.lease_id
     if lease is None:
@@ -681,7 +613,7 @@ def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple
     return charged, notes
 
 
-def _critiqued(
+def _record_critique(
     state: LoopState,
     ctx: StageContext,
     envelope: CritiqueEnvelope,
@@ -704,7 +636,7 @@ def _critiqued(
     if ctx.config.pattern_memory:
         ctx.patterns.record(
             sub.run_id,
-            critique_key(state, round_no),
+            pattern_record_key(state, round_no),
             sub.iteration,
             patterns_from_envelope(envelope, output=state.output),
             pass_key=pass_key(state),
@@ -804,61 +736,20 @@ NOTE_CHARS = 600
 def repair_order(
     ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope, *, sized: bool = True
 ) -> RepairOrder:
-    """The next repair round, ordered once (SPEC §5.3): the one place a repair is sized.
-
-    The Known Pitfalls the serving reviser gets are read once. With ``sized``, the round's
-    :class:`~pipeline.repair.RepairBound` is the repair call plus its re-critique, each part
-    from the reviser or critic that serves the submission: 0 when it is token-free; its own
-    count when it can size its calls (:class:`~pipeline.critics.base.PromptedReviser` /
-    :class:`~pipeline.critics.base.SizedCritic`: counted prompt + the ``max_tokens`` it will
-    call with); else the estimates of :mod:`pipeline.repair`. The repair prompt is rendered
-    here, once, only for a token-spending reviser; a prompted reviser is handed that same
-    prompt by :func:`repair_stage`, so what was sized is what is sent.
-    """
+    """The state's next repair round, ordered and (with ``sized``) sized once by the reviser
+    and critic that serve its submission (:func:`pipeline.repair_sizing.order_repair`)."""
     sub = state.submission
-    reviser: Reviser = resolve_for(ctx.reviser, sub)
-    pitfalls = _pitfalls(ctx, sub, reviser)
-    if not sized:
-        return RepairOrder(pitfalls=pitfalls)
-    critic: Critic = resolve_for(ctx.critic, sub)
-    output_tokens = estimated_output_tokens(state.output)
-    prompt: str | None = None
-    if reviser.token_free:
-        repair = 0
-    else:
-        prompt = build_repair_prompt(sub, state.output, envelope, pitfalls, state.attempts)
-        if isinstance(reviser, PromptedReviser):
-            repair, output_tokens = reviser.repair_bound(
-                sub,
-                state.output,
-                envelope,
-                pitfalls=pitfalls,
-                attempts=state.attempts,
-                prompt=prompt,
-            )
-        else:
-            repair = estimated_repair_tokens(prompt, state.output)
-            prompt = None  # this reviser renders nothing: the prompt only sized its call
-    if critic.token_free:
-        critique = 0
-    else:
-        critic_pitfalls = (
-            pitfalls
-            if critic.reads_pitfalls == reviser.reads_pitfalls
-            else _pitfalls(ctx, sub, critic)
-        )
-        if isinstance(critic, SizedCritic):
-            critique = critic.critique_bound(
-                sub,
-                state.output,
-                output_tokens=output_tokens,
-                pitfalls=critic_pitfalls,
-                round=state.round + 1,
-            )
-        else:
-            critique = estimated_critique_tokens(sub, output_tokens, critic_pitfalls)
-    bound = RepairBound(repair=repair, critique=critique, output_tokens=output_tokens)
-    return RepairOrder(pitfalls=pitfalls, prompt=prompt, bound=bound)
+    return order_repair(
+        sub,
+        state.output,
+        envelope,
+        state.attempts,
+        round_no=state.round + 1,
+        reviser=ctx.reviser,
+        critic=ctx.critic,
+        pitfalls=lambda reader: _pitfalls(ctx, sub, reader),
+        sized=sized,
+    )
 
 
 def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope) -> RepairBound:
@@ -932,7 +823,8 @@ def _answer(
     envelope: CritiqueEnvelope,
 ) -> RoundFacts:
     """Look up the fact a decision asked for (the decide stage's I/O). A reservation that only
-    held tokens block raises :class:`BudgetWait` (SPEC §4: wait rather than refuse)."""
+    held tokens block raises :class:`BudgetWait` (tokens that may come back are waited for,
+    not refused; see docs/pipeline.md, "The repair budget")."""
     sub = state.submission
     if ask == "fixpoint":
         previous = state.previous_repair_text
@@ -981,7 +873,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     facts it asks for, in its order: the fixpoint test, the serving reviser's plan (a reviser
     with a ``plan`` that fixes nothing stops the loop ``needs_model``, status ``escalated``,
     with the defects it left listed in the notes: no round is spent on a repair that cannot
-    help, and nothing is invented, SPEC §5.3), and the budget's answer.
+    help, and nothing is invented), and the budget's answer.
 
     The reservation is :func:`repair_order`'s bound under the lease :func:`lease_for` (one per
     pass and attempt: a re-run gets the same lease back); a refusal stops the loop
@@ -1068,12 +960,12 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
             ),
         )
     verdict = verdict_for(stop)
-    current_refs = _defect_refs(envelope.actionable)
+    current_refs = defect_refs(envelope.actionable)
     diff: dict[str, tuple[DefectRef, ...]] = {}
     ever_fixed = state.ever_fixed
     if state.trace:
         diff = defect_diff(state.previous_defects, current_refs, state.ever_fixed)
-        ever_fixed = _sorted_refs({*state.ever_fixed, *diff["fixed"]})
+        ever_fixed = sorted_refs({*state.ever_fixed, *diff["fixed"]})
     round_trace = RoundTrace(
         round=state.round,
         score=score,
@@ -1114,37 +1006,6 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         **({"budget_wait_s": round(gathered.waited_s, 3)} if gathered.waited_s > 0 else {}),
     )
     return next_state
-
-
-def _sorted_refs(refs: Iterable[DefectRef]) -> tuple[DefectRef, ...]:
-    return tuple(sorted(set(refs), key=lambda r: r.key))
-
-
-def _defect_refs(defects: Iterable[Defect]) -> tuple[DefectRef, ...]:
-    """Defects by (category, location), deduplicated and sorted."""
-    return _sorted_refs(DefectRef(category=d.category, location=d.location) for d in defects)
-
-
-def defect_diff(
-    previous: Iterable[DefectRef],
-    current: Iterable[DefectRef],
-    ever_fixed: Iterable[DefectRef] = (),
-) -> dict[str, tuple[DefectRef, ...]]:
-    """The round's defect diff (SPEC §5.4), matched by (category, location).
-
-    ``fixed``: in the previous round, gone now; ``remaining``: in both; ``new``: here now, not
-    in the previous round and never fixed before; ``regressed``: here now, not in the previous
-    round, but fixed in an earlier round. ``new`` and ``regressed`` are disjoint."""
-    before = {r.key: r for r in previous}
-    now = {r.key: r for r in current}
-    fixed_before = {r.key for r in ever_fixed}
-    appeared = [r for k, r in now.items() if k not in before]
-    return {
-        "fixed": _sorted_refs(r for k, r in before.items() if k not in now),
-        "remaining": _sorted_refs(r for k, r in now.items() if k in before),
-        "new": _sorted_refs(r for r in appeared if r.key not in fixed_before),
-        "regressed": _sorted_refs(r for r in appeared if r.key in fixed_before),
-    }
 
 
 def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:

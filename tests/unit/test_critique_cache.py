@@ -7,8 +7,9 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.heuristic import HeuristicCritic
+from pipeline.critique_cache import critique_cache_key
 from pipeline.models import CritiqueEnvelope, Submission, Usage
-from pipeline.runner import L0Outcome, critique_cache_key, run_submission
+from pipeline.runner import L0Outcome, run_submission
 from pipeline.store.memory import MemoryCritiqueCache
 from pipeline.wiring import make_context
 
@@ -101,11 +102,11 @@ def test_different_outputs_or_cache_off_critique_again() -> None:
 def test_the_key_ignores_who_sent_it_but_not_what_was_asked() -> None:
     ctx = _ctx(CountingCritic())
     out = {"summary": "x"}
-    base = critique_cache_key(ctx, _sub("w1", out), out)
-    assert critique_cache_key(ctx, _sub("w9", out, run="other"), out) == base
+    base = critique_cache_key(ctx.config, ctx.critic, _sub("w1", out), out)
+    assert critique_cache_key(ctx.config, ctx.critic, _sub("w9", out, run="other"), out) == base
     other_task = _sub("w1", out).model_copy(update={"task": "Something else."})
-    assert critique_cache_key(ctx, other_task, out) != base
-    assert critique_cache_key(ctx, _sub("w1", out), {"summary": "y"}) != base
+    assert critique_cache_key(ctx.config, ctx.critic, other_task, out) != base
+    assert critique_cache_key(ctx.config, ctx.critic, _sub("w1", out), {"summary": "y"}) != base
 
 
 def test_a_fallback_envelope_is_never_cached() -> None:
