@@ -866,6 +866,143 @@ def _answer(
     return facts.model_copy(update={"budget": "granted"})
 
 
+@dataclass(frozen=True)
+class _RoundScore:
+    """The critiqued round's own figures, as every decide step reads them."""
+
+    score: float
+    mean: float
+    """The rubric's weighted mean (the score itself outside rubric mode)."""
+    previous_score: float | None
+    l0_failed: bool
+    acceptable: bool
+    target: bool
+    """The rubric's per-dimension targets are all met, with no critical defect."""
+
+
+def _score_round(state: LoopState, ctx: StageContext, envelope: CritiqueEnvelope) -> _RoundScore:
+    """The round's score, mean, acceptability and target, from its envelope."""
+    rubric = ctx.config.rubric if _rubric_mode(ctx) else None
+    score = envelope.score
+    l0_failed = _l0_error(state.l0_defects)
+    target = (
+        rubric is not None
+        and bool(envelope.scores)
+        and target_met(envelope.scores, rubric)
+        and not envelope.critical
+    )
+    return _RoundScore(
+        score=score,
+        mean=weighted_mean(envelope.scores, rubric) if rubric and envelope.scores else score,
+        previous_score=state.trace[-1].score if state.trace else None,
+        l0_failed=l0_failed,
+        acceptable=is_acceptable(score, envelope, l0_failed),
+        target=target,
+    )
+
+
+def _keep_best(state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore) -> dict[str, Any]:
+    """The state's best-output fields after this round. An output replaces the best only when
+    strictly better on (target met, acceptable, score); a worse or equal repair never does."""
+    better = state.best_score is None or (r.target, r.acceptable, r.score) > (
+        state.best_target,
+        state.best_acceptable,
+        state.best_score,
+    )
+    return {
+        "best_output": state.output if better else state.best_output,
+        "best_score": r.score if better or state.best_score is None else state.best_score,
+        "best_envelope": envelope if better else state.best_envelope,
+        "best_acceptable": r.acceptable if better else state.best_acceptable,
+        "best_target": r.target if better else state.best_target,
+    }
+
+
+def _round_facts(
+    state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore, best: dict[str, Any]
+) -> RoundFacts:
+    """What :func:`~pipeline.convergence.decide_round` is given up front (the rest it asks)."""
+    return RoundFacts(
+        round=state.round,
+        repairs_done=state.attempt,
+        score=r.score,
+        previous_score=r.previous_score,
+        means=(*(t.mean for t in state.trace), r.mean),
+        critical=len(envelope.critical),
+        l0_failed=r.l0_failed,
+        acceptable=r.acceptable,
+        target=r.target,
+        best_score=best["best_score"],
+        best_acceptable=best["best_acceptable"],
+        best_target=best["best_target"],
+    )
+
+
+def _decide(
+    facts: RoundFacts, ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope
+) -> tuple[RoundDecision, _Gathered]:
+    """Ask :func:`~pipeline.convergence.decide_round` until it needs no further fact, looking
+    up each fact it asks for (:func:`_answer`); returns the decision and what the lookups left."""
+    gathered = _Gathered(notes=state.notes)
+    decision: RoundDecision = decide_round(facts, ctx.config)
+    while decision.ask is not None:
+        facts = _answer(decision.ask, facts, gathered, ctx, state, envelope)
+        decision = decide_round(facts, ctx.config)
+    return decision, gathered
+
+
+def _record_attempt(
+    state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore, stop: StopReason | None
+) -> tuple[RepairAttempt, ...]:
+    """The state's repair attempts, with the one this round re-critiqued (none in round 1)."""
+    if state.attempt == 0:
+        return state.attempts
+    before = set(state.previous_defect_ids)
+    now = {d.id for d in envelope.actionable}
+    attempt = RepairAttempt(
+        worker_id=state.submission.worker_id,
+        attempt=state.attempt,
+        original_score=r.previous_score if r.previous_score is not None else r.score,
+        repaired_score=r.score,
+        defects_fixed=len(before - now),
+        defects_remaining=envelope.actionable_count,
+        stop_reason=stop,
+    )
+    return (*state.attempts, attempt)
+
+
+def _diff_defects(
+    state: LoopState, current: tuple[DefectRef, ...]
+) -> tuple[dict[str, tuple[DefectRef, ...]], tuple[DefectRef, ...]]:
+    """The round's defect diff against the previous round (empty in round 1), and every
+    (category, location) fixed so far."""
+    if not state.trace:
+        return {}, state.ever_fixed
+    diff = defect_diff(state.previous_defects, current, state.ever_fixed)
+    return diff, sorted_refs({*state.ever_fixed, *diff["fixed"]})
+
+
+def _trace_round(
+    ctx: StageContext,
+    next_state: LoopState,
+    round_trace: RoundTrace,
+    decision: RoundDecision,
+    gathered: _Gathered,
+) -> None:
+    """The decide stage's ``round`` trace event: the round's trace, the stop and its reason."""
+    waited = gathered.waited_s
+    _emit(
+        ctx,
+        next_state,
+        "round",
+        "decide",
+        **round_trace.model_dump(mode="json", exclude_none=True),
+        stop_reason=decision.stop_reason,
+        reason=decision.reason,
+        **({"budget_wait_s": round(waited, 3)} if waited > 0 else {}),
+    )
+
+
 def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """Keep the best output, decide the round, reserve the next repair's budget.
 
@@ -882,104 +1019,37 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     :class:`BudgetWait` (for at most :func:`budget_wait_s`, counted per lease by the ledger):
     the stage is run again later, and is refused only when spent + asked passes the cap, the
     run overran, or the wait ran out. The order travels in the state to :func:`repair_stage`.
+
+    The steps, in order: :func:`_score_round`, :func:`_keep_best`, :func:`_round_facts`,
+    :func:`_decide`, :func:`_record_attempt`, :func:`_diff_defects`, :func:`_trace_round`.
     """
     envelope = state.envelope
     if envelope is None:
         raise ValueError("decide_stage needs a critiqued state (envelope is missing)")
-    sub = state.submission
-    config = ctx.config
-    rubric = config.rubric if _rubric_mode(ctx) else None
-    score = envelope.score
-    l0_failed = _l0_error(state.l0_defects)
-    acceptable = is_acceptable(score, envelope, l0_failed)
-    target = (
-        rubric is not None
-        and bool(envelope.scores)
-        and target_met(envelope.scores, rubric)
-        and not envelope.critical
-    )
-    mean = weighted_mean(envelope.scores, rubric) if rubric and envelope.scores else score
-    previous_score = state.trace[-1].score if state.trace else None
-
-    # Keep-best: an output replaces the best only when strictly better on
-    # (target met, acceptable, score); a worse or equal repair never does.
-    better = state.best_score is None or (target, acceptable, score) > (
-        state.best_target,
-        state.best_acceptable,
-        state.best_score,
-    )
-    best_score = score if better or state.best_score is None else state.best_score
-    best_acceptable = acceptable if better else state.best_acceptable
-    best_target = target if better else state.best_target
-    best: dict[str, Any] = {
-        "best_output": state.output if better else state.best_output,
-        "best_score": best_score,
-        "best_envelope": envelope if better else state.best_envelope,
-        "best_acceptable": best_acceptable,
-        "best_target": best_target,
-    }
-
-    facts = RoundFacts(
-        round=state.round,
-        repairs_done=state.attempt,
-        score=score,
-        previous_score=previous_score,
-        means=(*(t.mean for t in state.trace), mean),
-        critical=len(envelope.critical),
-        l0_failed=l0_failed,
-        acceptable=acceptable,
-        target=target,
-        best_score=best_score,
-        best_acceptable=best_acceptable,
-        best_target=best_target,
-    )
-    gathered = _Gathered(notes=state.notes)
-    decision: RoundDecision = decide_round(facts, config)
-    while decision.ask is not None:
-        facts = _answer(decision.ask, facts, gathered, ctx, state, envelope)
-        decision = decide_round(facts, config)
+    r = _score_round(state, ctx, envelope)
+    best = _keep_best(state, envelope, r)
+    decision, gathered = _decide(_round_facts(state, envelope, r, best), ctx, state, envelope)
     stop = decision.stop_reason
     repairing = decision.action == "repair"
     order = gathered.order if repairing else None
     reserved = order.bound if order is not None and gathered.lease_id is not None else None
-
-    actionable_ids = tuple(d.id for d in envelope.actionable)
-    attempts = state.attempts
-    if state.attempt > 0:
-        before = set(state.previous_defect_ids)
-        attempts = (
-            *attempts,
-            RepairAttempt(
-                worker_id=sub.worker_id,
-                attempt=state.attempt,
-                original_score=previous_score if previous_score is not None else score,
-                repaired_score=score,
-                defects_fixed=len(before - set(actionable_ids)),
-                defects_remaining=envelope.actionable_count,
-                stop_reason=stop,
-            ),
-        )
-    verdict = verdict_for(stop)
+    attempts = _record_attempt(state, envelope, r, stop)
     current_refs = defect_refs(envelope.actionable)
-    diff: dict[str, tuple[DefectRef, ...]] = {}
-    ever_fixed = state.ever_fixed
-    if state.trace:
-        diff = defect_diff(state.previous_defects, current_refs, state.ever_fixed)
-        ever_fixed = sorted_refs({*state.ever_fixed, *diff["fixed"]})
+    diff, ever_fixed = _diff_defects(state, current_refs)
     round_trace = RoundTrace(
         round=state.round,
-        score=score,
+        score=r.score,
         scores=dict(envelope.scores),
-        mean=mean,
+        mean=r.mean,
         defects=envelope.defect_count,
         suggestions_applied=state.suggestions_applied,
-        verdict=verdict,
+        verdict=verdict_for(stop),
         **diff,
     )
     update: dict[str, Any] = {
         **best,
-        "original_score": state.original_score if state.original_score is not None else score,
-        "previous_defect_ids": actionable_ids,
+        "original_score": state.original_score if state.original_score is not None else r.score,
+        "previous_defect_ids": tuple(d.id for d in envelope.actionable),
         "previous_defects": current_refs,
         "ever_fixed": ever_fixed,
         "attempts": attempts,
@@ -995,16 +1065,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         update["stop_reason"] = stop
         update["status"] = decision.status
     next_state = state.model_copy(update=update)
-    _emit(
-        ctx,
-        next_state,
-        "round",
-        "decide",
-        **round_trace.model_dump(mode="json", exclude_none=True),
-        stop_reason=stop,
-        reason=decision.reason,
-        **({"budget_wait_s": round(gathered.waited_s, 3)} if gathered.waited_s > 0 else {}),
-    )
+    _trace_round(ctx, next_state, round_trace, decision, gathered)
     return next_state
 
 
