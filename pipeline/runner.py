@@ -733,7 +733,7 @@ NOTE_CHARS = 600
 """Longest note line a bounded result keeps."""
 
 
-def repair_order(
+def next_repair_order(
     ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope, *, sized: bool = True
 ) -> RepairOrder:
     """The state's next repair round, ordered and (with ``sized``) sized once by the reviser
@@ -753,8 +753,8 @@ def repair_order(
 
 
 def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope) -> RepairBound:
-    """What the next repair round reserves: :func:`repair_order`'s bound."""
-    return repair_order(ctx, state, envelope).bound
+    """What the next repair round reserves: :func:`next_repair_order`'s bound."""
+    return next_repair_order(ctx, state, envelope).bound
 
 
 def refusal_text(
@@ -840,9 +840,9 @@ def _answer(
         if NO_BUDGET_NOTE not in gathered.notes:
             gathered.notes = _add_note(gathered.notes, NO_BUDGET_NOTE)
             _emit(ctx, state, "stage", "decide", note=NO_BUDGET_NOTE)
-        gathered.order = repair_order(ctx, state, envelope, sized=False)
+        gathered.order = next_repair_order(ctx, state, envelope, sized=False)
         return facts.model_copy(update={"budget": "granted"})
-    order = repair_order(ctx, state, envelope)
+    order = next_repair_order(ctx, state, envelope)
     total = order.bound.total
     if total > 0:  # a token-free round (reviser and critic) reserves nothing
         lease = lease_for(ctx, state)
@@ -1012,7 +1012,7 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     with the defects it left listed in the notes: no round is spent on a repair that cannot
     help, and nothing is invented), and the budget's answer.
 
-    The reservation is :func:`repair_order`'s bound under the lease :func:`lease_for` (one per
+    The reservation is :func:`next_repair_order`'s bound under the lease :func:`lease_for` (one per
     pass and attempt: a re-run gets the same lease back); a refusal stops the loop
     ``repair_budget_exhausted`` with :func:`refusal_text` as the reason; a round that spends no
     tokens reserves nothing. A reservation that would fit once held tokens settle raises

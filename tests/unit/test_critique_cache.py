@@ -1,4 +1,5 @@
-"""The critique cache (SPEC §5.10) in the broker-free loop, with the in-memory cache."""
+"""The critique cache (docs/llm.md, "Critique cache: `cache`") in the broker-free loop, with the
+in-memory cache."""
 
 from __future__ import annotations
 
@@ -133,7 +134,8 @@ def test_concurrent_identical_critiques_wait_for_the_first() -> None:
 
 
 def test_a_submission_may_not_set_the_cache() -> None:
-    """cache is worker-only (SPEC §3): where critiques are stored and shared across runs."""
+    """cache is worker-only (docs/configuration.md): where critiques are stored and shared across
+    runs is the worker's choice, never a submission's."""
     import pytest
 
     from pipeline.config import check_submission_overrides

@@ -1,4 +1,5 @@
-"""The per-round defect diff (SPEC §5.4): fixed, remaining, new and regressed."""
+"""The per-round defect diff (docs/pipeline.md, "Defect diff per round"): fixed, remaining, new
+and regressed."""
 
 from __future__ import annotations
 
