@@ -15,7 +15,8 @@ in :mod:`pipeline.repair_sizing`, the critique cache's claim and poll in
 decide stage is a row of named steps: keep the best output, gather the round's facts, decide,
 record the repair attempt, diff the defects, trace the round. What the stages run with (critic,
 reviser, stores, the real Layer-0 step) is built from configuration by :mod:`pipeline.wiring`,
-the composition root.
+the composition root. A submission is admitted (its size limit) by :mod:`pipeline.admission`;
+a finished pass's result is bounded by :mod:`pipeline.result_bounds`.
 
 Layer-0 rule: when L0 reports an error, the configured critic is not called (no critic tokens):
 the envelope is a token-free critic's (the configured one if it is token-free, else the
@@ -42,6 +43,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from pipeline.admission import admit as admit  # re-exported: workers.client, workers.tasks
 from pipeline.config import CritiqueConfig
 from pipeline.convergence import (
     Ask,
@@ -67,9 +69,8 @@ from pipeline.critics.base import resolve_for as resolve_for  # re-exported: wor
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.critique_cache import CacheUse, cached_envelope, critique_cache_key
 from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
-from pipeline.errors import SubmissionError, TransientError
+from pipeline.errors import TransientError
 from pipeline.files import FileReader, inline_bytes
-from pipeline.files import read_file as read_file_bytes
 from pipeline.injection import apply_injections, submission_injections
 from pipeline.llm import token_allowance
 from pipeline.models import (
@@ -89,6 +90,8 @@ from pipeline.models import (
 from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
 from pipeline.repair import RepairBound, RepairOrder, is_acceptable
 from pipeline.repair_sizing import order_repair
+from pipeline.result_bounds import NOTE_CHARS, bound_result
+from pipeline.result_bounds import RESULT_EXTRA_BYTES as RESULT_EXTRA_BYTES  # re-exported
 from pipeline.store.base import (
     BudgetLedger,
     BudgetSnapshot,
@@ -343,69 +346,6 @@ def _l0_error(defects: Sequence[Defect]) -> bool:
 
 def _add_note(notes: tuple[str, ...], note: str) -> tuple[str, ...]:
     return notes if note in notes else (*notes, note)
-
-
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-
-
-def admit(
-    submission: Submission, config: CritiqueConfig, read_file: FileReader | None = None
-) -> None:
-    """Refuse a submission the pipeline must not take (``max_output_bytes`` bounds the whole
-    submission, not only its output; see docs/pipeline.md, "Files by reference and the size
-    limit"): a :class:`SubmissionError` naming the limit and the sizes.
-
-    Counted in UTF-8 bytes: the output's canonical text, the task, every inline file's content,
-    every other file's bytes as ``read_file`` returns them (a blob's real length, never its
-    claimed ``size``), and every other field a sender can make long (:func:`field_bytes`:
-    ``subtask_signature``, ``required_fields``, ``model``, file paths and digests), since each
-    is carried and stored with the submission too. Files are read only while the total is
-    within the limit, so an oversized submission costs at most one read past it. A file that
-    cannot be read raises :class:`~pipeline.files.UnreadableFileError`. The client calls this
-    before it enqueues; the worker calls it again at the first Layer-0 stage of every pass
-    (:func:`l0_stage`), so a chain sent without the client is bounded too.
-    """
-    limit = config.max_output_bytes
-    output = _utf8_len(text_of(submission.output))
-    task = _utf8_len(submission.task)
-    inline = sum(_utf8_len(f.content) for f in submission.files if f.content is not None)
-    fields = field_bytes(submission)
-    total = output + task + inline + fields
-    referenced = 0
-    unread = 0
-    for i, f in enumerate(submission.files):
-        if f.content is not None:
-            continue
-        if total > limit:
-            unread = sum(1 for g in submission.files[i:] if g.content is None)
-            break
-        size = len(read_file_bytes(f, read_file) or b"")
-        referenced += size
-        total += size
-    if total <= limit:
-        return
-    lower = "at least " if unread else ""
-    not_read = f"; {unread} file(s) by reference not read" if unread else ""
-    other = f", other fields {fields} B" if fields else ""
-    raise SubmissionError(
-        f"submission of worker {submission.worker_id!r} (run {submission.run_id!r}) is "
-        f"{lower}{total} bytes, over max_output_bytes ({limit}): output {output} B, "
-        f"task {task} B, inline files {inline} B, files by reference {referenced} B"
-        f"{other}{not_read}; nothing was processed",
-        hint="split the work, send less, or raise max_output_bytes on the workers",
-    )
-
-
-def field_bytes(submission: Submission) -> int:
-    """UTF-8 bytes of the submission's fields besides the output, the task and file content:
-    ``subtask_signature``, each of ``required_fields``, ``model``, and each file's ``path``,
-    ``sha256`` and ``blob`` reference. (``run_id`` and ``worker_id`` are identifiers of at most
-    128 characters and not counted.)"""
-    texts = [submission.subtask_signature, submission.model or "", *submission.required_fields]
-    for f in submission.files:
-        texts += [f.path, f.sha256, f.blob or ""]
-    return sum(_utf8_len(t) for t in texts)
 
 
 def start(submission: Submission, pass_id: str = "") -> LoopState:
@@ -729,8 +669,6 @@ def _needs_model_notes(
 
 MAX_NEEDS_MODEL_LINES = 20
 """Defects a ``needs_model`` stop lists in the notes (the envelope lists the rest)."""
-NOTE_CHARS = 600
-"""Longest note line a bounded result keeps."""
 
 
 def next_repair_order(
@@ -1186,77 +1124,6 @@ def finish(state: LoopState) -> CritiqueResult:
             notes=state.notes,
         )
     )
-
-
-RESULT_EXTRA_BYTES = 256 * 1024
-"""Most a result may hold besides its output (the envelope, the per-round trace, the repair
-attempts, the notes), as JSON. The output itself is the answer and is never cut."""
-BOUNDED_DIFF_REFS = 10
-"""Entries kept per defect-diff list of a round when a result is over its bound."""
-BOUNDED_NOTES = 40
-"""Notes kept when a result is over its bound."""
-BOUNDED_DEFECTS = 20
-"""Defects the envelope of a result over its bound keeps listed (the rest folded)."""
-_DIFF_LISTS = ("fixed", "remaining", "new", "regressed")
-
-
-def _extra_bytes(result: CritiqueResult) -> int:
-    return len(result.model_copy(update={"output": ""}).model_dump_json())
-
-
-def bound_result(result: CritiqueResult, limit: int = RESULT_EXTRA_BYTES) -> CritiqueResult:
-    """``result`` with at most ``limit`` bytes of JSON besides its output; over it, cut in
-    this order until it fits, and say so in a note: each round's defect-diff lists to their
-    first :data:`BOUNDED_DIFF_REFS` entries, the notes to :data:`BOUNDED_NOTES` (each clipped),
-    the envelope to :data:`BOUNDED_DEFECTS` listed defects (the rest folded, counts kept) and
-    as many prescriptions, then the trace to its first and last rounds. Scores, statuses,
-    counts and the output are never changed."""
-    before = _extra_bytes(result)
-    if before <= limit:
-        return result
-    cuts: list[str] = []
-
-    def cut_diffs(r: CritiqueResult) -> CritiqueResult:
-        def short(refs: tuple[DefectRef, ...] | None) -> tuple[DefectRef, ...] | None:
-            return refs if refs is None else refs[:BOUNDED_DIFF_REFS]
-
-        trace = tuple(
-            t.model_copy(update={k: short(getattr(t, k)) for k in _DIFF_LISTS}) for t in r.trace
-        )
-        cuts.append(f"each round's defect diff cut to its first {BOUNDED_DIFF_REFS} entries")
-        return r.model_copy(update={"trace": trace})
-
-    def cut_notes(r: CritiqueResult) -> CritiqueResult:
-        notes = tuple(clip(n, NOTE_CHARS) for n in r.notes[:BOUNDED_NOTES])
-        cuts.append(f"notes cut to {len(notes)} of {len(r.notes)}")
-        return r.model_copy(update={"notes": notes})
-
-    def cut_envelope(r: CritiqueResult) -> CritiqueResult:
-        env = r.envelope
-        smaller = env.model_copy(
-            update={
-                "defects": fold_defects(env.defects, BOUNDED_DEFECTS),
-                "prescriptions": env.prescriptions[:BOUNDED_DEFECTS],
-                "reusable_patterns": env.reusable_patterns[:BOUNDED_DEFECTS],
-                "suggestions": env.suggestions[:BOUNDED_DEFECTS],
-            }
-        )
-        cuts.append(f"the envelope lists {BOUNDED_DEFECTS} defects (the rest folded, counted)")
-        return r.model_copy(update={"envelope": smaller})
-
-    def cut_rounds(r: CritiqueResult) -> CritiqueResult:
-        if len(r.trace) <= 2:
-            return r
-        cuts.append(f"the trace keeps rounds 1 and {len(r.trace)} of {len(r.trace)}")
-        return r.model_copy(update={"trace": (r.trace[0], r.trace[-1])})
-
-    for step in (cut_diffs, cut_notes, cut_envelope, cut_rounds):
-        result = step(result)
-        if _extra_bytes(result) <= limit - NOTE_CHARS:
-            break
-    note = f"result bounded: {before} bytes besides the output, over {limit}; " + "; ".join(cuts)
-    note = clip(note, NOTE_CHARS)
-    return result.model_copy(update={"notes": (*result.notes, note)})
 
 
 def _step_limit(config: CritiqueConfig) -> int:
