@@ -3,10 +3,10 @@
 
 A critique's key (:func:`critique_cache_key`) hashes what decides its envelope (the output, the
 submission's files, task and contract, the critic configuration and the critic that serves
-it), never who sent it. :func:`cached_envelope` serves a critique from the cache, or critiques
-once and stores the envelope; of several concurrent identical critiques the first claims the
-key and the others poll for its envelope. Where the envelopes live (memory, Redis) is the
-store's side: :class:`~pipeline.store.base.CritiqueCache`, :mod:`pipeline.store.cache`.
+it), never who sent it. :func:`critique_through_cache` serves a critique from the cache, or
+critiques once and stores the envelope; of several concurrent identical critiques the first
+claims the key and the others poll for its envelope. Where the envelopes live (memory, Redis)
+is the store's side: :class:`~pipeline.store.base.CritiqueCache`, :mod:`pipeline.store.cache`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def critique_cache_key(
     return hashlib.sha256(raw.encode("utf-8")).hexdigest()
 
 
-def cached_envelope(
+def critique_through_cache(
     cache: CritiqueCache,
     settings: CacheConfig,
     key: str,

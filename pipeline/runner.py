@@ -67,7 +67,7 @@ from pipeline.critics.base import (
 )
 from pipeline.critics.base import resolve_for as resolve_for  # re-exported: workers.tasks
 from pipeline.critics.heuristic import HeuristicCritic
-from pipeline.critique_cache import CacheUse, cached_envelope, critique_cache_key
+from pipeline.critique_cache import CacheUse, critique_cache_key, critique_through_cache
 from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
 from pipeline.errors import TransientError
 from pipeline.files import FileReader, inline_bytes
@@ -508,7 +508,7 @@ def _envelope_for(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope
             and not is_token_free(ctx.critic, sub)
         ):
             key = critique_cache_key(ctx.config, ctx.critic, sub, state.output)
-            envelope, cache_use = cached_envelope(
+            envelope, cache_use = critique_through_cache(
                 ctx.cache, ctx.config.cache, key, sub.worker_id, critique
             )
         else:
