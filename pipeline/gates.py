@@ -1,8 +1,11 @@
-"""Completion gates (SPEC §5.6): may the manager COMPLETE, or DELEGATE this subtask again?
+"""Completion gates: may the manager COMPLETE, or DELEGATE this subtask again?
 
-``evaluate_completion`` runs the chain in order — L0 → critique score → deliverable presence →
-placeholder scan → file validator → evaluation — and returns a :class:`CompletionDecision`.
-Every gate emits a :class:`~pipeline.models.GateEvent` (pass / reject / bypass / skip); a
+The chain is :data:`COMPLETION_GATES`, a tuple of small functions, one per gate — L0 → critique
+score → deliverable presence → placeholder scan → file validator → evaluation — each reading
+one :class:`Completion` (the facts several gates share, worked out once by
+:func:`completion_facts`). :func:`evaluate_completion` runs them in order with a short loop and
+returns a :class:`CompletionDecision`; :data:`GATE_ORDER` is derived from the tuple. Every gate
+emits a :class:`~pipeline.models.GateEvent` (pass / reject / bypass / skip); a
 rejection is data, never an exception. Exceptions mean a gate could not evaluate (e.g. a
 broken evaluation hook). After ``max_rejected_completions`` the answer is ``partial``.
 """
@@ -14,6 +17,8 @@ import math
 import re
 import struct
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from functools import cached_property
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
@@ -76,14 +81,6 @@ GATE_PLACEHOLDER = "placeholder"
 GATE_FILE = "file_validator"
 GATE_EVALUATION = "evaluation"
 GATE_REDUNDANCY = "redundancy"
-GATE_ORDER: tuple[str, ...] = (
-    GATE_L0,
-    GATE_CRITIQUE,
-    GATE_DELIVERABLE,
-    GATE_PLACEHOLDER,
-    GATE_FILE,
-    GATE_EVALUATION,
-)
 
 _FORMAT_BY_SUFFIX: dict[str, ClaimedFormat] = {
     ".json": "json",
@@ -488,6 +485,225 @@ def _l0_events(
     ] + unread_events
 
 
+@dataclass(frozen=True, eq=False)
+class Completion:
+    """One manager COMPLETE as every completion gate reads it: what was asked, and the facts
+    several gates share, worked out once (every file read once, the mean score, whether a file
+    is expected and which real ones exist). Built by :func:`completion_facts`."""
+
+    run_id: str
+    iteration: int
+    final_result: str | dict[str, Any]
+    results: Sequence[CritiqueResult]
+    files: Sequence[FileRef]
+    task: str
+    deliverable_expected: bool | None
+    config: CritiqueConfig
+    evaluate: EvaluationHook | None
+    run_l0: L0Runner
+    items: tuple[TextItem, ...]
+    """The final result and every text file, as Layer-0 and the placeholder scan check them."""
+    content: dict[str, bytes | None]
+    """Each file's bytes by path (None: not read, or unreadable)."""
+    unread: tuple[tuple[str, str], ...]
+    """``(path, why)`` for each file that was not or could not be read."""
+    wants_file: bool
+    """Does the task ask for a file (an explicit flag wins over the keywords)?"""
+    why_file: str
+    big: tuple[FileRef, ...]
+    """Output files of at least :data:`DELIVERABLE_MIN_BYTES` that may be the deliverable."""
+    valid: tuple[FileRef, ...]
+    """Those of :attr:`big` that look like real deliverables."""
+    mean: float | None
+    """Mean best score over the run's workers (:func:`mean_best_score`)."""
+
+    @cached_property
+    def placeholder_hits(self) -> tuple[PlaceholderHit, ...]:
+        """Every stub to replace: L0's ``no_placeholder`` plus the gate's own patterns."""
+        return tuple(_placeholder_hits(self.final_result, self.items, self.run_l0))
+
+
+def completion_facts(
+    *,
+    run_id: str,
+    iteration: int,
+    final_result: str | dict[str, Any],
+    results: Sequence[CritiqueResult],
+    files: Sequence[FileRef],
+    task: str,
+    deliverable_expected: bool | None,
+    config: CritiqueConfig,
+    evaluate: EvaluationHook | None = None,
+    l0: L0Runner | None = None,
+    read_bytes: BytesReader | None = None,
+) -> Completion:
+    """The :class:`Completion` the gates read; reads every file once, within
+    ``max_output_bytes`` for the final result and files together."""
+    final = _final_text(final_result)
+    content, unread = _read_all(
+        final.text, files, read_bytes or inline_bytes, config.max_output_bytes
+    )
+    keywords = deliverable_keywords(task)
+    why_file = (
+        f"the task mentions {', '.join(repr(k) for k in keywords)}"
+        if deliverable_expected is None
+        else f"deliverable_expected={deliverable_expected}"
+    )
+    # Logs, lock files and hidden files never count as the deliverable.
+    big = tuple(
+        f
+        for f in files
+        if f.size >= DELIVERABLE_MIN_BYTES and is_deliverable_file(f, task_wants_file=True)
+    )
+    return Completion(
+        run_id=run_id,
+        iteration=iteration,
+        final_result=final_result,
+        results=results,
+        files=files,
+        task=task,
+        deliverable_expected=deliverable_expected,
+        config=config,
+        evaluate=evaluate,
+        run_l0=l0 or contract_runner,
+        items=tuple(_text_items(final, files, content)),
+        content=content,
+        unread=tuple(unread),
+        wants_file=implies_deliverable(task, deliverable_expected),
+        why_file=why_file,
+        big=big,
+        valid=tuple(f for f in big if validate_deliverable(f, content[f.path]) is None),
+        mean=mean_best_score(results),
+    )
+
+
+def l0_gate(c: Completion) -> list[GateEvent]:
+    """The Layer-0 contract on the final result and every text output; a file it could not
+    read rejects, named."""
+    findings = c.run_l0(c.config.output_contract, c.items)
+    return _l0_events(findings, c.iteration, len(c.items), c.unread)
+
+
+def critique_score_gate(c: Completion) -> list[GateEvent]:
+    """The mean best score over the run's workers against ``min_score_to_complete``; a real
+    deliverable on disk overrules a low score (the ground-truth bypass, advisory)."""
+    threshold = c.config.min_score_to_complete
+    mean = c.mean
+    if threshold <= 0.0:
+        return [_event(GATE_CRITIQUE, "skip", "min_score_to_complete is 0.0", c.iteration)]
+    if mean is None:
+        return [_event(GATE_CRITIQUE, "skip", "no worker critiques to average", c.iteration)]
+    if mean + _SCORE_EPSILON >= threshold:
+        reason = f"mean critique score {mean:.3f} ≥ {threshold:.2f} over {_n_workers(c.results)}"
+        return [_event(GATE_CRITIQUE, "pass", reason, c.iteration)]
+    if c.wants_file and c.valid:
+        first = c.valid[0]
+        reason = (
+            f"mean critique score {mean:.3f} < {threshold:.2f} overruled: the deliverable "
+            f"{first.path!r} ({first.size} B) exists on disk (filesystem ground truth; "
+            "advisory — placeholder and file gates still apply)"
+        )
+        return [_event(GATE_CRITIQUE, "bypass", reason, c.iteration)]
+    reason = (
+        f"mean critique score {mean:.3f} < min_score_to_complete {threshold:.2f} over "
+        f"{_n_workers(c.results)}: repair or re-delegate before completing"
+    )
+    return [_event(GATE_CRITIQUE, "reject", reason, c.iteration)]
+
+
+def deliverable_gate(c: Completion) -> list[GateEvent]:
+    """When the task asks for a file: does an output file of at least 512 B exist?"""
+    if not c.wants_file:
+        return [
+            _event(GATE_DELIVERABLE, "skip", "the task implies no file deliverable", c.iteration)
+        ]
+    if c.big:
+        names = _listing([f"{f.path} ({f.size} B)" for f in c.big])
+        reason = f"{c.why_file}; output file(s) ≥ {DELIVERABLE_MIN_BYTES} B exist: {names}"
+        return [_event(GATE_DELIVERABLE, "pass", reason, c.iteration)]
+    have = _listing([f"{f.path} ({f.size} B)" for f in c.files]) or "no output files"
+    reason = (
+        f"{c.why_file}, but no output file of at least {DELIVERABLE_MIN_BYTES} B exists "
+        f"(have: {have}); produce the deliverable before completing"
+    )
+    return [_event(GATE_DELIVERABLE, "reject", reason, c.iteration)]
+
+
+def placeholder_gate(c: Completion) -> list[GateEvent]:
+    """The placeholder scan: L0's ``no_placeholder`` plus the gate's own stub patterns; it
+    cannot vouch for a file it did not scan."""
+    hits = c.placeholder_hits
+    if hits:
+        # An L0 finding's match is its sentence (quotes inside); a stub pattern's is raw text.
+        listed = _listing(
+            [
+                f"{h.where}: {h.match if h.pattern == 'no_placeholder' else repr(h.match)} "
+                f"({h.pattern})"
+                for h in hits
+            ]
+        )
+        reason = f"{len(hits)} placeholder(s) to replace: {listed}"
+        return [_event(GATE_PLACEHOLDER, "reject", reason, c.iteration)]
+    if c.unread:
+        listed = _listing([path or "the submission" for path, _ in c.unread])
+        reason = (
+            f"cannot vouch for what it did not scan: {listed} (unreadable, or past "
+            "max_output_bytes: see the l0 gate)"
+        )
+        return [_event(GATE_PLACEHOLDER, "reject", reason, c.iteration)]
+    reason = f"no placeholders in the final result or {len(c.items) - 1} text output(s)"
+    return [_event(GATE_PLACEHOLDER, "pass", reason, c.iteration)]
+
+
+def file_validator_gate(c: Completion) -> list[GateEvent]:
+    """Every judged output file (:func:`is_deliverable_file`) looks like a real deliverable
+    (:func:`validate_deliverable`)."""
+    judged = [f for f in c.files if is_deliverable_file(f, task_wants_file=c.wants_file)]
+    problems = [p for f in judged if (p := validate_deliverable(f, c.content[f.path])) is not None]
+    if not judged:
+        return [_event(GATE_FILE, "skip", "no output files to validate", c.iteration)]
+    if problems:
+        return [_event(GATE_FILE, "reject", _listing(problems), c.iteration)]
+    reason = f"{len(judged)} output file(s) look like real deliverables"
+    return [_event(GATE_FILE, "pass", reason, c.iteration)]
+
+
+def evaluation_gate(c: Completion) -> list[GateEvent]:
+    """The configured evaluation hook's verdict (skipped when there is none)."""
+    if c.evaluate is None:
+        return [_event(GATE_EVALUATION, "skip", "no evaluation configured", c.iteration)]
+    ctx = GateContext(
+        run_id=c.run_id,
+        iteration=c.iteration,
+        task=c.task,
+        final_result=c.final_result,
+        files=tuple(c.files),
+        mean_score=c.mean,
+    )
+    return [c.evaluate(ctx).model_copy(update={"iteration": c.iteration})]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One completion gate: its name (the ``gate`` of the events it emits) and its check."""
+
+    name: str
+    check: Callable[[Completion], list[GateEvent]]
+
+
+COMPLETION_GATES: tuple[Gate, ...] = (
+    Gate(GATE_L0, l0_gate),
+    Gate(GATE_CRITIQUE, critique_score_gate),
+    Gate(GATE_DELIVERABLE, deliverable_gate),
+    Gate(GATE_PLACEHOLDER, placeholder_gate),
+    Gate(GATE_FILE, file_validator_gate),
+    Gate(GATE_EVALUATION, evaluation_gate),
+)
+"""The completion gate chain, in the order :func:`evaluate_completion` runs it."""
+GATE_ORDER: tuple[str, ...] = tuple(g.name for g in COMPLETION_GATES)
+"""The gates' names in chain order, derived from :data:`COMPLETION_GATES`."""
+
+
 def evaluate_completion(
     *,
     run_id: str,
@@ -503,7 +719,8 @@ def evaluate_completion(
     l0: L0Runner | None = None,
     read_bytes: BytesReader | None = None,
 ) -> CompletionDecision:
-    """Run the completion gate chain in order and decide: complete, rejected or partial.
+    """Run the completion gate chain (:data:`COMPLETION_GATES`) in order and decide: complete,
+    rejected or partial.
 
     ``files`` are the run's output files (``content`` set for small text files, ``blob`` for
     large ones); ``read_bytes`` loads a file's bytes (default: its inline content only; a
@@ -514,123 +731,25 @@ def evaluate_completion(
     L0 and placeholder gates, naming it: the gates never vouch for what they did not see.
     ``l0`` runs Layer-0 checks (default: :func:`contract_runner`).
     """
-    run_l0 = l0 or contract_runner
-    reader = read_bytes or inline_bytes
-    events: list[GateEvent] = []
-
-    # 1. Layer-0 contract on the final result and every text output.
-    final = _final_text(final_result)
-    content, unread = _read_all(final.text, files, reader, config.max_output_bytes)
-    items = _text_items(final, files, content)
-    events += _l0_events(run_l0(config.output_contract, items), iteration, len(items), unread)
-
-    # Facts several gates share: is a file expected, and does a real one exist?
-    wants_file = implies_deliverable(task, deliverable_expected)
-    keywords = deliverable_keywords(task)
-    why_file = (
-        f"the task mentions {', '.join(repr(k) for k in keywords)}"
-        if deliverable_expected is None
-        else f"deliverable_expected={deliverable_expected}"
+    completion = completion_facts(
+        run_id=run_id,
+        iteration=iteration,
+        final_result=final_result,
+        results=results,
+        files=files,
+        task=task,
+        deliverable_expected=deliverable_expected,
+        config=config,
+        evaluate=evaluate,
+        l0=l0,
+        read_bytes=read_bytes,
     )
-    # Logs, lock files and hidden files never count as the deliverable.
-    big = [
-        f
-        for f in files
-        if f.size >= DELIVERABLE_MIN_BYTES and is_deliverable_file(f, task_wants_file=True)
-    ]
-    valid = [f for f in big if validate_deliverable(f, content[f.path]) is None]
-
-    # 2. Critique score (mean best score over the run's workers), with the ground-truth bypass.
-    mean = mean_best_score(results)
-    threshold = config.min_score_to_complete
-    if threshold <= 0.0:
-        events.append(_event(GATE_CRITIQUE, "skip", "min_score_to_complete is 0.0", iteration))
-    elif mean is None:
-        events.append(_event(GATE_CRITIQUE, "skip", "no worker critiques to average", iteration))
-    elif mean + _SCORE_EPSILON >= threshold:
-        reason = f"mean critique score {mean:.3f} ≥ {threshold:.2f} over {_n_workers(results)}"
-        events.append(_event(GATE_CRITIQUE, "pass", reason, iteration))
-    elif wants_file and valid:
-        reason = (
-            f"mean critique score {mean:.3f} < {threshold:.2f} overruled: the deliverable "
-            f"{valid[0].path!r} ({valid[0].size} B) exists on disk (filesystem ground truth; "
-            "advisory — placeholder and file gates still apply)"
-        )
-        events.append(_event(GATE_CRITIQUE, "bypass", reason, iteration))
-    else:
-        reason = (
-            f"mean critique score {mean:.3f} < min_score_to_complete {threshold:.2f} over "
-            f"{_n_workers(results)}: repair or re-delegate before completing"
-        )
-        events.append(_event(GATE_CRITIQUE, "reject", reason, iteration))
-
-    # 3. Deliverable presence.
-    if not wants_file:
-        events.append(
-            _event(GATE_DELIVERABLE, "skip", "the task implies no file deliverable", iteration)
-        )
-    elif big:
-        names = _listing([f"{f.path} ({f.size} B)" for f in big])
-        reason = f"{why_file}; output file(s) ≥ {DELIVERABLE_MIN_BYTES} B exist: {names}"
-        events.append(_event(GATE_DELIVERABLE, "pass", reason, iteration))
-    else:
-        have = _listing([f"{f.path} ({f.size} B)" for f in files]) or "no output files"
-        reason = (
-            f"{why_file}, but no output file of at least {DELIVERABLE_MIN_BYTES} B exists "
-            f"(have: {have}); produce the deliverable before completing"
-        )
-        events.append(_event(GATE_DELIVERABLE, "reject", reason, iteration))
-
-    # 4. Placeholder scan: L0's no_placeholder plus the gate's own stub patterns.
-    hits = _placeholder_hits(final_result, items, run_l0)
-    if hits:
-        # An L0 finding's match is its sentence (quotes inside); a stub pattern's is raw text.
-        listed = _listing(
-            [
-                f"{h.where}: {h.match if h.pattern == 'no_placeholder' else repr(h.match)} "
-                f"({h.pattern})"
-                for h in hits
-            ]
-        )
-        reason = f"{len(hits)} placeholder(s) to replace: {listed}"
-        events.append(_event(GATE_PLACEHOLDER, "reject", reason, iteration))
-    elif unread:
-        listed = _listing([path or "the submission" for path, _ in unread])
-        reason = (
-            f"cannot vouch for what it did not scan: {listed} (unreadable, or past "
-            "max_output_bytes: see the l0 gate)"
-        )
-        events.append(_event(GATE_PLACEHOLDER, "reject", reason, iteration))
-    else:
-        reason = f"no placeholders in the final result or {len(items) - 1} text output(s)"
-        events.append(_event(GATE_PLACEHOLDER, "pass", reason, iteration))
-
-    # 5. File validator.
-    judged = [f for f in files if is_deliverable_file(f, task_wants_file=wants_file)]
-    problems = [p for f in judged if (p := validate_deliverable(f, content[f.path])) is not None]
-    if not judged:
-        events.append(_event(GATE_FILE, "skip", "no output files to validate", iteration))
-    elif problems:
-        events.append(_event(GATE_FILE, "reject", _listing(problems), iteration))
-    else:
-        reason = f"{len(judged)} output file(s) look like real deliverables"
-        events.append(_event(GATE_FILE, "pass", reason, iteration))
-
-    # 6. Evaluation hook.
-    if evaluate is None:
-        events.append(_event(GATE_EVALUATION, "skip", "no evaluation configured", iteration))
-    else:
-        ctx = GateContext(
-            run_id=run_id,
-            iteration=iteration,
-            task=task,
-            final_result=final_result,
-            files=tuple(files),
-            mean_score=mean,
-        )
-        events.append(evaluate(ctx).model_copy(update={"iteration": iteration}))
-
-    return _decide(events, hits, mean, previous_rejections, config)
+    events: list[GateEvent] = []
+    for gate in COMPLETION_GATES:
+        events += gate.check(completion)
+    return _decide(
+        events, completion.placeholder_hits, completion.mean, previous_rejections, config
+    )
 
 
 def _n_workers(results: Sequence[CritiqueResult]) -> str:

@@ -1,4 +1,5 @@
-"""The repair policy's pieces (SPEC §5.3): the band thresholds, the repair prompt, its cost.
+"""The repair policy's pieces: the band thresholds, the repair prompt, its cost (see
+docs/pipeline.md, "The repair budget").
 
 The round's decision itself (accept / repair / stop) is :func:`pipeline.convergence.decide_round`,
 which uses the thresholds here. ``build_repair_prompt`` is the exact text an LLM repairer is sent
@@ -12,7 +13,7 @@ plus its reply's ``max_tokens`` (a short envelope: ``llm.recritique_max_tokens``
 is 0 when the reviser or critic that serves the submission is token-free. LLM revisers and
 critics size their own parts (``repair_bound`` / ``critique_bound``,
 :mod:`pipeline.critics.llm`); for any other (a configured ``module:function`` repairer, a
-custom critic) the runner falls back to :func:`estimated_repair_tokens` and
+custom critic) :mod:`pipeline.repair_sizing` falls back to :func:`estimated_repair_tokens` and
 :func:`estimated_critique_tokens`. The repair stage then
 hands the same pitfalls and prompt to the reviser, so what was sized is what is sent.
 """
@@ -72,13 +73,13 @@ class RepairBound(Frozen):
 
 class RepairOrder(Frozen):
     """One repair round as the decide stage ordered it, carried to the repair stage: what the
-    reviser is handed, and what the round reserved. Built once per round (:func:`repair_order`
-    in :mod:`pipeline.runner`)."""
+    reviser is handed, and what the round reserved. Built once per round
+    (:func:`pipeline.repair_sizing.order_repair`)."""
 
     pitfalls: str = ""
     """The Known Pitfalls text the serving reviser gets ("" when it does not read them)."""
     prompt: str | None = None
-    """The SPEC §5.3 repair prompt, rendered once to size the round, for a reviser that sends
+    """The targeted repair prompt, rendered once to size the round, for a reviser that sends
     it to a model (None: the reviser renders nothing, or the round was not sized)."""
     bound: RepairBound = Field(default_factory=RepairBound)
     """What the round may spend (all zero when it was not sized: no budget cap)."""
@@ -134,7 +135,8 @@ def build_repair_prompt(
     pitfalls: str,
     attempts: Sequence[RepairAttempt],
 ) -> str:
-    """The targeted repair prompt (SPEC §5.3).
+    """The targeted repair prompt: only the critical and warning defects, and the instruction to
+    change nothing else.
 
     Carries the original task (always), the previous output (delimited as data), only the
     critical and warning defects, the prescriptions, the known pitfalls (in a block marked as

@@ -1,4 +1,4 @@
-"""The broker-free critique loop: one stage shape, one loop (DESIGN habit 2).
+"""The critique loop's stages and the broker-free loop: one stage shape, one loop.
 
 Each stage is ``stage(state, ctx) -> state``: it reads a frozen, JSON-safe :class:`LoopState`,
 does one step, and says which stage comes next (``state.next``). :func:`run_submission` runs
@@ -7,11 +7,16 @@ stages across workers, carrying ``LoopState`` in its messages::
 
     l0 → critic → decide → (repair → l0 → critic → decide)* → done
 
-Policy lives in :mod:`pipeline.convergence` (:func:`~pipeline.convergence.decide_round`, the
-one pure round decision) and :mod:`pipeline.repair` (the prompt, the token bound); this module
-only sequences them, gathers the facts a decision asks for, keeps the best output, charges the
-budget and writes the trace. What the stages run with (critic, reviser, stores, the real Layer-0
-step) is built from configuration by :mod:`pipeline.wiring`, the composition root.
+This module only sequences the stages. Each mechanism a stage uses lives in its own module:
+the round decision in :mod:`pipeline.convergence` (:func:`~pipeline.convergence.decide_round`,
+pure), the repair prompt and estimates in :mod:`pipeline.repair`, the sizing of a repair round
+in :mod:`pipeline.repair_sizing`, the critique cache's claim and poll in
+:mod:`pipeline.critique_cache`, the round's defect diff in :mod:`pipeline.defect_diff`. The
+decide stage is a row of named steps: keep the best output, gather the round's facts, decide,
+record the repair attempt, diff the defects, trace the round. What the stages run with (critic,
+reviser, stores, the real Layer-0 step) is built from configuration by :mod:`pipeline.wiring`,
+the composition root. A submission is admitted (its size limit) by :mod:`pipeline.admission`;
+a finished pass's result is bounded by :mod:`pipeline.result_bounds`.
 
 Layer-0 rule: when L0 reports an error, the configured critic is not called (no critic tokens):
 the envelope is a token-free critic's (the configured one if it is token-free, else the
@@ -29,16 +34,16 @@ parts by reference (:func:`compact_state`), so an output carried by every stage 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import Field
 
+from pipeline.admission import admit as admit  # re-exported: workers.client, workers.tasks
 from pipeline.config import CritiqueConfig
 from pipeline.convergence import (
     Ask,
@@ -55,7 +60,6 @@ from pipeline.critics.base import (
     PromptedReviser,
     Reviser,
     RevisionResult,
-    SizedCritic,
     bound_envelope,
     clip,
     fold_defects,
@@ -63,9 +67,10 @@ from pipeline.critics.base import (
 )
 from pipeline.critics.base import resolve_for as resolve_for  # re-exported: workers.tasks
 from pipeline.critics.heuristic import HeuristicCritic
-from pipeline.errors import SubmissionError, TransientError
+from pipeline.critique_cache import CacheUse, critique_cache_key, critique_through_cache
+from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
+from pipeline.errors import TransientError
 from pipeline.files import FileReader, inline_bytes
-from pipeline.files import read_file as read_file_bytes
 from pipeline.injection import apply_injections, submission_injections
 from pipeline.llm import token_allowance
 from pipeline.models import (
@@ -83,15 +88,10 @@ from pipeline.models import (
     Usage,
 )
 from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
-from pipeline.repair import (
-    RepairBound,
-    RepairOrder,
-    build_repair_prompt,
-    estimated_critique_tokens,
-    estimated_output_tokens,
-    estimated_repair_tokens,
-    is_acceptable,
-)
+from pipeline.repair import RepairBound, RepairOrder, is_acceptable
+from pipeline.repair_sizing import order_repair
+from pipeline.result_bounds import NOTE_CHARS, bound_result
+from pipeline.result_bounds import RESULT_EXTRA_BYTES as RESULT_EXTRA_BYTES  # re-exported
 from pipeline.store.base import (
     BudgetLedger,
     BudgetSnapshot,
@@ -173,8 +173,9 @@ class LoopState(Frozen):
 
     submission: Submission
     pass_id: str = ""
-    """This pass's id (SPEC §4 "Passes": one per submit): it keys the pass's budget leases,
-    pattern records, trace events and result, so a resubmission never meets an earlier pass's."""
+    """This pass's id (one per submit; see docs/client.md, "Passes: submitting the same
+    submission again"): it keys the pass's budget leases, pattern records, trace events and
+    result, so a resubmission never meets an earlier pass's."""
     output: str | dict[str, Any]
     """The current output (the original, then each repair's result)."""
     next: Next = "l0"
@@ -347,68 +348,6 @@ def _add_note(notes: tuple[str, ...], note: str) -> tuple[str, ...]:
     return notes if note in notes else (*notes, note)
 
 
-def _utf8_len(text: str) -> int:
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-
-
-def admit(
-    submission: Submission, config: CritiqueConfig, read_file: FileReader | None = None
-) -> None:
-    """Refuse a submission the pipeline must not take (SPEC §3: ``max_output_bytes`` bounds
-    the whole submission): a :class:`SubmissionError` naming the limit and the sizes.
-
-    Counted in UTF-8 bytes: the output's canonical text, the task, every inline file's content,
-    every other file's bytes as ``read_file`` returns them (a blob's real length, never its
-    claimed ``size``), and every other field a sender can make long (:func:`field_bytes`:
-    ``subtask_signature``, ``required_fields``, ``model``, file paths and digests), since each
-    is carried and stored with the submission too. Files are read only while the total is
-    within the limit, so an oversized submission costs at most one read past it. A file that
-    cannot be read raises :class:`~pipeline.files.UnreadableFileError`. The client calls this
-    before it enqueues; the worker calls it again at the first Layer-0 stage of every pass
-    (:func:`l0_stage`), so a chain sent without the client is bounded too.
-    """
-    limit = config.max_output_bytes
-    output = _utf8_len(text_of(submission.output))
-    task = _utf8_len(submission.task)
-    inline = sum(_utf8_len(f.content) for f in submission.files if f.content is not None)
-    fields = field_bytes(submission)
-    total = output + task + inline + fields
-    referenced = 0
-    unread = 0
-    for i, f in enumerate(submission.files):
-        if f.content is not None:
-            continue
-        if total > limit:
-            unread = sum(1 for g in submission.files[i:] if g.content is None)
-            break
-        size = len(read_file_bytes(f, read_file) or b"")
-        referenced += size
-        total += size
-    if total <= limit:
-        return
-    lower = "at least " if unread else ""
-    not_read = f"; {unread} file(s) by reference not read" if unread else ""
-    other = f", other fields {fields} B" if fields else ""
-    raise SubmissionError(
-        f"submission of worker {submission.worker_id!r} (run {submission.run_id!r}) is "
-        f"{lower}{total} bytes, over max_output_bytes ({limit}): output {output} B, "
-        f"task {task} B, inline files {inline} B, files by reference {referenced} B"
-        f"{other}{not_read}; nothing was processed",
-        hint="split the work, send less, or raise max_output_bytes on the workers",
-    )
-
-
-def field_bytes(submission: Submission) -> int:
-    """UTF-8 bytes of the submission's fields besides the output, the task and file content:
-    ``subtask_signature``, each of ``required_fields``, ``model``, and each file's ``path``,
-    ``sha256`` and ``blob`` reference. (``run_id`` and ``worker_id`` are identifiers of at most
-    128 characters and not counted.)"""
-    texts = [submission.subtask_signature, submission.model or "", *submission.required_fields]
-    for f in submission.files:
-        texts += [f.path, f.sha256, f.blob or ""]
-    return sum(_utf8_len(t) for t in texts)
-
-
 def start(submission: Submission, pass_id: str = "") -> LoopState:
     """The initial state of a pass (``pass_id``): the submission's output, about to enter
     Layer-0."""
@@ -425,7 +364,7 @@ def lease_for(ctx: StageContext, state: LoopState) -> str:
     return f"{prefix}:{state.attempt + 1}"
 
 
-def critique_key(state: LoopState, round_no: int) -> str:
+def pattern_record_key(state: LoopState, round_no: int) -> str:
     """The pattern-memory key of one critique: (worker, iteration, pass, round), recorded once."""
     return f"{pass_key(state)}:{round_no}"
 
@@ -533,23 +472,16 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
     )
     try:
         with token_allowance(allowance):
-            envelope, cache = _critique(state, ctx)
+            envelope, cache = _envelope_for(state, ctx)
     except BaseException as exc:
         if state.lease_id is not None and not isinstance(exc, TransientError):
             # The chain ends here: charge what the repair spent and release the hold.
             ctx.budget.commit(sub.run_id, state.lease_id, state.pending_repair_tokens)
         raise
-    return _critiqued(state, ctx, envelope, began, cache)
+    return _record_critique(state, ctx, envelope, began, cache)
 
 
-CacheUse = Literal["hit", "miss", ""]
-"""What the critique cache did for a critique: served it, stored it, or was not used."""
-
-CACHE_POLL_S = 0.05
-"""How often a critique waiting on another's claim looks for the cached envelope."""
-
-
-def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, CacheUse]:
+def _envelope_for(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, CacheUse]:
     """The envelope of the current output: the configured critic's (through the critique cache
     when it is on), or a token-free one merged with the Layer-0 defects when Layer-0 failed."""
     sub = state.submission
@@ -575,7 +507,10 @@ def _critique(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope, Ca
             and ctx.config.cache.enabled
             and not is_token_free(ctx.critic, sub)
         ):
-            envelope, cache_use = _cached_critique(ctx, ctx.cache, state, critique)
+            key = critique_cache_key(ctx.config, ctx.critic, sub, state.output)
+            envelope, cache_use = critique_through_cache(
+                ctx.cache, ctx.config.cache, key, sub.worker_id, critique
+            )
         else:
             envelope = critique()
         if state.l0_defects:
@@ -596,75 +531,12 @@ def checked_envelope(
     return bound_envelope(apply_injections(envelope, hits))
 
 
-def critique_cache_key(ctx: StageContext, submission: Submission, output: Any) -> str:
-    """The cache key of a critique (SPEC §5.10): a hash of the output, the files (their
-    digests or content), the task and contract, the critic configuration and the model. Who
-    sent it (run, worker, iteration) is not part of it."""
-    serving: Critic = resolve_for(ctx.critic, submission)
-    doc = {
-        "output": output,
-        "submission": submission.model_dump(
-            mode="json", exclude={"run_id", "worker_id", "iteration", "subtask_signature", "output"}
-        ),
-        "config": ctx.config.model_dump(mode="json", exclude={"cache", "budget"}),
-        "critic": serving.name,
-    }
-    raw = json.dumps(doc, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(raw.encode("utf-8")).hexdigest()
-
-
-def _cached_critique(
-    ctx: StageContext,
-    cache: CritiqueCache,
-    state: LoopState,
-    critique: Callable[[], CritiqueEnvelope],
-) -> tuple[CritiqueEnvelope, CacheUse]:
-    """Serve the critique from the cache, or critique once and store it. Of several
-    concurrent identical critiques the first claims the key and the others wait (up to
-    ``cache.lock_s``) for its envelope. A fallback envelope is never stored."""
-    sub = state.submission
-    settings = ctx.config.cache
-    key = critique_cache_key(ctx, sub, state.output)
-
-    def cached() -> CritiqueEnvelope | None:
-        raw = cache.get(key)
-        if raw is None:
-            return None
-        hit = CritiqueEnvelope.model_validate_json(raw)
-        return hit.model_copy(update={"worker_id": sub.worker_id, "usage": Usage()})
-
-    hit = cached()
-    if hit is not None:
-        return hit, "hit"
-    claimed = cache.claim(key, settings.lock_s)
-    deadline = time.monotonic() + settings.lock_s
-    while not claimed and time.monotonic() < deadline:
-        time.sleep(CACHE_POLL_S)
-        hit = cached()
-        if hit is not None:
-            return hit, "hit"
-        claimed = cache.claim(key, settings.lock_s)
-    if claimed:  # the previous holder may have stored it and let go since our first look
-        hit = cached()
-        if hit is not None:
-            cache.release(key)
-            return hit, "hit"
-    try:
-        envelope = critique()
-        if envelope.fallback_reason is None:
-            cache.put(key, envelope.model_dump_json(), settings.ttl_s)
-    finally:
-        if claimed:
-            cache.release(key)
-    return envelope, "miss"
-
-
 def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple[str, ...]]:
     """Commit the open lease with the round's real spend; returns (charge, notes).
 
     The ledger charges the real figure even past the reservation (never under-counted); when a
     provider reported more than was reserved, the note says so, and the run's budget grants no
-    further repairs (SPEC §5.3: the reservation's ``max_tokens`` should have made it impossible).
+    further repairs (the reservation's ``max_tokens`` should have made an overrun impossible).
     """
     lease = state.lease_id
     if lease is None:
@@ -681,7 +553,7 @@ def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple
     return charged, notes
 
 
-def _critiqued(
+def _record_critique(
     state: LoopState,
     ctx: StageContext,
     envelope: CritiqueEnvelope,
@@ -704,7 +576,7 @@ def _critiqued(
     if ctx.config.pattern_memory:
         ctx.patterns.record(
             sub.run_id,
-            critique_key(state, round_no),
+            pattern_record_key(state, round_no),
             sub.iteration,
             patterns_from_envelope(envelope, output=state.output),
             pass_key=pass_key(state),
@@ -797,73 +669,30 @@ def _needs_model_notes(
 
 MAX_NEEDS_MODEL_LINES = 20
 """Defects a ``needs_model`` stop lists in the notes (the envelope lists the rest)."""
-NOTE_CHARS = 600
-"""Longest note line a bounded result keeps."""
 
 
-def repair_order(
+def next_repair_order(
     ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope, *, sized: bool = True
 ) -> RepairOrder:
-    """The next repair round, ordered once (SPEC §5.3): the one place a repair is sized.
-
-    The Known Pitfalls the serving reviser gets are read once. With ``sized``, the round's
-    :class:`~pipeline.repair.RepairBound` is the repair call plus its re-critique, each part
-    from the reviser or critic that serves the submission: 0 when it is token-free; its own
-    count when it can size its calls (:class:`~pipeline.critics.base.PromptedReviser` /
-    :class:`~pipeline.critics.base.SizedCritic`: counted prompt + the ``max_tokens`` it will
-    call with); else the estimates of :mod:`pipeline.repair`. The repair prompt is rendered
-    here, once, only for a token-spending reviser; a prompted reviser is handed that same
-    prompt by :func:`repair_stage`, so what was sized is what is sent.
-    """
+    """The state's next repair round, ordered and (with ``sized``) sized once by the reviser
+    and critic that serve its submission (:func:`pipeline.repair_sizing.order_repair`)."""
     sub = state.submission
-    reviser: Reviser = resolve_for(ctx.reviser, sub)
-    pitfalls = _pitfalls(ctx, sub, reviser)
-    if not sized:
-        return RepairOrder(pitfalls=pitfalls)
-    critic: Critic = resolve_for(ctx.critic, sub)
-    output_tokens = estimated_output_tokens(state.output)
-    prompt: str | None = None
-    if reviser.token_free:
-        repair = 0
-    else:
-        prompt = build_repair_prompt(sub, state.output, envelope, pitfalls, state.attempts)
-        if isinstance(reviser, PromptedReviser):
-            repair, output_tokens = reviser.repair_bound(
-                sub,
-                state.output,
-                envelope,
-                pitfalls=pitfalls,
-                attempts=state.attempts,
-                prompt=prompt,
-            )
-        else:
-            repair = estimated_repair_tokens(prompt, state.output)
-            prompt = None  # this reviser renders nothing: the prompt only sized its call
-    if critic.token_free:
-        critique = 0
-    else:
-        critic_pitfalls = (
-            pitfalls
-            if critic.reads_pitfalls == reviser.reads_pitfalls
-            else _pitfalls(ctx, sub, critic)
-        )
-        if isinstance(critic, SizedCritic):
-            critique = critic.critique_bound(
-                sub,
-                state.output,
-                output_tokens=output_tokens,
-                pitfalls=critic_pitfalls,
-                round=state.round + 1,
-            )
-        else:
-            critique = estimated_critique_tokens(sub, output_tokens, critic_pitfalls)
-    bound = RepairBound(repair=repair, critique=critique, output_tokens=output_tokens)
-    return RepairOrder(pitfalls=pitfalls, prompt=prompt, bound=bound)
+    return order_repair(
+        sub,
+        state.output,
+        envelope,
+        state.attempts,
+        round_no=state.round + 1,
+        reviser=ctx.reviser,
+        critic=ctx.critic,
+        pitfalls=lambda reader: _pitfalls(ctx, sub, reader),
+        sized=sized,
+    )
 
 
 def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope) -> RepairBound:
-    """What the next repair round reserves: :func:`repair_order`'s bound."""
-    return repair_order(ctx, state, envelope).bound
+    """What the next repair round reserves: :func:`next_repair_order`'s bound."""
+    return next_repair_order(ctx, state, envelope).bound
 
 
 def refusal_text(
@@ -932,7 +761,8 @@ def _answer(
     envelope: CritiqueEnvelope,
 ) -> RoundFacts:
     """Look up the fact a decision asked for (the decide stage's I/O). A reservation that only
-    held tokens block raises :class:`BudgetWait` (SPEC §4: wait rather than refuse)."""
+    held tokens block raises :class:`BudgetWait` (tokens that may come back are waited for,
+    not refused; see docs/pipeline.md, "The repair budget")."""
     sub = state.submission
     if ask == "fixpoint":
         previous = state.previous_repair_text
@@ -948,9 +778,9 @@ def _answer(
         if NO_BUDGET_NOTE not in gathered.notes:
             gathered.notes = _add_note(gathered.notes, NO_BUDGET_NOTE)
             _emit(ctx, state, "stage", "decide", note=NO_BUDGET_NOTE)
-        gathered.order = repair_order(ctx, state, envelope, sized=False)
+        gathered.order = next_repair_order(ctx, state, envelope, sized=False)
         return facts.model_copy(update={"budget": "granted"})
-    order = repair_order(ctx, state, envelope)
+    order = next_repair_order(ctx, state, envelope)
     total = order.bound.total
     if total > 0:  # a token-free round (reviser and critic) reserves nothing
         lease = lease_for(ctx, state)
@@ -974,6 +804,143 @@ def _answer(
     return facts.model_copy(update={"budget": "granted"})
 
 
+@dataclass(frozen=True)
+class _RoundScore:
+    """The critiqued round's own figures, as every decide step reads them."""
+
+    score: float
+    mean: float
+    """The rubric's weighted mean (the score itself outside rubric mode)."""
+    previous_score: float | None
+    l0_failed: bool
+    acceptable: bool
+    target: bool
+    """The rubric's per-dimension targets are all met, with no critical defect."""
+
+
+def _score_round(state: LoopState, ctx: StageContext, envelope: CritiqueEnvelope) -> _RoundScore:
+    """The round's score, mean, acceptability and target, from its envelope."""
+    rubric = ctx.config.rubric if _rubric_mode(ctx) else None
+    score = envelope.score
+    l0_failed = _l0_error(state.l0_defects)
+    target = (
+        rubric is not None
+        and bool(envelope.scores)
+        and target_met(envelope.scores, rubric)
+        and not envelope.critical
+    )
+    return _RoundScore(
+        score=score,
+        mean=weighted_mean(envelope.scores, rubric) if rubric and envelope.scores else score,
+        previous_score=state.trace[-1].score if state.trace else None,
+        l0_failed=l0_failed,
+        acceptable=is_acceptable(score, envelope, l0_failed),
+        target=target,
+    )
+
+
+def _keep_best(state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore) -> dict[str, Any]:
+    """The state's best-output fields after this round. An output replaces the best only when
+    strictly better on (target met, acceptable, score); a worse or equal repair never does."""
+    better = state.best_score is None or (r.target, r.acceptable, r.score) > (
+        state.best_target,
+        state.best_acceptable,
+        state.best_score,
+    )
+    return {
+        "best_output": state.output if better else state.best_output,
+        "best_score": r.score if better or state.best_score is None else state.best_score,
+        "best_envelope": envelope if better else state.best_envelope,
+        "best_acceptable": r.acceptable if better else state.best_acceptable,
+        "best_target": r.target if better else state.best_target,
+    }
+
+
+def _round_facts(
+    state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore, best: dict[str, Any]
+) -> RoundFacts:
+    """What :func:`~pipeline.convergence.decide_round` is given up front (the rest it asks)."""
+    return RoundFacts(
+        round=state.round,
+        repairs_done=state.attempt,
+        score=r.score,
+        previous_score=r.previous_score,
+        means=(*(t.mean for t in state.trace), r.mean),
+        critical=len(envelope.critical),
+        l0_failed=r.l0_failed,
+        acceptable=r.acceptable,
+        target=r.target,
+        best_score=best["best_score"],
+        best_acceptable=best["best_acceptable"],
+        best_target=best["best_target"],
+    )
+
+
+def _decide(
+    facts: RoundFacts, ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope
+) -> tuple[RoundDecision, _Gathered]:
+    """Ask :func:`~pipeline.convergence.decide_round` until it needs no further fact, looking
+    up each fact it asks for (:func:`_answer`); returns the decision and what the lookups left."""
+    gathered = _Gathered(notes=state.notes)
+    decision: RoundDecision = decide_round(facts, ctx.config)
+    while decision.ask is not None:
+        facts = _answer(decision.ask, facts, gathered, ctx, state, envelope)
+        decision = decide_round(facts, ctx.config)
+    return decision, gathered
+
+
+def _record_attempt(
+    state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore, stop: StopReason | None
+) -> tuple[RepairAttempt, ...]:
+    """The state's repair attempts, with the one this round re-critiqued (none in round 1)."""
+    if state.attempt == 0:
+        return state.attempts
+    before = set(state.previous_defect_ids)
+    now = {d.id for d in envelope.actionable}
+    attempt = RepairAttempt(
+        worker_id=state.submission.worker_id,
+        attempt=state.attempt,
+        original_score=r.previous_score if r.previous_score is not None else r.score,
+        repaired_score=r.score,
+        defects_fixed=len(before - now),
+        defects_remaining=envelope.actionable_count,
+        stop_reason=stop,
+    )
+    return (*state.attempts, attempt)
+
+
+def _diff_defects(
+    state: LoopState, current: tuple[DefectRef, ...]
+) -> tuple[dict[str, tuple[DefectRef, ...]], tuple[DefectRef, ...]]:
+    """The round's defect diff against the previous round (empty in round 1), and every
+    (category, location) fixed so far."""
+    if not state.trace:
+        return {}, state.ever_fixed
+    diff = defect_diff(state.previous_defects, current, state.ever_fixed)
+    return diff, sorted_refs({*state.ever_fixed, *diff["fixed"]})
+
+
+def _trace_round(
+    ctx: StageContext,
+    next_state: LoopState,
+    round_trace: RoundTrace,
+    decision: RoundDecision,
+    gathered: _Gathered,
+) -> None:
+    """The decide stage's ``round`` trace event: the round's trace, the stop and its reason."""
+    waited = gathered.waited_s
+    _emit(
+        ctx,
+        next_state,
+        "round",
+        "decide",
+        **round_trace.model_dump(mode="json", exclude_none=True),
+        stop_reason=decision.stop_reason,
+        reason=decision.reason,
+        **({"budget_wait_s": round(waited, 3)} if waited > 0 else {}),
+    )
+
+
 def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """Keep the best output, decide the round, reserve the next repair's budget.
 
@@ -981,113 +948,46 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     facts it asks for, in its order: the fixpoint test, the serving reviser's plan (a reviser
     with a ``plan`` that fixes nothing stops the loop ``needs_model``, status ``escalated``,
     with the defects it left listed in the notes: no round is spent on a repair that cannot
-    help, and nothing is invented, SPEC §5.3), and the budget's answer.
+    help, and nothing is invented), and the budget's answer.
 
-    The reservation is :func:`repair_order`'s bound under the lease :func:`lease_for` (one per
+    The reservation is :func:`next_repair_order`'s bound under the lease :func:`lease_for` (one per
     pass and attempt: a re-run gets the same lease back); a refusal stops the loop
     ``repair_budget_exhausted`` with :func:`refusal_text` as the reason; a round that spends no
     tokens reserves nothing. A reservation that would fit once held tokens settle raises
     :class:`BudgetWait` (for at most :func:`budget_wait_s`, counted per lease by the ledger):
     the stage is run again later, and is refused only when spent + asked passes the cap, the
     run overran, or the wait ran out. The order travels in the state to :func:`repair_stage`.
+
+    The steps, in order: :func:`_score_round`, :func:`_keep_best`, :func:`_round_facts`,
+    :func:`_decide`, :func:`_record_attempt`, :func:`_diff_defects`, :func:`_trace_round`.
     """
     envelope = state.envelope
     if envelope is None:
         raise ValueError("decide_stage needs a critiqued state (envelope is missing)")
-    sub = state.submission
-    config = ctx.config
-    rubric = config.rubric if _rubric_mode(ctx) else None
-    score = envelope.score
-    l0_failed = _l0_error(state.l0_defects)
-    acceptable = is_acceptable(score, envelope, l0_failed)
-    target = (
-        rubric is not None
-        and bool(envelope.scores)
-        and target_met(envelope.scores, rubric)
-        and not envelope.critical
-    )
-    mean = weighted_mean(envelope.scores, rubric) if rubric and envelope.scores else score
-    previous_score = state.trace[-1].score if state.trace else None
-
-    # Keep-best: an output replaces the best only when strictly better on
-    # (target met, acceptable, score); a worse or equal repair never does.
-    better = state.best_score is None or (target, acceptable, score) > (
-        state.best_target,
-        state.best_acceptable,
-        state.best_score,
-    )
-    best_score = score if better or state.best_score is None else state.best_score
-    best_acceptable = acceptable if better else state.best_acceptable
-    best_target = target if better else state.best_target
-    best: dict[str, Any] = {
-        "best_output": state.output if better else state.best_output,
-        "best_score": best_score,
-        "best_envelope": envelope if better else state.best_envelope,
-        "best_acceptable": best_acceptable,
-        "best_target": best_target,
-    }
-
-    facts = RoundFacts(
-        round=state.round,
-        repairs_done=state.attempt,
-        score=score,
-        previous_score=previous_score,
-        means=(*(t.mean for t in state.trace), mean),
-        critical=len(envelope.critical),
-        l0_failed=l0_failed,
-        acceptable=acceptable,
-        target=target,
-        best_score=best_score,
-        best_acceptable=best_acceptable,
-        best_target=best_target,
-    )
-    gathered = _Gathered(notes=state.notes)
-    decision: RoundDecision = decide_round(facts, config)
-    while decision.ask is not None:
-        facts = _answer(decision.ask, facts, gathered, ctx, state, envelope)
-        decision = decide_round(facts, config)
+    r = _score_round(state, ctx, envelope)
+    best = _keep_best(state, envelope, r)
+    decision, gathered = _decide(_round_facts(state, envelope, r, best), ctx, state, envelope)
     stop = decision.stop_reason
     repairing = decision.action == "repair"
     order = gathered.order if repairing else None
     reserved = order.bound if order is not None and gathered.lease_id is not None else None
-
-    actionable_ids = tuple(d.id for d in envelope.actionable)
-    attempts = state.attempts
-    if state.attempt > 0:
-        before = set(state.previous_defect_ids)
-        attempts = (
-            *attempts,
-            RepairAttempt(
-                worker_id=sub.worker_id,
-                attempt=state.attempt,
-                original_score=previous_score if previous_score is not None else score,
-                repaired_score=score,
-                defects_fixed=len(before - set(actionable_ids)),
-                defects_remaining=envelope.actionable_count,
-                stop_reason=stop,
-            ),
-        )
-    verdict = verdict_for(stop)
-    current_refs = _defect_refs(envelope.actionable)
-    diff: dict[str, tuple[DefectRef, ...]] = {}
-    ever_fixed = state.ever_fixed
-    if state.trace:
-        diff = defect_diff(state.previous_defects, current_refs, state.ever_fixed)
-        ever_fixed = _sorted_refs({*state.ever_fixed, *diff["fixed"]})
+    attempts = _record_attempt(state, envelope, r, stop)
+    current_refs = defect_refs(envelope.actionable)
+    diff, ever_fixed = _diff_defects(state, current_refs)
     round_trace = RoundTrace(
         round=state.round,
-        score=score,
+        score=r.score,
         scores=dict(envelope.scores),
-        mean=mean,
+        mean=r.mean,
         defects=envelope.defect_count,
         suggestions_applied=state.suggestions_applied,
-        verdict=verdict,
+        verdict=verdict_for(stop),
         **diff,
     )
     update: dict[str, Any] = {
         **best,
-        "original_score": state.original_score if state.original_score is not None else score,
-        "previous_defect_ids": actionable_ids,
+        "original_score": state.original_score if state.original_score is not None else r.score,
+        "previous_defect_ids": tuple(d.id for d in envelope.actionable),
         "previous_defects": current_refs,
         "ever_fixed": ever_fixed,
         "attempts": attempts,
@@ -1103,48 +1003,8 @@ def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
         update["stop_reason"] = stop
         update["status"] = decision.status
     next_state = state.model_copy(update=update)
-    _emit(
-        ctx,
-        next_state,
-        "round",
-        "decide",
-        **round_trace.model_dump(mode="json", exclude_none=True),
-        stop_reason=stop,
-        reason=decision.reason,
-        **({"budget_wait_s": round(gathered.waited_s, 3)} if gathered.waited_s > 0 else {}),
-    )
+    _trace_round(ctx, next_state, round_trace, decision, gathered)
     return next_state
-
-
-def _sorted_refs(refs: Iterable[DefectRef]) -> tuple[DefectRef, ...]:
-    return tuple(sorted(set(refs), key=lambda r: r.key))
-
-
-def _defect_refs(defects: Iterable[Defect]) -> tuple[DefectRef, ...]:
-    """Defects by (category, location), deduplicated and sorted."""
-    return _sorted_refs(DefectRef(category=d.category, location=d.location) for d in defects)
-
-
-def defect_diff(
-    previous: Iterable[DefectRef],
-    current: Iterable[DefectRef],
-    ever_fixed: Iterable[DefectRef] = (),
-) -> dict[str, tuple[DefectRef, ...]]:
-    """The round's defect diff (SPEC §5.4), matched by (category, location).
-
-    ``fixed``: in the previous round, gone now; ``remaining``: in both; ``new``: here now, not
-    in the previous round and never fixed before; ``regressed``: here now, not in the previous
-    round, but fixed in an earlier round. ``new`` and ``regressed`` are disjoint."""
-    before = {r.key: r for r in previous}
-    now = {r.key: r for r in current}
-    fixed_before = {r.key for r in ever_fixed}
-    appeared = [r for k, r in now.items() if k not in before]
-    return {
-        "fixed": _sorted_refs(r for k, r in before.items() if k not in now),
-        "remaining": _sorted_refs(r for k, r in now.items() if k in before),
-        "new": _sorted_refs(r for r in appeared if r.key not in fixed_before),
-        "regressed": _sorted_refs(r for r in appeared if r.key in fixed_before),
-    }
 
 
 def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
@@ -1264,77 +1124,6 @@ def finish(state: LoopState) -> CritiqueResult:
             notes=state.notes,
         )
     )
-
-
-RESULT_EXTRA_BYTES = 256 * 1024
-"""Most a result may hold besides its output (the envelope, the per-round trace, the repair
-attempts, the notes), as JSON. The output itself is the answer and is never cut."""
-BOUNDED_DIFF_REFS = 10
-"""Entries kept per defect-diff list of a round when a result is over its bound."""
-BOUNDED_NOTES = 40
-"""Notes kept when a result is over its bound."""
-BOUNDED_DEFECTS = 20
-"""Defects the envelope of a result over its bound keeps listed (the rest folded)."""
-_DIFF_LISTS = ("fixed", "remaining", "new", "regressed")
-
-
-def _extra_bytes(result: CritiqueResult) -> int:
-    return len(result.model_copy(update={"output": ""}).model_dump_json())
-
-
-def bound_result(result: CritiqueResult, limit: int = RESULT_EXTRA_BYTES) -> CritiqueResult:
-    """``result`` with at most ``limit`` bytes of JSON besides its output; over it, cut in
-    this order until it fits, and say so in a note: each round's defect-diff lists to their
-    first :data:`BOUNDED_DIFF_REFS` entries, the notes to :data:`BOUNDED_NOTES` (each clipped),
-    the envelope to :data:`BOUNDED_DEFECTS` listed defects (the rest folded, counts kept) and
-    as many prescriptions, then the trace to its first and last rounds. Scores, statuses,
-    counts and the output are never changed."""
-    before = _extra_bytes(result)
-    if before <= limit:
-        return result
-    cuts: list[str] = []
-
-    def cut_diffs(r: CritiqueResult) -> CritiqueResult:
-        def short(refs: tuple[DefectRef, ...] | None) -> tuple[DefectRef, ...] | None:
-            return refs if refs is None else refs[:BOUNDED_DIFF_REFS]
-
-        trace = tuple(
-            t.model_copy(update={k: short(getattr(t, k)) for k in _DIFF_LISTS}) for t in r.trace
-        )
-        cuts.append(f"each round's defect diff cut to its first {BOUNDED_DIFF_REFS} entries")
-        return r.model_copy(update={"trace": trace})
-
-    def cut_notes(r: CritiqueResult) -> CritiqueResult:
-        notes = tuple(clip(n, NOTE_CHARS) for n in r.notes[:BOUNDED_NOTES])
-        cuts.append(f"notes cut to {len(notes)} of {len(r.notes)}")
-        return r.model_copy(update={"notes": notes})
-
-    def cut_envelope(r: CritiqueResult) -> CritiqueResult:
-        env = r.envelope
-        smaller = env.model_copy(
-            update={
-                "defects": fold_defects(env.defects, BOUNDED_DEFECTS),
-                "prescriptions": env.prescriptions[:BOUNDED_DEFECTS],
-                "reusable_patterns": env.reusable_patterns[:BOUNDED_DEFECTS],
-                "suggestions": env.suggestions[:BOUNDED_DEFECTS],
-            }
-        )
-        cuts.append(f"the envelope lists {BOUNDED_DEFECTS} defects (the rest folded, counted)")
-        return r.model_copy(update={"envelope": smaller})
-
-    def cut_rounds(r: CritiqueResult) -> CritiqueResult:
-        if len(r.trace) <= 2:
-            return r
-        cuts.append(f"the trace keeps rounds 1 and {len(r.trace)} of {len(r.trace)}")
-        return r.model_copy(update={"trace": (r.trace[0], r.trace[-1])})
-
-    for step in (cut_diffs, cut_notes, cut_envelope, cut_rounds):
-        result = step(result)
-        if _extra_bytes(result) <= limit - NOTE_CHARS:
-            break
-    note = f"result bounded: {before} bytes besides the output, over {limit}; " + "; ".join(cuts)
-    note = clip(note, NOTE_CHARS)
-    return result.model_copy(update={"notes": (*result.notes, note)})
 
 
 def _step_limit(config: CritiqueConfig) -> int:

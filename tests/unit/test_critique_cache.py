@@ -1,4 +1,5 @@
-"""The critique cache (SPEC §5.10) in the broker-free loop, with the in-memory cache."""
+"""The critique cache (docs/llm.md, "Critique cache: `cache`") in the broker-free loop, with the
+in-memory cache."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.heuristic import HeuristicCritic
+from pipeline.critique_cache import critique_cache_key
 from pipeline.models import CritiqueEnvelope, Submission, Usage
-from pipeline.runner import L0Outcome, critique_cache_key, run_submission
+from pipeline.runner import L0Outcome, run_submission
 from pipeline.store.memory import MemoryCritiqueCache
 from pipeline.wiring import make_context
 
@@ -101,11 +103,11 @@ def test_different_outputs_or_cache_off_critique_again() -> None:
 def test_the_key_ignores_who_sent_it_but_not_what_was_asked() -> None:
     ctx = _ctx(CountingCritic())
     out = {"summary": "x"}
-    base = critique_cache_key(ctx, _sub("w1", out), out)
-    assert critique_cache_key(ctx, _sub("w9", out, run="other"), out) == base
+    base = critique_cache_key(ctx.config, ctx.critic, _sub("w1", out), out)
+    assert critique_cache_key(ctx.config, ctx.critic, _sub("w9", out, run="other"), out) == base
     other_task = _sub("w1", out).model_copy(update={"task": "Something else."})
-    assert critique_cache_key(ctx, other_task, out) != base
-    assert critique_cache_key(ctx, _sub("w1", out), {"summary": "y"}) != base
+    assert critique_cache_key(ctx.config, ctx.critic, other_task, out) != base
+    assert critique_cache_key(ctx.config, ctx.critic, _sub("w1", out), {"summary": "y"}) != base
 
 
 def test_a_fallback_envelope_is_never_cached() -> None:
@@ -132,7 +134,8 @@ def test_concurrent_identical_critiques_wait_for_the_first() -> None:
 
 
 def test_a_submission_may_not_set_the_cache() -> None:
-    """cache is worker-only (SPEC §3): where critiques are stored and shared across runs."""
+    """cache is worker-only (docs/configuration.md): where critiques are stored and shared across
+    runs is the worker's choice, never a submission's."""
     import pytest
 
     from pipeline.config import check_submission_overrides

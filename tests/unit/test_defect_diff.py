@@ -1,4 +1,5 @@
-"""The per-round defect diff (SPEC §5.4): fixed, remaining, new and regressed."""
+"""The per-round defect diff (docs/pipeline.md, "Defect diff per round"): fixed, remaining, new
+and regressed."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import RevisionResult
+from pipeline.defect_diff import defect_diff
 from pipeline.models import CritiqueEnvelope, Defect, DefectRef, RepairAttempt, Submission
-from pipeline.runner import L0Outcome, defect_diff, run_submission
+from pipeline.runner import L0Outcome, run_submission
 from pipeline.wiring import make_context
 
 MISSING = ("missing_data", "summary")
