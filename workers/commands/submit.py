@@ -253,8 +253,8 @@ FALLBACK_LIMIT = 160
 
 def _result_line(result: Any) -> str:
     """One result's line, terminal-safe (the stored result's text is not trusted)."""
+    from workers.commands._runs import fallbacks
     from workers.commands._text import escape_controls, printable
-    from workers.commands.status import fallbacks
 
     repairs = len(result.attempts)
     line = (
@@ -272,7 +272,7 @@ def _result_line(result: Any) -> str:
 def _result_lines(result: Any) -> str:
     """The result's line and, for an escalated or failed output, why (its deciding defects)
     and what to do next, indented under it (:meth:`CritiqueResult.why`)."""
-    from workers.commands.status import why_lines
+    from workers.commands._runs import why_lines
 
     return "\n".join([_result_line(result), *why_lines(result)])
 
@@ -429,8 +429,8 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
     from pipeline.errors import SubmissionError
     from workers.client import CritiqueTimeout
     from workers.commands._progress import Progress
+    from workers.commands._runs import tally
     from workers.commands._text import json_line
-    from workers.commands.status import tally
     from workers.unreachable import unreachable_errors
 
     unavailable = unreachable_errors()
