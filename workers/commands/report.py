@@ -3,7 +3,7 @@ or from the run's archive (:mod:`workers.archiving`) once Redis holds no submiss
 result of it; then it prints ``(from the archive: <path>, archived <time>)`` first, and
 ``--json`` has ``"archive": {"path", "archived_at"}`` (null when read from Redis).
 
-For every iteration with results, the SPEC §5.8 tree
+For every iteration with results, the artifact tree
 ``<root>/runs/<run-id>/iterations/NNN/{critique.json, CRITIQUE.md, delegations/<worker>/…}``
 (:func:`pipeline.artifacts.write_artifacts`), plus ``<root>/runs/<run-id>/report.html`` (one
 self-contained page with each worker's score trajectory as inline SVG) and
@@ -64,7 +64,7 @@ def write_report(
 
     ``out_dir`` is the artifacts root (default :func:`default_root`). Every file is written in
     one confined batch: ``PathEscapeError`` (nothing written) when a symlink is met under the
-    root. Raises :class:`~workers.commands.status.UnknownRunError` when Redis holds nothing for
+    root. Raises :class:`~workers.commands._common.UnknownRunError` when Redis holds nothing for
     the run, ``StoreUnavailableError`` when Redis cannot be reached.
     """
     from pipeline.artifacts import artifact_files, atomic_write_many
