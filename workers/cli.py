@@ -10,7 +10,9 @@ One exit-code table for every sub-command (:data:`EXIT_CODES`, printed in every 
   130  interrupted (Ctrl-C)
   141  the reader of stdout went away (``critique status RUN | head -1``): a quiet end
 
-Sub-commands import these constants from here; no command defines its own.
+Sub-commands import these constants from here; no command defines its own. A command that
+cannot go on raises :class:`workers.commands._common.CommandError` with one of them, and
+:func:`workers.commands._common.service_guard` maps every other error to this table.
 """
 
 from __future__ import annotations
@@ -124,6 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"critique {args.command}: {problem}", file=sys.stderr)
             return EXIT_USAGE
+    from workers.commands._common import number_problem
+
+    bad_number = number_problem(args)  # "--X must be ≥ N" from the shared numeric types
+    if bad_number:
+        print(f"critique {args.command}: {bad_number}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         code = int(args._run(args))
         sys.stdout.flush()  # a reader gone after the last write shows here, not at exit

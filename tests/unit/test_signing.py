@@ -428,19 +428,19 @@ def test_demo_signs_with_a_private_secret_when_none_is_set(
     """`critique demo` gives its process a random secret while it runs, then removes it."""
     import os
 
-    from workers.commands.demo import _sign_with_a_private_secret
+    from workers.commands._pipeline import sign_with_a_private_secret
 
     monkeypatch.delenv("CRITIQUE_SECRET", raising=False)
     lines: list[str] = []
     with contextlib.ExitStack() as stack:
-        _sign_with_a_private_secret(stack, lines.append)
+        sign_with_a_private_secret(stack, lines.append)
         secret = os.environ["CRITIQUE_SECRET"]
         assert len(secret) >= 32 and signing.parse_secrets(secret)
     assert "CRITIQUE_SECRET" not in os.environ
     assert "random CRITIQUE_SECRET" in lines[0]
     monkeypatch.setenv("CRITIQUE_SECRET", "mine" * 8)
     with contextlib.ExitStack() as stack:
-        _sign_with_a_private_secret(stack, lines.append)
+        sign_with_a_private_secret(stack, lines.append)
     assert os.environ["CRITIQUE_SECRET"] == "mine" * 8
 
 

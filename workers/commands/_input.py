@@ -1,5 +1,5 @@
 """Reading the CLI's inputs safely: every bad input is one clear line and exit 2, never a
-traceback (SPEC §6; issue #10 item 7).
+traceback (see docs/operations.md, 'Exit codes of every `critique` command').
 
 Inputs are read with a byte cap (``max_output_bytes`` for submissions and checked files, a
 smaller one for configuration files), so ``/dev/zero`` or a pipe that never ends is refused

@@ -1,4 +1,5 @@
-"""``critique ab INPUTS.jsonl --out DIR [--reps 3] [--json]``: the A/B experiment (SPEC §5.9).
+"""``critique ab INPUTS.jsonl --out DIR [--reps 3] [--json]``: the A/B experiment: does
+the critique loop reduce the defects of a worker model's outputs, and at what token cost?
 
 Every input × mode × repetition is one row. Mode **A**: the worker model (``--model``, else
 ``model`` from the configuration) answers the task through the product's completer (litellm
@@ -49,6 +50,8 @@ if TYPE_CHECKING:
     from workers.client import CritiqueClient
 
 from workers.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from workers.commands._common import CommandError, above, add_json_argument, at_least, service_guard
+from workers.commands._pipeline import sigterm_as_exit, start_pipeline
 
 HELP = "A/B experiment: defects without (A) and with (B) the critique loop, over INPUTS.jsonl"
 
@@ -58,35 +61,27 @@ DEFAULT_TEST_COMMAND = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
 """The embedded worker's command when none is configured (after this Python)."""
 
 
-class ABError(Exception):
-    """The experiment cannot go on; ``code`` is the exit code."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", metavar="INPUTS.jsonl", help="the workload, one JSON per line")
     parser.add_argument("--out", required=True, metavar="DIR", help="where ab.csv goes")
-    parser.add_argument("--reps", type=int, default=3, metavar="N", help="repetitions (3)")
-    parser.add_argument("--json", action="store_true", help="print the summary and rows as JSON")
+    parser.add_argument("--reps", type=at_least(1), default=3, metavar="N", help="repetitions (3)")
+    add_json_argument(parser, "print the summary and rows as JSON")
     parser.add_argument(
         "--model", metavar="NAME", help="the worker model, a litellm name (default: model)"
     )
     parser.add_argument(
-        "--parallel", type=int, default=4, metavar="N", help="rows run at a time (4)"
+        "--parallel", type=at_least(1), default=4, metavar="N", help="rows run at a time (4)"
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=above(0),
         default=600.0,
         metavar="S",
         help="give up on a mode-B submission after S seconds (600)",
     )
     parser.add_argument(
         "--workers",
-        type=int,
+        type=at_least(1),
         default=4,
         metavar="N",
         help="threads of the in-process worker (embedded mode; 4)",
@@ -115,21 +110,15 @@ class Done:
 
 
 def run(args: argparse.Namespace) -> int:
-    from workers.commands.demo import DemoError, _sigterm_as_exit
-
     def say(line: str) -> None:
         if not args.quiet:
             print(line, file=sys.stderr, flush=True)
 
-    try:
-        with _sigterm_as_exit(), contextlib.ExitStack() as stack:
+    def body() -> int:
+        with sigterm_as_exit(), contextlib.ExitStack() as stack:
             return _ab(args, stack, say)
-    except ABError as exc:
-        print(f"critique ab: {exc}", file=sys.stderr)
-        return exc.code
-    except DemoError as exc:
-        print(f"critique ab: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE if exc.code == EXIT_UNAVAILABLE else EXIT_USAGE
+
+    return service_guard("ab", body)
 
 
 def _read_inputs(path: str) -> list[ABInput]:
@@ -139,19 +128,10 @@ def _read_inputs(path: str) -> list[ABInput]:
     try:
         return parse_inputs(read_text(path, INPUT_LIMIT, "the workload size limit"), label_of(path))
     except (InputError, ABInputError) as exc:
-        raise ABError(str(exc), EXIT_USAGE) from None
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    for name, low in (("reps", 1), ("parallel", 1), ("workers", 1)):
-        if getattr(args, name) < low:
-            raise ABError(f"--{name} must be ≥ {low}", EXIT_USAGE)
-    if args.timeout <= 0:
-        raise ABError("--timeout must be > 0", EXIT_USAGE)
+        raise CommandError(str(exc), EXIT_USAGE) from None
 
 
 def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[str], None]) -> int:
-    _check_args(args)
     inputs = _read_inputs(args.inputs)
     from pipeline.ab import DefectCounter
     from pipeline.config import load_config
@@ -160,10 +140,10 @@ def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[st
     try:
         config = load_config()
     except CritiqueError as exc:
-        raise ABError(str(exc), EXIT_USAGE) from None
+        raise CommandError(str(exc), EXIT_USAGE) from None
     model = args.model or config.model
     if not model:
-        raise ABError(
+        raise CommandError(
             "the worker model is not set: pass --model NAME (a litellm model name, e.g. "
             "openai/gpt-4o-mini) or set model in the configuration",
             EXIT_USAGE,
@@ -172,11 +152,13 @@ def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[st
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ABError(f"cannot create --out {out}: {exc.strerror or exc}", EXIT_USAGE) from None
+        raise CommandError(
+            f"cannot create --out {out}: {exc.strerror or exc}", EXIT_USAGE
+        ) from None
     python_inputs = any(i.kind == "python" for i in inputs)
     counter = DefectCounter(timeout_s=config.command_timeout_s)
     if python_inputs and counter.ruff is None:
-        raise ABError(
+        raise CommandError(
             "python inputs are counted with ruff, which is not installed here "
             "(pip install 'critique-pipeline[dev]' or pip install ruff)",
             EXIT_USAGE,
@@ -213,44 +195,19 @@ def _start_pipeline(
     """The embedded Redis and an in-process worker when ``REDIS_URL`` is unset, else a check
     that the running workers answer (both as ``critique demo``; ``CRITIQUE_STORE_URL`` without
     ``REDIS_URL``: exit 2)."""
-    from workers.commands.demo import (
-        DemoError,
-        InProcessWorker,
-        _check_external_workers,
-        _check_redis,
-        _sign_with_a_private_secret,
-        _start_embedded,
-        wants_embedded,
+
+    def embedded_command() -> None:
+        if python and not configured_command:
+            command = shlex.join([sys.executable, *DEFAULT_TEST_COMMAND])
+            os.environ["CRITIQUE_COMMAND"] = command
+            stack.callback(os.environ.pop, "CRITIQUE_COMMAND", None)
+            say(f"no command configured: the in-process worker runs the tests with `{command}`")
+
+    embedded, _url = start_pipeline(
+        stack, say, concurrency=args.workers, before_worker=embedded_command
     )
-
-    embedded = wants_embedded()
-    url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
-    from workers import runtime
-
-    runtime.forget_store()
-    _check_redis(url)
-    from workers.app import app
-
-    if not embedded:
-        count = _check_external_workers(app, url)
-        say(f"using Redis at {url} and {count} external worker(s)")
-        if python:
-            say("python inputs use critic: command: the workers need CRITIQUE_COMMAND")
-        return
-    if python and not configured_command:
-        command = shlex.join([sys.executable, *DEFAULT_TEST_COMMAND])
-        os.environ["CRITIQUE_COMMAND"] = command
-        stack.callback(os.environ.pop, "CRITIQUE_COMMAND", None)
-        say(f"no command configured: the in-process worker runs the tests with `{command}`")
-    app.conf.broker_url = url
-    app.conf.result_backend = url
-    _sign_with_a_private_secret(stack, say)
-    try:
-        worker = InProcessWorker(app, concurrency=args.workers).start()
-    except RuntimeError as exc:
-        raise DemoError(str(exc), EXIT_UNAVAILABLE) from None
-    stack.callback(worker.stop)
-    say(f"in-process worker {worker.hostname}: threads pool × {args.workers}")
+    if not embedded and python:
+        say("python inputs use critic: command: the workers need CRITIQUE_COMMAND")
 
 
 def _clients() -> dict[str, CritiqueClient]:
@@ -314,22 +271,22 @@ def _one(
     return Done(job, row, count, result)
 
 
-def _failure(exc: BaseException) -> ABError:
+def _failure(exc: BaseException) -> CommandError:
     """A row's exception as the run's exit (module docstring's exit codes)."""
     from pipeline.errors import CritiqueError, LLMPermanentError, LLMTransientError
     from workers.client import CritiqueTimeout
     from workers.unreachable import is_unreachable
 
     if isinstance(exc, LLMPermanentError):
-        return ABError(f"the worker model's provider refused the call: {exc}", EXIT_USAGE)
+        return CommandError(f"the worker model's provider refused the call: {exc}", EXIT_USAGE)
     if isinstance(exc, LLMTransientError):
-        return ABError(f"the worker model could not be reached: {exc}", EXIT_UNAVAILABLE)
+        return CommandError(f"the worker model could not be reached: {exc}", EXIT_UNAVAILABLE)
     if isinstance(exc, CritiqueTimeout):
-        return ABError(str(exc), EXIT_UNAVAILABLE)
+        return CommandError(str(exc), EXIT_UNAVAILABLE)
     if is_unreachable(exc):
-        return ABError(f"lost Redis: {exc}", EXIT_UNAVAILABLE)
+        return CommandError(f"lost Redis: {exc}", EXIT_UNAVAILABLE)
     if isinstance(exc, CritiqueError):
-        return ABError(str(exc), EXIT_USAGE)
+        return CommandError(str(exc), EXIT_USAGE)
     raise exc
 
 
@@ -346,7 +303,7 @@ def _run_jobs(
     try:
         clients = _clients()
     except CritiqueError as exc:
-        raise ABError(str(exc), EXIT_USAGE) from None
+        raise CommandError(str(exc), EXIT_USAGE) from None
     lock = threading.Lock()
     finished: list[Done] = []
 
@@ -444,7 +401,7 @@ def _report(
         write_csv(rows, csv_path)
         escalations = _escalations(done, args, model, out)
     except OSError as exc:
-        raise ABError(f"cannot write under {out}: {exc.strerror or exc}", EXIT_USAGE) from None
+        raise CommandError(f"cannot write under {out}: {exc.strerror or exc}", EXIT_USAGE) from None
     summary = summarize(rows)
     say(f"wrote {csv_path} ({len(rows)} rows) and {len(escalations)} escalation file(s)")
     if args.json:

@@ -20,26 +20,32 @@ symlinked archive file (nothing written); 3 Redis unreachable.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from pipeline.archive import RunRecord, archive_dir, iso
-from workers.cli import EXIT_OK, EXIT_USAGE
+from workers.cli import EXIT_OK
+from workers.commands._common import (
+    CommandError,
+    UnknownRunError,
+    add_json_argument,
+    add_run_argument,
+    service_guard,
+)
+from workers.commands._runs import check_run_id
 from workers.commands._text import escape_controls, json_line
-from workers.commands.status import UnknownRunError, check_run_id, service_guard
 
 HELP = "write a run's full record (results, rounds, trace, patterns, lessons) as JSON Lines"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_id", metavar="RUN", help="the run id")
+    add_run_argument(parser)
     parser.add_argument(
         "--dir",
         metavar="DIR",
         help="archive directory (default: $CRITIQUE_ARCHIVE_DIR, else "
         "<$CRITIQUE_WORKSPACE or ./workspace>/archive)",
     )
-    parser.add_argument("--json", action="store_true", help="print what was written as JSON")
+    add_json_argument(parser, "print what was written as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,14 +64,9 @@ def run(args: argparse.Namespace) -> int:
             path, record = got
             return _report(args, path, record, written=False)
         except PathEscapeError as exc:  # a symlink on the way: nothing was written
-            print(escape_controls(f"critique archive: {exc}"), file=sys.stderr)
-            return EXIT_USAGE
+            raise CommandError(escape_controls(str(exc))) from None
         except OSError as exc:
-            print(
-                escape_controls(f"critique archive: cannot write under {folder}: {exc}"),
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
+            raise CommandError(escape_controls(f"cannot write under {folder}: {exc}")) from None
         assert done.path is not None and done.record is not None
         return _report(args, done.path, done.record, written=True)
 

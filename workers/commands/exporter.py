@@ -12,13 +12,12 @@ the port cannot be bound; 3 Redis unreachable at start.
 from __future__ import annotations
 
 import argparse
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-from workers.cli import EXIT_USAGE
-from workers.commands.status import service_guard
+from workers.cli import EXIT_OK
+from workers.commands._common import CommandError, service_guard
 
 HELP = "serve the fleet's product metrics (verdicts, tokens, budget, latency) for Prometheus"
 DEFAULT_PORT = 9808
@@ -130,11 +129,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             start_http_server(args.port, addr=args.host, registry=reg)
         except OSError as exc:
-            print(f"critique exporter: cannot listen on {args.host}:{args.port}: {exc}",
-                  file=sys.stderr)  # fmt: skip
-            return EXIT_USAGE
+            raise CommandError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
         print(f"critique exporter: serving http://{args.host}:{args.port}/metrics", flush=True)
         threading.Event().wait()
-        return 0
+        return EXIT_OK
 
     return service_guard("exporter", body)

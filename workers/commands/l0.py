@@ -14,11 +14,11 @@ environment), else the six defaults.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from typing import Any
 
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from workers.cli import EXIT_FAILED, EXIT_OK
+from workers.commands._common import CommandError, add_json_argument, at_least, service_guard
 from workers.commands._text import escape_controls, json_line
 
 HELP = "run the Layer-0 output contract (deterministic checks) on files"
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("paths", nargs="+", metavar="PATH", help="files to check; - reads stdin")
     parser.add_argument(
         "--previous-size",
-        type=int,
+        type=at_least(0),
         metavar="N",
         help="size in bytes of the previous attempt (enables the 2.5× growth check)",
     )
@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--strict", action="store_true", help="warnings fail too")
     parser.add_argument("--config", help="workflow.awp.yaml whose output_contract to use")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_json_argument(parser, "print the report as JSON")
 
 
 def position(text: str | None, offset: int | None) -> tuple[int | None, int | None]:
@@ -55,9 +55,10 @@ def position(text: str | None, offset: int | None) -> tuple[int | None, int | No
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.previous_size is not None and args.previous_size < 0:
-        print("critique l0: --previous-size must be ≥ 0", file=sys.stderr)
-        return EXIT_USAGE
+    return service_guard("l0", lambda: _check(args))
+
+
+def _check(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.contract import ContractInput, build_suite
     from pipeline.errors import CritiqueError
@@ -74,8 +75,7 @@ def run(args: argparse.Namespace) -> int:
     except (CritiqueError, InputError, RecursionError) as exc:
         deep = f"--config {args.config}: nested too deeply to parse"
         why = deep if isinstance(exc, RecursionError) else exc
-        print(f"critique l0: {one_line(why)}", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError(one_line(why)) from None
     for path, text in texts:
         label = "<stdin>" if path == "-" else path
         items.append(

@@ -17,11 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import sys
 from pathlib import Path
 from typing import Any
 
-from workers.cli import EXIT_OK, EXIT_USAGE
+from workers.cli import EXIT_OK
+from workers.commands._common import CommandError, add_json_argument, service_guard
 
 HELP = "run the critique loop on one file (deterministic rubric or heuristic pair)"
 
@@ -53,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-attempts", type=int, help="max repair attempts (heuristic: 2)")
     parser.add_argument("--task", help="the original task text (repairs derive content from it)")
     parser.add_argument("--config", help="workflow.awp.yaml to read settings from")
-    parser.add_argument("--json", action="store_true", help="print the CritiqueResult as JSON")
+    add_json_argument(parser, "print the CritiqueResult as JSON")
 
 
 def _worker_id(path: Path) -> str:
@@ -142,6 +142,10 @@ def _table(result: Any, dimensions: tuple[str, ...], rubric: bool) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    return service_guard("loop", lambda: _loop(args))
+
+
+def _loop(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
     from pipeline.convergence import STOP_TEXT
     from pipeline.critics.rubric import parse_paper
@@ -160,11 +164,9 @@ def run(args: argparse.Namespace) -> int:
         if args.critic == "rubric":
             parse_paper(output)
     except RecursionError:
-        print(f"critique loop: --config {args.config}: nested too deeply to parse", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError(f"--config {args.config}: nested too deeply to parse") from None
     except (ValueError, CritiqueError, InputError) as exc:
-        print(f"critique loop: {one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError(one_line(exc)) from None
     try:
         config = load_config(args.config, overrides=_overrides(args))
         task = args.task or (
@@ -182,8 +184,7 @@ def run(args: argparse.Namespace) -> int:
         )
         result = run_submission(submission, make_context(config))
     except (CritiqueError, ValueError) as exc:
-        print(f"critique loop: {one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError(one_line(exc)) from None
     if args.json:
         print(json.dumps(result.model_dump(mode="json"), ensure_ascii=False, indent=2))
     else:

@@ -3,7 +3,7 @@ or from the run's archive (:mod:`workers.archiving`) once Redis holds no submiss
 result of it; then it prints ``(from the archive: <path>, archived <time>)`` first, and
 ``--json`` has ``"archive": {"path", "archived_at"}`` (null when read from Redis).
 
-For every iteration with results, the SPEC §5.8 tree
+For every iteration with results, the artifact tree
 ``<root>/runs/<run-id>/iterations/NNN/{critique.json, CRITIQUE.md, delegations/<worker>/…}``
 (:func:`pipeline.artifacts.write_artifacts`), plus ``<root>/runs/<run-id>/report.html`` (one
 self-contained page with each worker's score trajectory as inline SVG) and
@@ -29,19 +29,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections import defaultdict
 from pathlib import Path
 
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from workers.commands._text import escape_controls, json_line
-from workers.commands.status import (
-    RunSnapshot,
-    archive_line,
-    load_snapshot,
+from workers.cli import EXIT_FAILED, EXIT_OK
+from workers.commands._common import (
+    CommandError,
+    add_json_argument,
+    add_run_argument,
     service_guard,
-    tally,
 )
+from workers.commands._runs import RunSnapshot, archive_line, load_snapshot, tally
+from workers.commands._text import escape_controls, json_line
 
 HELP = (
     "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis, "
@@ -65,7 +64,7 @@ def write_report(
 
     ``out_dir`` is the artifacts root (default :func:`default_root`). Every file is written in
     one confined batch: ``PathEscapeError`` (nothing written) when a symlink is met under the
-    root. Raises :class:`~workers.commands.status.UnknownRunError` when Redis holds nothing for
+    root. Raises :class:`~workers.commands._common.UnknownRunError` when Redis holds nothing for
     the run, ``StoreUnavailableError`` when Redis cannot be reached.
     """
     from pipeline.artifacts import artifact_files, atomic_write_many
@@ -108,13 +107,13 @@ def write_report(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_id", metavar="RUN", help="the run id")
+    add_run_argument(parser)
     parser.add_argument(
         "--out",
         metavar="DIR",
         help="artifacts root (default: $CRITIQUE_WORKSPACE or ./workspace)",
     )
-    parser.add_argument("--json", action="store_true", help="print the files written as JSON")
+    add_json_argument(parser, "print the files written as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,14 +126,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             files = write_report(args.run_id, root, snapshot=snap)
         except PathEscapeError as exc:  # a symlink under the root: nothing was written
-            print(escape_controls(f"critique report: {exc}"), file=sys.stderr)
-            return EXIT_USAGE
+            raise CommandError(escape_controls(str(exc))) from None
         except OSError as exc:
-            print(
-                escape_controls(f"critique report: cannot write under {root}: {exc}"),
-                file=sys.stderr,
-            )
-            return EXIT_USAGE
+            raise CommandError(escape_controls(f"cannot write under {root}: {exc}")) from None
         report = next(f for f in files if f.name == "report.html")
         if args.json:
             doc = {

@@ -15,28 +15,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from workers.cli import EXIT_OK, EXIT_USAGE
-from workers.commands.status import load_snapshot, service_guard, split_key
+from workers.cli import EXIT_OK
+from workers.commands._common import (
+    CommandError,
+    add_iteration_argument,
+    add_json_argument,
+    add_run_argument,
+    service_guard,
+)
+from workers.commands._runs import load_snapshot, split_key
 
 HELP = "resume a run's pending submissions from their last recorded step"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_id", metavar="RUN", help="the run id")
+    add_run_argument(parser)
     parser.add_argument(
         "--worker", action="append", default=[], metavar="W", help="only this worker (repeatable)"
     )
-    parser.add_argument("--iteration", type=int, metavar="N", help="only this iteration")
-    parser.add_argument("--json", action="store_true", help="print what was resumed as JSON")
+    add_iteration_argument(parser)
+    add_json_argument(parser, "print what was resumed as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.iteration is not None and args.iteration < 1:
-        print("critique resume: --iteration must be ≥ 1", file=sys.stderr)
-        return EXIT_USAGE
-
     def body() -> int:
         from workers.client import CritiqueClient, Handle
         from workers.recovery import FINISHED
@@ -46,11 +48,7 @@ def run(args: argparse.Namespace) -> int:
         if args.worker:
             unknown = sorted(set(args.worker) - {split_key(k)[1] for k in snap.submitted})
             if unknown:
-                print(
-                    f"critique resume: run {args.run_id!r} has no submission from {unknown}",
-                    file=sys.stderr,
-                )
-                return EXIT_USAGE
+                raise CommandError(f"run {args.run_id!r} has no submission from {unknown}")
             pending = [k for k in pending if split_key(k)[1] in args.worker]
         client = CritiqueClient()
         resumed = []

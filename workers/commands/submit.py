@@ -52,9 +52,16 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
+from workers.commands._common import (
+    CommandError,
+    above,
+    add_json_argument,
+    check_redis,
+    service_guard,
+    unreachable_redis,
+)
 from workers.commands._input import (
     CONFIG_LIMIT,
     InputError,
@@ -96,14 +103,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", action="store_true", help="wait for the results")
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=above(0),
         default=300.0,
         metavar="S",
         help="with --wait: give up after S seconds (default 300)",
     )
-    parser.add_argument(
-        "--json", action="store_true", help="print handles and results as JSON Lines"
-    )
+    add_json_argument(parser, "print handles and results as JSON Lines")
     parser.add_argument(
         "--no-key-check",
         action="store_true",
@@ -253,8 +258,8 @@ FALLBACK_LIMIT = 160
 
 def _result_line(result: Any) -> str:
     """One result's line, terminal-safe (the stored result's text is not trusted)."""
+    from workers.commands._runs import fallbacks
     from workers.commands._text import escape_controls, printable
-    from workers.commands.status import fallbacks
 
     repairs = len(result.attempts)
     line = (
@@ -272,7 +277,7 @@ def _result_line(result: Any) -> str:
 def _result_lines(result: Any) -> str:
     """The result's line and, for an escalated or failed output, why (its deciding defects)
     and what to do next, indented under it (:meth:`CritiqueResult.why`)."""
-    from workers.commands.status import why_lines
+    from workers.commands._runs import why_lines
 
     return "\n".join([_result_line(result), *why_lines(result)])
 
@@ -310,32 +315,14 @@ def broker_url() -> str:
     return os.environ.get("CELERY_BROKER_URL") or runtime.redis_url()
 
 
-def _unreachable(url: str, what: str) -> str | None:
-    """A message when the Redis at ``url`` does not answer PING, else None (another broker
-    transport: Celery reports its own connection errors)."""
-    from pipeline.store.redis_common import CLUSTER_SCHEMES, store_client_from_url, store_setting
-
-    if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel", *CLUSTER_SCHEMES):
-        return None
-    try:
-        client = store_client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
-        try:
-            client.ping()
-        finally:
-            client.close()
-    except Exception as exc:
-        env = "CELERY_BROKER_URL" if what == "the broker" else store_setting()
-        return f"cannot reach {what} at {url}: {exc}\nstart Redis there or set {env}"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
+    return service_guard("submit", lambda: _submit(args))
+
+
+def _submit(args: argparse.Namespace) -> int:
     from pipeline.errors import CritiqueError
     from workers.unreachable import BrokerUnavailableError, unreachable_errors
 
-    if not args.timeout > 0:
-        _say("--timeout must be > 0")
-        return EXIT_USAGE
     try:
         from pipeline.config import load_config
 
@@ -351,52 +338,30 @@ def run(args: argparse.Namespace) -> int:
         config = runtime.config_for(overrides)
         subs = read_submissions(args.paths, config.max_output_bytes)
     except RecursionError:
-        _say("CRITIQUE_CONFIG: nested too deeply to parse")
-        return EXIT_USAGE
+        raise CommandError("CRITIQUE_CONFIG: nested too deeply to parse") from None
     except (InputError, CritiqueError) as exc:
-        _say(exc)
-        return EXIT_USAGE
+        raise CommandError(one_line(exc)) from None
     if not args.no_key_check:
         try:
             check_keys_for(subs, config)
         except CritiqueError as exc:
-            _say(exc)
-            _say(
-                "checked against this process's environment, the best a client can see; if "
-                "only the workers hold the key, pass --no-key-check"
-            )
-            return EXIT_USAGE
+            raise CommandError(
+                f"{one_line(exc)}\ncritique submit: checked against this process's environment, "
+                "the best a client can see; if only the workers hold the key, pass --no-key-check"
+            ) from None
 
     store, broker = runtime.store_url(), broker_url()
-    problem = _unreachable(store, "Redis") or (
-        _unreachable(broker, "the broker") if broker != store else None
-    )
-    if problem:
-        print(f"critique submit: {problem}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+    check_redis([(store, "Redis"), *([(broker, "the broker")] if broker != store else [])])
     unavailable: tuple[type[BaseException], ...] = (OSError, *unreachable_errors())
     began = time.time()
     try:
         handles = client.submit_many(subs)
     except unavailable as exc:
-        on_broker = isinstance(exc, BrokerUnavailableError) and broker != store
-        what, url, env = (
-            ("the broker", broker, "CELERY_BROKER_URL")
-            if on_broker
-            else (
-                "Redis",
-                store,
-                runtime.store_setting(),
-            )
-        )
-        print(
-            f"critique submit: cannot reach {what} at {url}: {exc}\nstart Redis there or set {env}",
-            file=sys.stderr,
-        )
-        return EXIT_UNAVAILABLE
+        if isinstance(exc, BrokerUnavailableError) and broker != store:
+            raise unreachable_redis(broker, exc, "the broker") from None
+        raise unreachable_redis(store, exc) from None
     except CritiqueError as exc:  # e.g. an output over max_output_bytes: nothing was enqueued
-        _say(exc)
-        return EXIT_USAGE
+        raise CommandError(one_line(exc)) from None
     for h in handles:
         if args.json:
             _emit({"type": "submitted", **_handle_doc(h)})
@@ -429,8 +394,8 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
     from pipeline.errors import SubmissionError
     from workers.client import CritiqueTimeout
     from workers.commands._progress import Progress
+    from workers.commands._runs import tally
     from workers.commands._text import json_line
-    from workers.commands.status import tally
     from workers.unreachable import unreachable_errors
 
     unavailable = unreachable_errors()
@@ -468,8 +433,7 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
         raise
     except unavailable as exc:
         progress.close()
-        print(f"critique submit: lost Redis while waiting: {exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
+        raise CommandError(f"lost Redis while waiting: {exc}", EXIT_UNAVAILABLE) from None
     finally:
         progress.close()
     pending = [h for h in handles if id(h) not in answered]
@@ -532,8 +496,3 @@ def _reason(h: Any, error: Any) -> str:
     elif message.startswith("failed: "):
         message = message[len("failed: ") :]
     return printable(message, 300)
-
-
-def _say(message: object) -> None:
-    """One line on stderr, prefixed with the command."""
-    print(f"critique submit: {one_line(message)}", file=sys.stderr)

@@ -25,16 +25,11 @@ import time
 from collections import Counter
 from typing import Any
 
-from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
+from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
+from workers.commands._common import above, add_json_argument, add_run_argument, service_guard
 from workers.commands._progress import Progress
+from workers.commands._runs import chain_failures, key_of, load_snapshot, split_key
 from workers.commands._text import escape_controls, json_line, printable
-from workers.commands.status import (
-    chain_failures,
-    key_of,
-    load_snapshot,
-    service_guard,
-    split_key,
-)
 
 HELP = "follow a run's progress live until no submission is pending (failed ones end too)"
 
@@ -44,14 +39,14 @@ CHECK_S = 1.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_id", metavar="RUN", help="the run id")
+    add_run_argument(parser)
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=above(0),
         metavar="S",
         help="give up after S seconds (exit 1, listing what is pending); default: wait",
     )
-    parser.add_argument("--json", action="store_true", help="one JSON event per line")
+    add_json_argument(parser, "one JSON event per line")
 
 
 def _num(value: Any) -> str:
@@ -251,9 +246,6 @@ def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = 
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.timeout is not None and args.timeout <= 0:
-        print("critique watch: --timeout must be > 0", file=sys.stderr)
-        return EXIT_USAGE
     try:
         return service_guard(
             "watch", lambda: watch(args.run_id, as_json=args.json, timeout=args.timeout)

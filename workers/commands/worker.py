@@ -82,10 +82,10 @@ import time
 from collections import deque
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
-from urllib.parse import urlparse
 
 from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from workers.cli import EXIT_FAILED, EXIT_OK
+from workers.commands._common import CommandError, check_redis, service_guard
 from workers.commands._input import one_line
 
 HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
@@ -363,49 +363,23 @@ def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
     return config.allowed_models
 
 
-def _unreachable(urls: list[str]) -> str | None:
-    """A message for the first Redis URL that does not answer PING, else None (a
-    ``sentinel://`` URL: its current master, found through the Sentinels; a
-    ``redis+cluster://`` one: the cluster's nodes)."""
-    from pipeline.store.redis_common import CLUSTER_SCHEMES, store_client_from_url
-
-    for url in urls:
-        if urlparse(url).scheme not in ("redis", "rediss", "unix", "sentinel", *CLUSTER_SCHEMES):
-            continue  # another broker transport: Celery reports its own connection errors
-        try:
-            client = store_client_from_url(url, socket_connect_timeout=3, socket_timeout=3)
-            try:
-                client.ping()
-            finally:
-                client.close()
-        except Exception as exc:
-            return f"cannot reach Redis at {url}: {exc}"
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
+    return service_guard("worker", lambda: _start(args))
+
+
+def _start(args: argparse.Namespace) -> int:
     queues = [q.strip() for q in str(args.queues).split(",") if q.strip()]
     unknown = [q for q in queues if q not in KNOWN_QUEUES]
     if not queues or unknown:
         what = f"unknown queue(s) {', '.join(unknown)}" if unknown else "no queue given"
-        print(
-            f"critique worker: {what}; the pipeline's queues are {', '.join(KNOWN_QUEUES)}",
-            file=sys.stderr,
-        )
-        return EXIT_USAGE
+        raise CommandError(f"{what}; the pipeline's queues are {', '.join(KNOWN_QUEUES)}")
     try:
         concurrency = _concurrency(args)
     except ValueError:
-        print("critique worker: CRITIQUE_CONCURRENCY must be an integer", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError("CRITIQUE_CONCURRENCY must be an integer") from None
     if concurrency < 1:
-        print("critique worker: concurrency must be ≥ 1", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        count = processes(args, queues)
-    except ValueError as exc:
-        print(f"critique worker: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError("concurrency must be ≥ 1")
+    count = processes(args, queues)  # a bad value: ValueError, exit 2
     argvs = worker_argvs(args, queues, concurrency, count)
     from pipeline.errors import ConfigError
     from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_secrets
@@ -417,8 +391,7 @@ def run(args: argparse.Namespace) -> int:
         signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
         parse_secrets(os.environ.get(ENTRY_SECRET_ENV), ENTRY_SECRET_ENV)  # too short: exit 2
     except ConfigError as exc:
-        print(f"critique worker: {one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+        raise CommandError(one_line(exc)) from None
     if args.dry_run:
         print("\n".join(" ".join(argv) for argv in argvs))
         return EXIT_OK
@@ -431,15 +404,7 @@ def run(args: argparse.Namespace) -> int:
 
     store = store_url()  # CRITIQUE_STORE_URL, else REDIS_URL
     broker = os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-    problem = _unreachable(list(dict.fromkeys([store, broker])))
-    if problem:
-        print(
-            f"critique worker: {problem}\n"
-            "start Redis there, or point REDIS_URL (and CELERY_BROKER_URL or "
-            "CRITIQUE_STORE_URL, if you set them) at a running one",
-            file=sys.stderr,
-        )
-        return EXIT_UNAVAILABLE
+    check_redis([(store, "Redis"), (broker, "Redis")])  # a sentinel:// URL: its master
     worker_environment(os.environ)
     sys.stdout.flush()
     sys.stderr.flush()
