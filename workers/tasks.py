@@ -253,7 +253,9 @@ def _addressed(
 
 def _step_id(sid: str, state: LoopState, stage: str) -> str:
     sub = state.submission
-    return f"{sub.iteration}:{sub.worker_id}:{sid}:{state.round}:{state.attempt}:{stage}"
+    return keys.step_id(
+        pass_member(sub.iteration, sub.worker_id, sid), state.round, state.attempt, stage
+    )
 
 
 def _pass_id(task: Task, msg: dict[str, Any], state: LoopState) -> str:
