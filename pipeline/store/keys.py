@@ -1,4 +1,4 @@
-"""Every Redis key, queue and task name the product uses, in one place (DESIGN habit 7).
+"""Every Redis key, queue and task name the product uses, in one place, each with its comment.
 
 Run keys are ``<prefix>:{<run_id>}:<suffix>``: the ``{run_id}`` hash tag puts a whole run in one
 Redis Cluster slot, so the Lua scripts may touch several of its keys atomically. Every run key
@@ -39,7 +39,7 @@ STEPS_GRACE_ENV = "CRITIQUE_STEPS_GRACE_S"  # env var: keep a finished pass's st
 LESSONS_TTL_ENV = "CRITIQUE_LESSONS_TTL_S"  # env var that overrides the lessons TTL (seconds)
 DEFAULT_LESSONS_TTL_S = 30 * 24 * 3600  # lessons live 30 days after the last run that taught one
 
-# --- queues and tasks (SPEC §4; the Celery app routes by these names) --------------------------
+# --- queues and tasks (celeryconfig and workers.routing route by these names) ----------------
 
 QUEUE_CPU = "critique.cpu"  # queue for CPU-bound stages: L0, heuristic/rubric critics, gates
 QUEUE_LLM = "critique.llm"  # queue for LLM-bound stages: LLM critic (inline mode), repair

@@ -1,10 +1,11 @@
 """The run registry in Redis: what was submitted, and the final result of each submission.
 
 ``submitted`` and ``passes`` are hashes keyed ``"<iteration>:<worker_id>"``. Each submit of a
-submission starts a *pass* with a fresh pass id (``sid``, SPEC §4 "Passes"): the client records
-it as the submission's latest pass (:meth:`RedisRunStore.begin_pass`, before the chain is
-sent), and the gate stores the pass's result once (:meth:`RedisRunStore.put_result`), in
-``results:pass`` under the pass, with its ``result`` trace event in the same script. A
+submission starts a *pass* with a fresh pass id (``sid``; see docs/client.md, "Passes:
+submitting the same submission again"): the client records it as the submission's latest
+pass (:meth:`RedisRunStore.begin_pass`, before the chain is sent), and the gate stores the
+pass's result once (:meth:`RedisRunStore.put_result`), in ``results:pass`` under the pass,
+with its ``result`` trace event in the same script. A
 submission's result (status, reports, the completion gate) is its latest pass's: the one
 ``passes`` names, so a resubmission hides the previous pass's result until its own lands, and
 ``wait(handle)`` reads its own pass's. Each result is stored once; ``results`` holds only what
