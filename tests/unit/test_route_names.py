@@ -15,7 +15,13 @@ ROOT = Path(__file__).resolve().parents[2]
 QUEUES = set(keys.QUEUES)
 TASKS = {getattr(keys, n) for n in dir(keys) if n.startswith("TASK_")}
 NAMES = QUEUES | TASKS
-WIRING = ("celeryconfig.py", "workers/app.py", "workers/tasks.py", "workers/routing.py")
+WIRING = (
+    "celeryconfig.py",
+    "workers/app.py",
+    "workers/tasks.py",
+    "workers/protocol.py",
+    "workers/routing.py",
+)
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
