@@ -34,6 +34,7 @@ import math
 import os
 import socket
 
+from pipeline.store import keys
 from pipeline.store.redis_common import celery_url, sentinel_transport_options
 
 _redis = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -206,24 +207,26 @@ task_create_missing_queue_type = amqp_queue_type
 # Quorum queues have no global QoS: with a quorum queue among its queues Celery sets the
 # prefetch per consumer (worker_prefetch_multiplier x concurrency, fixed while it runs).
 worker_detect_quorum_queues = True
-task_default_queue = "critique.cpu"
+task_default_queue = keys.QUEUE_CPU
 task_routes = {
-    "critique.l0": {"queue": "critique.cpu"},
-    "critique.decide": {"queue": "critique.cpu"},
-    "critique.gate": {"queue": "critique.cpu"},
-    "critique.complete_gate": {"queue": "critique.cpu"},
+    keys.TASK_L0: {"queue": keys.QUEUE_CPU},
+    keys.TASK_DECIDE: {"queue": keys.QUEUE_CPU},
+    keys.TASK_GATE: {"queue": keys.QUEUE_CPU},
+    keys.TASK_COMPLETE_GATE: {"queue": keys.QUEUE_CPU},
     # The entry task (docs/entry.md): token-free validation, then it replaces itself with the
     # submission's first task on its critic's queue.
-    "critique.submit": {"queue": "critique.cpu"},
+    keys.TASK_SUBMIT: {"queue": keys.QUEUE_SUBMIT},
     # Layer-0 and the critic run on the CPU queue unless the critic calls an LLM: then a
     # submission's first task (Layer-0, which runs the critic after it) and a critic sent on
-    # its own go to critique.llm (mode: inline) or critique.llm.critic (mode: dedicated), per
-    # submission (workers.tasks.stage_signature).
-    "critique.critic": {"queue": "critique.cpu"},
+    # its own go to the LLM queue (mode: inline) or the dedicated critic queue (mode:
+    # dedicated), per submission (workers.routing.stage_signature).
+    keys.TASK_CRITIC: {"queue": keys.QUEUE_CPU},
     # A repair runs on the LLM queue unless its reviser is token-free: then it is routed to
-    # critique.cpu (workers.tasks.repair_queue), so it never waits for LLM workers.
-    "critique.repair": {"queue": "critique.llm"},
+    # the CPU queue (workers.routing.repair_queue), so it never waits for LLM workers.
+    keys.TASK_REPAIR: {"queue": keys.QUEUE_LLM},
 }
+"""Each task's queue unless its signature names one (workers.routing); every name is a
+``pipeline.store.keys`` constant."""
 
 # --- monitoring: Flower sees everything ----------------------------------------------------------
 # Task events (task-sent, -received, -started, -succeeded) are what Flower shows. Each is a

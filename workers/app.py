@@ -1,7 +1,8 @@
 """The Celery app: ``celery -A workers.app worker -Q critique.cpu,critique.llm``.
 
 Configuration comes from :mod:`celeryconfig` (JSON only, acks late, reject on worker loss,
-task events on, routes per queue). The tasks live in :mod:`workers.tasks`; fault recovery (the
+task events on, routes per queue). The tasks live in :mod:`workers.tasks` (their protocol in
+:mod:`workers.protocol`, their routing in :mod:`workers.routing`); fault recovery (the
 connection-loss guard, the stall sweeper and its probe task) in :mod:`workers.recovery`.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 from celery import Celery, concurrency
 from celery.signals import celeryd_init, worker_init
 
+from pipeline.store import keys
 from workers import logs
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -126,8 +128,6 @@ def check_amqp_queues(conf: Any) -> None:
     own reconnect loop."""
     import amqp
 
-    from pipeline.store import keys
-
     conn = app.connection_for_write(url=conf.broker_url)
     try:
         try:
@@ -186,8 +186,8 @@ def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
         kombu_transport._transport_cache.pop("sentinel", None)
 
 
-LLM_QUEUES = ("critique.llm", "critique.llm.critic")
-"""The queues whose stages call a model (``keys.QUEUE_LLM``, ``keys.QUEUE_CRITIC``)."""
+LLM_QUEUES = (keys.QUEUE_LLM, keys.QUEUE_CRITIC)
+"""The queues whose stages call a model."""
 
 
 @worker_init.connect

@@ -1,4 +1,4 @@
-"""Every Redis key, queue and task name the product uses, in one place (DESIGN habit 7).
+"""Every Redis key, queue and task name the product uses, in one place, each with its comment.
 
 Run keys are ``<prefix>:{<run_id>}:<suffix>``: the ``{run_id}`` hash tag puts a whole run in one
 Redis Cluster slot, so the Lua scripts may touch several of its keys atomically. Every run key
@@ -22,6 +22,7 @@ key name from ``ARGV``.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from pipeline.errors import ConfigError
 from pipeline.models import check_identifier
@@ -38,7 +39,7 @@ STEPS_GRACE_ENV = "CRITIQUE_STEPS_GRACE_S"  # env var: keep a finished pass's st
 LESSONS_TTL_ENV = "CRITIQUE_LESSONS_TTL_S"  # env var that overrides the lessons TTL (seconds)
 DEFAULT_LESSONS_TTL_S = 30 * 24 * 3600  # lessons live 30 days after the last run that taught one
 
-# --- queues and tasks (SPEC §4; the Celery app routes by these names) --------------------------
+# --- queues and tasks (celeryconfig and workers.routing route by these names) ----------------
 
 QUEUE_CPU = "critique.cpu"  # queue for CPU-bound stages: L0, heuristic/rubric critics, gates
 QUEUE_LLM = "critique.llm"  # queue for LLM-bound stages: LLM critic (inline mode), repair
@@ -221,6 +222,35 @@ def pass_steps_key(run_id: str, pass_member: str, prefix: str | None = None) -> 
     """The step-record hash of one pass (``pass_member``: ``<iteration>:<worker>:<sid>``), in
     its run's slot; the one key a finished pass's steps live in, so one ``DEL`` releases them."""
     return run_key(run_id, f"{PASS_STEPS}:{pass_member}", prefix)
+
+
+class StepId(NamedTuple):
+    """A pass's step id taken apart (:func:`parse_step_id`)."""
+
+    pass_member: str  # "<iteration>:<worker>:<sid>": the pass the step belongs to
+    round: int  # the loop's round (one more per repair round)
+    attempt: int  # the repair attempt within the round
+    stage: str  # "l0", "critic", "decide" or "repair"
+
+
+def step_id(pass_member: str, round: int, attempt: int, stage: str) -> str:
+    """The id of one stage run of a pass (``pass_member``: ``<iteration>:<worker>:<sid>``):
+    ``"<pass_member>:<round>:<attempt>:<stage>"``, its field in the pass's step-record hash
+    (:func:`pass_steps_key`). Parsed back by :func:`parse_step_id`."""
+    return f"{pass_member}:{round}:{attempt}:{stage}"
+
+
+def parse_step_id(step: str) -> StepId | None:
+    """The parts of a step id made by :func:`step_id`; None for any other step id (a completion
+    gate's ``complete_gate:<request id>``) or a malformed one."""
+    parts = step.split(":")
+    if len(parts) != 6:
+        return None
+    try:
+        round_, attempt = int(parts[3]), int(parts[4])
+    except ValueError:
+        return None
+    return StepId(":".join(parts[:3]), round_, attempt, parts[5])
 
 
 def shared_key(suffix: str, prefix: str | None = None) -> str:

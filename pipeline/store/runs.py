@@ -1,10 +1,11 @@
 """The run registry in Redis: what was submitted, and the final result of each submission.
 
 ``submitted`` and ``passes`` are hashes keyed ``"<iteration>:<worker_id>"``. Each submit of a
-submission starts a *pass* with a fresh pass id (``sid``, SPEC §4 "Passes"): the client records
-it as the submission's latest pass (:meth:`RedisRunStore.begin_pass`, before the chain is
-sent), and the gate stores the pass's result once (:meth:`RedisRunStore.put_result`), in
-``results:pass`` under the pass, with its ``result`` trace event in the same script. A
+submission starts a *pass* with a fresh pass id (``sid``; see docs/client.md, "Passes:
+submitting the same submission again"): the client records it as the submission's latest
+pass (:meth:`RedisRunStore.begin_pass`, before the chain is sent), and the gate stores the
+pass's result once (:meth:`RedisRunStore.put_result`), in ``results:pass`` under the pass,
+with its ``result`` trace event in the same script. A
 submission's result (status, reports, the completion gate) is its latest pass's: the one
 ``passes`` names, so a resubmission hides the previous pass's result until its own lands, and
 ``wait(handle)`` reads its own pass's. Each result is stored once; ``results`` holds only what
@@ -203,15 +204,13 @@ return 1
 _STAGE_RANK = {"l0": 0, "critic": 1, "decide": 2, "repair": 3}
 
 
-def _step_order(rest: str) -> tuple[int, int, int] | None:
-    """``"<round>:<attempt>:<stage>"`` → a sort key in the loop's order; None if malformed."""
-    parts = rest.split(":")
-    if len(parts) != 3 or parts[2] not in _STAGE_RANK:
+def _step_order(step: str, pass_field: str) -> tuple[int, int, int] | None:
+    """A step id of pass ``pass_field`` (:func:`keys.parse_step_id`) → a sort key in the loop's
+    order; None for another pass's step or a malformed one."""
+    parsed = keys.parse_step_id(step)
+    if parsed is None or parsed.pass_member != pass_field or parsed.stage not in _STAGE_RANK:
         return None
-    try:
-        return int(parts[0]), int(parts[1]), _STAGE_RANK[parts[2]]
-    except ValueError:
-        return None
+    return parsed.round, parsed.attempt, _STAGE_RANK[parsed.stage]
 
 
 def member(iteration: int, worker_id: str) -> str:
@@ -232,8 +231,8 @@ def pass_member_of(field: str, sid: str) -> str:
 def _pass_of_step(step: str) -> str:
     """The pass member a chain step id belongs to (``""`` for a step outside a pass, such as a
     completion gate's): ``"<iteration>:<worker>:<sid>"`` of ``"…:<round>:<attempt>:<stage>"``."""
-    parts = step.split(":")
-    return ":".join(parts[:3]) if len(parts) == 6 else ""
+    parsed = keys.parse_step_id(step)
+    return "" if parsed is None else parsed.pass_member
 
 
 class RedisRunStore:
@@ -365,13 +364,13 @@ class RedisRunStore:
         step-record hash: meant for recovery and status, not for every stage. None too once
         the pass has its result (its steps are released then).
         """
-        prefix = f"{iteration}:{worker_id}:{sid}:"
+        field = pass_member(iteration, worker_id, sid)
         best: tuple[tuple[int, int, int], str, str] | None = None
         with store_errors(self._r):
-            rows = self._r.hgetall(self._steps_key(run_id, pass_member(iteration, worker_id, sid)))
+            rows = self._r.hgetall(self._steps_key(run_id, field))
         for name, output in rows.items():
             step = text(name)
-            order = _step_order(step[len(prefix) :]) if step.startswith(prefix) else None
+            order = _step_order(step, field)
             if order is not None and (best is None or order > best[0]):
                 best = (order, step, text(output))
         return None if best is None else (best[1], best[2])

@@ -1,0 +1,173 @@
+"""Where each stage of a pass runs, and the signatures that send it there.
+
+Two kinds of decision, both made from the submission, its configuration and the task that
+holds the state now:
+
+- **Queues.** Layer-0 and the critic go to the critic's queue (:func:`critic_queue`: the LLM
+  queue, the dedicated critic queue, or the CPU queue for a deterministic critic), a repair to
+  its reviser's (:func:`repair_queue`), ``decide`` and the gate by celeryconfig's routes. A
+  submission is sent as one task, its first stage's (:func:`submission_signature`); a pass
+  resumed at any stage is sent as the task of that stage (:func:`continuation`).
+- **Consumers.** After each stage the task either runs the next stage itself
+  (:func:`runs_here`: Layer-0 and ``decide`` anywhere, the critic where its queue is, the gate
+  once nothing follows) or hands the state on: to the next task of a chain sent by an older
+  client, else to the task that replaces it under the same id. The message it hands on is
+  addressed (signed) to that consumer (:func:`addressed`).
+
+Signatures are built from the registered stage tasks (``app.tasks``), which every process gets
+by importing :mod:`workers.tasks` (that module re-exports these builders for its callers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Task
+
+from pipeline import signing
+from pipeline.config import CritiqueConfig
+from pipeline.models import Submission
+from pipeline.runner import LoopState, resolve_for
+from pipeline.store import keys
+from workers import runtime
+from workers.app import app
+
+STAGE_TASKS: dict[str, str] = {
+    "l0": keys.TASK_L0,
+    "critic": keys.TASK_CRITIC,
+    "decide": keys.TASK_DECIDE,
+    "repair": keys.TASK_REPAIR,
+    "done": keys.TASK_GATE,
+}
+"""The task that runs each stage when a message is sent for it (``done``: the gate)."""
+
+
+# --- queues ----------------------------------------------------------------------------------
+
+
+def critic_queue(config: CritiqueConfig, submission: Submission) -> str:
+    """The queue the submission's critic runs on: the LLM queue (mode: inline) or the dedicated
+    critic queue (mode: dedicated) for an LLM critic, the CPU queue for a deterministic one, so
+    each scales with its own workers."""
+    if config.uses_llm_critic(submission.model):
+        return keys.QUEUE_CRITIC if config.mode == "dedicated" else keys.QUEUE_LLM
+    return keys.QUEUE_CPU
+
+
+def repair_queue(msg: dict[str, Any], submission: Submission) -> str | None:
+    """The queue of the submission's repair when it is not celeryconfig's route (the LLM
+    queue): the CPU queue when the reviser that serves it is token-free (deterministic), so a
+    token-free repair never waits for LLM workers (KEDA scales the LLM queue to zero). ``msg``
+    carries the submission's configuration overrides."""
+    reviser = runtime.context_for(msg.get("config")).reviser
+    return keys.QUEUE_CPU if resolve_for(reviser, submission).token_free else None
+
+
+def queue_here(task: Task) -> str | None:
+    """The queue this task's message came from (None when it runs eagerly, without a broker)."""
+    info = task.request.delivery_info or {}
+    key = info.get("routing_key")
+    return str(key) if key else None
+
+
+# --- consumers -------------------------------------------------------------------------------
+
+
+def next_in_chain(task: Task) -> tuple[str, str]:
+    """``(task name, task id)`` of the task after this one in its chain (its id was fixed when
+    the chain was frozen); ``("", "")`` when the chain ends here."""
+    steps = task.request.chain
+    if not steps:
+        return "", ""
+    nxt = steps[-1]
+    options = nxt.get("options") or {}
+    return str(nxt.get("task") or ""), str(options.get("task_id") or "")
+
+
+def runs_here(task: Task, next_stage: str, state: LoopState, overrides: dict[str, Any]) -> bool:
+    """Whether ``task`` runs ``next_stage`` itself, after the stage it just ran.
+
+    Layer-0 and ``decide`` are token-free and cheap: they run wherever the state is. The
+    critic runs here when this task came from the critic's queue (an LLM critic never runs on
+    the CPU workers, nor a deterministic one on the LLM workers). The gate (``done``) runs here
+    when no task follows in the chain (a chain sent by an older client ends in its gate task:
+    it is left to that). A repair is always a round of its own (``Task.replace``): it charges
+    the budget and may be routed elsewhere."""
+    if next_stage in ("l0", "decide"):
+        return True
+    if next_stage == "done":
+        return not task.request.chain
+    if next_stage == "critic":
+        here = queue_here(task)
+        return here is None or here == critic_queue(runtime.config_for(overrides), state.submission)
+    return False
+
+
+def consumer(
+    task: Task, next_stage: str, state: LoopState, overrides: dict[str, Any]
+) -> tuple[str, str]:
+    """``(task name, task id)`` the message a stage hands on (its state's next stage
+    ``next_stage``) is addressed to: this task itself when it runs that stage too
+    (:func:`runs_here`); else the next task of the chain, when a chain sent by an older client
+    has one; else the task that replaces this one (``Task.replace``), which keeps this task's
+    id, as Celery's own replace does, so the id the client holds ends up with the result."""
+    own = str(task.request.id or "")
+    if runs_here(task, next_stage, state, overrides):
+        return task.name, own
+    if next_stage != "repair":
+        name, task_id = next_in_chain(task)
+        if name:
+            return name, task_id
+    return STAGE_TASKS[next_stage], own
+
+
+def addressed(
+    task: Task, msg: dict[str, Any], state: LoopState, overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """``msg`` (a pass-through or a replayed output, with its decoded ``state``) addressed to
+    its consumer (:func:`consumer`): re-signed only when it names another task, and only after
+    it verified (it may come from the store)."""
+    return runtime.address(msg, *consumer(task, state.next, state, overrides))
+
+
+# --- signatures ------------------------------------------------------------------------------
+
+
+def stage_signature(
+    stage: str, msg: dict[str, Any], config: CritiqueConfig, submission: Submission
+) -> Any:
+    """The signature of the task that runs ``stage`` on ``msg``, routed for the submission:
+    Layer-0 and the critic to the critic's queue (:func:`critic_queue`: Layer-0 is a
+    submission's first stage, and the critic runs after it in the same task), the repair to
+    its reviser's (:func:`repair_queue`), ``decide`` and the gate by celeryconfig's routes."""
+    task: Task = app.tasks[STAGE_TASKS[stage]]
+    sig = task.s(msg)
+    if stage in ("l0", "critic"):
+        sig = sig.set(queue=critic_queue(config, submission))
+    elif stage == "repair":
+        queue = repair_queue(msg, submission)
+        if queue:
+            sig = sig.set(queue=queue)
+    return sig
+
+
+def submission_signature(
+    msg: dict[str, Any], config: CritiqueConfig, submission: Submission
+) -> Any:
+    """The one task a submission is sent as: Layer-0's, on its critic's queue, under the id
+    ``msg`` is addressed to (the client picks it before signing). The loop goes on in that task
+    and in the tasks that replace it, all under that id."""
+    sig = stage_signature("l0", msg, config, submission)
+    first_id = signing.addressee(msg)[1]
+    return sig.set(task_id=first_id) if first_id else sig
+
+
+def continuation(
+    msg: dict[str, Any], config: CritiqueConfig, submission: Submission, task_id: str
+) -> Any:
+    """The rest of a submission's pass from a stage message (its ``state.next``): the task
+    that runs that stage, under the pass's task id (the submission's, which the result lands
+    under). ``msg`` (read back from the store: it must verify) is re-addressed to it."""
+    state, _ = runtime.decode(msg)
+    msg = runtime.address(msg, STAGE_TASKS[state.next], task_id)
+    return stage_signature(state.next, msg, config, submission).set(task_id=task_id)
