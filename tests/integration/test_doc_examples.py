@@ -50,12 +50,20 @@ def run_python(code: str, name: str) -> str:
     return out.getvalue()
 
 
+SECRET = "docs-examples-secret-0123456789"
+"""The ``CRITIQUE_SECRET`` the docs' worker and commands share, as every deploy sets one."""
+
+
 @pytest.fixture(scope="module")
 def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One worker thread on the test Redis, without any provider key, so results arrive in
+    the order they were submitted, as the docs show them."""
     url = worker_db_url(redis_url)
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with client_on(url):
-        w = WorkerProcess(url, name="docs", log=log).start()
+    with client_on(url, CRITIQUE_SECRET=SECRET):
+        w = WorkerProcess(url, name="docs", concurrency=1, log=log)
+        w.env = {k: v for k, v in w.env.items() if not k.endswith("_API_KEY")}
+        w.start()
         try:
             yield url
         finally:
@@ -262,38 +270,21 @@ def test_the_transcripts_of_a_page_print_what_it_shows(
     run_transcripts(doc, tmp_path, offline_env(), redis=redis_url)
 
 
-SECRET = "docs-examples-secret-0123456789"
-"""The ``CRITIQUE_SECRET`` the page's worker and commands share, as every deploy sets one."""
-
-
-@pytest.fixture(scope="module")
-def operations_worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One worker thread on the test Redis, without any provider key, so results arrive in
-    the order they were submitted, as the page shows them."""
-    url = worker_db_url(redis_url)
-    log = tmp_path_factory.mktemp("logs") / "operations-worker.log"
-    with client_on(url, CRITIQUE_SECRET=SECRET):
-        w = WorkerProcess(url, name="ops", concurrency=1, log=log)
-        w.env = {k: v for k, v in w.env.items() if not k.endswith("_API_KEY")}
-        w.start()
-        try:
-            yield url
-        finally:
-            w.stop()
-
-
 def test_the_transcripts_of_docs_operations_print_what_it_shows(
-    operations_worker: str, tmp_path: Path
+    worker: str, tmp_path: Path
 ) -> None:
     """docs/operations.md's sessions, in order: the worker's own checks, ``submit`` (``--wait``,
     ``--json``, refusals), ``watch``, ``status``, ``report`` and ``archive`` of run q3-sales
     against a real worker; the archive folder reads as /srv/critique/archive."""
+    import redis
+
+    redis.Redis.from_url(worker).flushdb()  # a run of its own: q3-sales starts empty
     env = offline_env() | {
-        "REDIS_URL": operations_worker,
+        "REDIS_URL": worker,
         "CRITIQUE_SECRET": SECRET,
         "CRITIQUE_ARCHIVE_DIR": str(tmp_path / "archive"),
     }
-    run_transcripts("docs/operations.md", tmp_path, env, redis=operations_worker)
+    run_transcripts("docs/operations.md", tmp_path, env, redis=worker)
 
 
 def test_every_transcript_is_run_or_marked_illustrative() -> None:
