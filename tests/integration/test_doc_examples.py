@@ -70,7 +70,7 @@ def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
             w.stop()
 
 
-PYTHON_EXAMPLES = [("README.md", 0), ("docs/client.md", 0), ("docs/llm.md", 0)]
+PYTHON_EXAMPLES = [("README.md", 0), ("docs/client.md", 0), ("docs/llm.md", 0), ("docs/llm.md", 1)]
 
 
 @pytest.mark.parametrize(("doc", "index"), PYTHON_EXAMPLES)
