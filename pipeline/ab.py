@@ -1,4 +1,4 @@
-"""The A/B experiment's domain (SPEC §5.9): inputs, generation, the defect counter, the verdict.
+"""The A/B experiment's domain: inputs, generation, the defect counter, the verdict.
 
 ``critique ab`` (:mod:`workers.commands.ab`) runs each input × mode × repetition: mode **A**
 asks the worker model for the output and stops; mode **B** asks the same way and then runs the
@@ -74,7 +74,7 @@ CSV_COLUMNS: tuple[str, ...] = (
     "tokens_out",
     "loops",
 )
-"""``ab.csv``'s header, exactly (SPEC §5.9)."""
+"""``ab.csv``'s header, exactly (docs/llm.md, 'The A/B experiment')."""
 PASS_REDUCTION = 0.8
 """The verdict passes when B has at least this much fewer defects than A (relative)."""
 SOLUTION_FILE = "solution.py"

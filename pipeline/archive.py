@@ -1,4 +1,5 @@
-"""A run's durable record outside Redis (SPEC §4 "Bounded Redis"): one JSON Lines file per run.
+"""A run's durable record outside Redis, one JSON Lines file per run (docs/operations.md, 'The
+run archive').
 
 Redis keeps a run for its TTL only; before the run's keys expire (or when an operator runs
 ``critique archive RUN``) its full record goes to ``<archive dir>/<run-id>.jsonl``, and

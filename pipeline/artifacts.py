@@ -1,4 +1,4 @@
-"""Artifacts and the manager summary (SPEC §5.8).
+"""Artifacts and the manager summary.
 
 Per iteration the manager gets a JSON-safe summary (per-worker scores and defect counts, top
 prescriptions, known patterns, repair history); the same facts land on disk under

@@ -1,12 +1,12 @@
-"""Configuration (SPEC §3): the AWP workflow block → one typed, validated, frozen object.
+"""Configuration: the AWP workflow block → one typed, validated, frozen object.
 
 Sources, later ones win: defaults < ``workflow.awp.yaml``
 (``orchestration.delegation_loop.critique`` and ``observability.output_contract``)
 < environment (``CRITIQUE_<FIELD>``, nested fields with a double underscore:
 ``CRITIQUE_RUBRIC__TARGET_SCORE``) < explicit overrides (the client's).
 
-The trust boundary (SPEC §3 "Who may set what"): the workflow file and the environment are the
-operator's; overrides that come with a *submission* (the client's config, ``critique submit
+The trust boundary (docs/security.md, 'Who may set what'): the workflow file and the environment are
+the operator's; overrides that come with a *submission* (the client's config, ``critique submit
 --set``, a stage message's ``config``) are the manager's request and may only set policy.
 :data:`WORKER_ONLY` lists the fields that reach a network address, a secret or code, and
 :func:`check_submission_overrides` refuses a submission that sets one (or passes the worker's
@@ -140,13 +140,14 @@ class BudgetConfig(_Block):
 
     total_tokens: int | None = Field(None, ge=1)
     wait_s: float = Field(60.0, ge=0.0, le=3600.0)
-    """How long a repair whose reservation fits what is left of the cap once held tokens
-    settle waits for them, instead of being refused (SPEC §4); a worker waits at most half its
-    soft time limit. 0: refuse at once. A submission may lower it, never raise it."""
+    """How long a repair whose reservation fits what is left of the cap once held tokens settle
+    waits for them, instead of being refused (most held tokens come back at commit); a worker waits
+    at most half its soft time limit. 0: refuse at once. A submission may lower it, never raise
+    it."""
 
 
 class RateLimit(_Block):
-    """A cluster-wide LLM rate limit (SPEC §5.10): requests and tokens per minute, one Redis
+    """A cluster-wide LLM rate limit: requests and tokens per minute, one Redis
     bucket per model shared by every worker process (:mod:`pipeline.store.ratelimit`)."""
 
     rpm: int | None = Field(None, gt=0)
@@ -186,7 +187,7 @@ class LLMConfig(_Block):
     max_output_chars: int = Field(24_000, ge=1000)
     """Outputs longer than this reach the critic cut to head (3/4) + tail (1/4), and say so."""
     rate_limit: RateLimits | None = None
-    """Cluster-wide limits (SPEC §5.10): ``{rpm, tpm}`` for every model, or per model
+    """Cluster-wide limits: ``{rpm, tpm}`` for every model, or per model
     ``{model: {rpm, tpm}}`` (key ``"*"``: every model not named). Worker-only."""
 
     def rate_limit_for(self, model: str) -> RateLimit | None:
@@ -198,7 +199,7 @@ class LLMConfig(_Block):
 
 
 class CacheConfig(_Block):
-    """``cache`` (SPEC §5.10): identical outputs critiqued once, the envelope kept in Redis."""
+    """``cache``: identical outputs critiqued once, the envelope kept in Redis."""
 
     enabled: bool = False
     ttl_s: int = Field(86_400, gt=0)
@@ -231,7 +232,8 @@ class OutputContractConfig(_Block):
 
 
 class CritiqueConfig(_Block):
-    """``orchestration.delegation_loop.critique`` plus the output contract (SPEC §3)."""
+    """``orchestration.delegation_loop.critique`` plus the output contract
+    (docs/configuration.md)."""
 
     enabled: bool = False
     mode: Literal["inline", "dedicated"] = "inline"
@@ -251,9 +253,9 @@ class CritiqueConfig(_Block):
     budget: BudgetConfig = Field(default_factory=BudgetConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
-    """Worker-only: the critique cache (SPEC §5.10)."""
+    """Worker-only: the critique cache (docs/llm.md, 'Critique cache')."""
     paired_critic: bool = False
-    """A second critic call adjudicates the first one's defects before repair (SPEC §5.2)."""
+    """A second critic call adjudicates the first one's defects before repair."""
     paired_model: str | None = None
     """The adjudicator's model; null uses the critic's."""
     allowed_models: tuple[str, ...] = ()
@@ -302,8 +304,8 @@ class CritiqueConfig(_Block):
         return self.model or worker_model or None
 
     def uses_llm_critic(self, worker_model: str | None) -> bool:
-        """True when a submission with ``worker_model`` is critiqued by an LLM (SPEC §3:
-        ``auto`` means the LLM when a model resolves, else the heuristic)."""
+        """True when a submission with ``worker_model`` is critiqued by an LLM
+        (``auto`` means the LLM when a model resolves, else the heuristic)."""
         if self.critic == "llm":
             return True
         return self.critic == "auto" and self.critic_model(worker_model) is not None
@@ -475,7 +477,7 @@ def load_config(
         raise _explain(exc, "critique") from None
 
 
-# -- the trust boundary (SPEC §3 "Who may set what") ---------------------------------------------
+# -- the trust boundary (docs/security.md, 'Who may set what') ---------------------------------
 
 
 @dataclass(frozen=True)
@@ -646,7 +648,8 @@ def check_submission_overrides(
     worker: CritiqueConfig,
     env: Mapping[str, str] | None = None,
 ) -> None:
-    """Refuse configuration overrides a submission may not carry (SPEC §3 "Who may set what").
+    """Refuse configuration overrides a submission may not carry (docs/security.md, 'Who may set
+    what').
 
     ``worker`` is the worker's own configuration (workflow file + environment, no overrides),
     ``env`` its environment (default: this process's). Raises

@@ -1,4 +1,4 @@
-"""Convergence (SPEC §5.3, §5.4, §7): one round's decision, :func:`decide_round`.
+"""Convergence: one round's decision, :func:`decide_round`.
 
 :func:`decide_round` is pure: it takes the :class:`RoundFacts` of the round just critiqued and
 the configuration, and answers a :class:`RoundDecision` — ``accept``, ``repair`` or ``stop``
@@ -8,7 +8,8 @@ it needs and was not given (``fixpoint``, ``plan``, ``budget``). The decide stag
 plan, the budget's answer to the repair's reservation) and decides again, so each fact is
 looked up only when the rules get to it, in the order below. First match wins.
 
-Generic critics, round 1 (no repair yet), the band policy (SPEC §7):
+Generic critics, round 1 (no repair yet), the band policy (a critical defect repairs
+unless the score is in the escalate band):
 
     escalate_band        score < 0.3 → status ``escalated``, no repair
     (repair)             a critical defect, a Layer-0 error or score < 0.6
@@ -28,7 +29,7 @@ After a repair (generic critics), or any round (rubric critics):
 Then, when the loop would repair (or ran out of attempts after repairing):
 
     needs_model               the reviser's plan fixes nothing: what is left needs a model or a
-                              person (SPEC §5.3: the deterministic reviser invents nothing), so
+                              person (the deterministic reviser invents nothing), so
                               no round is spent on it → status ``escalated``
     repair_budget_exhausted   the repair-budget semaphore refused the next repair's reservation
 

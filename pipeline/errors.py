@@ -69,8 +69,8 @@ class ForgedMessageError(SubmissionError):
 
 
 class RefusedOverrideError(SubmissionError):
-    """A submission's configuration crosses the trust boundary (SPEC §3 "Who may set what"):
-    it sets a worker-only field (one that reaches a network address, a secret or code), asks
+    """A submission's configuration crosses the trust boundary (docs/security.md, 'Who may set
+    what'): it sets a worker-only field (one that reaches a network address, a secret or code), asks
     for more than the worker allows (``max_repair_attempts``, ``max_output_bytes``), or names
     a model outside the worker's ``allowed_models``. ``key`` is the dotted field. Refused at
     submit by the client and again by the worker before anything is imported or called."""

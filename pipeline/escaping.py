@@ -1,7 +1,8 @@
 """Worker-made text made inert where it is shown: on a terminal and in Markdown artifacts.
 
 Defect descriptions and locations, key names, file names and error fields come from worker
-output, which is data (SPEC §3), so wherever they are shown they must stay text.
+output, which is data (docs/security.md, 'Untrusted output'), so wherever they are shown they
+must stay text.
 
 - :func:`escape_controls`: every control, format or line-separator character (ESC, BEL, C1
   controls, bidi overrides, zero-width characters, lone surrogates) becomes a visible escape

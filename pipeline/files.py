@@ -1,4 +1,5 @@
-"""A submission's files as bytes and text, read through an injected reader (DESIGN habit 6).
+"""A submission's files as bytes and text, read through an injected reader (the outside world is
+passed in, so tests and the worker read files the same way).
 
 A :class:`~pipeline.models.FileRef` carries its content inline (``content``) or by reference
 (``blob``, a content-addressed store key), or neither (metadata only). The pure domain never

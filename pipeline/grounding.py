@@ -1,4 +1,4 @@
-"""Filesystem grounding (SPEC §5.5): the workspace snapshot is the truth a critic must respect.
+"""Filesystem grounding: the workspace snapshot is the truth a critic must respect.
 
 The snapshot is the submission's ``files`` (path, size, sha256): the worker's workspace as the
 manager sent it. Two jobs: render it into the critic prompt as authoritative

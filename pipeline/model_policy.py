@@ -1,5 +1,5 @@
 """Which models a submission may make the worker call, and where the product's key may go
-(SPEC §3 "Who may set what"; issue 28, item 3).
+(docs/security.md, 'Models, addresses and keys'; issue 28, item 3).
 
 A model name chooses more than a model: litellm routes ``ollama/x`` to ``localhost:11434``,
 ``llamafile/x`` to ``127.0.0.1:8080``, ``bedrock/x`` through the worker's AWS credentials and

@@ -1,4 +1,4 @@
-"""The data model (SPEC §2): frozen, JSON-safe pydantic v2 values.
+"""The data model: frozen, JSON-safe pydantic v2 values.
 
 Every value that crosses the broker is one of these models dumped with ``model_dump(mode="json")``.
 Field names follow the AWP seed where it names them. ``SCHEMA_VERSION`` is stamped on the
@@ -325,7 +325,7 @@ class Suggestion(Frozen):
 
 
 def band_for(score: float) -> Band:
-    """Score band (SPEC §5.2): ≥0.9 accept, ≥0.6 with warnings, ≥0.3 repair, else escalate."""
+    """Score band: ≥0.9 accept, ≥0.6 with warnings, ≥0.3 repair, else escalate."""
     if score >= 0.9:
         return "accept"
     if score >= 0.6:
@@ -336,7 +336,7 @@ def band_for(score: float) -> Band:
 
 
 def effort_for(defect_count: int) -> Effort:
-    """``trivial`` for ≤1 defect, ``moderate`` for ≤3, ``major`` otherwise (SPEC §2)."""
+    """``trivial`` for ≤1 defect, ``moderate`` for ≤3, ``major`` otherwise."""
     if defect_count <= 1:
         return "trivial"
     if defect_count <= 3:
@@ -382,7 +382,7 @@ class CritiqueEnvelope(Frozen):
     @computed_field  # type: ignore[prop-decorator]
     @property
     def band(self) -> Band:
-        """The score band (SPEC §5.2): :func:`band_for` of ``score``."""
+        """The score band: :func:`band_for` of ``score``."""
         return band_for(self.score)
 
     @computed_field  # type: ignore[prop-decorator]
@@ -436,7 +436,7 @@ class Pattern(Frozen):
 
 
 class Lesson(Frozen):
-    """A failure pattern that recurred across runs (SPEC §5.7): kept without the run TTL."""
+    """A failure pattern that recurred across runs: kept without the run TTL."""
 
     category: str
     runs: int = Field(ge=1)
@@ -461,7 +461,8 @@ class GateEvent(Frozen):
 
 
 class DefectRef(Frozen):
-    """A defect as the per-round diff matches it: by (category, location) (SPEC §5.4)."""
+    """A defect as the per-round diff matches it: by (category, location) (docs/pipeline.md,
+    'Defect diff per round')."""
 
     category: str
     location: str | None = None
@@ -472,7 +473,7 @@ class DefectRef(Frozen):
 
 
 class RoundTrace(Frozen):
-    """One round of the critique loop (SPEC §5.4)."""
+    """One round of the critique loop, as the trace and the result carry it."""
 
     round: int = Field(ge=0)
     score: float
@@ -544,7 +545,7 @@ class CritiqueResult(Frozen):
     """Tokens this pass charged to the run's repair budget (what providers reported for its
     reserved repairs; token-free repairs reserve and charge nothing)."""
     pass_id: str = ""
-    """The pass (one submit of this submission, SPEC §4) this result belongs to."""
+    """The pass (one submit of this submission; docs/client.md, 'Passes') this result belongs to."""
     notes: tuple[str, ...] = ()
     """Things the user should know (e.g. no total budget configured; fallback critic used)."""
 

@@ -1,4 +1,4 @@
-"""Pattern memory as text (SPEC §5.7): the "Known Pitfalls" block and ``lessons.md``.
+"""Pattern memory as text: the "Known Pitfalls" block and ``lessons.md``.
 
 The pitfalls block is injected into the next worker's and the repairer's prompts, so its format
 is fixed byte for byte (the seed's ``- [seen Nx] category: prevention_rule`` lines), followed by
@@ -241,7 +241,7 @@ def patterns_from_envelope(
     envelope: CritiqueEnvelope, limit: int = MAX_PATTERNS_PER_CRITIQUE, output: Any = None
 ) -> list[ReusablePattern]:
     """What a critique teaches the run: its reusable patterns, plus uncovered defects — at
-    most ``limit`` (SPEC §3: 20 per critique), chosen deterministically.
+    most ``limit`` (20 per critique by default), chosen deterministically.
 
     Every critical or warning defect (not a grounding false positive) that no reusable pattern
     of the same category and description covers adds a structural pattern

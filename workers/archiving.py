@@ -1,5 +1,5 @@
-"""Archiving runs before Redis lets them go, and reading them back after (SPEC §4 "Bounded
-Redis"; the file format: :mod:`pipeline.archive`).
+"""Archiving runs before Redis lets them go, and reading them back after (docs/operations.md,
+'The run archive'; the file format: :mod:`pipeline.archive`).
 
 :func:`archive_run` reads a run's full record from the store (every verified result with its
 rounds, attempts and notes, failures, completion-gate decisions, the trace, the pattern counts

@@ -4,8 +4,8 @@ language (docs/entry.md).
 An entry message is the one argument of a ``critique.submit`` task on ``critique.cpu``::
 
     {"v": 1,
-     "submission": {...},              # a pipeline.models.Submission (SPEC §2) as JSON
-     "config": {...},                  # optional: policy overrides (SPEC §3), as CritiqueClient's
+     "submission": {...},              # a pipeline.models.Submission as JSON
+     "config": {...},                  # optional: policy overrides, as CritiqueClient's
      "task_name": "critique.submit",   # the task and task id the message is sent as: required
      "task_id": "<the message's id>",  #   when signed, so it cannot be replayed under another id
      "sig": "hmac-sha256:<hex>"}       # with CRITIQUE_ENTRY_SECRET (else CRITIQUE_SECRET) set
@@ -83,7 +83,9 @@ def decode_entry(msg: Any, *, task_name: str, task_id: str) -> tuple[Submission,
         raise SubmissionError("entry message: 'config' must be an object")
     doc = msg.get("submission")
     if not isinstance(doc, dict):
-        raise SubmissionError("entry message: 'submission' must be an object (SPEC §2)")
+        raise SubmissionError(
+            "entry message: 'submission' must be an object (a pipeline.models.Submission)"
+        )
     try:
         sub = Submission.model_validate(doc)
     except ValidationError as exc:

@@ -1,4 +1,4 @@
-"""The run's HTML report (SPEC §6 ``critique report``): one self-contained, deterministic file.
+"""The run's HTML report (``critique report``): one self-contained, deterministic file.
 
 Inline CSS, inline SVG charts, no JavaScript, no external assets (fonts, CDNs, images), so it
 opens from disk anywhere. Every string that comes from a worker's output or a critic's text is
@@ -146,7 +146,7 @@ def _totals(
         ("mean original score", _score(_mean(r.original_score for r in results))),
         ("mean best score", _score(_mean(r.best_score for r in results))),
         ("repair attempts", str(sum(len(r.attempts) for r in results))),
-        # What providers reported (SPEC §5.3), never an estimate: token-free critics and
+        # What providers reported, never an estimate: token-free critics and
         # revisers report 0, so a run without a model shows 0 here as the budget line does.
         ("repair tokens (reported)", str(sum(r.repair_usage.tokens for r in results))),
         ("all tokens (reported)", str(sum(r.usage.tokens for r in results))),
@@ -231,7 +231,7 @@ def trajectory_svg(result: CritiqueResult) -> str:
             f'y2="{ty:.1f}"/><text x="{_PAD_L - 6}" y="{ty + 3:.1f}" text-anchor="end">'
             f"{tick:.2f}</text>"
         )
-    for band in (0.3, 0.6, 0.9):  # the score bands of SPEC §5.2
+    for band in (0.3, 0.6, 0.9):  # the score bands: escalate, repair, warnings, accept
         by = y(band)
         out.append(
             f'<line class="band" x1="{_PAD_L}" y1="{by:.1f}" x2="{CHART_W - _PAD_R}" '
@@ -284,7 +284,8 @@ def _refs_html(refs: Sequence[DefectRef]) -> str:
 
 
 def _defect_diffs(r: CritiqueResult) -> str:
-    """Per repair: the defects it fixed, introduced (new) or brought back (SPEC §5.4)."""
+    """Per repair: the defects it fixed, introduced (new) or brought back (docs/pipeline.md,
+    'Defect diff per round')."""
     items = []
     for t in r.trace:
         if t.fixed is None:

@@ -192,7 +192,8 @@ def config_for(overrides: dict[str, Any] | None) -> CritiqueConfig:
     The overrides come with a submission (the client's config, a stage message's ``config``),
     so they are checked first against this process's own configuration (workflow file +
     environment, no overrides): ``RefusedOverrideError`` for a worker-only field or a limit
-    passed (SPEC §3), before anything is built, imported or called. Only what passed is cached.
+    passed (docs/security.md, 'Who may set what'), before anything is built, imported or
+    called. Only what passed is cached.
     """
     key = json.dumps(overrides or {}, sort_keys=True)
     with _config_lock:
@@ -278,7 +279,7 @@ def encode(
 ) -> dict[str, Any]:
     """A message carrying ``state``: inline when small, else by blob reference.
 
-    ``sid`` identifies one submission's pass through the pipeline (SPEC §4 "Passes": new for
+    ``sid`` identifies one submission's pass through the pipeline (docs/client.md, 'Passes': new for
     every ``submit``, kept by every stage after it), so a resubmission never replays an earlier
     pass's steps. Default: the state's ``pass_id``, else a fresh one (:func:`new_pass_id`).
     ``task`` and ``task_id``: the Celery task the message is addressed to (omitted when empty:

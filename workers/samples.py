@@ -9,7 +9,7 @@ on the token-free critics (heuristic, rubric) and the deterministic revisers, so
 no API key, and each one states the status and stop reason it must end with — the same through
 the broker-free runner and through Celery workers.
 
-The token-free reviser invents nothing (SPEC §5.3): it repairs what it can fix exactly (a
+The token-free reviser invents nothing: it repairs what it can fix exactly (a
 verbatim repeated paragraph, a placeholder-only line, a duplicate heading, JSON in a code fence,
 a confidence written as text) and ends everything else ``escalated`` / ``needs_model`` — a
 missing field or section, an ``error`` field, a placeholder inside a sentence — so the manager

@@ -1,4 +1,4 @@
-"""Layer-0 output contract (SPEC §5.1): deterministic, token-free checks before any critic.
+"""Layer-0 output contract: deterministic, token-free checks before any critic.
 
 ``build_suite(config)`` turns ``observability.output_contract`` into a :class:`ContractSuite`;
 ``run_contract`` / ``check_submission`` run it and return a :class:`ContractReport` whose

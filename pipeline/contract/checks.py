@@ -1,4 +1,5 @@
-"""The six default Layer-0 checks (SPEC §5.1), reading one shared scan of each document.
+"""The six default Layer-0 checks (docs/pipeline.md, 'Layer-0 contract'), reading one shared
+scan of each document.
 
 Each check is an :class:`~pipeline.contract.models.OutputContractCheck`: called alone it scans
 the document itself; inside a :class:`~pipeline.contract.ContractSuite` all built-in checks read
@@ -22,7 +23,8 @@ MAX_FAILURES_PER_CHECK = 20
 SIZE_DELTA_LIMIT = 2.5
 SIZE_DELTA_MIN_GROWTH = 1024
 """Growth (bytes) below which ``file_size_delta`` never fires: adding two fields to a 50-byte
-JSON result is not a runaway repair, whatever the ratio (a deliberate addition to SPEC §5.1)."""
+JSON result is not a runaway repair, whatever the ratio (docs/design-decisions.md, 'Layer-0 output
+contract')."""
 LOOP_CONFIRM_MIN_JACCARD = 0.3
 """A simhash near-duplicate is confirmed when the two paragraphs share at least this Jaccard
 fraction of their word 3-grams. Chance collisions of unrelated paragraphs (about one pair in

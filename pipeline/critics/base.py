@@ -1,4 +1,4 @@
-"""The critic and reviser protocols every implementation follows (SPEC §5.2, §5.3).
+"""The critic and reviser protocols every implementation follows.
 
 A critic scores one output and lists its defects; a reviser applies a critique's prescriptions to
 produce the next output. Both are plain objects with one method, so an LLM critic, the rubric
@@ -24,10 +24,10 @@ Optional capabilities are protocols of their own, checked with ``isinstance``:
 - :class:`Planner` (``plan(submission, output, envelope)``): a reviser that knows in advance
   what it can fix (a deterministic one) returns the revision ``revise`` would return, without
   side effects. The runner asks it before spending a repair round: when the plan fixes nothing,
-  the loop stops with ``needs_model`` and lists the plan's ``unfixable`` defects (SPEC §5.3).
+  the loop stops with ``needs_model`` and lists the plan's ``unfixable`` defects.
   A plan of None (an LLM with a model) means it may fix anything.
-- :class:`PromptedReviser` and :class:`SizedCritic` (the repair budget, SPEC §5.3): a reviser
-  that sends the SPEC §5.3 repair prompt to a model sizes its call from that prompt
+- :class:`PromptedReviser` and :class:`SizedCritic` (the repair budget, docs/pipeline.md, 'The
+  repair budget'): a reviser that sends the repair prompt to a model sizes its call from that prompt
   (``repair_bound(..., prompt=...) -> (tokens, output_tokens)``) and takes it ready-made
   (``revise(..., prompt=...)``), so the runner renders it once per round; a critic's
   ``critique_bound(submission, output, *, output_tokens, pitfalls, round) -> tokens`` sizes a
@@ -158,7 +158,7 @@ class Planner(Protocol):
 
 @runtime_checkable
 class PromptedReviser(Protocol):
-    """A reviser that sends the SPEC §5.3 repair prompt to a model: the runner renders the
+    """A reviser that sends the repair prompt to a model: the runner renders the
     prompt once per round (:func:`pipeline.repair.build_repair_prompt`), sizes the call with
     :meth:`repair_bound` and hands the same prompt to ``revise(..., prompt=...)``."""
 
@@ -192,7 +192,7 @@ class PromptedReviser(Protocol):
 
 @runtime_checkable
 class SizedCritic(Protocol):
-    """A critic that can size one critique call of a repaired output (SPEC §5.3)."""
+    """A critic that can size one critique call of a repaired output, for the repair budget."""
 
     def critique_bound(
         self,
@@ -219,7 +219,7 @@ def l0_prescription(defect: Defect) -> str:
 
 
 def merge_l0(envelope: CritiqueEnvelope, l0_defects: Sequence[Defect]) -> CritiqueEnvelope:
-    """The token-free envelope used when Layer-0 failed (SPEC §5.1: no critic tokens spent).
+    """The token-free envelope used when Layer-0 failed (no critic tokens are spent then).
 
     Rule: take a token-free critic's envelope (the heuristic, or a deterministic critic), put the
     L0 defects first, and subtract 0.2 per L0 error (critical) and 0.1 per L0 warning, clamped

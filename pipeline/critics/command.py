@@ -1,9 +1,10 @@
-"""The command critic (SPEC §5.2): the worker's own test or lint command judges a code output.
+"""The command critic: the worker's own test or lint command judges a code output.
 
-``critic: command`` runs the argv of the worker's ``command`` setting (worker-only, SPEC §3: a
-submission may choose the critic, never the argv) with ``command_timeout_s``, confined by
-:mod:`pipeline.sandbox`: a fresh temp dir, a scrubbed environment, resource limits, the process
-group killed at the limit, no network where ``unshare -rn`` works.
+``critic: command`` runs the argv of the worker's ``command`` setting (worker-only, see
+docs/security.md, 'Who may set what': a submission may choose the critic, never the argv) with
+``command_timeout_s``, confined by :mod:`pipeline.sandbox`: a fresh temp dir, a scrubbed
+environment, resource limits, the process group killed at the limit, no network where
+``unshare -rn`` works.
 
 **The workspace.** Every file of the submission (inline, or by reference through the injected
 reader, :mod:`pipeline.files`) at its relative path, plus the output being critiqued written as

@@ -1,5 +1,4 @@
-"""Text edits a token-free reviser can vouch for (SPEC §5.3: the deterministic reviser invents
-nothing).
+"""Text edits a token-free reviser can vouch for (the deterministic reviser invents nothing).
 
 Each Layer-0 defect of a text output is either fixed by one of these edits or refused with the
 reason; no edit writes a word the output did not already hold (a renamed heading gains only its

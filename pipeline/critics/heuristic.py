@@ -1,4 +1,4 @@
-"""The heuristic critic (SPEC §5.2) and its deterministic reviser.
+"""The heuristic critic and its deterministic reviser.
 
 The heuristic answers when no LLM is available (or the LLM failed) and builds the token-free
 envelope when Layer-0 fails. Penalty table, starting from 1.0 and clamped to [0, 1]:
@@ -27,7 +27,7 @@ twenty). An output key therefore never carries its text into pattern memory, les
 repair prompt; an ``error`` field's text is not quoted either. Only a prescription may name a
 required field as the manager wrote it.
 
-The reviser (:class:`HeuristicReviser`) invents nothing (SPEC §5.3): of these defects it fixes
+The reviser (:class:`HeuristicReviser`) invents nothing: of these defects it fixes
 only a numeric-string ``confidence`` ("0.8" → 0.8) and, in text outputs, the Layer-0 defects
 :mod:`pipeline.critics.edits` can fix exactly; every other defect it returns as unfixable.
 """
@@ -357,7 +357,7 @@ def _note(fixed: Sequence[str], refused: Sequence[Refusal]) -> str | None:
 
 
 class HeuristicReviser:
-    """The token-free reviser: makes only the edits it can vouch for (SPEC §5.3).
+    """The token-free reviser: makes only the edits it can vouch for.
 
     It deletes a verbatim repeated paragraph, drops a line holding nothing but a placeholder,
     suffixes a duplicate heading, removes what keeps exact JSON from parsing, and writes a

@@ -1,4 +1,4 @@
-"""The deterministic rubric critic and its reviser (SPEC §5.2; seed: critic-loop convergence).
+"""The deterministic rubric critic and its reviser: the critic-loop convergence pair.
 
 A paper is ``{title, abstract, originality_tag: low|medium|high, sections: [{id, title, body,
 figure_refs: [], cites: []}]}``. Five dimensions, each 0–10:
@@ -13,7 +13,8 @@ Score = weighted mean over the configured dimensions / 10. Every dimension below
 yields one :class:`Suggestion` and one ``warning`` defect; the reviser applies each suggestion
 as an append-style edit, so a revised draft scores higher on exactly that dimension.
 
-The pair is the documented demo and test pair of SPEC §5.2, not a token-free way to improve a
+The pair is the documented demo and test pair (docs/pipeline.md, 'The critique loop
+without a broker'), not a token-free way to improve a
 real paper: :class:`DeterministicReviser` writes the edits the critic suggested with stock text
 (generic sentences, placeholder figure and citation ids, a raised originality tag) that says
 nothing about the paper. Every revision says so in its note, which reaches the result's notes.
@@ -210,7 +211,7 @@ def _check_dimensions(rubric: RubricConfig) -> None:
 
 
 class RubricCritic:
-    """The deterministic rubric critic: token-free, so its usage is 0 (SPEC §5.3)."""
+    """The deterministic rubric critic: token-free, so its usage is 0."""
 
     name = "rubric"
     token_free = True
@@ -307,7 +308,7 @@ DEMO_NOTE = (
 class DeterministicReviser:
     """Applies rubric suggestions as append-style edits; touches nothing they do not name.
 
-    The demo half of the deterministic pair (SPEC §5.2): the text it adds is stock text, and
+    The demo half of the deterministic pair: the text it adds is stock text, and
     each revision's note says so (:data:`DEMO_NOTE`).
     """
 

@@ -1,4 +1,4 @@
-"""Test and lint output → failures (the command critic, SPEC §5.2). Pure: text in, values out.
+"""Test and lint output → failures (the command critic). Pure: text in, values out.
 
 One :class:`ToolFailure` per failure, with the file and line inside the command's workspace,
 the message, and — where the tool says them — the expected and actual values:

@@ -1,4 +1,4 @@
-"""The store protocols every stage talks to (SPEC §4)."""
+"""The store protocols every stage talks to."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def encode_event(event: Mapping[str, Any]) -> str:
 
 
 MAX_PATTERNS_PER_CRITIQUE = 20
-"""SPEC §3: pattern memory records at most this many patterns per critique. Which ones is
+"""Pattern memory records at most this many patterns per critique. Which ones is
 decided by :func:`pipeline.pitfalls.patterns_from_envelope`; the stores keep the first this
 many distinct patterns they are given (a guard for any other caller)."""
 MAX_PATTERNS_PER_RUN = 1000
@@ -126,8 +126,8 @@ class BudgetLedger(Protocol):
       reported usage is never under-counted. A repeated commit charges nothing more and returns
       the first charge. An unknown lease charges nothing (0).
     - ``refund`` of a live lease releases its hold; of anything else it does nothing.
-    - ``ask`` with a wait (SPEC §4, "the budget waits rather than refuses while tokens are only
-      held"): a reservation that fits ``cap − spent`` but not ``cap − spent − held − queued``
+    - ``ask`` with a wait (the budget waits rather than refuses while tokens are only held): a
+      reservation that fits ``cap − spent`` but not ``cap − spent − held − queued``
       answers ``wait`` until ``wait_s`` has passed since its first such answer (kept per lease,
       so the bound holds across re-asks from other processes); ``queued`` are the tokens of
       reservations that started waiting before it (first come, first served), each counted
@@ -186,7 +186,7 @@ class TraceSink(Protocol):
 
 
 class CritiqueCache(Protocol):
-    """Critique envelopes by content key (SPEC §5.10), shared by every run and worker."""
+    """Critique envelopes by content key, shared by every run and worker."""
 
     def get(self, key: str) -> str | None:
         """The cached envelope JSON, or None."""

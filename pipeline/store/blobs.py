@@ -1,6 +1,6 @@
 """Content-addressed blobs: large outputs and files travel as ``sha256:<hex>`` references.
 
-Messages carry references, not megabytes (SPEC §4). A blob's key is its content hash, so the
+Messages carry references, not megabytes. A blob's key is its content hash, so the
 same bytes stored by two runs share one key (``<prefix>:blob:<hex>``, no run hash tag); every
 ``put`` (re)sets the blob's expiry to the store's TTL, so a blob lives as long as its last writer
 needs it. ``get`` re-hashes what it reads, so a reference always yields the bytes it names.

@@ -1,4 +1,4 @@
-"""The critique cache in Redis (SPEC §5.10): envelopes by content key, shared by every worker.
+"""The critique cache in Redis: envelopes by content key, shared by every worker.
 
 ``<prefix>:cache:critique:<sha256>`` holds an envelope's JSON with the configured TTL;
 ``<prefix>:cache:claim:<sha256>`` (SET NX PX) lets the first of several concurrent identical

@@ -1,4 +1,4 @@
-"""Cluster-wide LLM rate limits (SPEC §5.10): one GCRA bucket pair per model in Redis.
+"""Cluster-wide LLM rate limits: one GCRA bucket pair per model in Redis.
 
 Every worker process on every machine asks the same Lua script for a slot before each LLM
 call, so a fleet stays under the provider's requests-per-minute and tokens-per-minute limits

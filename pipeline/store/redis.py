@@ -1,4 +1,4 @@
-"""Redis implementations of the run stores (SPEC §4), behind the protocols of ``base``.
+"""Redis implementations of the run stores, behind the protocols of ``base``.
 
 Each store takes an injected client (:data:`~pipeline.store.redis_common.StoreClient`: a
 ``redis.Redis``, or a ``redis.cluster.RedisCluster``; ``decode_responses`` False or True: both

@@ -1,7 +1,9 @@
 """The examples in README.md and docs/ print what the docs show: each fenced Python example
-runs against a real Redis and a real Celery worker and its stdout is compared line by line with
-the ``text`` block after it; each ``$ critique …`` transcript that needs no service (``l0``,
-``loop``) is run in a fresh folder and compared with the lines under it."""
+(README.md, docs/client.md, docs/llm.md) runs against a real Redis and a real Celery worker and
+its stdout is compared line by line with the ``text`` block after it; each ``$ command``
+transcript of docs/pipeline.md, operations.md, configuration.md, security.md and demo.md is run
+and compared with the lines under it (operations.md's against a real worker, in page order).
+Blocks marked illustrative in the doc, each saying why, are the only ones not run."""
 
 from __future__ import annotations
 
@@ -48,19 +50,27 @@ def run_python(code: str, name: str) -> str:
     return out.getvalue()
 
 
+SECRET = "docs-examples-secret-0123456789"
+"""The ``CRITIQUE_SECRET`` the docs' worker and commands share, as every deploy sets one."""
+
+
 @pytest.fixture(scope="module")
 def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One worker thread on the test Redis, without any provider key, so results arrive in
+    the order they were submitted, as the docs show them."""
     url = worker_db_url(redis_url)
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with client_on(url):
-        w = WorkerProcess(url, name="docs", log=log).start()
+    with client_on(url, CRITIQUE_SECRET=SECRET):
+        w = WorkerProcess(url, name="docs", concurrency=1, log=log)
+        w.env = {k: v for k, v in w.env.items() if not k.endswith("_API_KEY")}
+        w.start()
         try:
             yield url
         finally:
             w.stop()
 
 
-PYTHON_EXAMPLES = [("README.md", 0), ("docs/client.md", 0)]
+PYTHON_EXAMPLES = [("README.md", 0), ("docs/client.md", 0), ("docs/llm.md", 0), ("docs/llm.md", 1)]
 
 
 @pytest.mark.parametrize(("doc", "index"), PYTHON_EXAMPLES)
@@ -69,7 +79,12 @@ def test_a_python_example_prints_what_its_doc_shows(worker: str, doc: str, index
 
     redis.Redis.from_url(worker).flushdb()  # the examples reuse run ids: start clean
     code, shown = example_pairs(doc)[index]
-    got = run_python(code, doc)
+    saved = dict(os.environ)
+    try:
+        got = run_python(code, doc)
+    finally:  # an example may set variables, as a worker's environment would hold them
+        os.environ.clear()
+        os.environ.update(saved)
     assert got.rstrip("\n").split("\n") == shown.rstrip("\n").split("\n")
 
 
@@ -80,56 +95,183 @@ def test_the_readme_client_example_prints_why_analyst_02_escalated() -> None:
     assert "analyst_02 escalated (needs_model, 0 repairs) 0.80 → 0.80: missing_data at " in shown
 
 
-# --- `$ critique …` transcripts of commands that need no Redis -------------------------------
+# --- `$ command` transcripts -----------------------------------------------------------------
+#
+# A transcript is a fenced block (untagged, ``text`` or ``console``) whose first line starts with
+# ``$ ``: each ``$ `` line is a command (a line ending in ``\`` continues it), the lines under it
+# what it prints (stdout and stderr together, in the order the doc shows). The blocks of one
+# page run in document order in one fresh folder, so a later block sees what an earlier one made
+# (files, submissions). In the expected lines ``...`` stands for the rest of a line and a line
+# holding only ``…`` for any number of lines; times, task ids, Redis URLs and the checkout's path
+# are masked on both sides. ``$ cat FILE`` shows a file the steps use: the test writes it from
+# the lines shown when the folder lacks it. A block right under a line starting with
+# ``*Illustrative`` is not run (that line says why).
 
-_TIMING = re.compile(r"\b\d+(\.\d+)? ms\b|\"elapsed_ms\": [\d.]+")
+ILLUSTRATIVE = "*Illustrative"
+
+_MASKS = [
+    (re.compile(r"\b\d+(\.\d+)? ?ms\b"), "<t>"),
+    (re.compile(r"\b\d+(\.\d+)? s\b"), "<t>"),
+    (re.compile(r"\"elapsed_(ms|s)\": ?[\d.]+"), '"elapsed": <t>'),
+    (re.compile(r"[0-9a-f]{8}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{4}-?[0-9a-f]{12}"), "<id>"),
+    (re.compile(r"\"pass_id\": \"[0-9a-f]{16}\""), '"pass_id": <id>'),
+    (re.compile(r"\b\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\b"), "<date>"),
+    (re.compile(r"redis://[\w.:@-]+/\d+"), "<redis>"),
+]
 
 
-def transcripts(doc: str) -> list[list[tuple[str, list[str]]]]:
-    """Each untagged block of ``$ ``-prefixed commands: [(command, expected lines)]."""
-    out = []
-    for lang, body in blocks(doc):
-        if lang or not body.startswith("$ "):
-            continue
-        steps: list[tuple[str, list[str]]] = []
-        for line in body.rstrip("\n").split("\n"):
-            if line.startswith("$ "):
-                steps.append((line[2:], []))
+class Transcript:
+    """One transcript block of a doc: where it starts and its (command, expected lines) steps."""
+
+    def __init__(self, doc: str, line: int, body: str, illustrative: bool) -> None:
+        self.doc, self.line, self.illustrative = doc, line, illustrative
+        self.steps: list[tuple[str, list[str]]] = []
+        lines = body.rstrip("\n").split("\n")
+        i = 0
+        while i < len(lines):
+            line_ = lines[i]
+            if line_.startswith("$ "):
+                command = line_[2:]
+                while command.endswith("\\") and i + 1 < len(lines):
+                    i += 1
+                    command = command[:-1] + "\n" + lines[i]
+                self.steps.append((command, []))
             else:
-                steps[-1][1].append(line)
-        out.append(steps)
+                self.steps[-1][1].append(line_)
+            i += 1
+
+
+def doc_transcripts(doc: str) -> list[Transcript]:
+    """Every transcript block of ``doc``, in document order."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    out = []
+    for m in FENCE.finditer(text):
+        lang, body = m.group(1), m.group(2)
+        if lang not in ("", "text", "console") or not body.startswith("$ "):
+            continue
+        before = text[: m.start()].rstrip("\n").rsplit("\n\n", 1)[-1]  # the paragraph above
+        line = text[: m.start()].count("\n") + 1
+        out.append(Transcript(doc, line, body, before.startswith(ILLUSTRATIVE)))
     return out
 
 
+def transcripts(doc: str) -> list[list[tuple[str, list[str]]]]:
+    """The steps of each transcript of ``doc`` that the tests run."""
+    return [t.steps for t in doc_transcripts(doc) if not t.illustrative]
+
+
+def _mask(line: str) -> str:
+    line = line.replace(str(Path(sys.executable).parent), "/path/to/critique-pipeline/.venv/bin")
+    for rx, to in _MASKS:
+        line = rx.sub(to, line)
+    return line.rstrip()
+
+
 def _same(expected: str, got: str) -> bool:
-    """Equal once timings are masked; ``...`` in the doc stands for the rest of the line."""
-    e, g = _TIMING.sub("<t>", expected), _TIMING.sub("<t>", got)
-    if "..." in e:
-        return g.startswith(e.split("...")[0])
-    return e == g
+    """Equal once times and ids are masked; ``...`` or ``…`` in the doc stands for any text."""
+    e, g = _mask(expected), _mask(got)
+    parts = re.split(r"\.\.\.|…", e)
+    if len(parts) == 1:
+        return e == g
+    return re.fullmatch(".*".join(re.escape(p.strip(" ")) for p in parts), g.strip()) is not None
 
 
-@pytest.mark.parametrize("index", range(len(transcripts("docs/pipeline.md"))))
-def test_a_cli_transcript_prints_what_docs_pipeline_shows(index: int, tmp_path: Path) -> None:
+def _matches(expected: list[str], got: list[str]) -> bool:
+    """``got`` line by line as ``expected`` shows it, a ``…`` line standing for any lines."""
+    if not expected:
+        return not got
+    if expected[0] == "…":
+        return any(_matches(expected[1:], got[i:]) for i in range(len(got) + 1))
+    return bool(got) and _same(expected[0], got[0]) and _matches(expected[1:], got[1:])
+
+
+def offline_env() -> dict[str, str]:
+    """This process's environment without any critique, Redis, broker or provider setting."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith("CRITIQUE_") and k not in ("REDIS_URL", "CELERY_BROKER_URL")
+        if not k.startswith(("CRITIQUE_", "CELERY_"))
+        and k != "REDIS_URL"
+        and not k.endswith("_API_KEY")
     }
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    (tmp_path / "tests" / "fixtures").mkdir(parents=True)
+    env["PYTHONPATH"] = str(ROOT)
+    env["COLUMNS"] = "200"
+    return env
+
+
+def run_transcripts(doc: str, folder: Path, env: dict[str, str], redis: str | None = None) -> None:
+    """Run every transcript of ``doc`` that is not illustrative, in order, in ``folder``.
+
+    With ``redis``, a ``redis://127.0.0.1:6379/N`` in a command means database N of that server
+    (never the machine's own Redis)."""
+    (folder / "tests" / "fixtures").mkdir(parents=True, exist_ok=True)
     for f in (ROOT / "tests" / "fixtures").glob("*.json"):
-        (tmp_path / "tests" / "fixtures" / f.name).write_bytes(f.read_bytes())
+        (folder / "tests" / "fixtures" / f.name).write_bytes(f.read_bytes())
     last = 0
-    for command, expected in transcripts("docs/pipeline.md")[index]:
-        if command == "echo $?":
-            assert expected == [str(last)]
+    for block in doc_transcripts(doc):
+        if block.illustrative:
             continue
-        done = subprocess.run(
-            ["bash", "-c", command], cwd=tmp_path, env=env, capture_output=True, text=True
-        )
-        last = done.returncode
-        got = done.stdout.rstrip("\n").split("\n") if done.stdout else []
-        assert len(got) == len(expected), (command, done.stdout, done.stderr)
-        for e, g in zip(expected, got, strict=True):
-            assert _same(e, g), (command, e, g)
+        for command, expected in block.steps:
+            where = f"{doc}:{block.line}: $ {command}"
+            if command == "echo $?":
+                assert expected == [str(last)], where
+                continue
+            cat = re.fullmatch(r"cat (\S+)(\s+#.*)?", command)
+            if cat and not (folder / cat.group(1)).exists():
+                (folder / cat.group(1)).write_text("\n".join(expected) + "\n", encoding="utf-8")
+            if redis:
+                command = command.replace("redis://127.0.0.1:6379/", redis.rsplit("/", 1)[0] + "/")
+            done = subprocess.run(
+                ["bash", "-c", command],
+                cwd=folder,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=300,
+            )
+            last = done.returncode
+            out = done.stdout.replace(str(folder), "/srv/critique")  # the page's folder
+            got = out.rstrip("\n").split("\n") if out else []
+            assert _matches(expected, got), (where, "\n".join(got))
+
+
+OFFLINE_DOCS = ["docs/pipeline.md", "docs/configuration.md", "docs/security.md", "docs/demo.md"]
+
+
+@pytest.mark.parametrize("doc", OFFLINE_DOCS)
+def test_the_transcripts_of_a_page_print_what_it_shows(
+    doc: str, redis_url: str, tmp_path: Path
+) -> None:
+    """Each transcript of ``doc`` needs no worker: run with no critique setting in the
+    environment, a Redis URL in a command meaning the test's own Redis."""
+    run_transcripts(doc, tmp_path, offline_env(), redis=redis_url)
+
+
+def test_the_transcripts_of_docs_operations_print_what_it_shows(
+    worker: str, tmp_path: Path
+) -> None:
+    """docs/operations.md's sessions, in order: the worker's own checks, ``submit`` (``--wait``,
+    ``--json``, refusals), ``watch``, ``status``, ``report`` and ``archive`` of run q3-sales
+    against a real worker; the archive folder reads as /srv/critique/archive."""
+    import redis
+
+    redis.Redis.from_url(worker).flushdb()  # a run of its own: q3-sales starts empty
+    env = offline_env() | {
+        "REDIS_URL": worker,
+        "CRITIQUE_SECRET": SECRET,
+        "CRITIQUE_ARCHIVE_DIR": str(tmp_path / "archive"),
+    }
+    run_transcripts("docs/operations.md", tmp_path, env, redis=worker)
+
+
+def test_every_transcript_is_run_or_marked_illustrative() -> None:
+    """Each page with a `$ command` transcript that is not marked illustrative is run by a test
+    above, and the illustrative ones stay few (each says why it cannot run here)."""
+    run = {"docs/operations.md", *OFFLINE_DOCS}
+    pages = ["README.md", *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "docs").glob("*.md")))]
+    runnable = {d for d in pages if transcripts(d)}
+    assert runnable <= run, runnable - run
+    skipped = [f"{t.doc}:{t.line}" for d in pages for t in doc_transcripts(d) if t.illustrative]
+    assert len(skipped) <= 6, skipped
