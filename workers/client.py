@@ -1,4 +1,4 @@
-"""The manager's client (SPEC §6): submit outputs, wait for results, read the run.
+"""The manager's client (docs/client.md): submit outputs, wait for results, read the run.
 
 Usage::
 
@@ -70,9 +70,10 @@ class Handle:
     """What ``submit`` returns: enough to find the result of that submit (its pass) again.
 
     Each submit of a submission (run, iteration, worker) is a new pass with a fresh
-    ``pass_id`` (SPEC §4): ``wait`` and ``result`` answer with this pass's result, never an
-    earlier or later pass's. A handle without a pass id (one rebuilt from ``run_id``,
-    ``iteration``, ``worker_id`` and ``task_id`` only) reads the latest pass's result.
+    ``pass_id``: ``wait`` and ``result`` answer with this pass's result, never an earlier or
+    later pass's. A handle without a pass id (one rebuilt from ``run_id``, ``iteration``,
+    ``worker_id`` and ``task_id`` only) reads the latest pass's result. See docs/client.md,
+    "Passes: submitting the same submission again".
     """
 
     run_id: str
@@ -97,7 +98,7 @@ class CritiqueClient:
 
         check_urls()
         # Fail fast on a bad configuration, and on one a submission may not carry (a
-        # worker-only field, a limit above this process's own configuration): SPEC §3.
+        # worker-only field, a limit above this process's own configuration).
         runtime.config_for(self.config)
 
     # -- submitting -----------------------------------------------------------------------------
@@ -310,7 +311,7 @@ class CritiqueClient:
         return results_if_expired(run_id, iteration)
 
     def summary(self, run_id: str, iteration: int = 1) -> dict[str, Any]:
-        """The manager summary of one iteration (SPEC §5.8)."""
+        """The manager summary of one iteration (:func:`pipeline.artifacts.manager_summary`)."""
         from pipeline.artifacts import manager_summary
 
         s = runtime.stores()
@@ -330,7 +331,7 @@ class CritiqueClient:
         deliverable_expected: bool | None = None,
         timeout: float = 60.0,
     ) -> CompletionDecision:
-        """Ask the completion gate (SPEC §5.6) whether the manager may COMPLETE the run.
+        """Ask the completion gate whether the manager may COMPLETE the run.
 
         Runs ``critique.complete_gate`` on a worker over the run's stored results (of
         ``iteration``; default the latest one) and returns its decision: ``complete``,
@@ -395,7 +396,7 @@ class CritiqueClient:
         iteration: int = 1,
         worker_id: str | None = None,
     ) -> GateEvent:
-        """The redundancy guard (SPEC §5.6): may the manager DELEGATE this subtask again?
+        """The redundancy guard: may the manager DELEGATE this subtask again?
 
         ``reject`` when the signature was already dispatched in this run and the mean critique
         score is under ``min_score_to_complete``; the event is written to the trace.
