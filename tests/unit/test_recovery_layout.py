@@ -109,3 +109,15 @@ def test_no_function_in_the_recovery_package_is_over_100_lines() -> None:
                 if lines > 100:
                     long.append(f"{path.name}:{node.name} ({lines} lines)")
     assert long == []
+
+
+@pytest.mark.parametrize("module", ["base", "redriving", "sweeper", "transport"])
+def test_no_exported_name_shadows_a_mechanism_module(module: str) -> None:
+    """``workers.recovery.<module>`` is the module itself (a re-exported function of the same
+    name would hide it from ``import workers.recovery.<module> as m`` and from patch paths)."""
+    import importlib
+    import types
+
+    loaded = importlib.import_module(f"workers.recovery.{module}")
+    assert isinstance(getattr(recovery, module), types.ModuleType)
+    assert getattr(recovery, module) is loaded

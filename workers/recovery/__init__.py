@@ -1,7 +1,7 @@
 """How workers ride out faults: a lost broker connection, a lost message, a dead holder, a
 stalled chain. One module per mechanism:
 
-- :mod:`workers.recovery.redrive`: re-driving a pass from its last recorded step, by the stall
+- :mod:`workers.recovery.redriving`: re-driving a pass from its last recorded step, by the stall
   rule (any broker) or by the proof that its message is lost (Redis broker), claimed atomically
   and given up on after a few tries. Also what ``CritiqueClient.resume`` and ``wait`` call.
 - :mod:`workers.recovery.sweeper`: the thread in every worker process that reports the messages
@@ -37,7 +37,7 @@ from workers.recovery.base import (
     stores_on,
     sweep_interval_s,
 )
-from workers.recovery.redrive import (
+from workers.recovery.redriving import (
     FINISHED,
     DrainView,
     QueueCache,

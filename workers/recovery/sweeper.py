@@ -12,10 +12,11 @@ Every ``CRITIQUE_SWEEP_S`` seconds (default 5) the :class:`SweeperThread` of eac
    been drained past the time it was sent, which is how a long queue is told from a lost or
    stalled chain;
 3. if it takes the fleet-wide sweep lock, sweeps (:func:`sweep`): every pending pass that is
-   proved lost or is stalled is re-driven (:mod:`workers.recovery.redrive`), and runs with no
-   pending pass left are forgotten; then the runs due for archiving are archived.
+   proved lost or is stalled is re-driven (:mod:`workers.recovery.redriving`), and runs with no
+   pending pass left are forgotten;
+4. archives the runs that are due (``workers.archiving``, under a fleet-wide lock of its own).
 
-``CRITIQUE_SWEEP_S=0`` turns steps 2 and 3 and the restore off; the reports stay, so other
+``CRITIQUE_SWEEP_S=0`` turns the restore and steps 2 to 4 off; the reports stay, so other
 workers never take this worker's messages for orphans. On RabbitMQ there is no ``unacked`` to
 read: no reports, no restore, no proof; probes and the stall rule still run. The thread is
 started by the :class:`Sweeper` worker bootstep (registered in ``workers.app``).
@@ -48,7 +49,7 @@ from workers.recovery.base import (
     stores_on,
     sweep_interval_s,
 )
-from workers.recovery.redrive import (
+from workers.recovery.redriving import (
     QueueCache,
     RedriveContext,
     judge,
@@ -66,8 +67,8 @@ log = logging.getLogger(__name__)
 def sweep(ctx: RedriveContext, broker: RedisBroker | None = None) -> list[tuple[str, str, str]]:
     """One sweep over every run with pending passes: re-drive the lost and the stalled ones and
     forget runs with none left. With ``broker`` (a Redis broker) a pass is proved lost within
-    seconds (:func:`~workers.recovery.redrive.judge`,
-    :func:`~workers.recovery.redrive.redrive_if_lost`); without, only the stall time applies. A
+    seconds (:func:`~workers.recovery.redriving.judge`,
+    :func:`~workers.recovery.redriving.redrive_if_lost`); without, only the stall time applies. A
     pass is examined in full (its steps read) at most :data:`SWEEP_BATCH` times per sweep; one
     whose queue ``ctx.queues`` knows costs no Redis read. Returns what was re-driven as
     ``(run_id, member, stage)``."""

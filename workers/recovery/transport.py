@@ -11,7 +11,7 @@ leaving it held forever. See docs/operations.md, "What survives what".
 
 **The broker view.** :class:`RedisBroker` reads kombu's ``unacked`` hash and index through the
 worker's own broker connection: the pass ids of the stage messages that are unacknowledged (the
-evidence :mod:`workers.recovery.redrive` proves a pass lost with), the messages each worker
+evidence :mod:`workers.recovery.redriving` proves a pass lost with), the messages each worker
 says it holds (:class:`HeldReport`, kept beside ``unacked``), and kombu's own restore of one
 message to the head of its queue. :func:`open_broker` answers None on a broker that is not Redis
 (RabbitMQ has no ``unacked`` hash, and redelivers a lost consumer's messages itself).

@@ -16,6 +16,10 @@ A pass's chain can stop moving in two ways, and each has its rule here:
   :func:`redrive_if_stalled`, ``reason: stalled``). Queue drains are measured by the sweeper's
   probes (:class:`DrainView`), so a long queue never reads as a stall.
 
+Both read each pass's last progress from the pending index (:mod:`pipeline.store.pending`),
+where a pass is registered before its chain is sent and whose score every first record of a
+step moves to now.
+
 Both claim the pass atomically before publishing (two sweepers, or a sweeper and a waiting
 client, never both re-drive it) and give up after :func:`~workers.recovery.base.max_resumes`
 re-drives with a ``stalled`` trace event. :func:`redrive` is the unconditional re-drive that
