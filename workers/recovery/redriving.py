@@ -219,7 +219,7 @@ class QueueCache:
         return len(self._queues)
 
 
-@dataclass
+@dataclass(frozen=True)
 class RedriveContext:
     """What one look at pending passes shares (one sweep, or one ``wait`` check): the stores,
     the queues' drain history read once, the clock and stall time of the look, who re-drives
