@@ -477,9 +477,8 @@ class _Progress:
             self.member = pass_member(h.iteration, h.worker_id, sid)
         seen = s.pending.last_progress(h.run_id, self.member)
         if seen is not None:
-            recovery.redrive_if_stalled(
-                h.run_id, self.member, seen, by="wait", stall_s=self.stall_s, stores=s
-            )
+            ctx = recovery.RedriveContext.start(by="wait", stall_s=self.stall_s, stores=s)
+            recovery.redrive_if_stalled(ctx, h.run_id, self.member, seen)
 
 
 def _failure_text(failure: Failure) -> str:

@@ -1,0 +1,437 @@
+"""The sweeper: a thread in every worker process that keeps lost and stuck work moving.
+
+Every ``CRITIQUE_SWEEP_S`` seconds (default 5) the :class:`SweeperThread` of each worker
+
+1. reports the delivery tags of the messages it holds (:func:`held_tags`) beside the Redis
+   broker's ``unacked`` hash, and restores to the head of their queue the unacknowledged
+   messages that no live worker reported on two ticks in a row (:func:`orphans`): their holder
+   was killed or lost its connection, and kombu would bring them back only after the
+   visibility timeout (1 h);
+2. sends a probe (``critique.probe``, a no-op task, one outstanding per queue fleet-wide) to
+   each of its queues that is due one (:func:`send_probes`): when a probe runs, its queue has
+   been drained past the time it was sent, which is how a long queue is told from a lost or
+   stalled chain;
+3. if it takes the fleet-wide sweep lock, sweeps (:func:`sweep`): every pending pass that is
+   proved lost or is stalled is re-driven (:mod:`workers.recovery.redriving`), and runs with no
+   pending pass left are forgotten;
+4. archives the runs that are due (``workers.archiving``, under a fleet-wide lock of its own).
+
+``CRITIQUE_SWEEP_S=0`` turns the restore and steps 2 to 4 off; the reports stay, so other
+workers never take this worker's messages for orphans. On RabbitMQ there is no ``unacked`` to
+read: no reports, no restore, no proof; probes and the stall rule still run. The thread is
+started by the :class:`Sweeper` worker bootstep (registered in ``workers.app``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from celery import bootsteps, shared_task
+
+from pipeline.errors import CritiqueError, PermanentError, StoreUnavailableError
+from pipeline.store import keys
+from pipeline.store.redis_common import StoreClient, store_client_from_url
+from workers import runtime
+from workers.recovery.base import (
+    DEFAULT_SWEEP_S,
+    LOST_GRACE_S,
+    LOST_MARGIN_S,
+    SWEEP_BATCH,
+    RecoveryStores,
+    Snapshot,
+    default_stores,
+    stores_on,
+    sweep_interval_s,
+)
+from workers.recovery.redriving import (
+    QueueCache,
+    RedriveContext,
+    judge,
+    redrive_if_lost,
+    redrive_if_stalled,
+)
+from workers.recovery.transport import HeldReport, RedisBroker, open_broker
+
+log = logging.getLogger(__name__)
+
+
+# --- one sweep -----------------------------------------------------------------------------------
+
+
+def sweep(ctx: RedriveContext, broker: RedisBroker | None = None) -> list[tuple[str, str, str]]:
+    """One sweep over every run with pending passes: re-drive the lost and the stalled ones and
+    forget runs with none left. With ``broker`` (a Redis broker) a pass is proved lost within
+    seconds (:func:`~workers.recovery.redriving.judge`,
+    :func:`~workers.recovery.redriving.redrive_if_lost`); without, only the stall time applies. A
+    pass is examined in full (its steps read) at most :data:`SWEEP_BATCH` times per sweep; one
+    whose queue ``ctx.queues`` knows costs no Redis read. Returns what was re-driven as
+    ``(run_id, member, stage)``."""
+    s = ctx.stores
+    snap: Snapshot | None = None
+    examined = 0
+    done: list[tuple[str, str, str]] = []
+    oldest = ctx.now - (LOST_MARGIN_S if broker is not None else ctx.stall_s)
+    for run_id, run_seen in s.pending.runs():
+        stale = s.pending.stale(run_id, oldest, 100_000)
+        if not stale:
+            if ctx.now - run_seen >= ctx.stall_s and s.pending.count(run_id) == 0:
+                s.pending.prune_run(run_id, run_seen)
+            if broker is not None:
+                s.pending.clear_suspects(run_id)
+            continue
+        lost: list[tuple[str, float, float]] = []
+        if broker is not None:
+            if snap is None:
+                snap = broker.snapshot()
+            lost = _suspects(ctx, run_id, stale, snap)
+        work: list[tuple[str, float, float | None]] = [
+            (m, seen, None) for m, seen in stale if ctx.now - seen >= ctx.stall_s
+        ]
+        work += [(m, seen, since) for m, seen, since in lost]
+        for member, seen, since in work:
+            if ctx.queues.get(run_id, member, seen) is None:
+                if examined >= SWEEP_BATCH:
+                    continue  # the next sweep gets to it
+                examined += 1
+            stage = _redrive_one(ctx, run_id, member, seen, since, snap)
+            if stage is not None:
+                done.append((run_id, member, stage))
+    return done
+
+
+def _redrive_one(
+    ctx: RedriveContext,
+    run_id: str,
+    member: str,
+    seen: float,
+    since: float | None,
+    snap: Snapshot | None,
+) -> str | None:
+    """Re-drive one pass by the stall rule (``since`` None) or the lost proof (a suspect since
+    ``since``, judged on ``snap``). A permanent error drops the pass from the index; any other
+    (the store is unavailable) ends the sweep, which the next tick retries."""
+    try:
+        if since is None:
+            return redrive_if_stalled(ctx, run_id, member, seen)
+        assert snap is not None
+        return redrive_if_lost(ctx, run_id, member, seen, since=since, snap=snap)
+    except CritiqueError as exc:
+        if not isinstance(exc, PermanentError):
+            raise  # the store is unavailable: the whole sweep waits for the next
+        log.error("cannot re-drive %s of run %s: %s", member, run_id, exc)
+        ctx.stores.pending.drop(run_id, member)
+        return None
+
+
+def _suspects(
+    ctx: RedriveContext, run_id: str, stale: list[tuple[str, float]], snap: Snapshot
+) -> list[tuple[str, float, float]]:
+    """Judge the run's passes younger than the stall time on ``snap`` (:func:`judge`), update
+    its suspects, and return the ones to confirm: ``(member, last progress, suspected at)``."""
+    prior = ctx.stores.pending.suspects(run_id)
+    add: dict[str, tuple[float, float]] = {}
+    keep: set[str] = set()
+    confirm: list[tuple[str, float, float]] = []
+    for member, seen in stale:
+        if ctx.now - seen >= ctx.stall_s:
+            continue  # the stall rule's
+        was = prior.get(member)
+        verdict = judge(member, seen, was, snap)
+        if verdict == "suspect":
+            add[member] = (seen, snap.after)
+        elif verdict in ("wait", "confirm"):
+            keep.add(member)
+            if verdict == "confirm" and was is not None:
+                confirm.append((member, seen, was[1]))
+    drop = [m for m in prior if m not in keep and m not in add]
+    ctx.stores.pending.update_suspects(run_id, add, drop)
+    return confirm
+
+
+# --- dead holders (Redis broker) ---------------------------------------------------------------
+
+
+def orphans(
+    unacked: dict[str, float], reports: dict[str, HeldReport], now: float
+) -> dict[str, float]:
+    """The unacknowledged messages (delivery tag -> when it was delivered) that no live worker
+    holds: every live worker reported at least :data:`LOST_GRACE_S` after the delivery, and
+    none named it. Their holder was killed, or lost its connection and can no longer
+    acknowledge them (a Redis restart); kombu would bring them back only after the visibility
+    timeout. Nothing is an orphan while no worker reports at all."""
+    live = [r for r in reports.values() if r.live(now)]
+    if not live:
+        return {}
+    held = frozenset().union(*(r.tags for r in live))
+    reported = min(r.at for r in live)
+    return {
+        tag: at for tag, at in unacked.items() if tag not in held and at <= reported - LOST_GRACE_S
+    }
+
+
+def held_tags() -> frozenset[str]:
+    """Delivery tags of the messages this worker process holds: reserved (prefetched),
+    scheduled (an ETA or countdown) and running, from Celery's worker state. Celery adds a
+    request there as soon as its message arrives, right after kombu wrote it to ``unacked``."""
+    from celery.worker import state
+
+    for _ in range(10):
+        try:
+            requests = [
+                *list(state.requests.values()),
+                *list(state.reserved_requests),
+                *list(state.active_requests),
+                *list(state.scheduled_requests),
+            ]
+            break
+        except RuntimeError:  # changed size while being copied (another thread): again
+            continue
+    else:
+        raise RuntimeError("the worker's request sets kept changing while being read")
+    tags = (getattr(getattr(r, "message", None), "delivery_tag", None) for r in requests)
+    return frozenset(str(t) for t in tags if t)
+
+
+# --- queue-drain probes ----------------------------------------------------------------------
+
+
+@shared_task(name=keys.TASK_PROBE, ignore_result=True, acks_late=False, send_events=False)
+def probe(queue: str, sent: float) -> None:
+    """Record that ``queue`` was drained past ``sent`` (this message was enqueued then)."""
+    default_stores().pending.probe_done(str(queue), float(sent), time.time())
+
+
+def send_probes(s: RecoveryStores, queues: list[str], now: float, every_s: float) -> None:
+    """Send a probe to each of ``queues`` that is due one (one outstanding per queue,
+    cluster-wide; one presumed lost after three intervals is replaced)."""
+    for queue in queues:
+        if s.pending.probe_due(queue, now, every_s, 3 * every_s):
+            # No long publish retries here: a probe that is not sent is replaced later.
+            # No task events either: a probe is plumbing, not work a monitor should list (its
+            # own are off by send_events=False; this drops the "task-sent" its sender would
+            # publish when CRITIQUE_TASK_EVENTS is on).
+            probe.apply_async((queue, now), queue=queue, retry=False, event_dispatcher=_NO_EVENTS)
+
+
+class _NoEvents:
+    """An event dispatcher that publishes nothing (for :func:`send_probes`)."""
+
+    def publish(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NO_EVENTS = _NoEvents()
+
+
+# --- the sweeper thread ------------------------------------------------------------------------
+
+_tick_lock = threading.Lock()
+"""Held while the sweeper works; a fork (a prefork pool replacing a child) waits for it, so a
+child never inherits a lock the sweeper held mid-call."""
+
+
+def _before_fork() -> None:
+    _tick_lock.acquire()
+
+
+def _after_fork() -> None:
+    if _tick_lock.locked():
+        _tick_lock.release()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork, after_in_child=_after_fork)
+
+
+class SweeperThread(threading.Thread):
+    """Every interval: report the messages this worker holds and restore the ones no live worker
+    holds (Redis broker: every worker does, each interval); send the probes due on this
+    worker's queues; take the sweep lock if it is free and sweep. Its own Redis client and
+    broker connection, so pool children never share its connections.
+
+    With ``sweeping`` False (``CRITIQUE_SWEEP_S=0``) it only reports what it holds (other
+    workers' sweepers must not take its messages for orphans). Asked to stop, it stops sweeping
+    at once and keeps reporting while the worker still runs a task (a warm shutdown)."""
+
+    def __init__(
+        self, queues: list[str], interval_s: float, name: str, *, sweeping: bool = True
+    ) -> None:
+        super().__init__(name=f"critique-sweeper-{name}", daemon=True)
+        self.queues = queues
+        self.interval_s = interval_s
+        self.sweeping = sweeping
+        self.token = f"{name}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._stop_event = threading.Event()
+        self._stop_by = 0.0
+        self._last_error = 0.0
+        self._queues = QueueCache()
+        self._broker: RedisBroker | None = None
+        self._no_redis_broker = False
+        self._orphans: dict[str, float] = {}
+
+    def run(self) -> None:
+        # The store (CRITIQUE_STORE_URL, else REDIS_URL): a sentinel:// one follows the current
+        # master, a redis+cluster:// one is a cluster client. The broker's own reads (unacked,
+        # the holders' reports) go through the broker connection (RedisBroker), never here.
+        client: StoreClient | None = None
+        s: RecoveryStores | None = None
+        while True:
+            with _tick_lock:
+                try:
+                    if s is None:
+                        client, s = self._store()
+                    self.tick(s)
+                except Exception as exc:  # an outage, mostly: say so now and then, carry on
+                    self._drop_broker()
+                    now = time.monotonic()
+                    if now - self._last_error >= 60:
+                        self._last_error = now
+                        log.warning("stall sweeper: %s: %s", type(exc).__name__, exc)
+            if not self._stop_event.is_set():
+                self._stop_event.wait(self.interval_s)
+            elif self._finished():
+                break
+            else:
+                time.sleep(self.interval_s)
+        with contextlib.suppress(Exception):
+            if self._broker is not None:
+                self._broker.withdraw(self.token)
+        self._drop_broker()
+        if client is not None:
+            client.close()
+
+    def _store(self) -> tuple[StoreClient, RecoveryStores]:
+        """This thread's own client of the store and the stores on it. A cluster client asks
+        the cluster for its slots as it is built: while the cluster is away this raises
+        ``StoreUnavailableError``, after the tick's report to the broker (this worker's
+        messages are never taken for orphans meanwhile), and the next tick tries again."""
+        try:
+            client = store_client_from_url(
+                runtime.store_url(),
+                setting=runtime.store_setting(),
+                socket_connect_timeout=5,
+                socket_timeout=30,
+            )
+        except StoreUnavailableError:
+            self.report()
+            raise
+        return client, stores_on(client)
+
+    def _finished(self) -> bool:
+        """After a stop: no task running here any more, or the longest task's time is up."""
+        from celery.worker import state
+
+        return not state.active_requests or time.monotonic() >= self._stop_by
+
+    def broker(self) -> RedisBroker | None:
+        """This thread's view of the Redis broker (opened on first use), None when the broker
+        is not Redis."""
+        if self._broker is None and not self._no_redis_broker:
+            from workers.app import app
+
+            self._broker = open_broker(app)
+            self._no_redis_broker = self._broker is None
+        return self._broker
+
+    def _drop_broker(self) -> None:
+        broker, self._broker = self._broker, None
+        if broker is not None:
+            broker.close()
+
+    def report(self) -> None:
+        """Report the messages this worker holds now."""
+        broker = self.broker()
+        if broker is not None:
+            broker.report(self.token, time.time(), self.interval_s, held_tags())
+
+    def tick(self, s: RecoveryStores) -> None:
+        now = time.time()
+        broker = self.broker()
+        if broker is not None:
+            broker.report(self.token, now, self.interval_s, held_tags())
+            if self.sweeping and not self._stop_event.is_set():
+                self.restore_orphans(broker, time.time())
+        if not self.sweeping or self._stop_event.is_set():
+            return
+        send_probes(s, self.queues, now, self.interval_s)
+        if s.pending.try_lock(self.token, self.interval_s):
+            ctx = RedriveContext.start(by="sweeper", stores=s, now=now, queues=self._queues)
+            sweep(ctx, broker)
+        self.archive(now)
+
+    def archive(self, now: float) -> None:
+        """Archive the runs that are due (:func:`workers.archiving.archive_due_runs`, which
+        takes its own fleet-wide lock); a failure is logged and never stops the sweeper."""
+        from workers.archiving import archive_due_runs
+
+        try:
+            archive_due_runs(now)
+        except CritiqueError as exc:
+            log.warning("archiver: %s (retried next sweep)", exc)
+
+    def restore_orphans(self, broker: RedisBroker, now: float) -> int:
+        """Restore the unacknowledged messages that no live worker held on this tick and on the
+        one before (:func:`orphans`, twice: an acknowledgement in flight is never taken for
+        one). Returns how many were restored."""
+        found = orphans(broker.unacked(), broker.reports(now), now)
+        confirmed = [t for t, at in found.items() if self._orphans.get(t) == at]
+        self._orphans = {t: at for t, at in found.items() if t not in confirmed}
+        for tag in confirmed:
+            broker.restore(tag)
+        if confirmed:
+            log.warning(
+                "restored %d unacknowledged message(s) that no live worker holds (a worker "
+                "was killed, or lost its broker connection mid-task): they run again",
+                len(confirmed),
+            )
+        return len(confirmed)
+
+    def stop(self) -> None:
+        from workers.app import app
+
+        self._stop_by = time.monotonic() + float(app.conf.task_time_limit or 600)
+        self._stop_event.set()
+
+
+class _SweeperService:
+    """The sweeper thread as a bootstep service (start, stop)."""
+
+    def __init__(self, queues: list[str], interval_s: float, name: str, sweeping: bool) -> None:
+        self.thread = SweeperThread(queues, interval_s, name, sweeping=sweeping)
+
+    def start(self) -> None:
+        # Report (holding nothing yet) before the consumer takes a message: a message this
+        # worker takes is never mistaken for an orphan before its first report.
+        try:
+            self.thread.report()
+        except Exception as exc:  # the broker is away: the thread's first tick reports
+            log.warning("stall sweeper: could not report to the broker yet: %s", exc)
+            self.thread._drop_broker()
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.thread.stop()
+
+
+class Sweeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyped
+    """Worker bootstep: the sweeper thread in the worker's main process (after the pool
+    started, so prefork children are forked before it runs; before the consumer, so it has
+    reported before the first message arrives)."""
+
+    name = "workers.recovery.Sweeper"  # its name in the worker's blueprint, as before the split
+    label = "Stall sweeper"
+    requires = ("celery.worker.components:Pool",)
+
+    def create(self, w: Any) -> _SweeperService:
+        interval = sweep_interval_s()
+        consumed = w.app.amqp.queues.consume_from or w.app.amqp.queues
+        queues = sorted(str(q) for q in consumed)
+        name = str(getattr(w, "hostname", "worker"))
+        if interval <= 0:
+            return _SweeperService(queues, DEFAULT_SWEEP_S, name, sweeping=False)
+        return _SweeperService(queues, interval, name, sweeping=True)
