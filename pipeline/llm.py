@@ -1,4 +1,4 @@
-"""LLM calls (DESIGN habit 6: the LLM is an injected completion callable).
+"""LLM calls: the LLM is an injected completion callable.
 
 Critics and revisers never import litellm: they take a :class:`Completer` — a callable from an
 :class:`LLMRequest` to an :class:`LLMReply` — and the worker hands them the litellm-backed one.
@@ -18,10 +18,11 @@ Error contract of every completer:
 An empty reply (content ``""`` or ``null``, or no choices at all) is *not* an error: the reply's
 text is ``""`` and the caller decides what that means.
 
-**Token allowances** (the repair budget, SPEC §5.3). A repair round runs its LLM calls inside
-:func:`token_allowance`, the tokens its budget reservation has left. Critics and revisers make
-their calls through :func:`complete_within`, which counts the prompt (:func:`count_prompt_tokens`),
-lowers the call's ``max_tokens`` to what the allowance leaves after it, and raises
+**Token allowances** (the repair budget: docs/pipeline.md, "The repair budget"). A repair
+round runs its LLM calls inside :func:`token_allowance`, the tokens its budget reservation has
+left. Critics and revisers make their calls through :func:`complete_within`, which counts the
+prompt (:func:`count_prompt_tokens`), lowers the call's ``max_tokens`` to what the allowance
+leaves after it, and raises
 :class:`AllowanceSpent` (an :class:`~pipeline.errors.LLMTransientError`: callers fall back to a
 token-free answer) instead of making a call whose prompt alone does not fit. A provider that
 honours ``max_tokens`` and counts the prompt as we do can therefore never bill a repair more
@@ -39,6 +40,12 @@ than was reserved for it. Outside an allowance (the first critique) calls are un
                           ContextWindowExceededError), UnprocessableEntityError (422); any other
                           APIError with a 4xx status or none
     anything else         propagates unchanged (a bug, not a provider failure)
+
+What litellm does besides the call is kept to what someone reads: with no litellm success
+callback configured, its success logging is skipped (:func:`pipeline.providers.call_scope`),
+and a model its cost map does not price is looked up once per process, not per call
+(:class:`CostMapMisses`); litellm's own HTTP client, timeouts, error mapping and response
+parsing are what runs in every case.
 """
 
 from __future__ import annotations
@@ -372,7 +379,8 @@ class LiteLLMCompleter:
         (:mod:`pipeline.store.ratelimit`), called before every attempt; None: no limit."""
         self._completion = completion
         self._checks_keys = completion is None
-        """litellm's own completion: check the provider key before each call (SPEC §5.2)."""
+        """litellm's own completion: check the provider key before each call (a missing key is a
+        configuration error, never a heuristic fallback)."""
         self._cost: Callable[[Any], float] | None = None
         self._sleep = sleep
         self._rng = rng
