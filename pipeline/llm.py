@@ -1,4 +1,4 @@
-"""LLM calls (DESIGN habit 6: the LLM is an injected completion callable).
+"""LLM calls: the LLM is an injected completion callable.
 
 Critics and revisers never import litellm: they take a :class:`Completer` — a callable from an
 :class:`LLMRequest` to an :class:`LLMReply` — and the worker hands them the litellm-backed one.
@@ -18,10 +18,11 @@ Error contract of every completer:
 An empty reply (content ``""`` or ``null``, or no choices at all) is *not* an error: the reply's
 text is ``""`` and the caller decides what that means.
 
-**Token allowances** (the repair budget, SPEC §5.3). A repair round runs its LLM calls inside
-:func:`token_allowance`, the tokens its budget reservation has left. Critics and revisers make
-their calls through :func:`complete_within`, which counts the prompt (:func:`count_prompt_tokens`),
-lowers the call's ``max_tokens`` to what the allowance leaves after it, and raises
+**Token allowances** (the repair budget: docs/pipeline.md, "The repair budget"). A repair
+round runs its LLM calls inside :func:`token_allowance`, the tokens its budget reservation has
+left. Critics and revisers make their calls through :func:`complete_within`, which counts the
+prompt (:func:`count_prompt_tokens`), lowers the call's ``max_tokens`` to what the allowance
+leaves after it, and raises
 :class:`AllowanceSpent` (an :class:`~pipeline.errors.LLMTransientError`: callers fall back to a
 token-free answer) instead of making a call whose prompt alone does not fit. A provider that
 honours ``max_tokens`` and counts the prompt as we do can therefore never bill a repair more
@@ -39,6 +40,12 @@ than was reserved for it. Outside an allowance (the first critique) calls are un
                           ContextWindowExceededError), UnprocessableEntityError (422); any other
                           APIError with a 4xx status or none
     anything else         propagates unchanged (a bug, not a provider failure)
+
+What litellm does besides the call is kept to what someone reads: with no litellm success
+callback configured, its success logging is skipped (:func:`pipeline.providers.call_scope`),
+and a model its cost map does not price is looked up once per process, not per call
+(:class:`CostMapMisses`); litellm's own HTTP client, timeouts, error mapping and response
+parsing are what runs in every case.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.model_policy import KEY_ENV, in_key_scope, key_scope
 from pipeline.models import Frozen, Usage
-from pipeline.providers import check_keys, load_litellm
+from pipeline.providers import call_scope, check_keys, load_litellm
 from pipeline.tokens import CHARS_PER_TOKEN, estimate_tokens
 
 Purpose = Literal["critic", "repair", "adjudicate", "generate"]
@@ -314,9 +321,6 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-"""litellm's loggers, held at WARNING (it logs every call at INFO)."""
-
-
 def _field(obj: Any, name: str) -> Any:
     if isinstance(obj, Mapping):
         return obj.get(name)
@@ -375,7 +379,8 @@ class LiteLLMCompleter:
         (:mod:`pipeline.store.ratelimit`), called before every attempt; None: no limit."""
         self._completion = completion
         self._checks_keys = completion is None
-        """litellm's own completion: check the provider key before each call (SPEC §5.2)."""
+        """litellm's own completion: check the provider key before each call (a missing key is a
+        configuration error, never a heuristic fallback)."""
         self._cost: Callable[[Any], float] | None = None
         self._sleep = sleep
         self._rng = rng
@@ -443,6 +448,9 @@ class LiteLLMCompleter:
             kwargs["api_key"] = key
         if request.json_mode:
             kwargs["response_format"] = {"type": "json_object"}
+        litellm = sys.modules.get("litellm")
+        if litellm is not None and UNPRICED.known(litellm, request.model):
+            kwargs.update(UNPRICED_KWARGS)
         return kwargs
 
     def reserved_tokens(self, request: LLMRequest, max_tokens: int) -> int:
@@ -483,7 +491,8 @@ class LiteLLMCompleter:
             if self._wait_for_slot is not None:
                 self._wait_for_slot(request.model, reserve)
             try:
-                response = completion(**kwargs)
+                with call_scope(sys.modules.get("litellm")):
+                    response = completion(**kwargs)
             except Exception as exc:
                 kind = classify(exc)
                 if kind is None:
@@ -504,11 +513,15 @@ class LiteLLMCompleter:
                 self._sleep(self.delay(attempt - 1, exc))
                 continue
             usage = _field(response, "usage")
+            tokens_in = _count(_field(usage, "prompt_tokens"))
+            tokens_out = _count(_field(usage, "completion_tokens"))
+            if "input_cost_per_token" not in kwargs:
+                UNPRICED.learn(request.model, response, tokens_in + tokens_out)
             return LLMReply(
                 text=_reply_text(response),
                 usage=Usage(
-                    tokens_in=_count(_field(usage, "prompt_tokens")),
-                    tokens_out=_count(_field(usage, "completion_tokens")),
+                    tokens_in=tokens_in,
+                    tokens_out=tokens_out,
                     cost=self._cost_of(response),
                     calls=attempt,
                 ),
@@ -537,3 +550,59 @@ def _cost_with(litellm: Any) -> Callable[[Any], float]:
         return float(value) if isinstance(value, int | float) and value > 0 else 0.0
 
     return cost
+
+
+UNPRICED_KWARGS: dict[str, float] = {"input_cost_per_token": 0.0, "output_cost_per_token": 0.0}
+"""Sent with a call to a model litellm's cost map does not price (:data:`UNPRICED`): litellm
+prices the reply at these rates instead of looking the model up in its map again."""
+
+
+class CostMapMisses:
+    """Model names litellm's cost map does not price, learnt from litellm's own answer.
+
+    litellm prices every reply while it returns it; for a model its map does not know (a
+    self-hosted or custom model name) that means several failed look-ups per call (~1 ms of
+    CPU) and no figure (``_hidden_params["response_cost"]`` None: the reply costs 0.0 here).
+    After one such reply with tokens, calls to that name carry :data:`UNPRICED_KWARGS`, so the
+    same 0.0 comes without the look-ups. A name is forgotten when the map changes size (an
+    operator's ``litellm.register_model``): the next call asks the map again. Names the map
+    knows are never listed: litellm prices them from the map as before.
+    """
+
+    def __init__(self) -> None:
+        self._missed: dict[str, int] = {}
+        """model name -> ``len(litellm.model_cost)`` when litellm last failed to price it."""
+
+    def known(self, litellm: Any, model: str) -> bool:
+        """Whether ``model`` is a known miss of the current cost map."""
+        stamp = self._missed.get(model)
+        if stamp is None:
+            return False
+        if stamp == _map_size(litellm):
+            return True
+        self._missed.pop(model, None)
+        return False
+
+    def learn(self, model: str, response: Any, tokens: int) -> None:
+        """Note ``model`` when litellm returned ``response`` (with ``tokens`` of usage) but no
+        price for it; a reply without usage says nothing about the map."""
+        hidden = getattr(response, "_hidden_params", None)
+        if tokens <= 0 or not isinstance(hidden, Mapping) or "response_cost" not in hidden:
+            return
+        if hidden["response_cost"] is not None:
+            return
+        litellm = sys.modules.get("litellm")
+        if litellm is not None:
+            self._missed[model] = _map_size(litellm)
+
+    def clear(self) -> None:
+        self._missed.clear()
+
+
+def _map_size(litellm: Any) -> int:
+    cost_map = getattr(litellm, "model_cost", None)
+    return len(cost_map) if isinstance(cost_map, Mapping) else -1
+
+
+UNPRICED = CostMapMisses()
+"""This process's known misses, shared by all its completers."""

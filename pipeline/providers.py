@@ -1,5 +1,8 @@
-"""Provider API keys (SPEC §5.2): a configured model whose key is missing is a configuration
-error, never a reason to fall back to the heuristic.
+"""Provider API keys, and how litellm is loaded and called.
+
+A configured model whose key is missing is a configuration error, never a reason to fall back
+to the heuristic critic (docs/llm.md, "Which models a submission may name, and where the key
+goes").
 
 litellm knows which environment variables each provider reads (``OPENAI_API_KEY``,
 ``ANTHROPIC_API_KEY``, ``AWS_ACCESS_KEY_ID`` …) and names the missing ones
@@ -27,10 +30,11 @@ Where it is checked:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from pipeline.config import CritiqueConfig
@@ -152,3 +156,50 @@ def load_litellm() -> Any:
 
 
 LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")
+"""litellm's loggers, held at WARNING (it logs every call at INFO)."""
+
+SUCCESS_CALLBACK_LISTS = ("callbacks", "success_callback", "_async_success_callback")
+"""litellm's module-level lists whose entries receive a finished call (its success handler
+reads them; ``callbacks`` is copied into the others when a call starts)."""
+
+
+def success_callbacks_configured(litellm: Any) -> bool:
+    """Whether anything in this process receives litellm's record of a successful call: an
+    entry in any of :data:`SUCCESS_CALLBACK_LISTS` (an operator's Langfuse, OpenTelemetry …)."""
+    return any(getattr(litellm, name, None) for name in SUCCESS_CALLBACK_LISTS)
+
+
+def call_scope(litellm: Any | None) -> contextlib.AbstractContextManager[Any]:
+    """The scope one ``litellm.completion`` runs in.
+
+    With no success callback configured, litellm's success handler would still build its
+    logging payload and redact the messages from it (``turn_off_message_logging``), on its
+    logging thread pool, for no one: about 2 ms of CPU per call, a fifth of the call.
+    The call then runs in litellm's scope for calls whose caller does the logging and billing
+    itself (``internal_sub_call``): this is such a caller, the reply's usage and cost go into
+    the result, and the request, its HTTP client, timeouts, error mapping and the response
+    parsing are unchanged. With any callback configured, the call is an ordinary one, so the
+    callback still sees it (with its messages redacted). A litellm without that scope: always
+    ordinary.
+    """
+    if litellm is None:  # a test's completion: litellm is not even loaded
+        return contextlib.nullcontext()
+    scope = _quiet_scope()
+    if scope is None or success_callbacks_configured(litellm):
+        return contextlib.nullcontext()
+    return scope()
+
+
+_QUIET_SCOPE: list[Callable[[], contextlib.AbstractContextManager[Any]] | None] = []
+"""litellm's ``internal_sub_call`` once looked up (``[None]``: this litellm has none)."""
+
+
+def _quiet_scope() -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+    if not _QUIET_SCOPE:
+        try:
+            from litellm._internal_context import internal_sub_call
+        except ImportError:  # another litellm: every call takes the ordinary path
+            _QUIET_SCOPE.append(None)
+        else:
+            _QUIET_SCOPE.append(internal_sub_call)
+    return _QUIET_SCOPE[0]
