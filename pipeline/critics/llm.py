@@ -1,6 +1,6 @@
-"""The LLM critic, the LLM reviser and the paired critic (SPEC §5.2, §5.3, §5.5).
+"""The LLM critic, the LLM reviser and the paired critic (docs/llm.md).
 
-All three take an injected :class:`~pipeline.llm.Completer` (DESIGN habit 6); nothing here
+All three take an injected :class:`~pipeline.llm.Completer` (dependency injection: tests pass a fake); nothing here
 imports litellm. The pieces they are built from live beside them:
 :mod:`pipeline.critics.llm_prompts` (the messages), :mod:`pipeline.critics.llm_reply` (what
 the model must reply and how a reply is parsed) and :mod:`pipeline.injection` (the injection
@@ -15,7 +15,7 @@ scan, which pattern memory uses too). Rules:
   file names) whatever the LLM says; each hit is a critical ``policy_violation`` defect and any
   hit caps the score at 0.59 (never above the critic's own).
 - **Grounding.** After parsing, :func:`~pipeline.grounding.ground_envelope` downgrades
-  ``missing_data`` claims about files the snapshot lists (SPEC §5.5); the injection cap is
+  ``missing_data`` claims about files the snapshot lists (docs/llm.md, "How the LLM critic works"); the injection cap is
   applied after it, so a grounding refund cannot lift an injected output.
 - **Paired critic.** A second call (the adjudicator) rules on the primary's actionable LLM
   defects by id; rejected ones become ``info`` false positives and the score gets the grounding
@@ -182,7 +182,7 @@ class LLMCritic:
         pitfalls: str = "",
         round: int = 1,
     ) -> int:
-        """Tokens one critique call of a repaired ``output`` may spend (SPEC §5.3): the prompt,
+        """Tokens one critique call of a repaired ``output`` may spend: the prompt,
         counted with an empty output of the same kind, plus the output at ``output_tokens``
         (at most what the prompt shows of it, ``llm.max_output_chars``), plus the reply's
         ``max_tokens`` (:meth:`reply_tokens`: a re-critique's short envelope bound). 0 when no
@@ -241,7 +241,7 @@ def _usage(replies: Sequence[LLMReply]) -> Usage:
 
 
 class LLMReviser:
-    """Targeted repair through an LLM with the SPEC §5.3 prompt (``build_repair_prompt``).
+    """Targeted repair through an LLM with the repair prompt (``build_repair_prompt``).
 
     Model: the submission's (inline repair uses the worker's model), else ``critique.model``;
     none → the fallback reviser, with a note. Rule for an unusable reply (a dict output whose
@@ -288,7 +288,7 @@ class LLMReviser:
         attempts: Sequence[RepairAttempt] = (),
         prompt: str | None = None,
     ) -> RevisionResult:
-        """One repair call; the reply is the complete repaired output. ``prompt``: the SPEC §5.3
+        """One repair call; the reply is the complete repaired output. ``prompt``: the repair
         prompt when the runner already rendered it (to size the round), so it is built once."""
         request = self.request(submission, output, envelope, pitfalls, attempts, prompt=prompt)
         if request is None:
@@ -352,7 +352,7 @@ class LLMReviser:
         *,
         prompt: str | None = None,
     ) -> LLMRequest | None:
-        """The repair call :meth:`revise` makes (None without a repair model): the SPEC §5.3
+        """The repair call :meth:`revise` makes (None without a repair model): the repair
         prompt, and ``max_tokens`` sized to the output (:func:`repair_reply_tokens`)."""
         model = submission.model or self._config.model
         if not model:
@@ -422,7 +422,7 @@ def _note(envelope: CritiqueEnvelope, note: str, usage: Usage | None = None) -> 
 
 
 class PairedCritic:
-    """A primary critic whose actionable LLM defects an adjudicator model rules on (SPEC §5.2).
+    """A primary critic whose actionable LLM defects an adjudicator model rules on.
 
     Rejected defects become ``info`` with ``false_positive=True`` and the reason appended; the
     score gets back 0.2 per critical and 0.1 per warning (grounding's refunds, at most 1.0).
