@@ -136,3 +136,30 @@ def test_a_missing_file_or_heading_is_reported(tmp_path: Path) -> None:
 @pytest.mark.parametrize("doc", DOCS)
 def test_every_relative_link_resolves(doc: str) -> None:
     assert broken_links(doc) == []
+
+
+# --- repository paths named in prose ----------------------------------------------------------
+
+CODE_PATH = re.compile(r"`((?:pipeline|workers|tests|bench|deploy|docs)/[A-Za-z0-9_./-]+)`")
+"""A repository path written as code in a doc (``pipeline/runner.py``); brace lists such as
+``pipeline/store/{redis,runs}.py`` are left to the reader."""
+
+
+def missing_paths(doc: str) -> list[str]:
+    """Each repository path ``doc`` names in backticks that the checkout does not have."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    return sorted(
+        {m.group(1) for m in CODE_PATH.finditer(text) if not (ROOT / m.group(1)).exists()}
+    )
+
+
+def test_a_path_that_moved_is_reported(tmp_path: Path) -> None:
+    """A doc naming a file that a refactor moved is caught (here a module that never existed)."""
+    doc = tmp_path / "b.md"
+    doc.write_text("Where: `workers/tasks.py` and `workers/no_such_module.py`.\n")
+    assert missing_paths(str(doc)) == ["workers/no_such_module.py"]
+
+
+@pytest.mark.parametrize("doc", [*DOCS, "bench/README.md"])
+def test_every_repository_path_a_doc_names_exists(doc: str) -> None:
+    assert missing_paths(doc) == []
