@@ -1,7 +1,7 @@
 """The LLM critic, the LLM reviser and the paired critic (docs/llm.md).
 
-All three take an injected :class:`~pipeline.llm.Completer` (dependency injection: tests pass a fake); nothing here
-imports litellm. The pieces they are built from live beside them:
+All three take an injected :class:`~pipeline.llm.Completer` (tests pass a fake); nothing
+here imports litellm. The pieces they are built from live beside them:
 :mod:`pipeline.critics.llm_prompts` (the messages), :mod:`pipeline.critics.llm_reply` (what
 the model must reply and how a reply is parsed) and :mod:`pipeline.injection` (the injection
 scan, which pattern memory uses too). Rules:
@@ -15,8 +15,9 @@ scan, which pattern memory uses too). Rules:
   file names) whatever the LLM says; each hit is a critical ``policy_violation`` defect and any
   hit caps the score at 0.59 (never above the critic's own).
 - **Grounding.** After parsing, :func:`~pipeline.grounding.ground_envelope` downgrades
-  ``missing_data`` claims about files the snapshot lists (docs/llm.md, "How the LLM critic works"); the injection cap is
-  applied after it, so a grounding refund cannot lift an injected output.
+  ``missing_data`` claims about files the snapshot lists (docs/llm.md, "How the LLM critic
+  works"); the injection cap is applied after it, so a grounding refund cannot lift an
+  injected output.
 - **Paired critic.** A second call (the adjudicator) rules on the primary's actionable LLM
   defects by id; rejected ones become ``info`` false positives and the score gets the grounding
   refund. The injection-scan defects are never put to the adjudicator, and an output with an
