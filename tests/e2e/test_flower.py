@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from pipeline.models import Submission
-from tests.flower import USER, FlowerProcess, until
-from tests.flower import get as _get
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.flower import USER, FlowerProcess, until
+from tests.support.flower import get as _get
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.e2e
 

@@ -25,9 +25,9 @@ from redis.cluster import key_slot
 from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
-from tests.faults.conftest import RedisServer
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
 from tests.support import wait_until
+from tests.support.servers import RedisServer
+from tests.support.submissions import CONFIG, KINDS, make_sub, reference
 from workers.embedded import free_port, redis_executable
 
 NODES = 3

@@ -22,8 +22,8 @@ import pytest
 
 from pipeline.errors import StoreUnavailableError
 from pipeline.models import Submission
-from tests.faults.sentinel import SentinelSetup, SentinelWorker
-from tests.flower import FlowerProcess, until
+from tests.support.flower import FlowerProcess, until
+from tests.support.sentinel import SentinelSetup, SentinelWorker
 
 pytestmark = [
     pytest.mark.faults,

@@ -22,15 +22,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import _forget_app_connections
-from tests.faults.test_redis_outage import (
-    _check_run,
-    _results,
-    _submissions,
-    _wait_for_results,
+from tests.support.faults import (
+    check_run,
+    fault_submissions,
+    run_results,
+    wait_for_results,
 )
-from tests.integration.test_distributed import CONFIG, reference
-from tests.integration.workers import WorkerProcess
+from tests.support.servers import forget_app_connections
+from tests.support.submissions import CONFIG, reference
+from tests.support.workers import WorkerProcess
 
 StartWorker = Callable[..., WorkerProcess]
 RECONNECT_SLA_S = 60.0
@@ -70,12 +70,12 @@ def amqp_url(fault_env: dict[str, str]) -> Iterator[str]:
         saved = app.conf.broker_url
         os.environ["CELERY_BROKER_URL"] = url
         app.conf.broker_url = url
-        _forget_app_connections()
+        forget_app_connections()
         try:
             yield url
         finally:
             app.conf.broker_url = saved
-            _forget_app_connections()
+            forget_app_connections()
     finally:
         _ctl("delete_vhost", vhost)
 
@@ -100,16 +100,16 @@ def test_consumers_are_back_within_seconds_when_rabbitmq_drops_their_connections
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 300)
+    subs = fault_submissions(run_id, 300)
     # Submitting through RabbitMQ takes seconds: submit while the run goes, drop mid-run.
     submitter = threading.Thread(target=CritiqueClient(CONFIG).submit_many, args=(subs,))
     submitter.start()
-    assert len(_wait_for_results(run_id, 30, 60)) >= 30
+    assert len(wait_for_results(run_id, 30, 60)) >= 30
     closed = _ctl("close_all_connections", "-p", vhost, "critique test: broker restart")
     assert closed.returncode == 0, closed.stderr
     dropped = time.monotonic()
     submitter.join(60)
-    results = _wait_for_results(run_id, len(subs), RECONNECT_SLA_S + 30)
+    results = wait_for_results(run_id, len(subs), RECONNECT_SLA_S + 30)
     took = time.monotonic() - dropped
     assert len(results) == len(subs), f"{len(subs) - len(results)} have no result"
     assert took <= RECONNECT_SLA_S, f"the last result came {took:.1f} s after the drop"
@@ -237,7 +237,7 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
         assert named in said, said
     assert "CRITIQUE_AMQP_QUEUE_TYPE=classic" in said
     with pytest.raises(ConfigError, match="CRITIQUE_AMQP_QUEUE_TYPE=classic"):
-        CritiqueClient(CONFIG).submit(_submissions(f"refused-{uuid.uuid4().hex[:8]}", 1)[0])
+        CritiqueClient(CONFIG).submit(fault_submissions(f"refused-{uuid.uuid4().hex[:8]}", 1)[0])
     types = _queue_types(_vhost_of(amqp_url))
     assert types.get("critique.cpu") == "classic"
     classic = start_worker(
@@ -268,10 +268,10 @@ def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
         time.sleep(0.5)
     assert _queue_types(vhost).get("critique.cpu") == "quorum"
     run_id = f"rabbit-cancel-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 20)
+    subs = fault_submissions(run_id, 20)
     CritiqueClient(CONFIG).submit_many(subs)
-    results = _wait_for_results(run_id, len(subs), RECONNECT_SLA_S)
-    _check_run(run_id, subs, results, [worker], [pid], transport="amqp://")
+    results = wait_for_results(run_id, len(subs), RECONNECT_SLA_S)
+    check_run(run_id, subs, results, [worker], [pid], transport="amqp://")
     print(f"consumer cancelled: consuming again {time.monotonic() - cancelled:.1f} s later")
 
 
@@ -292,7 +292,7 @@ def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
     worker = start_worker("stall", env=env)
     worker.stop()
     run_id = f"rabbit-stall-{uuid.uuid4().hex[:8]}"
-    sub = _submissions(run_id, 1)[0]
+    sub = fault_submissions(run_id, 1)[0]
     client = CritiqueClient(CONFIG)
     handle = client.submit(sub)
     purged = _ctl("purge_queue", "-p", vhost, "critique.cpu")
@@ -333,23 +333,23 @@ def test_600_submissions_through_a_5_second_rabbitmq_stop_app_and_start_app(
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-restart-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 600)
+    subs = fault_submissions(run_id, 600)
     submitted = time.monotonic()
     submitter = threading.Thread(target=CritiqueClient(CONFIG).submit_many, args=(subs,))
     submitter.start()
-    assert len(_wait_for_results(run_id, len(subs) // 10, 60)) >= len(subs) // 10
+    assert len(wait_for_results(run_id, len(subs) // 10, 60)) >= len(subs) // 10
     stopping = time.monotonic()
     with _broker_stopped() as stopped:
         time.sleep(5)
-        before = len(_results(run_id) or {})
+        before = len(run_results(run_id) or {})
     restarted = time.monotonic()
-    while len(_results(run_id) or {}) <= before and time.monotonic() - restarted < 60:
+    while len(run_results(run_id) or {}) <= before and time.monotonic() - restarted < 60:
         time.sleep(0.1)
     resumed = time.monotonic()
     submitter.join(RESTART_SLA_S)
-    results = _wait_for_results(run_id, len(subs), submitted + RESTART_SLA_S - time.monotonic())
+    results = wait_for_results(run_id, len(subs), submitted + RESTART_SLA_S - time.monotonic())
     took = time.monotonic() - submitted
-    resumes = _check_run(run_id, subs, results, workers, pids, transport="amqp://")
+    resumes = check_run(run_id, subs, results, workers, pids, transport="amqp://")
     assert resumes == []  # nothing was lost: RabbitMQ redelivered what the workers held
     assert took <= RESTART_SLA_S, f"the last result came {took:.1f} s after the submit"
     print(

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,116 +14,18 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.errors import StoreUnavailableError
-from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex
-from tests.faults.conftest import RedisServer
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
-from tests.integration.workers import WorkerProcess
+from tests.support.faults import (
+    check_run,
+    fault_submissions,
+    wait_for_results,
+)
+from tests.support.servers import RedisServer
+from tests.support.submissions import CONFIG, make_sub, reference
+from tests.support.workers import WorkerProcess
 
 StartWorker = Callable[..., WorkerProcess]
-
-
-def _results(run_id: str) -> dict[str, CritiqueResult] | None:
-    """The run's stored results by ``"<iteration>:<worker_id>"``; None while Redis is away."""
-    from workers import runtime
-
-    try:
-        got = runtime.stores().runs.results(run_id)
-    except StoreUnavailableError:
-        return None
-    return {f"{r.iteration}:{r.worker_id}": r for r in got}
-
-
-def _wait_for_results(run_id: str, n: int, timeout: float) -> dict[str, CritiqueResult]:
-    """Poll the results (never ``wait``: no client re-drives anything) until ``n`` are there."""
-    deadline = time.monotonic() + timeout
-    got: dict[str, CritiqueResult] = {}
-    while time.monotonic() < deadline:
-        got = _results(run_id) or got
-        if len(got) >= n:
-            return got
-        time.sleep(0.25)
-    return got
-
-
-def _missing_report(run_id: str, subs: list[Submission], results: dict[str, CritiqueResult]) -> str:
-    """Why submissions have no result, for the failure message: each one's pending-index
-    entry, the steps recorded for the run, and the queues' drain probes (what the sweeper
-    decides on), so a failure can be explained after its Redis is gone."""
-    import redis as redis_lib
-
-    from pipeline.store import keys
-    from workers import runtime
-
-    missing = [s.worker_id for s in subs if f"{s.iteration}:{s.worker_id}" not in results]
-    lines = [f"{len(missing)} submissions have no result: {missing[:10]}"]
-    try:
-        r = redis_lib.Redis.from_url(runtime.redis_url(), decode_responses=True)
-        pending = r.zrange(keys.run_key(run_id, keys.PENDING), 0, -1, withscores=True)
-        steps = [  # the live passes' step records (a finished pass's are released)
-            step
-            for key in r.scan_iter(keys.pass_steps_key(run_id, "*"), count=1000)
-            for step in r.hkeys(key)
-        ]
-        for wid in missing[:10]:
-            lines.append(f"  {wid}: pending {[p for p in pending if wid in p[0]]}")
-            lines.append(f"  {wid}: steps {sorted(k for k in steps if wid in k)}")
-        for key in r.scan_iter(keys.shared_key(keys.PROBE) + "*"):
-            kind = r.type(key)
-            value = r.hgetall(key) if kind == "hash" else r.zrange(key, -5, -1)
-            lines.append(f"  {key}: {value}")
-        lines.append(f"  now {r.time()}")
-    except Exception as exc:  # a diagnostic must not hide the assertion
-        lines.append(f"  (diagnostics unavailable: {exc!r})")
-    return "\n".join(lines)
-
-
-def _submissions(run_id: str, n: int) -> list[Submission]:
-    return [make_sub(run_id, f"w{i:03d}", 1, KINDS[i % len(KINDS)]) for i in range(n)]
-
-
-def _check_run(
-    run_id: str,
-    subs: list[Submission],
-    results: dict[str, CritiqueResult],
-    workers: list[WorkerProcess],
-    pids: list[int],
-    *,
-    transport: str = "workers.recovery:RedisTransport://",
-) -> list[dict[str, Any]]:
-    """Every submission ended with its reference result (none failed, none missing), every
-    worker process is the one that started (its banner names ``transport``, by default the
-    guarded Redis one; no "Unrecoverable error"), each submission has exactly one ``result``
-    trace event, nothing is left pending. Returns the run's ``resume`` events (all by the
-    sweeper: no client waited)."""
-    from workers import runtime
-    from workers.client import CritiqueClient
-
-    assert len(results) == len(subs), _missing_report(run_id, subs, results)
-    want, _ = reference(subs, CONFIG)
-    for key, ref in want.items():
-        got = results[key]
-        assert (got.status, got.stop_reason) == (ref.status, ref.stop_reason), key
-    assert "failed" not in Counter(r.status for r in results.values())
-
-    for w, pid in zip(workers, pids, strict=True):
-        assert w.proc is not None and w.proc.poll() is None, "a worker process exited"
-        assert w.proc.pid == pid
-        log = w.log.read_text(errors="replace") if w.log else ""
-        assert f"transport:   {transport}" in log  # (on Redis: the guarded one)
-        assert "Unrecoverable error" not in log
-
-    events = list(CritiqueClient(CONFIG).trace(run_id))
-    gates = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
-    assert len(gates) == len(subs)
-    resumes = [e for e in events if e["type"] == "resume"]
-    assert {e["by"] for e in resumes} <= {"sweeper"}
-    repeated = {k: v for k, v in gates.items() if v > 1}
-    assert not repeated, repeated
-    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
-    return resumes
 
 
 RECOVERY_SLA_S = 60.0
@@ -153,16 +54,16 @@ def _through_an_outage(
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"outage-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, n)
+    subs = fault_submissions(run_id, n)
     CritiqueClient(CONFIG).submit_many(subs)
-    assert len(_wait_for_results(run_id, n // 10, 60)) >= n // 10
+    assert len(wait_for_results(run_id, n // 10, 60)) >= n // 10
     {"kill": server.kill, "nosave": server.shutdown_nosave, "stop": server.stop}[how]()
     time.sleep(down_s)
     server.start()
     restarted = time.monotonic()
-    results = _wait_for_results(run_id, n, RECOVERY_SLA_S + 30)
+    results = wait_for_results(run_id, n, RECOVERY_SLA_S + 30)
     took = time.monotonic() - restarted
-    resumes = _check_run(run_id, subs, results, workers, pids)
+    resumes = check_run(run_id, subs, results, workers, pids)
     assert took <= RECOVERY_SLA_S, f"the last result came {took:.1f} s after the restart"
     return resumes, took
 
@@ -238,14 +139,14 @@ def test_300_submissions_through_network_blips(
     assert worker.proc is not None
     pid = worker.proc.pid
     run_id = f"blip-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 300)
+    subs = fault_submissions(run_id, 300)
     CritiqueClient(CONFIG).submit_many(subs)
     admin = redis.Redis(port=redis_server.port)
     for share in (0.1, 0.3, 0.5):
-        _wait_for_results(run_id, int(len(subs) * share), 60)
+        wait_for_results(run_id, int(len(subs) * share), 60)
         admin.client_kill_filter(_type="normal", skipme=True)
-    results = _wait_for_results(run_id, len(subs), 90)
-    _check_run(run_id, subs, results, [worker], [pid])
+    results = wait_for_results(run_id, len(subs), 90)
+    check_run(run_id, subs, results, [worker], [pid])
 
 
 LOST_SLA_S = 30.0
@@ -312,14 +213,14 @@ def test_a_queue_backlog_is_not_taken_for_a_lost_chain(
     worker = start_worker("backlog")
     worker.stop()
     run_id = f"backlog-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 300)
+    subs = fault_submissions(run_id, 300)
     CritiqueClient(CONFIG).submit_many(subs)
     time.sleep(LOST_MARGIN_S + LOST_GRACE_S + 1)
     worker.start(timeout=60)
     assert worker.proc is not None
     pid = worker.proc.pid
-    results = _wait_for_results(run_id, len(subs), 60)
-    assert _check_run(run_id, subs, results, [worker], [pid]) == []
+    results = wait_for_results(run_id, len(subs), 60)
+    assert check_run(run_id, subs, results, [worker], [pid]) == []
 
 
 @pytest.mark.parametrize("how", ["collected", "close_failed_half_way"])

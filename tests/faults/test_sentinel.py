@@ -25,10 +25,10 @@ from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis_common import FailoverConnection, celery_url
-from tests.faults.sentinel import MASTER, SentinelSetup, SentinelWorker, control_app
-from tests.faults.test_worker_kills import DEDUPE_SKIP, _event_key
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
-from tests.integration.workers import WorkerProcess
+from tests.support.faults import DEDUPE_SKIP, event_key
+from tests.support.sentinel import MASTER, SentinelSetup, SentinelWorker, control_app
+from tests.support.submissions import CONFIG, KINDS, make_sub, reference
+from tests.support.workers import WorkerProcess
 
 N = 300
 DEMOTE_ENV = "CRITIQUE_TEST_SENTINEL_DEMOTE"
@@ -221,7 +221,7 @@ def test_300_submissions_through_a_sentinel_failover(
         events = list(CritiqueClient(CONFIG).trace(run_id))
         finals = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
         assert len(finals) == N and set(finals.values()) == {1}
-        counted = Counter(_event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
+        counted = Counter(event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
         repeated = {k: n for k, n in counted.items() if n > 1}
         assert not repeated, repeated
         resumes = [e for e in events if e["type"] == "resume"]

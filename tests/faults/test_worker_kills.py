@@ -14,15 +14,15 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
-from tests.integration.workers import WorkerProcess
 from tests.support import wait_until
+from tests.support.faults import DEDUPE_SKIP, event_key
+from tests.support.submissions import CONFIG, KINDS, make_sub, reference
+from tests.support.workers import WorkerProcess
 
 
 def _log_text(worker: WorkerProcess) -> str:
@@ -33,8 +33,6 @@ def _log_text(worker: WorkerProcess) -> str:
 N = 1000
 SLA_S = 120.0
 """The issue's bound: every submission has its result within this of the submit."""
-DEDUPE_SKIP = {"resume", "stalled", "refused"}
-"""Trace events that may repeat by design (each re-drive writes one ``resume``)."""
 
 
 def _children(pid: int) -> list[int]:
@@ -56,7 +54,7 @@ def workers(fault_env: dict[str, str], tmp_path: Path) -> Iterator[dict[str, Wor
     process of theirs outlives the test."""
     env = {
         **fault_env,
-        "CRITIQUE_REPAIRER": "tests.integration.helpers:slow_revise",
+        "CRITIQUE_REPAIRER": "tests.support.revisers:slow_revise",
         "SLOW_REVISE_S": "0.01",
     }
     made = {
@@ -108,22 +106,6 @@ def _wait_for(run_id: str, n: int, timeout: float) -> dict[str, CritiqueResult]:
             break
         time.sleep(0.2)
     return got
-
-
-def _event_key(e: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes a trace event unique within a run (its timing fields aside)."""
-    return (
-        e["type"],
-        e.get("stage"),
-        e.get("iteration"),
-        e.get("worker_id"),
-        e.get("pass_id"),
-        e.get("round"),
-        e.get("attempt"),
-        e.get("l0_check"),
-        e.get("violating_path"),
-        e.get("note"),
-    )
 
 
 @pytest.mark.faults
@@ -199,7 +181,7 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     assert got == ref
 
     events = list(CritiqueClient(CONFIG).trace(run_id))
-    counted = Counter(_event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
+    counted = Counter(event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
     repeated = {k: n for k, n in counted.items() if n > 1}
     assert not repeated, repeated
     finals = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")

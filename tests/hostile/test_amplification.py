@@ -19,8 +19,8 @@ from pipeline.errors import SubmissionError
 from pipeline.injection import INJECTION_SCORE_CAP
 from pipeline.models import Submission
 from pipeline.runner import RESULT_EXTRA_BYTES, start
-from tests.hostile.conftest import ENABLED, assert_still_serving, send_signed
-from tests.integration.workers import WorkerProcess
+from tests.support.hostile import ENABLED, assert_still_serving, send_signed
+from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

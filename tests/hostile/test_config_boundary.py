@@ -31,8 +31,8 @@ from pipeline.models import Submission
 from pipeline.runner import LoopState, start
 from pipeline.store import keys
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.hostile.conftest import assert_still_serving, honest_submission, send_signed
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.hostile import assert_still_serving, honest_submission, send_signed
+from tests.support.workers import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.integration
 

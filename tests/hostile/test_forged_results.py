@@ -23,7 +23,8 @@ from pipeline.models import CritiqueResult
 from pipeline.runner import start
 from pipeline.store import keys
 from pipeline.store.runs import pass_member
-from tests.hostile.conftest import (
+from tests.support import run_steps, wait_until
+from tests.support.hostile import (
     ENABLED,
     SECRET,
     assert_still_serving,
@@ -31,8 +32,7 @@ from tests.hostile.conftest import (
     log_of,
     send_raw,
 )
-from tests.integration.workers import WorkerProcess
-from tests.support import run_steps, wait_until
+from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -291,7 +291,7 @@ def test_a_refusal_of_the_clients_own_submission_is_recorded_and_reported(
     whose own limit is looser) is reported by wait() from the worker's signed failure record,
     which names the stage and the reason."""
     from pipeline.store.runs import Failure
-    from tests.integration.workers import _forget_configs
+    from tests.support.workers import _forget_configs
     from workers import runtime
     from workers.client import CritiqueClient
 

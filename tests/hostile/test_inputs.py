@@ -21,14 +21,14 @@ import redis
 from pipeline.errors import SubmissionError
 from pipeline.models import FileRef, Submission
 from pipeline.runner import start
-from tests.hostile.conftest import (
+from tests.support.hostile import (
     ENABLED,
     assert_still_serving,
     honest_submission,
     send_raw,
     send_signed,
 )
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.workers import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -22,8 +22,8 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, REPAIR, FakeOpenAIServer
-from tests.hostile.conftest import ENABLED, assert_still_serving, llm_worker
-from tests.integration.workers import WorkerProcess
+from tests.support.hostile import ENABLED, assert_still_serving, llm_worker
+from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -25,8 +25,8 @@ from pipeline.models import Submission
 from pipeline.runner import LoopState, start
 from pipeline.store import keys
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.hostile.conftest import SECRET, assert_still_serving, send_signed
-from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, client_on
+from tests.support.hostile import SECRET, assert_still_serving, send_signed
+from tests.support.workers import ACCEPTING_CRITIQUE, WorkerProcess, client_on
 
 pytestmark = pytest.mark.integration
 

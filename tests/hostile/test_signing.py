@@ -21,7 +21,8 @@ from pipeline import signing
 from pipeline.models import CritiqueEnvelope, Submission
 from pipeline.runner import LoopState, start
 from pipeline.store import keys
-from tests.hostile.conftest import (
+from tests.support import run_steps, wait_until
+from tests.support.hostile import (
     ENABLED,
     SECRET,
     assert_still_serving,
@@ -30,8 +31,7 @@ from tests.hostile.conftest import (
     send_raw,
     send_signed,
 )
-from tests.integration.workers import WorkerProcess
-from tests.support import run_steps, wait_until
+from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.models import FileRef, Submission
-from tests.hostile.conftest import ENABLED, assert_still_serving
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.hostile import ENABLED, assert_still_serving
+from tests.support.workers import ROOT, WorkerProcess
 from workers.cli import EXIT_BROKEN_PIPE, EXIT_USAGE, main
 
 pytestmark = pytest.mark.integration

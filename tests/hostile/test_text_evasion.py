@@ -27,8 +27,8 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, FakeOpenAIServer
-from tests.hostile.conftest import assert_still_serving, llm_worker
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.hostile import assert_still_serving, llm_worker
+from tests.support.workers import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.integration
 

@@ -22,7 +22,7 @@ import pytest
 
 from pipeline.models import CritiqueResult, Submission
 from tests.fakes.openai_server import CRITIC, REPAIR, FakeOpenAIServer, system_text, user_text
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 

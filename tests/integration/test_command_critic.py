@@ -27,7 +27,7 @@ from pipeline.models import CritiqueResult, FileRef, Submission
 from pipeline.store import keys
 from tests.fakes import ab_models
 from tests.fakes.openai_server import REPAIR, FakeOpenAIServer, user_text
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 

@@ -22,9 +22,9 @@ import redis
 from pipeline.models import CritiqueEnvelope, CritiqueResult
 from pipeline.store import keys
 from pipeline.store.runs import PassFinished, RedisRunStore, pass_member
-from tests.integration.test_operator_cli import CONFIG, _sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import run_steps, wait_until
+from tests.support.submissions import CONFIG, operator_sub
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 from workers.cli import main
 
 pytestmark = pytest.mark.integration
@@ -220,7 +220,7 @@ def test_a_thousand_finished_outputs_hold_at_most_3_kb_each_and_report_has_every
 
     run_id = _run("footprint")
     kinds = ("clean", "looping", "garbage")
-    subs = [_sub(run_id, f"w{i:04d}", kinds[i % 3]) for i in range(1000)]
+    subs = [operator_sub(run_id, f"w{i:04d}", kinds[i % 3]) for i in range(1000)]
     client = CritiqueClient(CONFIG)
     handles = client.submit_many(subs)
     results = {r.worker_id: r for r in client.wait_many(handles, timeout=600)}
@@ -262,7 +262,7 @@ def test_a_stage_message_delivered_after_its_pass_finished_writes_nothing(
 
     run_id = _run("redeliver")
     client = CritiqueClient(CONFIG)
-    sub = _sub(run_id, "w1", "looping")
+    sub = operator_sub(run_id, "w1", "looping")
     handle = client.submit(sub)
     got = client.wait(handle, timeout=60)
     r = runtime.client()

@@ -13,8 +13,8 @@ import redis
 from pipeline.models import Submission
 from pipeline.store.cache import RedisCritiqueCache
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
 from tests.support import wait_until
+from tests.support.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
 
 CRITIC_MODEL = "openai/critic-model"
 

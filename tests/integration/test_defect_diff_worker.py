@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.models import Submission
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     """A worker whose configured repairer fixes one defect and introduces another."""
     with client_on(worker_db_url(redis_url)) as env:
-        wenv = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:swap_revise"}
+        wenv = {**env, "CRITIQUE_REPAIRER": "tests.support.revisers:swap_revise"}
         log: Path = tmp_path_factory.mktemp("diff") / "worker.log"
         w = WorkerProcess(env["REDIS_URL"], name="diff", env=wenv, log=log).start()
         try:

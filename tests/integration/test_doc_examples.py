@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
+from tests.support.workers import ROOT, WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 

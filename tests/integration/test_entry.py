@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import socket
 import subprocess
 import uuid
@@ -20,26 +18,11 @@ import redis
 
 from pipeline.runner import start
 from pipeline.store import keys
-from tests.integration.rawcelery import QUEUE, entry_body, push, sign, task_meta
-from tests.integration.test_distributed import CONFIG, REQUIRED, make_sub
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
-
-WORKER_KEY = "workers-only-key-" + "w" * 16
-MANAGER_KEY = "managers-entry-key-" + "m" * 16
-
-
-def hand_built(run_id: str, worker_id: str = "w1") -> dict[str, Any]:
-    """A clean submission written out as a manager in another language would write it."""
-    return {
-        "run_id": run_id,
-        "iteration": 1,
-        "worker_id": worker_id,
-        "subtask_signature": f"sig-{worker_id}",
-        "task": "Summarise the quarterly sales report with findings.",
-        "output": {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9},
-        "required_fields": list(REQUIRED),
-    }
+from tests.support.entry import MANAGER_KEY, NODE, WORKER_KEY, docs_js, hand_built, run_docs_js
+from tests.support.rawcelery import QUEUE, entry_body, push, sign, task_meta
+from tests.support.submissions import CONFIG, make_sub
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 
 def _worker(env: dict[str, str], log: Path, name: str) -> WorkerProcess:
@@ -305,41 +288,6 @@ class TestSplitKeys:
 def _altered(body: dict[str, Any]) -> dict[str, Any]:
     body["submission"]["output"]["summary"] = "Sales rose 40%."
     return body
-
-
-NODE = shutil.which("node")
-
-
-def docs_js(tmp_path: Path) -> Path:
-    """The JavaScript example of docs/entry.md, as a file."""
-    text = (ROOT / "docs" / "entry.md").read_text(encoding="utf-8")
-    [code] = re.findall(r"```js\n(.*?)```", text, flags=re.S)
-    path = tmp_path / "submit.js"
-    path.write_text(code, encoding="utf-8")
-    return path
-
-
-def run_docs_js(
-    tmp_path: Path, run_id: str, client: redis.Redis, **redis_env: str
-) -> subprocess.CompletedProcess[str]:
-    """Run docs/entry.md's Node example on a hand-built submission of ``run_id`` (with the
-    run's CONFIG), against the Redis ``client`` talks to, signing with the managers' key;
-    ``redis_env`` adds the example's other variables (REDIS_DB, REDIS_USER, …)."""
-    js = docs_js(tmp_path)
-    (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    conn = client.connection_pool.connection_kwargs
-    env = {
-        **os.environ,
-        "REDIS_HOST": str(conn["host"]),
-        "REDIS_PORT": str(conn["port"]),
-        **redis_env,
-        "CRITIQUE_ENTRY_SECRET": MANAGER_KEY,
-    }
-    return subprocess.run(
-        [str(NODE), str(js), str(tmp_path / "sub.json"), str(tmp_path / "config.json")],
-        capture_output=True, text=True, env=env, timeout=90,
-    )  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")

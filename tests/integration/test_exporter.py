@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import redis
 
-from tests.integration.rawcelery import entry_body, push, task_meta
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub
-from tests.integration.test_entry import hand_built
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.entry import hand_built
+from tests.support.rawcelery import entry_body, push, task_meta
+from tests.support.submissions import CONFIG, KINDS, make_sub
+from tests.support.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from workers.embedded import free_port
 
 

@@ -20,7 +20,7 @@ from tests.fakes.openai_server import (
     reply,
     timeout,
 )
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 

@@ -17,10 +17,10 @@ from pipeline.runner import run_submission, start
 from pipeline.store import keys
 from pipeline.store.memory import MemoryPatternStore
 from pipeline.wiring import make_context
-from tests.integration.helpers import estimating_revise
-from tests.integration.test_distributed import make_sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.revisers import estimating_revise
+from tests.support.submissions import make_sub
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +41,7 @@ def worker(
     """One worker (threads, 4) whose reviser spends (estimated) tokens, so repair rounds
     reserve and charge budget (the default deterministic reviser is token-free)."""
     log = tmp_path_factory.mktemp("passes") / "worker.log"
-    wenv = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:estimating_revise"}
+    wenv = {**env, "CRITIQUE_REPAIRER": "tests.support.revisers:estimating_revise"}
     w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="passes", env=wenv, log=log).start()
     yield w
     w.stop()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pipeline.models import Submission
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import pytest
 
 from pipeline.models import Submission
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
+from tests.support.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
 
 pytestmark = pytest.mark.integration
 

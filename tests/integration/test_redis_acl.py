@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from pipeline.store import keys
-from tests.integration.rawcelery import entry_body, push, task_meta
-from tests.integration.test_distributed import CONFIG
-from tests.integration.test_entry import NODE, hand_built, run_docs_js
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.entry import NODE, hand_built, run_docs_js
+from tests.support.rawcelery import entry_body, push, task_meta
+from tests.support.submissions import CONFIG
+from tests.support.workers import ROOT, WorkerProcess
 from workers.embedded import EmbeddedRedis
 
 ACL_FILE = ROOT / "deploy" / "redis-acl.conf"

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.models import Submission
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +72,7 @@ def test_a_mis_keyed_submit_wait_says_the_worker_refused_it_and_why(signed: str)
     import subprocess
     import sys
 
-    from tests.integration.workers import ROOT, worker_env
+    from tests.support.workers import ROOT, worker_env
 
     line = json.dumps({"run_id": "fresh-mk", "worker_id": "w1", "task": "t", "output": "ok"})
     done = subprocess.run(

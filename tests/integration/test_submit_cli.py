@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.integration.workers import ROOT, WorkerProcess, worker_db_url, worker_env
+from tests.support.workers import ROOT, WorkerProcess, worker_db_url, worker_env
 
 pytestmark = pytest.mark.integration
 

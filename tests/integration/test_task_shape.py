@@ -15,9 +15,9 @@ import pytest
 
 from pipeline.runner import start
 from pipeline.store import keys
-from tests.integration.test_distributed import CONFIG, make_sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.submissions import CONFIG, make_sub
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 NODE = f"shape@{socket.gethostname()}"
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.integration.workers import ROOT, client_on, worker_db_url
 from tests.support import pid_alive
+from tests.support.workers import ROOT, client_on, worker_db_url
 
 
 def _until(what: str, probe: Callable[[], Any], proc: subprocess.Popen[bytes], log: Path) -> Any:

@@ -6,9 +6,6 @@ until its first command (the failover itself is ``tests/faults/test_sentinel.py`
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +27,7 @@ from pipeline.store.redis_common import (
     sentinel_transport_options,
     store_errors,
 )
+from tests.support.probes import config_probe
 
 ROOT = Path(__file__).resolve().parents[2]
 UNBLOCKED = (
@@ -189,22 +187,8 @@ print(json.dumps([c.broker_url, c.result_backend,
 """
 
 
-def _probe(code: str, **env: str) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith(("CELERY_", "CRITIQUE_"))}
-    base.pop("REDIS_URL", None)
-    return subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**base, "PYTHONPATH": str(ROOT), **env},
-        check=False,
-    )
-
-
 def test_celeryconfig_hands_celery_and_kombu_the_sentinel_settings() -> None:
-    out = _probe(
+    out = config_probe(
         _CONF_PROBE,
         REDIS_URL="sentinel://h1:1;sentinel://h2:2/5",
         CRITIQUE_REDIS_MASTER="mymaster",
@@ -217,7 +201,7 @@ def test_celeryconfig_hands_celery_and_kombu_the_sentinel_settings() -> None:
     assert {"retry_policy", "master_name", "sentinel_kwargs"} <= set(bkeys)
     # Celery prefers CELERY_BROKER_URL / CELERY_RESULT_BACKEND from the environment to the
     # settings: the app still gets the database on every part there.
-    app = _probe(
+    app = config_probe(
         "import workers.app as a; a.app.conf.task_serializer; "  # (loads celeryconfig)
         "print(a.app.conf.broker_url); print(a.app.conf.result_backend)",
         CELERY_BROKER_URL="sentinel://h1:1;sentinel://h2:2/5",
@@ -229,7 +213,7 @@ def test_celeryconfig_hands_celery_and_kombu_the_sentinel_settings() -> None:
         "sentinel://h1:1/5;sentinel://h2:2/5",
         "sentinel://h1:1/6;sentinel://h2:2/6",
     ]
-    plain = _probe(_CONF_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
+    plain = config_probe(_CONF_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
     assert plain.returncode == 0, plain.stderr
     assert json.loads(plain.stdout)[2:4] == [None, None]
 
@@ -246,10 +230,10 @@ print(get_transport_cls("sentinel") is SentinelTransport)  # also after a switch
 
 
 def test_a_worker_on_a_sentinel_broker_uses_the_guarded_sentinel_transport() -> None:
-    ok = _probe(_WORKER_PROBE, REDIS_URL="sentinel://h1:1/0", CRITIQUE_REDIS_MASTER="m1")
+    ok = config_probe(_WORKER_PROBE, REDIS_URL="sentinel://h1:1/0", CRITIQUE_REDIS_MASTER="m1")
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.split() == ["workers.recovery:SentinelTransport", "m1", "True"]
-    bad = _probe(_WORKER_PROBE, REDIS_URL="sentinel://h1:1/0")
+    bad = config_probe(_WORKER_PROBE, REDIS_URL="sentinel://h1:1/0")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [
         "critique worker: REDIS_URL is a sentinel:// URL but CRITIQUE_REDIS_MASTER is not set: "

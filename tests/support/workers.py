@@ -1,0 +1,200 @@
+"""A real Celery worker in a subprocess, against the test Redis (never eager mode)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def worker_db_url(test_url: str) -> str:
+    """The database worker tests use: the one below the test database (1 → 0 on the session's
+    own server; N → N-1 with ``CRITIQUE_TEST_REDIS_URL=.../N``; db 1 when the test database is
+    0), so the two never collide, nor sessions that share one Redis with different databases."""
+    u = urlsplit(test_url)
+    db = u.path.strip("/")
+    n = int(db) if db.isdigit() else 0
+    return urlunsplit(u._replace(path=f"/{n - 1 if n > 0 else 1}"))
+
+
+@contextlib.contextmanager
+def client_on(url: str, *, flush: bool = True, **extra: str) -> Iterator[dict[str, str]]:
+    """Point this process's client (``workers.runtime`` and the Celery app) at ``url`` — the
+    database the test's workers use — flushing it first; restore everything afterwards.
+
+    Yields the environment to hand to :class:`WorkerProcess` (``worker_env(url, **extra)``).
+    """
+    from workers import runtime
+    from workers.app import app
+
+    if flush:
+        redis.Redis.from_url(url).flushdb()
+    saved = dict(os.environ)
+    saved_conf = (app.conf.broker_url, app.conf.result_backend)
+    env = worker_env(url, **extra)
+    os.environ.update(env)
+    runtime.forget_store()
+    _forget_configs(runtime)
+    app.conf.broker_url = url
+    app.conf.result_backend = url
+    try:
+        yield env
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        app.conf.broker_url, app.conf.result_backend = saved_conf
+        runtime.forget_store()
+        _forget_configs(runtime)
+
+
+def _forget_configs(runtime: Any) -> None:
+    """Drop the client's cached configurations: its own one (which submissions are checked
+    against: allowed_models, the keys it holds) comes from the environment just changed."""
+    runtime._configs.clear()
+    runtime._contexts.clear()
+
+
+def worker_env(redis_url: str, **extra: str) -> dict[str, str]:
+    """Environment for a worker and for the in-test client: same Redis, fast retries."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "REDIS_URL": redis_url,
+            "CELERY_BROKER_URL": redis_url,
+            "CELERY_RESULT_BACKEND": redis_url,
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "PYTHONPATH": str(ROOT),
+        }
+    )
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """``celery -A workers.app worker`` as a child process."""
+
+    def __init__(
+        self,
+        redis_url: str,
+        *,
+        pool: str = "threads",
+        concurrency: int = 4,
+        queues: str = "critique.cpu,critique.llm",
+        name: str = "w1",
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ) -> None:
+        self.redis_url = redis_url
+        self.name_pattern = f"{name}@%h"
+        self.args = [
+            sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+            "-Q", queues, "-P", pool, "-c", str(concurrency), "-n", self.name_pattern,
+            "--without-gossip", "--without-mingle", "-l", "WARNING",
+        ]  # fmt: skip
+        self.env = worker_env(redis_url, **(env or {}))
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> WorkerProcess:
+        out = open(self.log, "ab") if self.log else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.args, cwd=ROOT, env=self.env, stdout=out, stderr=subprocess.STDOUT
+        )
+        self._wait_ready(timeout)
+        return self
+
+    @property
+    def nodename(self) -> str:
+        """The worker's node name (``name@host``), as remote control addresses it."""
+        from celery.utils.nodenames import host_format
+
+        return host_format(self.name_pattern)
+
+    def _wait_ready(self, timeout: float) -> None:
+        """Ready when the worker answers a remote-control ping: its event loop is running, so
+        it is consuming its queues (a reply is handled by the same loop as the tasks)."""
+        probe = self._probe_app()
+        deadline = time.monotonic() + timeout
+        try:
+            while time.monotonic() < deadline:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited early with code {self.proc.returncode}")
+                if probe.control.ping(destination=[self.nodename], timeout=0.25, limit=1):
+                    return
+        finally:
+            probe.close()
+        raise RuntimeError(f"worker {self.nodename} did not answer a ping within {timeout} s")
+
+    def _probe_app(self) -> Any:
+        """The Celery app that pings this worker (a client of its broker)."""
+        from celery import Celery
+
+        return Celery("probe", broker=self.redis_url, set_as_current=False)
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and pool children)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> WorkerProcess:
+        """``with WorkerProcess(...) as w``: started (ready), and stopped at the end."""
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=5)
+
+
+ACCEPTING_CRITIQUE = (
+    '{"score": 0.95, "defects": [], "prescriptions": [], "reusable_patterns": [], '
+    '"summary": "fine"}'
+)
+"""A critic reply that accepts the output (the default answer of a fake LLM server)."""
+
+
+@contextlib.contextmanager
+def llm_workers(
+    redis_url: str, api_base: str, logs: Path, *, name: str, count: int = 2, **extra: str
+) -> Iterator[list[WorkerProcess]]:
+    """``count`` worker processes (threads × 4) on the workers' database of ``redis_url``, their
+    LLM calls sent to ``api_base`` (worker-only configuration, so through the environment) with
+    ``extra`` environment; this process's client points at the same database."""
+    with client_on(
+        worker_db_url(redis_url),
+        CRITIQUE_LLM_API_KEY="sk-test",
+        CRITIQUE_LLM__API_BASE=api_base,
+        CRITIQUE_LLM__TIMEOUT_S="5",
+        **extra,
+    ) as env:
+        procs = [
+            WorkerProcess(
+                env["REDIS_URL"], concurrency=4, name=f"{name}{i}", env=env, log=logs / f"w{i}.log"
+            ).start()
+            for i in range(count)
+        ]
+        try:
+            yield procs
+        finally:
+            for w in procs:
+                w.stop()
