@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.support.servers import FAULT_ENV, RedisServer, forget_app_connections
-from tests.support.workers import WorkerProcess, client_on
+from tests.support.workers import client_on
 
 if TYPE_CHECKING:  # tests.support.sentinel imports this module
     from tests.support.sentinel import SentinelSetup
@@ -50,38 +50,6 @@ def fault_env(
             yield env
         finally:
             forget_app_connections()
-
-
-@pytest.fixture
-def start_worker(fault_env: dict[str, str], tmp_path: Path) -> Iterator[object]:
-    """``start_worker(name, pool=..., concurrency=..., env=..., queues=...)`` → a started
-    :class:`WorkerProcess` (``env``: more environment); every one is stopped after the test
-    (and its log printed when the test failed)."""
-    started: list[WorkerProcess] = []
-
-    def start(
-        name: str,
-        *,
-        pool: str = "threads",
-        concurrency: int = 4,
-        env: dict[str, str] | None = None,
-        queues: str = "critique.cpu,critique.llm",
-    ) -> WorkerProcess:
-        w = WorkerProcess(
-            fault_env["REDIS_URL"],
-            pool=pool,
-            concurrency=concurrency,
-            queues=queues,
-            name=name,
-            env={**fault_env, **(env or {})},
-            log=tmp_path / f"worker-{name}.log",
-        )
-        started.append(w.start(timeout=60))
-        return w
-
-    yield start
-    for w in started:
-        w.stop()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,9 +30,8 @@ from tests.support.faults import (
 )
 from tests.support.servers import forget_app_connections
 from tests.support.submissions import CONFIG, reference
-from tests.support.workers import WorkerProcess
+from tests.support.workers import WorkerStarter
 
-StartWorker = Callable[..., WorkerProcess]
 RECONNECT_SLA_S = 60.0
 """Every submission has its result within this of the broker dropping the connections."""
 
@@ -83,7 +82,7 @@ def amqp_url(fault_env: dict[str, str]) -> Iterator[str]:
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_consumers_are_back_within_seconds_when_rabbitmq_drops_their_connections(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """300 submissions on RabbitMQ through two workers (threads, prefork); at 10 % of the
     results, submission still going on, the broker closes every connection of the vhost (as a
@@ -93,10 +92,10 @@ def test_consumers_are_back_within_seconds_when_rabbitmq_drops_their_connections
     from workers.client import CritiqueClient
 
     vhost = amqp_url.rsplit("/", 1)[1]
-    env = {"CELERY_BROKER_URL": amqp_url}
+    env = {**fault_env, "CELERY_BROKER_URL": amqp_url}
     workers = [
-        start_worker("threads", pool="threads", concurrency=4, env=env),
-        start_worker("prefork", pool="prefork", concurrency=2, env=env),
+        start_worker("threads", env, pool="threads", concurrency=4, timeout=60),
+        start_worker("prefork", env, pool="prefork", concurrency=2, timeout=60),
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-{uuid.uuid4().hex[:8]}"
@@ -189,7 +188,7 @@ def _broker_stopped() -> Iterator[float]:
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefetch(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """A worker on RabbitMQ declares the three pipeline queues as quorum queues
     (``rabbitmqctl list_queues name type``) and consumes each with a per-consumer prefetch of
@@ -198,9 +197,10 @@ def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefet
     vhost = _vhost_of(amqp_url)
     start_worker(
         "quorum",
+        {**fault_env, "CELERY_BROKER_URL": amqp_url},
         concurrency=4,
-        env={"CELERY_BROKER_URL": amqp_url},
         queues=",".join(PIPELINE_QUEUES),
+        timeout=60,
     )
     types = _queue_types(vhost)
     assert {q: types.get(q) for q in PIPELINE_QUEUES} == dict.fromkeys(PIPELINE_QUEUES, "quorum")
@@ -213,7 +213,7 @@ def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefet
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
-    amqp_url: str, start_worker: StartWorker, tmp_path: Path
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter, tmp_path: Path
 ) -> None:
     """Where ``critique.cpu`` exists as a classic queue (a broker used by an earlier version),
     RabbitMQ refuses to redeclare it as a quorum queue: the worker stops at start with exit 2
@@ -230,7 +230,7 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
             conn.default_channel
         ).declare()
     with pytest.raises(RuntimeError, match="exited early with code 2"):
-        start_worker("refused", env={"CELERY_BROKER_URL": amqp_url})
+        start_worker("refused", {**fault_env, "CELERY_BROKER_URL": amqp_url}, timeout=60)
     said = (tmp_path / "worker-refused.log").read_text(errors="replace").strip().splitlines()[-1]
     assert said.startswith("critique worker: RabbitMQ (vhost ")
     for named in ("'critique.cpu'", "x-queue-type", "Upgrading to quorum queues"):
@@ -241,7 +241,9 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
     types = _queue_types(_vhost_of(amqp_url))
     assert types.get("critique.cpu") == "classic"
     classic = start_worker(
-        "classic", env={"CELERY_BROKER_URL": amqp_url, "CRITIQUE_AMQP_QUEUE_TYPE": "classic"}
+        "classic",
+        {**fault_env, "CELERY_BROKER_URL": amqp_url, "CRITIQUE_AMQP_QUEUE_TYPE": "classic"},
+        timeout=60,
     )
     assert classic.proc is not None and classic.proc.poll() is None
 
@@ -249,7 +251,7 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """RabbitMQ cancels a worker's consumer (``basic.cancel``: its queue deleted here; in a cluster,
     a failed node holding the queue does the same): the worker keeps its process, declares
@@ -258,7 +260,7 @@ def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
     from workers.client import CritiqueClient
 
     vhost = _vhost_of(amqp_url)
-    worker = start_worker("cancel", env={"CELERY_BROKER_URL": amqp_url})
+    worker = start_worker("cancel", {**fault_env, "CELERY_BROKER_URL": amqp_url}, timeout=60)
     assert worker.proc is not None
     pid = worker.proc.pid
     deleted = _ctl("delete_queue", "-p", vhost, "critique.cpu")
@@ -278,7 +280,7 @@ def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """On RabbitMQ the sweeper has no ``unacked`` hash to prove a loss with: a chain whose
     message was purged from its queue (nobody waiting) is re-driven by the stall rule once its
@@ -288,8 +290,13 @@ def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
     from workers.client import CritiqueClient
 
     vhost = _vhost_of(amqp_url)
-    env = {"CELERY_BROKER_URL": amqp_url, "CRITIQUE_STALL_S": "5", "CRITIQUE_SWEEP_S": "0.5"}
-    worker = start_worker("stall", env=env)
+    env = {
+        **fault_env,
+        "CELERY_BROKER_URL": amqp_url,
+        "CRITIQUE_STALL_S": "5",
+        "CRITIQUE_SWEEP_S": "0.5",
+    }
+    worker = start_worker("stall", env, timeout=60)
     worker.stop()
     run_id = f"rabbit-stall-{uuid.uuid4().hex[:8]}"
     sub = fault_submissions(run_id, 1)[0]
@@ -318,7 +325,7 @@ RESTART_SLA_S = 120.0
 @pytest.mark.faults
 @pytest.mark.timeout(300)
 def test_600_submissions_through_a_5_second_rabbitmq_stop_app_and_start_app(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """600 submissions on quorum queues through two workers (threads, prefork), the whole
     broker stopped (``rabbitmqctl stop_app``) for 5 s at 10 % of the results while submission
@@ -326,10 +333,10 @@ def test_600_submissions_through_a_5_second_rabbitmq_stop_app_and_start_app(
     120 s of the submit, one ``result`` trace event each, and the same worker processes."""
     from workers.client import CritiqueClient
 
-    env = {"CELERY_BROKER_URL": amqp_url}
+    env = {**fault_env, "CELERY_BROKER_URL": amqp_url}
     workers = [
-        start_worker("threads", pool="threads", concurrency=4, env=env),
-        start_worker("prefork", pool="prefork", concurrency=2, env=env),
+        start_worker("threads", env, pool="threads", concurrency=4, timeout=60),
+        start_worker("prefork", env, pool="prefork", concurrency=2, timeout=60),
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-restart-{uuid.uuid4().hex[:8]}"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,7 @@ from tests.support.faults import (
 )
 from tests.support.servers import RedisServer
 from tests.support.submissions import CONFIG, make_sub, reference
-from tests.support.workers import WorkerProcess
-
-StartWorker = Callable[..., WorkerProcess]
-
+from tests.support.workers import WorkerStarter
 
 RECOVERY_SLA_S = 60.0
 """The issue's bound: every submission has its result within this of Redis coming back."""
@@ -34,7 +30,8 @@ RECOVERY_SLA_S = 60.0
 
 def _through_an_outage(
     server: RedisServer,
-    start_worker: StartWorker,
+    start_worker: WorkerStarter,
+    env: dict[str, str],
     *,
     down_s: float,
     how: str,
@@ -49,7 +46,7 @@ def _through_an_outage(
 
     concurrency = {"threads": 4, "prefork": 2}
     workers = [
-        start_worker(f"{pool}{i}", pool=pool, concurrency=concurrency[pool])
+        start_worker(f"{pool}{i}", env, pool=pool, concurrency=concurrency[pool], timeout=60)
         for i, pool in enumerate(pools)
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
@@ -71,7 +68,7 @@ def _through_an_outage(
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_300_submissions_through_a_redis_sigkill_and_restart(
-    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """Redis SIGKILLed mid-run and restarted 5 s later (AOF): both workers (threads, prefork)
     keep their process and reconnect, and every submission ends with its normal result, none
@@ -79,7 +76,7 @@ def test_300_submissions_through_a_redis_sigkill_and_restart(
     registered as unacknowledged) is proved lost and re-driven by the sweeper in seconds, and
     only what was lost (the stall time, 600 s here, never acts)."""
     resumes, took = _through_an_outage(
-        redis_server, start_worker, down_s=5, how="kill", pools=("threads", "prefork")
+        redis_server, start_worker, fault_env, down_s=5, how="kill", pools=("threads", "prefork")
     )
     assert {e.get("reason") for e in resumes} <= {"lost"}
     print(f"SIGKILL + 5 s: all results {took:.1f} s after the restart, {len(resumes)} re-driven")
@@ -88,14 +85,14 @@ def test_300_submissions_through_a_redis_sigkill_and_restart(
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_300_submissions_through_a_shutdown_nosave_and_restart(
-    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """Redis stopped with ``SHUTDOWN NOSAVE`` mid-run and restarted 5 s later from its AOF:
     every submission ends with its normal result within a minute of the restart; the messages
     the workers held when their connections closed (no longer acknowledgeable) are restored
     by the workers' orphan sweep, not after the visibility timeout (900 s here)."""
     resumes, took = _through_an_outage(
-        redis_server, start_worker, down_s=5, how="nosave", pools=("threads",)
+        redis_server, start_worker, fault_env, down_s=5, how="nosave", pools=("threads",)
     )
     assert {e.get("reason") for e in resumes} <= {"lost"}
     print(f"NOSAVE + 5 s: all results {took:.1f} s after the restart, {len(resumes)} re-driven")
@@ -106,7 +103,7 @@ def test_300_submissions_through_a_shutdown_nosave_and_restart(
 def test_300_submissions_through_a_30_second_redis_outage(
     redis_server: RedisServer,
     fault_env: dict[str, str],
-    start_worker: StartWorker,
+    start_worker: WorkerStarter,
     tmp_path: Path,
 ) -> None:
     """Redis shut down mid-run for 32 s, then started again: the worker rides it out (its
@@ -114,7 +111,7 @@ def test_300_submissions_through_a_30_second_redis_outage(
     normal result within a minute of the restart; its consumer retried the connection at most
     2 s apart."""
     resumes, took = _through_an_outage(
-        redis_server, start_worker, down_s=32, how="stop", pools=("threads",)
+        redis_server, start_worker, fault_env, down_s=32, how="stop", pools=("threads",)
     )
     log = (tmp_path / "worker-threads0.log").read_text(errors="replace")
     waits = [float(w) for w in re.findall(r"Trying again in ([0-9.]+) seconds?", log)]
@@ -124,7 +121,7 @@ def test_300_submissions_through_a_30_second_redis_outage(
 
 @pytest.mark.timeout(120)
 def test_300_submissions_through_network_blips(
-    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """Every client connection to Redis is cut three times mid-run (CLIENT KILL, as a network
     blip or a proxy restart does): the worker keeps its process, reconnects, and every
@@ -135,7 +132,7 @@ def test_300_submissions_through_network_blips(
     delivery): its repeat replays, and a repeated gate writes nothing twice."""
     from workers.client import CritiqueClient
 
-    worker = start_worker("blip")
+    worker = start_worker("blip", fault_env, timeout=60)
     assert worker.proc is not None
     pid = worker.proc.pid
     run_id = f"blip-{uuid.uuid4().hex[:8]}"
@@ -156,7 +153,7 @@ LOST_SLA_S = 30.0
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("lost", "sweep_s"), [("first", "0.5"), ("next", "5")])
 def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
-    fault_env: dict[str, str], start_worker: StartWorker, lost: str, sweep_s: str
+    fault_env: dict[str, str], start_worker: WorkerStarter, lost: str, sweep_s: str
 ) -> None:
     """A chain whose message was deleted by hand from its queue (``first``: the submission's
     first message; ``next``: l0 ran and recorded its step, its successor is gone), with nobody
@@ -167,7 +164,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
     from workers import runtime, tasks
     from workers.client import CritiqueClient
 
-    worker = start_worker("lost", env={"CRITIQUE_SWEEP_S": sweep_s})
+    worker = start_worker("lost", {**fault_env, "CRITIQUE_SWEEP_S": sweep_s}, timeout=60)
     worker.stop()
     run_id = f"lost-{uuid.uuid4().hex[:8]}"
     sub = make_sub(run_id, "w1", 1, "missing")
@@ -201,7 +198,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
 
 @pytest.mark.timeout(90)
 def test_a_queue_backlog_is_not_taken_for_a_lost_chain(
-    fault_env: dict[str, str], start_worker: StartWorker
+    fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """300 submissions wait in the queue with no worker running, long enough for every one to
     be a suspect (no message of it unacknowledged): when a worker starts, the probes show the
@@ -210,7 +207,7 @@ def test_a_queue_backlog_is_not_taken_for_a_lost_chain(
     from workers.client import CritiqueClient
     from workers.recovery import LOST_GRACE_S, LOST_MARGIN_S
 
-    worker = start_worker("backlog")
+    worker = start_worker("backlog", fault_env, timeout=60)
     worker.stop()
     run_id = f"backlog-{uuid.uuid4().hex[:8]}"
     subs = fault_submissions(run_id, 300)

@@ -13,8 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support.hostile import SECRET
-from tests.support.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.provider_keys import Listener
+from tests.support.workers import client_on, worker_db_url
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +40,7 @@ def hostile_env(hostile_url: str) -> Iterator[dict[str, str]]:
 
 
 @pytest.fixture(scope="module")
-def hostile_worker(
-    hostile_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """One worker process for the module; its log is kept for the assertions."""
-    log = tmp_path_factory.mktemp("hostile-logs") / "worker.log"
-    w = WorkerProcess(
-        hostile_env["REDIS_URL"], concurrency=4, name="hostile", env=hostile_env, log=log
-    ).start()
-    yield w
-    w.stop()
+def listener() -> Iterator[Listener]:
+    """The local server an attacker would aim a submission's model at."""
+    with FakeOpenAIServer() as server:
+        yield Listener(server)

@@ -26,6 +26,7 @@ from pipeline.store.runs import pass_member
 from tests.support import run_steps, wait_until
 from tests.support.hostile import (
     ENABLED,
+    HOSTILE_WORKER,
     SECRET,
     assert_still_serving,
     honest_submission,
@@ -39,11 +40,15 @@ pytestmark = pytest.mark.integration
 ATTACKER_KEY = b"attacker-guessed-key-" + b"y" * 16
 
 
+WORKER = HOSTILE_WORKER
+
+
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; after every test it is alive and serves an honest submission."""
-    yield hostile_worker
-    assert_still_serving(hostile_worker)
+def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
+    """The module's shared worker; after every test it is alive and serves an honest
+    submission."""
+    yield worker
+    assert_still_serving(worker)
 
 
 def new_run(prefix: str = "forged") -> str:

@@ -24,6 +24,7 @@ from pipeline.store import keys
 from tests.support import run_steps, wait_until
 from tests.support.hostile import (
     ENABLED,
+    HOSTILE_WORKER,
     SECRET,
     assert_still_serving,
     honest_submission,
@@ -56,11 +57,15 @@ STAGE_OF = {
 }
 
 
+WORKER = HOSTILE_WORKER
+
+
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; after every test it is alive and serves an honest submission."""
-    yield hostile_worker
-    assert_still_serving(hostile_worker)
+def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
+    """The module's shared worker; after every test it is alive and serves an honest
+    submission."""
+    yield worker
+    assert_still_serving(worker)
 
 
 def new_run(prefix: str = "forge") -> str:

@@ -22,7 +22,7 @@ import pytest
 
 from pipeline.models import CritiqueResult, Submission
 from tests.fakes.openai_server import CRITIC, REPAIR, FakeOpenAIServer, system_text, user_text
-from tests.support.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +56,7 @@ def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    log = tmp_path_factory.mktemp("budget-llm") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="budget", env=env, log=log).start()
-    yield w
-    w.stop()
+WORKER = WorkerSpec("budget")
 
 
 class Provider:

@@ -17,7 +17,7 @@ from pipeline.runner import start
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.submissions import CONFIG, KINDS, LOOP, make_sub, reference
-from tests.support.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, WorkerSpec, WorkerStarter, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -49,18 +49,12 @@ def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         app.conf.broker_transport_options = saved
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """One worker process (threads pool, 4 threads) for the module."""
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    # A callable repairer is worker-only configuration (SPEC §3): the worker's environment names
-    # it. It is the heuristic reviser that first records the Known Pitfalls it was given.
-    wenv = {**env, "CRITIQUE_REPAIRER": "tests.support.revisers:recording_revise"}
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="main", env=wenv, log=log).start()
-    yield w
-    w.stop()
+# A callable repairer is worker-only configuration: the worker's environment names it. It is
+# the heuristic reviser that first records the Known Pitfalls it was given.
+WORKER = WorkerSpec(
+    "main", more_env={"CRITIQUE_REPAIRER": "tests.support.revisers:recording_revise"}
+)
+"""One worker process (threads pool, 4 threads) for the module."""
 
 
 def test_200_submissions_from_20_workers(worker: WorkerProcess) -> None:
@@ -164,7 +158,7 @@ def test_redelivered_task_bodies_change_no_count_or_charge(
 
 
 def test_killed_worker_loses_nothing(
-    env: dict[str, str], worker: WorkerProcess, tmp_path: Path
+    env: dict[str, str], worker: WorkerProcess, start_worker: WorkerStarter
 ) -> None:
     """SIGKILL a worker mid-run: all submissions finish, counts stay exact, the lease returns."""
     from workers import runtime
@@ -175,12 +169,8 @@ def test_killed_worker_loses_nothing(
     config = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
     slow = {**env, "CRITIQUE_REPAIRER": "tests.support.revisers:slow_revise"}
     subs = [make_sub(run_id, f"w{i:02d}", 1, KINDS[i % len(KINDS)]) for i in range(16)]
-    victim = WorkerProcess(
-        env["REDIS_URL"], concurrency=4, name="victim", env=slow, log=tmp_path / "victim.log"
-    )
-    rescuer = WorkerProcess(
-        env["REDIS_URL"], concurrency=4, name="rescuer", env=slow, log=tmp_path / "rescuer.log"
-    )
+    victim = start_worker("victim", slow, started=False)
+    rescuer = start_worker("rescuer", slow, started=False)
     try:  # whatever fails, no worker process of this test outlives it
         victim.start()
         client = CritiqueClient(config)

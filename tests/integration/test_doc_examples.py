@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.workers import ROOT, WorkerProcess, client_on, worker_db_url
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -49,25 +49,24 @@ def run_python(code: str, name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    url = worker_db_url(redis_url)
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with client_on(url):
-        w = WorkerProcess(url, name="docs", log=log).start()
-        try:
-            yield url
-        finally:
-            w.stop()
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    with client_on(worker_db_url(redis_url)) as e:
+        yield e
+
+
+WORKER = WorkerSpec("docs")
 
 
 PYTHON_EXAMPLES = [("README.md", 0), ("docs/client.md", 0)]
 
 
 @pytest.mark.parametrize(("doc", "index"), PYTHON_EXAMPLES)
-def test_a_python_example_prints_what_its_doc_shows(worker: str, doc: str, index: int) -> None:
+def test_a_python_example_prints_what_its_doc_shows(
+    worker: WorkerProcess, doc: str, index: int
+) -> None:
     import redis
 
-    redis.Redis.from_url(worker).flushdb()  # the examples reuse run ids: start clean
+    redis.Redis.from_url(worker.redis_url).flushdb()  # the examples reuse run ids: start clean
     code, shown = example_pairs(doc)[index]
     got = run_python(code, doc)
     assert got.rstrip("\n").split("\n") == shown.rstrip("\n").split("\n")

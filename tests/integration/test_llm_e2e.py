@@ -20,7 +20,7 @@ from tests.fakes.openai_server import (
     reply,
     timeout,
 )
-from tests.support.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, WorkerSpec, WorkerStarter, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -56,15 +56,8 @@ def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """A worker for critique.cpu and critique.llm (not the dedicated critic queue)."""
-    log = tmp_path_factory.mktemp("llm-logs") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="llm", env=env, log=log).start()
-    yield w
-    w.stop()
+WORKER = WorkerSpec("llm")
+"""A worker for critique.cpu and critique.llm (not the dedicated critic queue)."""
 
 
 @pytest.fixture()
@@ -338,7 +331,7 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
     env: dict[str, str],
     worker: WorkerProcess,
     llm: FakeOpenAIServer,
-    tmp_path_factory: pytest.TempPathFactory,
+    start_worker: WorkerStarter,
 ) -> None:
     """mode: dedicated: the critic model is the configured one, and the submissions' first
     tasks (Layer-0, then the critic in the same task) run only on the worker that consumes
@@ -348,11 +341,7 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
     from workers.app import app
 
     llm.on(CRITIC, critique(0.95))
-    log = tmp_path_factory.mktemp("dedicated") / "worker.log"
-    dedicated = WorkerProcess(
-        env["REDIS_URL"], concurrency=2, queues="critique.llm.critic", name="dedicated",
-        env=env, log=log,
-    ).start()  # fmt: skip
+    dedicated = start_worker("dedicated", env, concurrency=2, queues="critique.llm.critic")
     try:
         subs = [sub(new_run(), FIXED, worker_id=f"w{i}") for i in range(3)]
         results = run(config(llm, mode="dedicated"), *subs)

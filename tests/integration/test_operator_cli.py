@@ -16,7 +16,7 @@ import pytest
 
 from tests.support import wait_until
 from tests.support.submissions import operator_sub
-from tests.support.workers import ROOT, WorkerProcess, client_on, worker_db_url
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, worker_db_url
 from workers.cli import main
 
 pytestmark = pytest.mark.integration
@@ -38,12 +38,8 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One real worker process (threads pool) for the module."""
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with WorkerProcess(env["REDIS_URL"], concurrency=4, name="ops", env=env, log=log):
-        yield
+WORKER = WorkerSpec("ops")
+"""One real worker process (threads pool) for the module."""
 
 
 LOOP = (
@@ -53,7 +49,7 @@ LOOP = (
 
 
 @pytest.fixture(scope="module")
-def finished_run(worker: None) -> str:
+def finished_run(worker: WorkerProcess) -> str:
     """A run of five submissions over two iterations, all finished."""
     from workers.client import CritiqueClient
 
@@ -205,7 +201,7 @@ def test_report_writes_tree_html_and_lessons(
 
 
 def test_watch_follows_live_and_ends_when_every_submission_finished(
-    worker: None, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """watch --json prints every stage event live and ends (exit 0) once all results are in."""
     from workers.client import CritiqueClient
@@ -279,7 +275,7 @@ def _failed_chain(run_id: str, worker_id: str) -> None:
 
 
 def test_failed_chains_are_failed_not_pending(
-    worker: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A chain that failed is shown as failed with a one-line reason (no Python repr), never as
     pending: status exits 1, watch ends at once (no --timeout needed) and exits 1, report lists
@@ -327,7 +323,9 @@ def test_failed_chains_are_failed_not_pending(
     assert "Failed chains" in page and "may not set" in page
 
 
-def test_watch_shows_a_repeated_note_once(worker: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_watch_shows_a_repeated_note_once(
+    worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Three repairs without budget.total_tokens each note it; watch prints the note once and
     says how many repeats it left out."""
     from workers.client import CritiqueClient

@@ -6,7 +6,6 @@ from tests.support.workers import (
     ROOT,
     WorkerProcess,
     client_on,
-    llm_workers,
     worker_db_url,
     worker_env,
 )
@@ -16,7 +15,6 @@ __all__ = [
     "ROOT",
     "WorkerProcess",
     "client_on",
-    "llm_workers",
     "worker_db_url",
     "worker_env",
 ]

@@ -13,6 +13,7 @@ from typing import Any
 
 import redis
 
+from pipeline.store import keys
 from tests.support.submissions import CONFIG, REQUIRED
 from tests.support.workers import ROOT
 
@@ -69,3 +70,18 @@ WORKER_KEY = "workers-only-key-" + "w" * 16
 
 
 MANAGER_KEY = "managers-entry-key-" + "m" * 16
+
+
+def refusal(meta: dict[str, Any]) -> tuple[str, str]:
+    """``(exc_type, reason)`` of a FAILURE record, checking it is one line and no traceback."""
+    assert meta["status"] == "FAILURE", meta
+    assert meta["traceback"] is None
+    result = meta["result"]
+    assert isinstance(result["exc_message"], list) and len(result["exc_message"]) == 1
+    reason = result["exc_message"][0]
+    assert isinstance(reason, str) and "\n" not in reason and reason
+    return str(result["exc_type"]), reason
+
+
+def pass_results(r: redis.Redis, run_id: str) -> dict[bytes, bytes]:
+    return r.hgetall(keys.run_key(run_id, keys.PASS_RESULTS))

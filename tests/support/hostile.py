@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from pipeline.models import CritiqueResult, Submission
-from tests.support.workers import WorkerProcess
+from tests.support.workers import WorkerProcess, WorkerSpec
 
 SECRET = "hostile-suite-secret-" + uuid.uuid4().hex
 """The deploy secret the workers and the honest client share (an attacker does not know it)."""
@@ -21,13 +21,20 @@ SECRET = "hostile-suite-secret-" + uuid.uuid4().hex
 ENABLED = {"enabled": True}
 
 
+HOSTILE_WORKER = WorkerSpec("hostile", env_fixture="hostile_env")
+"""The hostile suite's worker: one process for each module that declares ``WORKER =
+HOSTILE_WORKER``, on the workers' database with the deploy secret (``hostile_env``); its log is
+kept for the assertions."""
+
+
 @contextlib.contextmanager
-def llm_worker(
-    hostile_env: dict[str, str], api_base: str, allowed: str, name: str, log: Path
-) -> Iterator[WorkerProcess]:
-    """A hostile-suite worker whose LLM transport the operator's environment sets (the fake's
-    ``api_base``, short timeouts and retries), with ``allowed`` as its allowed_models: there and
-    in this process's client, whose cached configurations are dropped on entry and exit."""
+def llm_worker_env(
+    hostile_env: dict[str, str], api_base: str, allowed: str
+) -> Iterator[dict[str, str]]:
+    """The environment of a hostile-suite worker whose LLM transport the operator's environment
+    sets (the fake's ``api_base``, short timeouts and retries), with ``allowed`` as its
+    allowed_models: there and in this process's client, whose cached configurations are dropped
+    on entry and exit."""
     from workers import runtime
 
     env = {
@@ -39,17 +46,15 @@ def llm_worker(
         "CRITIQUE_LLM__BACKOFF_S": "0.01",
         "CRITIQUE_LLM__BACKOFF_MAX_S": "0.05",
     }
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name=name, env=env, log=log).start()
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("CRITIQUE_ALLOWED_MODELS", allowed)
             runtime._configs.clear()
             runtime._contexts.clear()
-            yield w
+            yield env
     finally:
         runtime._configs.clear()
         runtime._contexts.clear()
-        w.stop()
 
 
 def log_of(worker: WorkerProcess) -> str:

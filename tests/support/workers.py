@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -16,6 +17,8 @@ from urllib.parse import urlsplit, urlunsplit
 import redis
 
 ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_QUEUES = "critique.cpu,critique.llm"
+"""The queues a worker consumes unless told otherwise (every stage's default queue)."""
 
 
 def worker_db_url(test_url: str) -> str:
@@ -90,7 +93,7 @@ class WorkerProcess:
         *,
         pool: str = "threads",
         concurrency: int = 4,
-        queues: str = "critique.cpu,critique.llm",
+        queues: str = DEFAULT_QUEUES,
         name: str = "w1",
         env: dict[str, str] | None = None,
         log: Path | None = None,
@@ -166,6 +169,80 @@ class WorkerProcess:
                 self.proc.wait(timeout=5)
 
 
+def child_pids(pid: int) -> list[int]:
+    """The pids of a process's children (a prefork worker's pool), from /proc; none when the
+    process is gone or /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
+            return [int(p) for p in fh.read().split()]
+    except OSError:
+        return []
+
+
+class WorkerStarter:
+    """Starts :class:`WorkerProcess` handles on the Redis their environment names, logging to
+    ``logs``, and stops every one it made at :meth:`stop_all`: the ``start_worker`` and
+    ``worker`` fixtures of tests/conftest.py are built on it, so no test leaves a worker behind."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.made: list[WorkerProcess] = []
+
+    def __call__(
+        self,
+        name: str,
+        env: Mapping[str, str],
+        *,
+        pool: str = "threads",
+        concurrency: int = 4,
+        queues: str = DEFAULT_QUEUES,
+        started: bool = True,
+        timeout: float = 30.0,
+    ) -> WorkerProcess:
+        """A worker named ``name`` with the environment ``env`` (its ``REDIS_URL`` is the
+        worker's broker, backend and store), logging to ``<logs>/worker-<name>.log``; started (it
+        answers a ping) unless ``started=False``, for a test that starts it itself later."""
+        w = WorkerProcess(
+            env["REDIS_URL"],
+            pool=pool,
+            concurrency=concurrency,
+            queues=queues,
+            name=name,
+            env=dict(env),
+            log=self.logs / f"worker-{name}.log",
+        )
+        self.made.append(w)
+        if started:
+            w.start(timeout=timeout)
+        return w
+
+    def stop_all(self) -> None:
+        """Stop every worker made here (a stopped or killed one is left as it is), then SIGKILL
+        any pool child of theirs still running (one a killed main process left behind)."""
+        children: set[int] = set()
+        for w in self.made:
+            if w.proc is not None:
+                children.update(child_pids(w.proc.pid))
+            w.stop()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What a module's shared worker is (``WORKER = WorkerSpec(...)`` at module level, read by the
+    ``worker`` fixture): its name, the module fixture whose value is its environment (the one
+    :func:`client_on` yields), more environment on top, and its pool, size and queues."""
+
+    name: str
+    env_fixture: str = "env"
+    more_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    pool: str = "threads"
+    concurrency: int = 4
+    queues: str = DEFAULT_QUEUES
+
+
 ACCEPTING_CRITIQUE = (
     '{"score": 0.95, "defects": [], "prescriptions": [], "reusable_patterns": [], '
     '"summary": "fine"}'
@@ -174,12 +251,10 @@ ACCEPTING_CRITIQUE = (
 
 
 @contextlib.contextmanager
-def llm_workers(
-    redis_url: str, api_base: str, logs: Path, *, name: str, count: int = 2, **extra: str
-) -> Iterator[list[WorkerProcess]]:
-    """``count`` worker processes (threads × 4) on the workers' database of ``redis_url``, their
-    LLM calls sent to ``api_base`` (worker-only configuration, so through the environment) with
-    ``extra`` environment; this process's client points at the same database."""
+def llm_env(redis_url: str, api_base: str, **extra: str) -> Iterator[dict[str, str]]:
+    """This process's client on the workers' database of ``redis_url`` (as :func:`client_on`),
+    yielding the environment of workers whose LLM calls go to ``api_base`` (worker-only
+    configuration, so through the environment), with a key and ``extra``."""
     with client_on(
         worker_db_url(redis_url),
         CRITIQUE_LLM_API_KEY="sk-test",
@@ -187,14 +262,4 @@ def llm_workers(
         CRITIQUE_LLM__TIMEOUT_S="5",
         **extra,
     ) as env:
-        procs = [
-            WorkerProcess(
-                env["REDIS_URL"], concurrency=4, name=f"{name}{i}", env=env, log=logs / f"w{i}.log"
-            ).start()
-            for i in range(count)
-        ]
-        try:
-            yield procs
-        finally:
-            for w in procs:
-                w.stop()
+        yield env
