@@ -19,6 +19,22 @@ from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support.hostile import SECRET, send_signed
 from tests.support.workers import client_on
 
+PROVIDER_VARS = (
+    "CRITIQUE_LLM_API_KEY",
+    "OPENAI_API_KEY",
+    "ANTHROPIC_API_KEY",
+    "CRITIQUE_MODEL",
+    "CRITIQUE_CONFIG",
+)
+"""The variables that give a process a provider key or a critique configuration."""
+
+
+def clear_provider_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset every :data:`PROVIDER_VARS` for one test (restored after it)."""
+    for name in PROVIDER_VARS:
+        monkeypatch.delenv(name, raising=False)
+
+
 KEY = "sk-operator-" + uuid.uuid4().hex
 """The operator's CRITIQUE_LLM_API_KEY (what must never reach the listener)."""
 
