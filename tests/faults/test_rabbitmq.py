@@ -1,6 +1,7 @@
-"""RabbitMQ as the broker (SPEC §4 shape c), the store on a private Redis: the pipeline's queues
-are quorum queues, consumers come back within seconds when the broker drops their connections,
-and a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a pause of seconds.
+"""RabbitMQ as the broker with the store on a private Redis (the split deployment): the
+pipeline's queues are quorum queues, consumers come back within seconds when the broker drops
+their connections, and a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a
+pause of seconds.
 Against the RabbitMQ on 127.0.0.1:5672 (guest/guest), managed with ``rabbitmqctl``; skipped
 only where no RabbitMQ answers there. Each test uses a vhost of its own, made and deleted by the
 test, and touches no other, except the broker restart, which stops the whole broker for 5 s

@@ -1,4 +1,4 @@
-"""The configuration trust boundary (issue 10, items 1 and 2; SPEC §3 "Who may set what"),
+"""The configuration trust boundary (issue 10, items 1 and 2; who may set what),
 attacked through the client, the CLI and raw broker messages against a real worker and Redis.
 
 A submission may set policy only. One that sets a worker-only field (the LLM transport, a

@@ -1,10 +1,10 @@
-"""The repair budget against a provider's reported usage (SPEC §5.3), end to end: a real worker,
+"""The repair budget against a provider's reported usage, end to end: a real worker,
 real Redis, litellm's real HTTP client and the fake OpenAI-compatible server scripting ``usage``.
 
 Reservations are the counted prompt plus the call's ``max_tokens`` (repair call and re-critique),
 the calls are made with that ``max_tokens``, the unused part comes back at commit: so the cap
 bounds what the provider reports. A reservation that only held tokens block waits for them
-(SPEC §4: the task goes back to the broker and asks again), so a binding budget refuses only
+(the task goes back to the broker and asks again), so a binding budget refuses only
 near its end, and demand past the cap still spends nearly all of it."""
 
 from __future__ import annotations

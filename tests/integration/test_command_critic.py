@@ -3,7 +3,7 @@
 The worker's operator gives it the command in its environment
 (``CRITIQUE_COMMAND='python -m pytest -q -p no:cacheprovider'``, a 4 s ``command_timeout_s``),
 an API key of the product's and one of a provider's (that no command may see), and the LLM
-transport pointed at the fake OpenAI server (worker-only settings, SPEC §3). ``critique ab`` runs
+transport pointed at the fake OpenAI server (worker-only settings). ``critique ab`` runs
 in this process against the same Redis and worker, its worker model scripted on the fake
 (:mod:`tests.fakes.ab_models`).
 """

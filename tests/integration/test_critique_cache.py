@@ -1,5 +1,5 @@
-"""The critique cache (SPEC §5.10) on a real Redis and through real workers: 20 identical
-outputs submitted at once reach the (fake) LLM once."""
+"""The critique cache (critiques shared by identical outputs) on a real Redis and through real
+workers: 20 identical outputs submitted at once reach the (fake) LLM once."""
 
 from __future__ import annotations
 

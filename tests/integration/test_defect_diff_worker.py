@@ -1,4 +1,5 @@
-"""The defect diff per round (SPEC §5.4) through a real worker and Redis, not only the loop."""
+"""The defect diff per round (fixed, remaining, new) through a real worker and Redis, not only
+the loop."""
 
 from __future__ import annotations
 

@@ -40,9 +40,9 @@ def fake() -> Iterator[FakeOpenAIServer]:
 @pytest.fixture(scope="module")
 def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
     """This process and the workers share the worker database of the test Redis. The LLM
-    transport is worker-only configuration (SPEC §3), so it comes from the environment: the
-    fake's address, a 2 s call timeout and fast retries; the worker holds a key, so it lists
-    the models submissions may name."""
+    transport is worker-only configuration (a submission may not set it), so it comes from the
+    environment: the fake's address, a 2 s call timeout and fast retries; the worker holds a
+    key, so it lists the models submissions may name."""
     with client_on(
         worker_db_url(redis_url),
         CRITIQUE_LLM_API_KEY="sk-test",
@@ -140,8 +140,8 @@ def test_defective_output_is_repaired_with_a_targeted_prompt_and_accepted(
     worker: WorkerProcess, llm: FakeOpenAIServer
 ) -> None:
     """A missing field and a placeholder: L0 sends it to repair (no critic tokens), the LLM
-    repair prompt carries every SPEC §5.3 part, the LLM re-critique accepts it, and the result
-    holds the RepairAttempt and the per-round trace."""
+    repair prompt carries every part (task, output, defects, pitfalls), the LLM re-critique
+    accepts it, and the result holds the RepairAttempt and the per-round trace."""
     llm.on(REPAIR, json.dumps(FIXED))
     llm.on(CRITIC, critique(0.95))
     run_id = new_run()

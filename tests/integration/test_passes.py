@@ -1,6 +1,7 @@
-"""Passes (SPEC §4) and effects written once, on a real Redis with a real worker process: a
-resubmission is critiqued afresh and ``wait`` answers with its own pass; a stage or gate
-delivered twice leaves no lease held, reserves once, charges once and writes one result event."""
+"""Passes (one critique of one submission) and effects written once, on a real Redis with a real
+worker process: a resubmission is critiqued afresh and ``wait`` answers with its own pass; a
+stage or gate delivered twice leaves no lease held, reserves once, charges once and writes one
+result event."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cluster-wide LLM rate limits through real workers (SPEC §5.10): two worker processes
+"""Cluster-wide LLM rate limits through real workers: two worker processes
 sharing ``llm.rate_limit: {rpm: 120}`` never send the (fake) provider more than 10 requests
 in any 5-second window, plus the bucket's burst of 2."""
 

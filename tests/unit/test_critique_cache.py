@@ -1,4 +1,4 @@
-"""The critique cache (SPEC §5.10) in the broker-free loop, with the in-memory cache."""
+"""The critique cache in the broker-free loop, with the in-memory cache."""
 
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ def test_concurrent_identical_critiques_wait_for_the_first() -> None:
 
 
 def test_a_submission_may_not_set_the_cache() -> None:
-    """cache is worker-only (SPEC §3): where critiques are stored and shared across runs."""
+    """cache is worker-only (a submission may not set it): where critiques are stored and
+    shared across runs."""
     import pytest
 
     from pipeline.config import check_submission_overrides

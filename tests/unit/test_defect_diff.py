@@ -1,4 +1,4 @@
-"""The per-round defect diff (SPEC §5.4): fixed, remaining, new and regressed."""
+"""The per-round defect diff: fixed, remaining, new and regressed."""
 
 from __future__ import annotations
 

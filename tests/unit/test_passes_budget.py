@@ -302,7 +302,7 @@ def test_token_free_repairs_reserve_and_charge_nothing() -> None:
     assert ctx.budget.snapshot("run-1") == BudgetSnapshot()
 
 
-# --- waiting for held tokens (SPEC §4) ---------------------------------------------------------
+# --- waiting for held tokens ------------------------------------------------------------------
 
 
 class Clock:

@@ -1,4 +1,4 @@
-"""A configured model whose provider key is missing is a configuration error (SPEC §5.2):
+"""A configured model whose provider key is missing is a configuration error:
 ``critique worker`` and ``critique submit`` exit 2 naming the variable, and a worker's litellm
 call refuses before anything is sent — never a silent heuristic fallback."""
 
