@@ -162,7 +162,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     owner = _owner(cluster)
     assert len(ports) == NODES
     assert set(owner.values()) == set(ports)
-    start_worker("cluster", fault_env, concurrency=4, timeout=60)
+    start_worker("cluster", fault_env, concurrency=4)
 
     run_ids = _run_ids(owner, ports)
     subs: list[Submission] = [
@@ -253,7 +253,7 @@ def test_a_cluster_master_killed_mid_run_is_a_reconnect_and_every_submission_end
     owner = _owner(cluster)
     masters = sorted(set(owner.values()))
     assert len(masters) == NODES
-    worker = start_worker("cluster-failover", fault_env, concurrency=4, timeout=60)
+    worker = start_worker("cluster-failover", fault_env, concurrency=4)
     run_ids = _run_ids(owner, masters)
     subs = [
         make_sub(run_id, f"w{i:02d}", 1, KINDS[i % len(KINDS)])

@@ -95,8 +95,8 @@ def test_consumers_are_back_within_seconds_when_rabbitmq_drops_their_connections
     vhost = amqp_url.rsplit("/", 1)[1]
     env = {**fault_env, "CELERY_BROKER_URL": amqp_url}
     workers = [
-        start_worker("threads", env, pool="threads", concurrency=4, timeout=60),
-        start_worker("prefork", env, pool="prefork", concurrency=2, timeout=60),
+        start_worker("threads", env, pool="threads", concurrency=4),
+        start_worker("prefork", env, pool="prefork", concurrency=2),
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-{uuid.uuid4().hex[:8]}"
@@ -201,7 +201,6 @@ def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefet
         {**fault_env, "CELERY_BROKER_URL": amqp_url},
         concurrency=4,
         queues=",".join(PIPELINE_QUEUES),
-        timeout=60,
     )
     types = _queue_types(vhost)
     assert {q: types.get(q) for q in PIPELINE_QUEUES} == dict.fromkeys(PIPELINE_QUEUES, "quorum")
@@ -231,7 +230,7 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
             conn.default_channel
         ).declare()
     with pytest.raises(RuntimeError, match="exited early with code 2"):
-        start_worker("refused", {**fault_env, "CELERY_BROKER_URL": amqp_url}, timeout=60)
+        start_worker("refused", {**fault_env, "CELERY_BROKER_URL": amqp_url})
     said = (tmp_path / "worker-refused.log").read_text(errors="replace").strip().splitlines()[-1]
     assert said.startswith("critique worker: RabbitMQ (vhost ")
     for named in ("'critique.cpu'", "x-queue-type", "Upgrading to quorum queues"):
@@ -244,7 +243,6 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
     classic = start_worker(
         "classic",
         {**fault_env, "CELERY_BROKER_URL": amqp_url, "CRITIQUE_AMQP_QUEUE_TYPE": "classic"},
-        timeout=60,
     )
     assert classic.proc is not None and classic.proc.poll() is None
 
@@ -261,7 +259,7 @@ def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
     from workers.client import CritiqueClient
 
     vhost = _vhost_of(amqp_url)
-    worker = start_worker("cancel", {**fault_env, "CELERY_BROKER_URL": amqp_url}, timeout=60)
+    worker = start_worker("cancel", {**fault_env, "CELERY_BROKER_URL": amqp_url})
     assert worker.proc is not None
     pid = worker.proc.pid
     deleted = _ctl("delete_queue", "-p", vhost, "critique.cpu")
@@ -297,7 +295,7 @@ def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
         "CRITIQUE_STALL_S": "5",
         "CRITIQUE_SWEEP_S": "0.5",
     }
-    worker = start_worker("stall", env, timeout=60)
+    worker = start_worker("stall", env)
     worker.stop()
     run_id = f"rabbit-stall-{uuid.uuid4().hex[:8]}"
     sub = fault_submissions(run_id, 1)[0]
@@ -336,8 +334,8 @@ def test_600_submissions_through_a_5_second_rabbitmq_stop_app_and_start_app(
 
     env = {**fault_env, "CELERY_BROKER_URL": amqp_url}
     workers = [
-        start_worker("threads", env, pool="threads", concurrency=4, timeout=60),
-        start_worker("prefork", env, pool="prefork", concurrency=2, timeout=60),
+        start_worker("threads", env, pool="threads", concurrency=4),
+        start_worker("prefork", env, pool="prefork", concurrency=2),
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-restart-{uuid.uuid4().hex[:8]}"

@@ -46,7 +46,7 @@ def _through_an_outage(
 
     concurrency = {"threads": 4, "prefork": 2}
     workers = [
-        start_worker(f"{pool}{i}", env, pool=pool, concurrency=concurrency[pool], timeout=60)
+        start_worker(f"{pool}{i}", env, pool=pool, concurrency=concurrency[pool])
         for i, pool in enumerate(pools)
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
@@ -132,7 +132,7 @@ def test_300_submissions_through_network_blips(
     delivery): its repeat replays, and a repeated gate writes nothing twice."""
     from workers.client import CritiqueClient
 
-    worker = start_worker("blip", fault_env, timeout=60)
+    worker = start_worker("blip", fault_env)
     assert worker.proc is not None
     pid = worker.proc.pid
     run_id = f"blip-{uuid.uuid4().hex[:8]}"
@@ -164,7 +164,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
     from workers import runtime, tasks
     from workers.client import CritiqueClient
 
-    worker = start_worker("lost", {**fault_env, "CRITIQUE_SWEEP_S": sweep_s}, timeout=60)
+    worker = start_worker("lost", {**fault_env, "CRITIQUE_SWEEP_S": sweep_s})
     worker.stop()
     run_id = f"lost-{uuid.uuid4().hex[:8]}"
     sub = make_sub(run_id, "w1", 1, "missing")
@@ -207,7 +207,7 @@ def test_a_queue_backlog_is_not_taken_for_a_lost_chain(
     from workers.client import CritiqueClient
     from workers.recovery import LOST_GRACE_S, LOST_MARGIN_S
 
-    worker = start_worker("backlog", fault_env, timeout=60)
+    worker = start_worker("backlog", fault_env)
     worker.stop()
     run_id = f"backlog-{uuid.uuid4().hex[:8]}"
     subs = fault_submissions(run_id, 300)

@@ -75,8 +75,8 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     # A prefork worker (the victim) and a threads worker (the rescuer); whatever happens, no
     # process of theirs outlives the test (the starter also reaps their pool children).
     workers = {
-        "victim": start_worker("victim", env, pool="prefork", concurrency=2, timeout=60),
-        "rescuer": start_worker("rescuer", env, pool="threads", concurrency=4, timeout=60),
+        "victim": start_worker("victim", env, pool="prefork", concurrency=2),
+        "rescuer": start_worker("rescuer", env, pool="threads", concurrency=4),
     }
     from workers import runtime
     from workers.client import CritiqueClient

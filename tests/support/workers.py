@@ -197,11 +197,12 @@ class WorkerStarter:
         concurrency: int = 4,
         queues: str = DEFAULT_QUEUES,
         started: bool = True,
-        timeout: float = 30.0,
+        timeout: float = 60.0,
     ) -> WorkerProcess:
         """A worker named ``name`` with the environment ``env`` (its ``REDIS_URL`` is the
         worker's broker, backend and store), logging to ``<logs>/worker-<name>.log``; started (it
-        answers a ping) unless ``started=False``, for a test that starts it itself later."""
+        answers a ping; ``timeout`` only bounds a hang, generous for a loaded machine) unless
+        ``started=False``, for a test that starts it itself later."""
         w = WorkerProcess(
             env["REDIS_URL"],
             pool=pool,
