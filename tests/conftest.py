@@ -73,7 +73,7 @@ def fake_llm() -> Iterator[FakeOpenAIServer]:
 def start_worker(tmp_path: Path) -> Iterator[WorkerStarter]:
     """``start_worker(name, env, pool=..., concurrency=..., queues=..., started=...)`` → a
     :class:`WorkerProcess` on ``env["REDIS_URL"]`` with environment ``env`` (logging to
-    ``tmp_path/<name>.log``); every worker it made is stopped when the test ends."""
+    ``tmp_path/worker-<name>.log``); every worker it made is stopped when the test ends."""
     starter = WorkerStarter(tmp_path)
     try:
         yield starter

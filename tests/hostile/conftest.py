@@ -1,10 +1,12 @@
 """Fixtures for the hostile-input suite: a real worker and Redis, attacked as a client would.
 
-Every module here gets one worker process (threads pool) on a database of its own, started with
-``CRITIQUE_SECRET`` set as every deploy sets it, and this process's client pointed at the same
-database with the same secret. Tests attack through the client, the CLI, or raw broker messages
-(:func:`send_raw`), then assert the refusal, its message, and that the worker is still alive and
-an honest submission sent afterwards still gets its result (:func:`assert_still_serving`).
+A module that declares ``WORKER = HOSTILE_WORKER`` (``tests.support.hostile``) gets one worker
+process (threads pool) from the ``worker`` fixture, on the workers' database, started with
+``CRITIQUE_SECRET`` set as every deploy sets it (:func:`hostile_env`), and this process's client
+pointed at the same database with the same secret. Tests attack through the client, the CLI, or
+raw broker messages (``send_raw``), then assert the refusal, its message, and that the worker is
+still alive and an honest submission sent afterwards still gets its result
+(``assert_still_serving``; modules wrap ``worker`` to check that after every test).
 """
 
 from __future__ import annotations
