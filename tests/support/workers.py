@@ -1,4 +1,10 @@
-"""A real Celery worker in a subprocess, against the test Redis (never eager mode)."""
+"""A real Celery worker in a subprocess, against the test Redis (never eager mode).
+
+:class:`WorkerProcess` is one ``celery worker``; :class:`WorkerStarter` makes them and stops
+them all (the ``start_worker`` fixture per test, the ``worker`` fixture per module, as a
+module's :class:`WorkerSpec` declares); :func:`client_on` points this process's client at the
+workers' database and yields their environment.
+"""
 
 from __future__ import annotations
 
