@@ -204,12 +204,14 @@ class WorkerStarter:
         queues: str = DEFAULT_QUEUES,
         started: bool = True,
         timeout: float = 60.0,
+        process: type[WorkerProcess] = WorkerProcess,
     ) -> WorkerProcess:
         """A worker named ``name`` with the environment ``env`` (its ``REDIS_URL`` is the
         worker's broker, backend and store), logging to ``<logs>/worker-<name>.log``; started (it
         answers a ping; ``timeout`` only bounds a hang, generous for a loaded machine) unless
-        ``started=False``, for a test that starts it itself later."""
-        w = WorkerProcess(
+        ``started=False``, for a test that starts it itself later. ``process`` is the class
+        of handle (a subclass whose readiness probe differs, e.g. a Sentinel worker's)."""
+        w = process(
             env["REDIS_URL"],
             pool=pool,
             concurrency=concurrency,
