@@ -7,6 +7,11 @@ Only ``$CRITIQUE_TEST_REDIS_URL`` (``redis://host:port/N``) points the suite at 
 instead: tests then flush database N and N-1 (their workers'). A Redis the user runs on 6379 is
 never touched unless named there. Tests flush only those databases, and only when they start.
 
+Workers: every Celery worker a test needs comes from one of two fixtures here, both built on
+:class:`tests.support.workers.WorkerStarter` (real ``celery worker`` processes, never eager mode):
+``start_worker(name, env, ...)`` for workers of one test, stopped when it ends, and ``worker``,
+a module's shared worker as its ``WORKER = WorkerSpec(...)`` declares, stopped after the module.
+
 Tests marked ``fastscan`` need the compiled scanner: skipped when it is not built, failed when
 ``CRITIQUE_TEST_REQUIRE_FASTSCAN=1`` (see :func:`tests.support.require_fastscan`).
 """
@@ -15,11 +20,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support import require_fastscan
+from tests.support.workers import WorkerProcess, WorkerSpec, WorkerStarter
 from workers.embedded import EmbeddedRedis
 
 TEST_REDIS_ENV = "CRITIQUE_TEST_REDIS_URL"
@@ -60,3 +67,36 @@ def fake_llm() -> Iterator[FakeOpenAIServer]:
     """A fresh fake OpenAI-compatible server on loopback for one test (``fake_llm.api_base``)."""
     with FakeOpenAIServer() as server:
         yield server
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[WorkerStarter]:
+    """``start_worker(name, env, pool=..., concurrency=..., queues=..., started=...)`` → a
+    :class:`WorkerProcess` on ``env["REDIS_URL"]`` with environment ``env`` (logging to
+    ``tmp_path/worker-<name>.log``); every worker it made is stopped when the test ends."""
+    starter = WorkerStarter(tmp_path)
+    try:
+        yield starter
+    finally:
+        starter.stop_all()
+
+
+@pytest.fixture(scope="module")
+def worker(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """The module's shared worker, as the module's ``WORKER`` (a :class:`WorkerSpec`) declares:
+    its environment is the value of the spec's ``env_fixture`` (a module fixture that points
+    this process's client at the same database) plus ``more_env``; started when a test first
+    asks for it and stopped after the module's last test."""
+    spec = getattr(request.module, "WORKER", None)
+    if not isinstance(spec, WorkerSpec):
+        pytest.fail(f"{request.module.__name__} uses `worker` but declares no WORKER spec")
+    env = {**request.getfixturevalue(spec.env_fixture), **spec.more_env}
+    starter = WorkerStarter(tmp_path_factory.mktemp(f"worker-{spec.name}"))
+    try:
+        yield starter(
+            spec.name, env, pool=spec.pool, concurrency=spec.concurrency, queues=spec.queues
+        )
+    finally:
+        starter.stop_all()

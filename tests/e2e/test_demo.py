@@ -74,7 +74,7 @@ def test_demo_json_runs_the_sample_run(tmp_path: Path) -> None:
         assert r["repairs"] >= (1 if sample.expected_status in ("repaired", "failed") else 0)
     assert doc["pitfalls"].startswith("## Known Pitfalls")
     assert "- [seen " in doc["pitfalls"]
-    # No model: every repair is token-free, so nothing is reserved or charged (SPEC §5.3).
+    # No model: every repair is token-free, so nothing is reserved or charged.
     assert doc["budget"]["repair_spent"] == 0 < doc["budget"]["repair_cap"]
     run_dir = tmp_path / "ws" / "runs" / doc["run_id"]
     for n in (1, 2, 3):

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from pipeline.models import Submission
-from tests.flower import USER, FlowerProcess, until
-from tests.flower import get as _get
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.flower import USER, FlowerProcess, until
+from tests.support.flower import get as _get
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.e2e
 
@@ -29,21 +29,24 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
         yield e
 
 
+WORKER = WorkerSpec("flowerw", concurrency=2)
+
+
 @pytest.fixture(scope="module")
-def cluster(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A worker and Flower (basic auth) running; yields Flower's base URL. Both are killed."""
+def cluster(
+    env: dict[str, str], worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """The module's worker and Flower (basic auth) running; yields Flower's base URL. Both are
+    stopped afterwards."""
     logs = tmp_path_factory.mktemp("flower")
-    worker = WorkerProcess(env["REDIS_URL"], concurrency=2, name="flowerw", env=env)
     flower = FlowerProcess(env, logs / "flower.log")
     try:
-        worker.start()
         flower.start()
         # Flower's event receiver has heard the worker's heartbeat: task events will be seen.
         flower.wait_worker_alive("flowerw@")
         yield flower.base
     finally:
         flower.stop()
-        worker.stop()
 
 
 def _sub(run_id: str, worker_id: str, output: str | dict[str, Any]) -> Submission:

@@ -1,1 +1,2 @@
-"""Fakes of external services that speak their real wire protocol (DESIGN habit 8)."""
+"""Fakes of external services that speak their real wire protocol, so the code under test
+runs its real clients against them."""

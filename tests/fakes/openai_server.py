@@ -1,7 +1,7 @@
 """A fake OpenAI-compatible chat-completions server on loopback, scriptable per test.
 
 litellm's real client path (the ``openai`` SDK over httpx) talks to it through ``api_base``, so
-tests exercise the same HTTP, error mapping and usage parsing as production (DESIGN habit 8).
+tests exercise the same HTTP, error mapping and usage parsing as production.
 
 Endpoints (a leading ``/v1`` is optional on every path):
 

@@ -25,9 +25,10 @@ from redis.cluster import key_slot
 from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
-from tests.faults.conftest import RedisServer
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
 from tests.support import wait_until
+from tests.support.servers import RedisServer
+from tests.support.submissions import CONFIG, KINDS, make_sub, reference
+from tests.support.workers import WorkerStarter
 from workers.embedded import free_port, redis_executable
 
 NODES = 3
@@ -142,7 +143,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     cluster: list[RedisServer],
     redis_server: RedisServer,
     fault_env: dict[str, str],
-    start_worker: object,
+    start_worker: WorkerStarter,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -161,7 +162,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     owner = _owner(cluster)
     assert len(ports) == NODES
     assert set(owner.values()) == set(ports)
-    start_worker("cluster", concurrency=4)  # type: ignore[operator]
+    start_worker("cluster", fault_env, concurrency=4)
 
     run_ids = _run_ids(owner, ports)
     subs: list[Submission] = [
@@ -239,7 +240,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("cluster", [1], indirect=True)
 def test_a_cluster_master_killed_mid_run_is_a_reconnect_and_every_submission_ends(
-    cluster: list[RedisServer], fault_env: dict[str, str], start_worker: object
+    cluster: list[RedisServer], fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """Three masters with a replica each; the master owning a third of the runs is SIGKILLed
     once some results are in, and its replica takes over its slots. The worker keeps its
@@ -252,7 +253,7 @@ def test_a_cluster_master_killed_mid_run_is_a_reconnect_and_every_submission_end
     owner = _owner(cluster)
     masters = sorted(set(owner.values()))
     assert len(masters) == NODES
-    worker = start_worker("cluster-failover", concurrency=4)  # type: ignore[operator]
+    worker = start_worker("cluster-failover", fault_env, concurrency=4)
     run_ids = _run_ids(owner, masters)
     subs = [
         make_sub(run_id, f"w{i:02d}", 1, KINDS[i % len(KINDS)])

@@ -22,8 +22,9 @@ import pytest
 
 from pipeline.errors import StoreUnavailableError
 from pipeline.models import Submission
-from tests.faults.sentinel import SentinelSetup, SentinelWorker
-from tests.flower import FlowerProcess, until
+from tests.support.flower import FlowerProcess, until
+from tests.support.sentinel import SentinelSetup, SentinelWorker
+from tests.support.workers import WorkerStarter
 
 pytestmark = [
     pytest.mark.faults,
@@ -120,7 +121,10 @@ def _canary_seen(flower: FlowerProcess) -> bool:
 
 @pytest.mark.timeout(240)
 def test_flower_follows_a_sentinel_broker_through_a_failover(
-    sentinels: SentinelSetup, sentinel_env: dict[str, str], tmp_path: Path
+    sentinels: SentinelSetup,
+    sentinel_env: dict[str, str],
+    start_worker: WorkerStarter,
+    tmp_path: Path,
 ) -> None:
     """Pins: Flower started with the ``sentinel://`` URL and ``CRITIQUE_REDIS_MASTER`` (what
     ``celeryconfig`` turns into ``master_name``) needs nothing more: ``/api/workers?refresh=1``
@@ -132,9 +136,8 @@ def test_flower_follows_a_sentinel_broker_through_a_failover(
     next two submissions' tasks and the worker. With the URL's first Sentinel down, the broker
     tab's queue lengths fail (Flower's own client asks only that one) while remote control
     still answers."""
-    url = sentinels.url()
-    worker = SentinelWorker(
-        url, concurrency=2, name="flowersw", env=sentinel_env, log=tmp_path / "worker.log"
+    worker = start_worker(
+        "flowersw", sentinel_env, process=SentinelWorker, concurrency=2, started=False
     )
     flower = FlowerProcess(sentinel_env, tmp_path / "flower.log")
     try:

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.faults.conftest import RedisServer
+from tests.support.servers import RedisServer
 from workers.recovery import (
     LOST_GRACE_S,
     LOST_MARGIN_S,

@@ -9,7 +9,7 @@ from pipeline.models import CritiqueEnvelope, CritiqueResult
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.runs import RedisRunStore
-from tests.faults.conftest import RedisServer
+from tests.support.servers import RedisServer
 
 RUN = "run1"
 PASS = "1:w1:sid1"

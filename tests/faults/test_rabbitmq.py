@@ -1,6 +1,7 @@
-"""RabbitMQ as the broker (SPEC §4 shape c), the store on a private Redis: the pipeline's queues
-are quorum queues, consumers come back within seconds when the broker drops their connections,
-and a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a pause of seconds.
+"""RabbitMQ as the broker with the store on a private Redis (the split deployment): the
+pipeline's queues are quorum queues, consumers come back within seconds when the broker drops
+their connections, and a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a
+pause of seconds.
 Against the RabbitMQ on 127.0.0.1:5672 (guest/guest), managed with ``rabbitmqctl``; skipped
 only where no RabbitMQ answers there. Each test uses a vhost of its own, made and deleted by the
 test, and touches no other, except the broker restart, which stops the whole broker for 5 s
@@ -17,22 +18,21 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.faults.conftest import _forget_app_connections
-from tests.faults.test_redis_outage import (
-    _check_run,
-    _results,
-    _submissions,
-    _wait_for_results,
+from tests.support.faults import (
+    check_run,
+    fault_submissions,
+    run_results,
+    wait_for_results,
 )
-from tests.integration.test_distributed import CONFIG, reference
-from tests.integration.workers import WorkerProcess
+from tests.support.servers import forget_app_connections
+from tests.support.submissions import CONFIG, reference
+from tests.support.workers import WorkerStarter
 
-StartWorker = Callable[..., WorkerProcess]
 RECONNECT_SLA_S = 60.0
 """Every submission has its result within this of the broker dropping the connections."""
 
@@ -70,12 +70,12 @@ def amqp_url(fault_env: dict[str, str]) -> Iterator[str]:
         saved = app.conf.broker_url
         os.environ["CELERY_BROKER_URL"] = url
         app.conf.broker_url = url
-        _forget_app_connections()
+        forget_app_connections()
         try:
             yield url
         finally:
             app.conf.broker_url = saved
-            _forget_app_connections()
+            forget_app_connections()
     finally:
         _ctl("delete_vhost", vhost)
 
@@ -83,7 +83,7 @@ def amqp_url(fault_env: dict[str, str]) -> Iterator[str]:
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_consumers_are_back_within_seconds_when_rabbitmq_drops_their_connections(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """300 submissions on RabbitMQ through two workers (threads, prefork); at 10 % of the
     results, submission still going on, the broker closes every connection of the vhost (as a
@@ -93,23 +93,23 @@ def test_consumers_are_back_within_seconds_when_rabbitmq_drops_their_connections
     from workers.client import CritiqueClient
 
     vhost = amqp_url.rsplit("/", 1)[1]
-    env = {"CELERY_BROKER_URL": amqp_url}
+    env = {**fault_env, "CELERY_BROKER_URL": amqp_url}
     workers = [
-        start_worker("threads", pool="threads", concurrency=4, env=env),
-        start_worker("prefork", pool="prefork", concurrency=2, env=env),
+        start_worker("threads", env, pool="threads", concurrency=4),
+        start_worker("prefork", env, pool="prefork", concurrency=2),
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 300)
+    subs = fault_submissions(run_id, 300)
     # Submitting through RabbitMQ takes seconds: submit while the run goes, drop mid-run.
     submitter = threading.Thread(target=CritiqueClient(CONFIG).submit_many, args=(subs,))
     submitter.start()
-    assert len(_wait_for_results(run_id, 30, 60)) >= 30
+    assert len(wait_for_results(run_id, 30, 60)) >= 30
     closed = _ctl("close_all_connections", "-p", vhost, "critique test: broker restart")
     assert closed.returncode == 0, closed.stderr
     dropped = time.monotonic()
     submitter.join(60)
-    results = _wait_for_results(run_id, len(subs), RECONNECT_SLA_S + 30)
+    results = wait_for_results(run_id, len(subs), RECONNECT_SLA_S + 30)
     took = time.monotonic() - dropped
     assert len(results) == len(subs), f"{len(subs) - len(results)} have no result"
     assert took <= RECONNECT_SLA_S, f"the last result came {took:.1f} s after the drop"
@@ -189,7 +189,7 @@ def _broker_stopped() -> Iterator[float]:
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefetch(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """A worker on RabbitMQ declares the three pipeline queues as quorum queues
     (``rabbitmqctl list_queues name type``) and consumes each with a per-consumer prefetch of
@@ -198,8 +198,8 @@ def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefet
     vhost = _vhost_of(amqp_url)
     start_worker(
         "quorum",
+        {**fault_env, "CELERY_BROKER_URL": amqp_url},
         concurrency=4,
-        env={"CELERY_BROKER_URL": amqp_url},
         queues=",".join(PIPELINE_QUEUES),
     )
     types = _queue_types(vhost)
@@ -213,7 +213,7 @@ def test_the_pipeline_queues_are_quorum_queues_consumed_with_per_consumer_prefet
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
-    amqp_url: str, start_worker: StartWorker, tmp_path: Path
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter, tmp_path: Path
 ) -> None:
     """Where ``critique.cpu`` exists as a classic queue (a broker used by an earlier version),
     RabbitMQ refuses to redeclare it as a quorum queue: the worker stops at start with exit 2
@@ -230,18 +230,19 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
             conn.default_channel
         ).declare()
     with pytest.raises(RuntimeError, match="exited early with code 2"):
-        start_worker("refused", env={"CELERY_BROKER_URL": amqp_url})
+        start_worker("refused", {**fault_env, "CELERY_BROKER_URL": amqp_url})
     said = (tmp_path / "worker-refused.log").read_text(errors="replace").strip().splitlines()[-1]
     assert said.startswith("critique worker: RabbitMQ (vhost ")
     for named in ("'critique.cpu'", "x-queue-type", "Upgrading to quorum queues"):
         assert named in said, said
     assert "CRITIQUE_AMQP_QUEUE_TYPE=classic" in said
     with pytest.raises(ConfigError, match="CRITIQUE_AMQP_QUEUE_TYPE=classic"):
-        CritiqueClient(CONFIG).submit(_submissions(f"refused-{uuid.uuid4().hex[:8]}", 1)[0])
+        CritiqueClient(CONFIG).submit(fault_submissions(f"refused-{uuid.uuid4().hex[:8]}", 1)[0])
     types = _queue_types(_vhost_of(amqp_url))
     assert types.get("critique.cpu") == "classic"
     classic = start_worker(
-        "classic", env={"CELERY_BROKER_URL": amqp_url, "CRITIQUE_AMQP_QUEUE_TYPE": "classic"}
+        "classic",
+        {**fault_env, "CELERY_BROKER_URL": amqp_url, "CRITIQUE_AMQP_QUEUE_TYPE": "classic"},
     )
     assert classic.proc is not None and classic.proc.poll() is None
 
@@ -249,7 +250,7 @@ def test_a_worker_and_a_client_refuse_a_classic_queue_with_the_upgrade_named(
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """RabbitMQ cancels a worker's consumer (``basic.cancel``: its queue deleted here; in a cluster,
     a failed node holding the queue does the same): the worker keeps its process, declares
@@ -258,7 +259,7 @@ def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
     from workers.client import CritiqueClient
 
     vhost = _vhost_of(amqp_url)
-    worker = start_worker("cancel", env={"CELERY_BROKER_URL": amqp_url})
+    worker = start_worker("cancel", {**fault_env, "CELERY_BROKER_URL": amqp_url})
     assert worker.proc is not None
     pid = worker.proc.pid
     deleted = _ctl("delete_queue", "-p", vhost, "critique.cpu")
@@ -268,17 +269,17 @@ def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
         time.sleep(0.5)
     assert _queue_types(vhost).get("critique.cpu") == "quorum"
     run_id = f"rabbit-cancel-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 20)
+    subs = fault_submissions(run_id, 20)
     CritiqueClient(CONFIG).submit_many(subs)
-    results = _wait_for_results(run_id, len(subs), RECONNECT_SLA_S)
-    _check_run(run_id, subs, results, [worker], [pid], transport="amqp://")
+    results = wait_for_results(run_id, len(subs), RECONNECT_SLA_S)
+    check_run(run_id, subs, results, [worker], [pid], transport="amqp://")
     print(f"consumer cancelled: consuming again {time.monotonic() - cancelled:.1f} s later")
 
 
 @pytest.mark.faults
 @pytest.mark.timeout(120)
 def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """On RabbitMQ the sweeper has no ``unacked`` hash to prove a loss with: a chain whose
     message was purged from its queue (nobody waiting) is re-driven by the stall rule once its
@@ -288,11 +289,16 @@ def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
     from workers.client import CritiqueClient
 
     vhost = _vhost_of(amqp_url)
-    env = {"CELERY_BROKER_URL": amqp_url, "CRITIQUE_STALL_S": "5", "CRITIQUE_SWEEP_S": "0.5"}
-    worker = start_worker("stall", env=env)
+    env = {
+        **fault_env,
+        "CELERY_BROKER_URL": amqp_url,
+        "CRITIQUE_STALL_S": "5",
+        "CRITIQUE_SWEEP_S": "0.5",
+    }
+    worker = start_worker("stall", env)
     worker.stop()
     run_id = f"rabbit-stall-{uuid.uuid4().hex[:8]}"
-    sub = _submissions(run_id, 1)[0]
+    sub = fault_submissions(run_id, 1)[0]
     client = CritiqueClient(CONFIG)
     handle = client.submit(sub)
     purged = _ctl("purge_queue", "-p", vhost, "critique.cpu")
@@ -318,7 +324,7 @@ RESTART_SLA_S = 120.0
 @pytest.mark.faults
 @pytest.mark.timeout(300)
 def test_600_submissions_through_a_5_second_rabbitmq_stop_app_and_start_app(
-    amqp_url: str, start_worker: StartWorker
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """600 submissions on quorum queues through two workers (threads, prefork), the whole
     broker stopped (``rabbitmqctl stop_app``) for 5 s at 10 % of the results while submission
@@ -326,30 +332,30 @@ def test_600_submissions_through_a_5_second_rabbitmq_stop_app_and_start_app(
     120 s of the submit, one ``result`` trace event each, and the same worker processes."""
     from workers.client import CritiqueClient
 
-    env = {"CELERY_BROKER_URL": amqp_url}
+    env = {**fault_env, "CELERY_BROKER_URL": amqp_url}
     workers = [
-        start_worker("threads", pool="threads", concurrency=4, env=env),
-        start_worker("prefork", pool="prefork", concurrency=2, env=env),
+        start_worker("threads", env, pool="threads", concurrency=4),
+        start_worker("prefork", env, pool="prefork", concurrency=2),
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"rabbit-restart-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 600)
+    subs = fault_submissions(run_id, 600)
     submitted = time.monotonic()
     submitter = threading.Thread(target=CritiqueClient(CONFIG).submit_many, args=(subs,))
     submitter.start()
-    assert len(_wait_for_results(run_id, len(subs) // 10, 60)) >= len(subs) // 10
+    assert len(wait_for_results(run_id, len(subs) // 10, 60)) >= len(subs) // 10
     stopping = time.monotonic()
     with _broker_stopped() as stopped:
         time.sleep(5)
-        before = len(_results(run_id) or {})
+        before = len(run_results(run_id) or {})
     restarted = time.monotonic()
-    while len(_results(run_id) or {}) <= before and time.monotonic() - restarted < 60:
+    while len(run_results(run_id) or {}) <= before and time.monotonic() - restarted < 60:
         time.sleep(0.1)
     resumed = time.monotonic()
     submitter.join(RESTART_SLA_S)
-    results = _wait_for_results(run_id, len(subs), submitted + RESTART_SLA_S - time.monotonic())
+    results = wait_for_results(run_id, len(subs), submitted + RESTART_SLA_S - time.monotonic())
     took = time.monotonic() - submitted
-    resumes = _check_run(run_id, subs, results, workers, pids, transport="amqp://")
+    resumes = check_run(run_id, subs, results, workers, pids, transport="amqp://")
     assert resumes == []  # nothing was lost: RabbitMQ redelivered what the workers held
     assert took <= RESTART_SLA_S, f"the last result came {took:.1f} s after the submit"
     print(

@@ -7,125 +7,22 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from pipeline.errors import StoreUnavailableError
-from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex
-from tests.faults.conftest import RedisServer
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
-from tests.integration.workers import WorkerProcess
-
-StartWorker = Callable[..., WorkerProcess]
-
-
-def _results(run_id: str) -> dict[str, CritiqueResult] | None:
-    """The run's stored results by ``"<iteration>:<worker_id>"``; None while Redis is away."""
-    from workers import runtime
-
-    try:
-        got = runtime.stores().runs.results(run_id)
-    except StoreUnavailableError:
-        return None
-    return {f"{r.iteration}:{r.worker_id}": r for r in got}
-
-
-def _wait_for_results(run_id: str, n: int, timeout: float) -> dict[str, CritiqueResult]:
-    """Poll the results (never ``wait``: no client re-drives anything) until ``n`` are there."""
-    deadline = time.monotonic() + timeout
-    got: dict[str, CritiqueResult] = {}
-    while time.monotonic() < deadline:
-        got = _results(run_id) or got
-        if len(got) >= n:
-            return got
-        time.sleep(0.25)
-    return got
-
-
-def _missing_report(run_id: str, subs: list[Submission], results: dict[str, CritiqueResult]) -> str:
-    """Why submissions have no result, for the failure message: each one's pending-index
-    entry, the steps recorded for the run, and the queues' drain probes (what the sweeper
-    decides on), so a failure can be explained after its Redis is gone."""
-    import redis as redis_lib
-
-    from pipeline.store import keys
-    from workers import runtime
-
-    missing = [s.worker_id for s in subs if f"{s.iteration}:{s.worker_id}" not in results]
-    lines = [f"{len(missing)} submissions have no result: {missing[:10]}"]
-    try:
-        r = redis_lib.Redis.from_url(runtime.redis_url(), decode_responses=True)
-        pending = r.zrange(keys.run_key(run_id, keys.PENDING), 0, -1, withscores=True)
-        steps = [  # the live passes' step records (a finished pass's are released)
-            step
-            for key in r.scan_iter(keys.pass_steps_key(run_id, "*"), count=1000)
-            for step in r.hkeys(key)
-        ]
-        for wid in missing[:10]:
-            lines.append(f"  {wid}: pending {[p for p in pending if wid in p[0]]}")
-            lines.append(f"  {wid}: steps {sorted(k for k in steps if wid in k)}")
-        for key in r.scan_iter(keys.shared_key(keys.PROBE) + "*"):
-            kind = r.type(key)
-            value = r.hgetall(key) if kind == "hash" else r.zrange(key, -5, -1)
-            lines.append(f"  {key}: {value}")
-        lines.append(f"  now {r.time()}")
-    except Exception as exc:  # a diagnostic must not hide the assertion
-        lines.append(f"  (diagnostics unavailable: {exc!r})")
-    return "\n".join(lines)
-
-
-def _submissions(run_id: str, n: int) -> list[Submission]:
-    return [make_sub(run_id, f"w{i:03d}", 1, KINDS[i % len(KINDS)]) for i in range(n)]
-
-
-def _check_run(
-    run_id: str,
-    subs: list[Submission],
-    results: dict[str, CritiqueResult],
-    workers: list[WorkerProcess],
-    pids: list[int],
-    *,
-    transport: str = "workers.recovery:RedisTransport://",
-) -> list[dict[str, Any]]:
-    """Every submission ended with its reference result (none failed, none missing), every
-    worker process is the one that started (its banner names ``transport``, by default the
-    guarded Redis one; no "Unrecoverable error"), each submission has exactly one ``result``
-    trace event, nothing is left pending. Returns the run's ``resume`` events (all by the
-    sweeper: no client waited)."""
-    from workers import runtime
-    from workers.client import CritiqueClient
-
-    assert len(results) == len(subs), _missing_report(run_id, subs, results)
-    want, _ = reference(subs, CONFIG)
-    for key, ref in want.items():
-        got = results[key]
-        assert (got.status, got.stop_reason) == (ref.status, ref.stop_reason), key
-    assert "failed" not in Counter(r.status for r in results.values())
-
-    for w, pid in zip(workers, pids, strict=True):
-        assert w.proc is not None and w.proc.poll() is None, "a worker process exited"
-        assert w.proc.pid == pid
-        log = w.log.read_text(errors="replace") if w.log else ""
-        assert f"transport:   {transport}" in log  # (on Redis: the guarded one)
-        assert "Unrecoverable error" not in log
-
-    events = list(CritiqueClient(CONFIG).trace(run_id))
-    gates = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
-    assert len(gates) == len(subs)
-    resumes = [e for e in events if e["type"] == "resume"]
-    assert {e["by"] for e in resumes} <= {"sweeper"}
-    repeated = {k: v for k, v in gates.items() if v > 1}
-    assert not repeated, repeated
-    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
-    return resumes
-
+from tests.support.faults import (
+    check_run,
+    fault_submissions,
+    wait_for_results,
+)
+from tests.support.servers import RedisServer
+from tests.support.submissions import CONFIG, make_sub, reference
+from tests.support.workers import WorkerStarter
 
 RECOVERY_SLA_S = 60.0
 """The issue's bound: every submission has its result within this of Redis coming back."""
@@ -133,7 +30,8 @@ RECOVERY_SLA_S = 60.0
 
 def _through_an_outage(
     server: RedisServer,
-    start_worker: StartWorker,
+    start_worker: WorkerStarter,
+    env: dict[str, str],
     *,
     down_s: float,
     how: str,
@@ -148,21 +46,21 @@ def _through_an_outage(
 
     concurrency = {"threads": 4, "prefork": 2}
     workers = [
-        start_worker(f"{pool}{i}", pool=pool, concurrency=concurrency[pool])
+        start_worker(f"{pool}{i}", env, pool=pool, concurrency=concurrency[pool])
         for i, pool in enumerate(pools)
     ]
     pids = [w.proc.pid for w in workers if w.proc is not None]
     run_id = f"outage-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, n)
+    subs = fault_submissions(run_id, n)
     CritiqueClient(CONFIG).submit_many(subs)
-    assert len(_wait_for_results(run_id, n // 10, 60)) >= n // 10
+    assert len(wait_for_results(run_id, n // 10, 60)) >= n // 10
     {"kill": server.kill, "nosave": server.shutdown_nosave, "stop": server.stop}[how]()
     time.sleep(down_s)
     server.start()
     restarted = time.monotonic()
-    results = _wait_for_results(run_id, n, RECOVERY_SLA_S + 30)
+    results = wait_for_results(run_id, n, RECOVERY_SLA_S + 30)
     took = time.monotonic() - restarted
-    resumes = _check_run(run_id, subs, results, workers, pids)
+    resumes = check_run(run_id, subs, results, workers, pids)
     assert took <= RECOVERY_SLA_S, f"the last result came {took:.1f} s after the restart"
     return resumes, took
 
@@ -170,7 +68,7 @@ def _through_an_outage(
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_300_submissions_through_a_redis_sigkill_and_restart(
-    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """Redis SIGKILLed mid-run and restarted 5 s later (AOF): both workers (threads, prefork)
     keep their process and reconnect, and every submission ends with its normal result, none
@@ -178,7 +76,7 @@ def test_300_submissions_through_a_redis_sigkill_and_restart(
     registered as unacknowledged) is proved lost and re-driven by the sweeper in seconds, and
     only what was lost (the stall time, 600 s here, never acts)."""
     resumes, took = _through_an_outage(
-        redis_server, start_worker, down_s=5, how="kill", pools=("threads", "prefork")
+        redis_server, start_worker, fault_env, down_s=5, how="kill", pools=("threads", "prefork")
     )
     assert {e.get("reason") for e in resumes} <= {"lost"}
     print(f"SIGKILL + 5 s: all results {took:.1f} s after the restart, {len(resumes)} re-driven")
@@ -187,14 +85,14 @@ def test_300_submissions_through_a_redis_sigkill_and_restart(
 @pytest.mark.faults
 @pytest.mark.timeout(180)
 def test_300_submissions_through_a_shutdown_nosave_and_restart(
-    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """Redis stopped with ``SHUTDOWN NOSAVE`` mid-run and restarted 5 s later from its AOF:
     every submission ends with its normal result within a minute of the restart; the messages
     the workers held when their connections closed (no longer acknowledgeable) are restored
     by the workers' orphan sweep, not after the visibility timeout (900 s here)."""
     resumes, took = _through_an_outage(
-        redis_server, start_worker, down_s=5, how="nosave", pools=("threads",)
+        redis_server, start_worker, fault_env, down_s=5, how="nosave", pools=("threads",)
     )
     assert {e.get("reason") for e in resumes} <= {"lost"}
     print(f"NOSAVE + 5 s: all results {took:.1f} s after the restart, {len(resumes)} re-driven")
@@ -205,7 +103,7 @@ def test_300_submissions_through_a_shutdown_nosave_and_restart(
 def test_300_submissions_through_a_30_second_redis_outage(
     redis_server: RedisServer,
     fault_env: dict[str, str],
-    start_worker: StartWorker,
+    start_worker: WorkerStarter,
     tmp_path: Path,
 ) -> None:
     """Redis shut down mid-run for 32 s, then started again: the worker rides it out (its
@@ -213,7 +111,7 @@ def test_300_submissions_through_a_30_second_redis_outage(
     normal result within a minute of the restart; its consumer retried the connection at most
     2 s apart."""
     resumes, took = _through_an_outage(
-        redis_server, start_worker, down_s=32, how="stop", pools=("threads",)
+        redis_server, start_worker, fault_env, down_s=32, how="stop", pools=("threads",)
     )
     log = (tmp_path / "worker-threads0.log").read_text(errors="replace")
     waits = [float(w) for w in re.findall(r"Trying again in ([0-9.]+) seconds?", log)]
@@ -223,7 +121,7 @@ def test_300_submissions_through_a_30_second_redis_outage(
 
 @pytest.mark.timeout(120)
 def test_300_submissions_through_network_blips(
-    redis_server: RedisServer, fault_env: dict[str, str], start_worker: StartWorker
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """Every client connection to Redis is cut three times mid-run (CLIENT KILL, as a network
     blip or a proxy restart does): the worker keeps its process, reconnects, and every
@@ -234,18 +132,18 @@ def test_300_submissions_through_network_blips(
     delivery): its repeat replays, and a repeated gate writes nothing twice."""
     from workers.client import CritiqueClient
 
-    worker = start_worker("blip")
+    worker = start_worker("blip", fault_env)
     assert worker.proc is not None
     pid = worker.proc.pid
     run_id = f"blip-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 300)
+    subs = fault_submissions(run_id, 300)
     CritiqueClient(CONFIG).submit_many(subs)
     admin = redis.Redis(port=redis_server.port)
     for share in (0.1, 0.3, 0.5):
-        _wait_for_results(run_id, int(len(subs) * share), 60)
+        wait_for_results(run_id, int(len(subs) * share), 60)
         admin.client_kill_filter(_type="normal", skipme=True)
-    results = _wait_for_results(run_id, len(subs), 90)
-    _check_run(run_id, subs, results, [worker], [pid])
+    results = wait_for_results(run_id, len(subs), 90)
+    check_run(run_id, subs, results, [worker], [pid])
 
 
 LOST_SLA_S = 30.0
@@ -255,7 +153,7 @@ LOST_SLA_S = 30.0
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("lost", "sweep_s"), [("first", "0.5"), ("next", "5")])
 def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
-    fault_env: dict[str, str], start_worker: StartWorker, lost: str, sweep_s: str
+    fault_env: dict[str, str], start_worker: WorkerStarter, lost: str, sweep_s: str
 ) -> None:
     """A chain whose message was deleted by hand from its queue (``first``: the submission's
     first message; ``next``: l0 ran and recorded its step, its successor is gone), with nobody
@@ -266,7 +164,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
     from workers import runtime, tasks
     from workers.client import CritiqueClient
 
-    worker = start_worker("lost", env={"CRITIQUE_SWEEP_S": sweep_s})
+    worker = start_worker("lost", {**fault_env, "CRITIQUE_SWEEP_S": sweep_s})
     worker.stop()
     run_id = f"lost-{uuid.uuid4().hex[:8]}"
     sub = make_sub(run_id, "w1", 1, "missing")
@@ -300,7 +198,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
 
 @pytest.mark.timeout(90)
 def test_a_queue_backlog_is_not_taken_for_a_lost_chain(
-    fault_env: dict[str, str], start_worker: StartWorker
+    fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """300 submissions wait in the queue with no worker running, long enough for every one to
     be a suspect (no message of it unacknowledged): when a worker starts, the probes show the
@@ -309,17 +207,17 @@ def test_a_queue_backlog_is_not_taken_for_a_lost_chain(
     from workers.client import CritiqueClient
     from workers.recovery import LOST_GRACE_S, LOST_MARGIN_S
 
-    worker = start_worker("backlog")
+    worker = start_worker("backlog", fault_env)
     worker.stop()
     run_id = f"backlog-{uuid.uuid4().hex[:8]}"
-    subs = _submissions(run_id, 300)
+    subs = fault_submissions(run_id, 300)
     CritiqueClient(CONFIG).submit_many(subs)
     time.sleep(LOST_MARGIN_S + LOST_GRACE_S + 1)
     worker.start(timeout=60)
     assert worker.proc is not None
     pid = worker.proc.pid
-    results = _wait_for_results(run_id, len(subs), 60)
-    assert _check_run(run_id, subs, results, [worker], [pid]) == []
+    results = wait_for_results(run_id, len(subs), 60)
+    assert check_run(run_id, subs, results, [worker], [pid]) == []
 
 
 @pytest.mark.parametrize("how", ["collected", "close_failed_half_way"])

@@ -15,7 +15,6 @@ import shutil
 import time
 import uuid
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,10 +24,10 @@ from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis_common import FailoverConnection, celery_url
-from tests.faults.sentinel import MASTER, SentinelSetup, SentinelWorker, control_app
-from tests.faults.test_worker_kills import DEDUPE_SKIP, _event_key
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
-from tests.integration.workers import WorkerProcess
+from tests.support.faults import DEDUPE_SKIP, event_key
+from tests.support.sentinel import MASTER, SentinelSetup, SentinelWorker, control_app
+from tests.support.submissions import CONFIG, KINDS, make_sub, reference
+from tests.support.workers import WorkerProcess, WorkerStarter
 
 N = 300
 DEMOTE_ENV = "CRITIQUE_TEST_SENTINEL_DEMOTE"
@@ -92,7 +91,10 @@ def _totals(url: str, workers: list[WorkerProcess]) -> dict[str, int]:
     ],
 )
 def test_300_submissions_through_a_sentinel_failover(
-    sentinels: SentinelSetup, sentinel_env: dict[str, str], tmp_path: Path, how: str
+    sentinels: SentinelSetup,
+    sentinel_env: dict[str, str],
+    start_worker: WorkerStarter,
+    how: str,
 ) -> None:
     """``kill``: the master is SIGKILLed mid-run and a Sentinel promotes the replica.
     ``demote``: ``SENTINEL FAILOVER`` mid-run: the replica is promoted and the old master turned
@@ -131,15 +133,10 @@ def test_300_submissions_through_a_sentinel_failover(
     workers: list[WorkerProcess] = []
     try:
         for name, pool_kind, conc in (("threads0", "threads", 4), ("prefork1", "prefork", 2)):
-            w = SentinelWorker(
-                url,
-                pool=pool_kind,
-                concurrency=conc,
-                name=name,
-                env=sentinel_env,
-                log=tmp_path / f"worker-{name}.log",
+            w = start_worker(
+                name, sentinel_env, process=SentinelWorker, pool=pool_kind, concurrency=conc
             )
-            workers.append(w.start(timeout=60))
+            workers.append(w)
         pids = [w.proc.pid for w in workers if w.proc is not None]
         run_id = f"sentinel-{how}-{uuid.uuid4().hex[:8]}"
         subs: list[Submission] = [
@@ -221,7 +218,7 @@ def test_300_submissions_through_a_sentinel_failover(
         events = list(CritiqueClient(CONFIG).trace(run_id))
         finals = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")
         assert len(finals) == N and set(finals.values()) == {1}
-        counted = Counter(_event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
+        counted = Counter(event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
         repeated = {k: n for k, n in counted.items() if n > 1}
         assert not repeated, repeated
         resumes = [e for e in events if e["type"] == "resume"]

@@ -12,17 +12,15 @@ import signal
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
 
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub, reference
-from tests.integration.workers import WorkerProcess
 from tests.support import wait_until
+from tests.support.faults import DEDUPE_SKIP, event_key
+from tests.support.submissions import CONFIG, KINDS, make_sub, reference
+from tests.support.workers import WorkerProcess, WorkerStarter, child_pids
 
 
 def _log_text(worker: WorkerProcess) -> str:
@@ -33,64 +31,11 @@ def _log_text(worker: WorkerProcess) -> str:
 N = 1000
 SLA_S = 120.0
 """The issue's bound: every submission has its result within this of the submit."""
-DEDUPE_SKIP = {"resume", "stalled", "refused"}
-"""Trace events that may repeat by design (each re-drive writes one ``resume``)."""
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as fh:
-            return [int(p) for p in fh.read().split()]
-    except OSError:
-        return []
 
 
 def _kill(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-
-
-@pytest.fixture
-def workers(fault_env: dict[str, str], tmp_path: Path) -> Iterator[dict[str, WorkerProcess]]:
-    """A prefork worker (the victim) and a threads worker (the rescuer); whatever happens, no
-    process of theirs outlives the test."""
-    env = {
-        **fault_env,
-        "CRITIQUE_REPAIRER": "tests.integration.helpers:slow_revise",
-        "SLOW_REVISE_S": "0.01",
-    }
-    made = {
-        "victim": WorkerProcess(
-            fault_env["REDIS_URL"],
-            pool="prefork",
-            concurrency=2,
-            name="victim",
-            env=env,
-            log=tmp_path / "victim.log",
-        ),
-        "rescuer": WorkerProcess(
-            fault_env["REDIS_URL"],
-            pool="threads",
-            concurrency=4,
-            name="rescuer",
-            env=env,
-            log=tmp_path / "rescuer.log",
-        ),
-    }
-    children: set[int] = set()
-    try:
-        for w in made.values():
-            w.start(timeout=60)
-            assert w.proc is not None
-            children.update(_children(w.proc.pid))
-        yield made
-    finally:
-        for w in made.values():
-            if w.proc is not None:
-                children.update(_children(w.proc.pid))
-            w.kill()
-        for pid in children:
-            _kill(pid)
 
 
 def _results(run_id: str) -> dict[str, CritiqueResult]:
@@ -110,26 +55,10 @@ def _wait_for(run_id: str, n: int, timeout: float) -> dict[str, CritiqueResult]:
     return got
 
 
-def _event_key(e: dict[str, Any]) -> tuple[Any, ...]:
-    """What makes a trace event unique within a run (its timing fields aside)."""
-    return (
-        e["type"],
-        e.get("stage"),
-        e.get("iteration"),
-        e.get("worker_id"),
-        e.get("pass_id"),
-        e.get("round"),
-        e.get("attempt"),
-        e.get("l0_check"),
-        e.get("violating_path"),
-        e.get("note"),
-    )
-
-
 @pytest.mark.faults
 @pytest.mark.timeout(170)
 def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
-    fault_env: dict[str, str], workers: dict[str, WorkerProcess]
+    fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
     """SIGKILL one prefork child at 10 % of the results, the victim's main process at 40 %:
     every submission still ends with its normal (reference) result within 120 s of the submit
@@ -138,6 +67,17 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     timeout); no lease is held or left unsettled; the budget in Redis is the sum the results
     charged; pattern counts are the reference's; no trace event is written twice (one
     ``result`` per submission)."""
+    env = {
+        **fault_env,
+        "CRITIQUE_REPAIRER": "tests.support.revisers:slow_revise",
+        "SLOW_REVISE_S": "0.01",
+    }
+    # A prefork worker (the victim) and a threads worker (the rescuer); whatever happens, no
+    # process of theirs outlives the test (the starter also reaps their pool children).
+    workers = {
+        "victim": start_worker("victim", env, pool="prefork", concurrency=2),
+        "rescuer": start_worker("rescuer", env, pool="threads", concurrency=4),
+    }
     from workers import runtime
     from workers.client import CritiqueClient
 
@@ -152,7 +92,7 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     main = victim.proc.pid
 
     assert len(_wait_for(run_id, N // 10, 60)) >= N // 10
-    pool = _children(main)
+    pool = child_pids(main)
     assert pool, "the prefork worker has no pool child to kill"
     _kill(pool[0])
     # The main process notices its pool child's death on its own schedule: before killing it
@@ -164,7 +104,7 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
         what="the prefork worker to log its pool child's SIGKILL",
     )
     assert len(_wait_for(run_id, 4 * N // 10, 60)) >= 4 * N // 10
-    orphans = _children(main)
+    orphans = child_pids(main)
     victim.kill()  # SIGKILL of the main process
     for pid in orphans:  # its pool dies with it, as with a host crash
         _kill(pid)
@@ -199,7 +139,7 @@ def test_1000_submissions_through_a_killed_pool_child_and_a_killed_main_process(
     assert got == ref
 
     events = list(CritiqueClient(CONFIG).trace(run_id))
-    counted = Counter(_event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
+    counted = Counter(event_key(e) for e in events if e["type"] not in DEDUPE_SKIP)
     repeated = {k: n for k, n in counted.items() if n > 1}
     assert not repeated, repeated
     finals = Counter((e["iteration"], e["worker_id"]) for e in events if e["type"] == "result")

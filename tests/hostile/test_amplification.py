@@ -19,8 +19,8 @@ from pipeline.errors import SubmissionError
 from pipeline.injection import INJECTION_SCORE_CAP
 from pipeline.models import Submission
 from pipeline.runner import RESULT_EXTRA_BYTES, start
-from tests.hostile.conftest import ENABLED, assert_still_serving, send_signed
-from tests.integration.workers import WorkerProcess
+from tests.support.hostile import ENABLED, HOSTILE_WORKER, assert_still_serving, send_signed
+from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -28,11 +28,14 @@ REDIS_SLACK = 256 * 1024
 """The constant in "at most 10x the input plus a constant" (trace, step records, run hashes)."""
 
 
+WORKER = HOSTILE_WORKER
+
+
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; every test ends by checking that it still serves."""
-    yield hostile_worker
-    assert_still_serving(hostile_worker)
+def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
+    """The module's shared worker; every test ends by checking that it still serves."""
+    yield worker
+    assert_still_serving(worker)
 
 
 def _redis_bytes(url: str) -> int:

@@ -1,4 +1,4 @@
-"""The configuration trust boundary (issue 10, items 1 and 2; SPEC §3 "Who may set what"),
+"""The configuration trust boundary (issue 10, items 1 and 2; who may set what),
 attacked through the client, the CLI and raw broker messages against a real worker and Redis.
 
 A submission may set policy only. One that sets a worker-only field (the LLM transport, a
@@ -31,8 +31,13 @@ from pipeline.models import Submission
 from pipeline.runner import LoopState, start
 from pipeline.store import keys
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.hostile.conftest import assert_still_serving, honest_submission, send_signed
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.hostile import (
+    HOSTILE_WORKER,
+    assert_still_serving,
+    honest_submission,
+    send_signed,
+)
+from tests.support.workers import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -68,15 +73,18 @@ def operator_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     _forget_configs()
 
 
+WORKER = HOSTILE_WORKER
+
+
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess, operator_env: Path) -> Iterator[WorkerProcess]:
+def worker(worker: WorkerProcess, operator_env: Path) -> Iterator[WorkerProcess]:
     """The module's worker; after every attack the planted module was never imported, and the
     worker is alive and serves an honest submission."""
     sys.modules.pop(SIDE_EFFECT, None)
-    yield hostile_worker
+    yield worker
     assert not operator_env.exists(), "a submission made a process import its module"
     assert SIDE_EFFECT not in sys.modules, "a submission made the client import its module"
-    assert_still_serving(hostile_worker)
+    assert_still_serving(worker)
 
 
 @contextlib.contextmanager

@@ -23,27 +23,32 @@ from pipeline.models import CritiqueResult
 from pipeline.runner import start
 from pipeline.store import keys
 from pipeline.store.runs import pass_member
-from tests.hostile.conftest import (
+from tests.support import run_steps, wait_until
+from tests.support.hostile import (
     ENABLED,
+    HOSTILE_WORKER,
     SECRET,
     assert_still_serving,
     honest_submission,
     log_of,
     send_raw,
 )
-from tests.integration.workers import WorkerProcess
-from tests.support import run_steps, wait_until
+from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
 ATTACKER_KEY = b"attacker-guessed-key-" + b"y" * 16
 
 
+WORKER = HOSTILE_WORKER
+
+
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; after every test it is alive and serves an honest submission."""
-    yield hostile_worker
-    assert_still_serving(hostile_worker)
+def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
+    """The module's shared worker; after every test it is alive and serves an honest
+    submission."""
+    yield worker
+    assert_still_serving(worker)
 
 
 def new_run(prefix: str = "forged") -> str:
@@ -291,7 +296,7 @@ def test_a_refusal_of_the_clients_own_submission_is_recorded_and_reported(
     whose own limit is looser) is reported by wait() from the worker's signed failure record,
     which names the stage and the reason."""
     from pipeline.store.runs import Failure
-    from tests.integration.workers import _forget_configs
+    from tests.support.workers import _forget_configs
     from workers import runtime
     from workers.client import CritiqueClient
 

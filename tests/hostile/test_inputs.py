@@ -21,14 +21,15 @@ import redis
 from pipeline.errors import SubmissionError
 from pipeline.models import FileRef, Submission
 from pipeline.runner import start
-from tests.hostile.conftest import (
+from tests.support.hostile import (
     ENABLED,
+    HOSTILE_WORKER,
     assert_still_serving,
     honest_submission,
     send_raw,
     send_signed,
 )
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.workers import ROOT, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -83,11 +84,14 @@ def _refusal(res: Any, timeout: float = 60.0) -> str:
     return f"{type(res.result).__name__}: {res.result}"
 
 
+WORKER = HOSTILE_WORKER
+
+
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; every test ends by checking that it still serves."""
-    yield hostile_worker
-    assert_still_serving(hostile_worker)
+def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
+    """The module's shared worker; every test ends by checking that it still serves."""
+    yield worker
+    assert_still_serving(worker)
 
 
 # --- item 3: files held by reference are checked like inline ones -------------------------------

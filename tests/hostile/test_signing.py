@@ -21,8 +21,10 @@ from pipeline import signing
 from pipeline.models import CritiqueEnvelope, Submission
 from pipeline.runner import LoopState, start
 from pipeline.store import keys
-from tests.hostile.conftest import (
+from tests.support import run_steps, wait_until
+from tests.support.hostile import (
     ENABLED,
+    HOSTILE_WORKER,
     SECRET,
     assert_still_serving,
     honest_submission,
@@ -30,8 +32,7 @@ from tests.hostile.conftest import (
     send_raw,
     send_signed,
 )
-from tests.integration.workers import WorkerProcess
-from tests.support import run_steps, wait_until
+from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -56,11 +57,15 @@ STAGE_OF = {
 }
 
 
+WORKER = HOSTILE_WORKER
+
+
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; after every test it is alive and serves an honest submission."""
-    yield hostile_worker
-    assert_still_serving(hostile_worker)
+def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
+    """The module's shared worker; after every test it is alive and serves an honest
+    submission."""
+    yield worker
+    assert_still_serving(worker)
 
 
 def new_run(prefix: str = "forge") -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.models import FileRef, Submission
-from tests.hostile.conftest import ENABLED, assert_still_serving
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.hostile import ENABLED, HOSTILE_WORKER, assert_still_serving
+from tests.support.workers import ROOT, WorkerProcess
 from workers.cli import EXIT_BROKEN_PIPE, EXIT_USAGE, main
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,8 @@ EVIL_KEY = "<img src=x onerror=alert(2)>"
 EVIL_FILE = "<script>f</script>.md"
 ESC_NAME = "a\x1b]0;pwned\x07.md"
 """A file name whose OSC sequence would retitle the terminal window if printed raw."""
-WORKER = "w-evil"
+EVIL_WORKER_ID = "w-evil"
+WORKER = HOSTILE_WORKER
 
 
 def _run_id(prefix: str = "surf") -> str:
@@ -71,7 +72,7 @@ HOSTILE = {
 
 
 @pytest.fixture(scope="module")
-def evil_run(hostile_worker: WorkerProcess) -> tuple[str, set[str]]:
+def evil_run(worker: WorkerProcess) -> tuple[str, set[str]]:
     """A finished run whose one result carries HTML from an ``error`` field, a required key
     name and a file name (with a placeholder line quoting HTML); returns the run id and the
     hostile strings that reached the stored result's defects or prescriptions (the file name
@@ -81,7 +82,7 @@ def evil_run(hostile_worker: WorkerProcess) -> tuple[str, set[str]]:
     run_id = _run_id()
     sub = Submission(
         run_id=run_id,
-        worker_id=WORKER,
+        worker_id=EVIL_WORKER_ID,
         task="Summarise the Q3 sales report.",
         output={"error": EVIL},
         required_fields=(EVIL_KEY,),
@@ -97,14 +98,14 @@ def evil_run(hostile_worker: WorkerProcess) -> tuple[str, set[str]]:
 
 
 @pytest.fixture
-def worker(hostile_worker: WorkerProcess) -> Iterator[WorkerProcess]:
+def serving_worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
     """The module's worker; tests that use it end by checking that it still serves."""
-    yield hostile_worker
-    assert_still_serving(hostile_worker)
+    yield worker
+    assert_still_serving(worker)
 
 
 def test_critique_md_shows_worker_html_as_text(
-    worker: WorkerProcess,
+    serving_worker: WorkerProcess,
     evil_run: tuple[str, set[str]],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
@@ -138,7 +139,7 @@ LINKS = {
     "run folder": lambda run: f"runs/{run}",
     "report.html": lambda run: f"runs/{run}/report.html",
     "lessons.md": lambda run: f"runs/{run}/lessons.md",
-    "delegation folder": lambda run: f"runs/{run}/iterations/001/delegations/{WORKER}",
+    "delegation folder": lambda run: f"runs/{run}/iterations/001/delegations/{EVIL_WORKER_ID}",
 }
 
 
@@ -185,7 +186,7 @@ def test_report_refuses_a_symlink_under_the_root(
 
 
 def test_report_of_a_run_without_results_writes_under_a_plain_root(
-    hostile_worker: WorkerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """With no symlink in the way, a run with no finished result still gets report.html and
     lessons.md (and nothing else)."""
@@ -223,7 +224,7 @@ def test_l0_prints_a_file_name_with_escape_sequences_escaped(
 
 
 def test_status_and_watch_escape_a_forged_registry_key(
-    hostile_worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A submission key written straight into Redis with an ESC sequence in its worker id is
     shown escaped by `critique status` and by `critique watch`'s pending list."""

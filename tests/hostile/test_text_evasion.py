@@ -27,8 +27,8 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, FakeOpenAIServer
-from tests.hostile.conftest import assert_still_serving, llm_worker
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.hostile import assert_still_serving, llm_worker_env
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec
 
 pytestmark = pytest.mark.integration
 
@@ -57,23 +57,25 @@ def fake_llm() -> Iterator[FakeOpenAIServer]:
 
 
 @pytest.fixture(scope="module")
-def evasion_worker(
-    hostile_env: dict[str, str],
-    fake_llm: FakeOpenAIServer,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[WorkerProcess]:
-    """One worker for the module, its LLM transport set by the operator's environment (with
-    the key, the critic model in allowed_models: here and in this process's client)."""
-    log = tmp_path_factory.mktemp("evasion-logs") / "worker.log"
-    with llm_worker(hostile_env, fake_llm.api_base, CRITIC_MODEL, "evasion", log) as w:
-        yield w
+def evasion_env(
+    hostile_env: dict[str, str], fake_llm: FakeOpenAIServer
+) -> Iterator[dict[str, str]]:
+    """The environment of the module's worker, its LLM transport set by the operator's
+    environment: the fake's address and short timeouts (with the models a submission may name
+    in allowed_models: there and in this process's client)."""
+    with llm_worker_env(hostile_env, fake_llm.api_base, CRITIC_MODEL) as env:
+        yield env
+
+
+WORKER = WorkerSpec("evasion", env_fixture="evasion_env")
+"""One worker for the module, on the environment above."""
 
 
 @pytest.fixture
-def worker(evasion_worker: WorkerProcess) -> Iterator[WorkerProcess]:
+def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
     """The module's worker; after every test it is alive and serves an honest submission."""
-    yield evasion_worker
-    assert_still_serving(evasion_worker)
+    yield worker
+    assert_still_serving(worker)
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from pipeline.store.archive_index import RedisArchiveIndex
 from pipeline.store.base import encode_event
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.runs import pass_member
-from tests.integration.workers import client_on
+from tests.support.workers import client_on
 from workers import archiving
 from workers.cli import main
 

@@ -15,9 +15,9 @@ import pytest
 import redis
 
 from pipeline.store import keys
-from tests.integration.test_operator_cli import CONFIG, _sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.submissions import CONFIG, operator_sub
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 from workers.cli import main
 
 pytestmark = pytest.mark.integration
@@ -36,11 +36,7 @@ def env(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[di
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with WorkerProcess(env["REDIS_URL"], concurrency=4, name="archive", env=env, log=log):
-        yield
+WORKER = WorkerSpec("archive")
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -59,7 +55,7 @@ def _files(root: Path) -> dict[str, str]:
 
 
 def test_an_expired_run_answers_from_its_archive(
-    worker: None, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, env: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """archive writes every result with its rounds, the trace, patterns and lessons; after the
     keys expire, status, report (the same critique files as from Redis) and results() read
@@ -69,8 +65,12 @@ def test_an_expired_run_answers_from_its_archive(
 
     run_a, run_b = f"arch-{uuid.uuid4().hex[:8]}", f"arch-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient(CONFIG)
-    subs = [_sub(run_a, "w1", "clean"), _sub(run_a, "w2", "looping"), _sub(run_a, "w3", "bad")]
-    client.wait_many(client.submit_many([*subs, _sub(run_b, "w9", "looping")]), timeout=60)
+    subs = [
+        operator_sub(run_a, "w1", "clean"),
+        operator_sub(run_a, "w2", "looping"),
+        operator_sub(run_a, "w3", "bad"),
+    ]
+    client.wait_many(client.submit_many([*subs, operator_sub(run_b, "w9", "looping")]), timeout=60)
     before = client.results(run_a)
     assert [r.status for r in before] == ["accepted", "repaired", "escalated"]
     trace = _redis_trace(run_a)

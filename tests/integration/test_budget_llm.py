@@ -1,10 +1,10 @@
-"""The repair budget against a provider's reported usage (SPEC §5.3), end to end: a real worker,
+"""The repair budget against a provider's reported usage, end to end: a real worker,
 real Redis, litellm's real HTTP client and the fake OpenAI-compatible server scripting ``usage``.
 
 Reservations are the counted prompt plus the call's ``max_tokens`` (repair call and re-critique),
 the calls are made with that ``max_tokens``, the unused part comes back at commit: so the cap
 bounds what the provider reports. A reservation that only held tokens block waits for them
-(SPEC §4: the task goes back to the broker and asks again), so a binding budget refuses only
+(the task goes back to the broker and asks again), so a binding budget refuses only
 near its end, and demand past the cap still spends nearly all of it."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import pytest
 
 from pipeline.models import CritiqueResult, Submission
 from tests.fakes.openai_server import CRITIC, REPAIR, FakeOpenAIServer, system_text, user_text
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +56,7 @@ def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    log = tmp_path_factory.mktemp("budget-llm") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="budget", env=env, log=log).start()
-    yield w
-    w.stop()
+WORKER = WorkerSpec("budget")
 
 
 class Provider:

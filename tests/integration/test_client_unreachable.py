@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.integration.workers import ROOT, worker_env
+from tests.support.workers import ROOT, worker_env
 
 pytestmark = pytest.mark.integration
 

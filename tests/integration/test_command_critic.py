@@ -3,7 +3,7 @@
 The worker's operator gives it the command in its environment
 (``CRITIQUE_COMMAND='python -m pytest -q -p no:cacheprovider'``, a 4 s ``command_timeout_s``),
 an API key of the product's and one of a provider's (that no command may see), and the LLM
-transport pointed at the fake OpenAI server (worker-only settings, SPEC §3). ``critique ab`` runs
+transport pointed at the fake OpenAI server (worker-only settings). ``critique ab`` runs
 in this process against the same Redis and worker, its worker model scripted on the fake
 (:mod:`tests.fakes.ab_models`).
 """
@@ -27,7 +27,7 @@ from pipeline.models import CritiqueResult, FileRef, Submission
 from pipeline.store import keys
 from tests.fakes import ab_models
 from tests.fakes.openai_server import REPAIR, FakeOpenAIServer, user_text
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -71,14 +71,7 @@ def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
         runtime._contexts.clear()
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    log = tmp_path_factory.mktemp("command-logs") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="cmd", env=env, log=log).start()
-    yield w
-    w.stop()
+WORKER = WorkerSpec("cmd")
 
 
 def python_sub(code: str, *files: tuple[str, str], model: str | None = None) -> Submission:

@@ -22,9 +22,9 @@ import redis
 from pipeline.models import CritiqueEnvelope, CritiqueResult
 from pipeline.store import keys
 from pipeline.store.runs import PassFinished, RedisRunStore, pass_member
-from tests.integration.test_operator_cli import CONFIG, _sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import run_steps, wait_until
+from tests.support.submissions import CONFIG, operator_sub
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 from workers.cli import main
 
 pytestmark = pytest.mark.integration
@@ -194,11 +194,7 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    log = tmp_path_factory.mktemp("compaction") / "worker.log"
-    with WorkerProcess(env["REDIS_URL"], concurrency=4, name="compaction", env=env, log=log):
-        yield
+WORKER = WorkerSpec("compaction")
 
 
 def _bytes(r: redis.Redis, names: list[Any]) -> int:
@@ -209,7 +205,7 @@ def _bytes(r: redis.Redis, names: list[Any]) -> int:
 
 
 def test_a_thousand_finished_outputs_hold_at_most_3_kb_each_and_report_has_every_round(
-    worker: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """1,000 outputs (accepted, repaired over two rounds, escalated) through a real worker:
     the run's keys plus each gate's Celery result hold <= 3 KB per output, no step hash or
@@ -220,7 +216,7 @@ def test_a_thousand_finished_outputs_hold_at_most_3_kb_each_and_report_has_every
 
     run_id = _run("footprint")
     kinds = ("clean", "looping", "garbage")
-    subs = [_sub(run_id, f"w{i:04d}", kinds[i % 3]) for i in range(1000)]
+    subs = [operator_sub(run_id, f"w{i:04d}", kinds[i % 3]) for i in range(1000)]
     client = CritiqueClient(CONFIG)
     handles = client.submit_many(subs)
     results = {r.worker_id: r for r in client.wait_many(handles, timeout=600)}
@@ -248,7 +244,7 @@ def test_a_thousand_finished_outputs_hold_at_most_3_kb_each_and_report_has_every
 
 
 def test_a_stage_message_delivered_after_its_pass_finished_writes_nothing(
-    worker: None,
+    worker: WorkerProcess,
 ) -> None:
     """A pass's first message sent again with its chain after the result landed (a late
     redelivery): the chain ends at its first stage; no step record, trace event or result
@@ -262,7 +258,7 @@ def test_a_stage_message_delivered_after_its_pass_finished_writes_nothing(
 
     run_id = _run("redeliver")
     client = CritiqueClient(CONFIG)
-    sub = _sub(run_id, "w1", "looping")
+    sub = operator_sub(run_id, "w1", "looping")
     handle = client.submit(sub)
     got = client.wait(handle, timeout=60)
     r = runtime.client()

@@ -1,11 +1,10 @@
-"""The critique cache (SPEC §5.10) on a real Redis and through real workers: 20 identical
-outputs submitted at once reach the (fake) LLM once."""
+"""The critique cache (critiques shared by identical outputs) on a real Redis and through real
+workers: 20 identical outputs submitted at once reach the (fake) LLM once."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
@@ -13,8 +12,8 @@ import redis
 from pipeline.models import Submission
 from pipeline.store.cache import RedisCritiqueCache
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
 from tests.support import wait_until
+from tests.support.workers import ACCEPTING_CRITIQUE, WorkerStarter, llm_env
 
 CRITIC_MODEL = "openai/critic-model"
 
@@ -39,26 +38,26 @@ def fake() -> Iterator[FakeOpenAIServer]:
 
 
 @pytest.fixture()
-def workers(
-    redis_url: str, fake: FakeOpenAIServer, tmp_path: Path
-) -> Iterator[list[WorkerProcess]]:
-    with llm_workers(
+def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
+    """This process's client on the workers' database; the environment of workers whose LLM
+    calls go to the fake."""
+    with llm_env(
         redis_url,
         fake.api_base,
-        tmp_path,
-        name="cc",
         CRITIQUE_CACHE__ENABLED="true",
         CRITIQUE_ALLOWED_MODELS=CRITIC_MODEL,
-    ) as procs:
-        yield procs
+    ) as env:
+        yield env
 
 
 @pytest.mark.integration
 def test_twenty_identical_outputs_one_llm_critique(
-    workers: list[WorkerProcess], fake: FakeOpenAIServer
+    env: dict[str, str], start_worker: WorkerStarter, fake: FakeOpenAIServer
 ) -> None:
     from workers.client import CritiqueClient
 
+    for i in range(2):  # two worker processes (threads × 4)
+        start_worker(f"cc{i}", env)
     run_id = f"cc-{uuid.uuid4().hex[:8]}"
     subs = [
         Submission(

@@ -1,30 +1,27 @@
-"""The defect diff per round (SPEC §5.4) through a real worker and Redis, not only the loop."""
+"""The defect diff per round (fixed, remaining, new) through a real worker and Redis, not only
+the loop."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from pipeline.models import Submission
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """A worker whose configured repairer fixes one defect and introduces another."""
-    with client_on(worker_db_url(redis_url)) as env:
-        wenv = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:swap_revise"}
-        log: Path = tmp_path_factory.mktemp("diff") / "worker.log"
-        w = WorkerProcess(env["REDIS_URL"], name="diff", env=wenv, log=log).start()
-        try:
-            yield w
-        finally:
-            w.stop()
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    with client_on(worker_db_url(redis_url)) as e:
+        yield e
+
+
+WORKER = WorkerSpec("diff", more_env={"CRITIQUE_REPAIRER": "tests.support.revisers:swap_revise"})
+"""A worker whose configured repairer fixes one defect and introduces another."""
 
 
 def test_a_repair_that_fixes_one_defect_and_adds_another_shows_both_in_the_diff(

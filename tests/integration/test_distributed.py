@@ -12,18 +12,14 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.config import load_config
-from pipeline.models import CritiqueResult, Submission
-from pipeline.runner import run_submission, start
+from pipeline.models import Submission
+from pipeline.runner import start
 from pipeline.store import keys
-from pipeline.store.memory import MemoryPatternStore
-from pipeline.wiring import make_context
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.submissions import CONFIG, KINDS, LOOP, make_sub, reference
+from tests.support.workers import WorkerProcess, WorkerSpec, WorkerStarter, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
-
-REQUIRED = ("summary", "findings")
 
 
 @pytest.fixture(scope="module")
@@ -53,77 +49,12 @@ def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         app.conf.broker_transport_options = saved
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """One worker process (threads pool, 4 threads) for the module."""
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    # A callable repairer is worker-only configuration (SPEC §3): the worker's environment names
-    # it. It is the heuristic reviser that first records the Known Pitfalls it was given.
-    wenv = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:recording_revise"}
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="main", env=wenv, log=log).start()
-    yield w
-    w.stop()
-
-
-LOOP = (
-    "Sales rose four percent in the third quarter, led by the northern region, where two new "
-    "stores opened and the online shop doubled its monthly orders compared with last year."
+# A callable repairer is worker-only configuration: the worker's environment names it. It is
+# the heuristic reviser that first records the Known Pitfalls it was given.
+WORKER = WorkerSpec(
+    "main", more_env={"CRITIQUE_REPAIRER": "tests.support.revisers:recording_revise"}
 )
-"""A paragraph of 20+ words: repeated verbatim, Layer-0 no_text_loop flags it."""
-TEXT_KINDS: dict[str, str] = {
-    # repaired by the token-free reviser: the verbatim copy is deleted, the first kept
-    "looping": f"# Q3 sales\n\n## Summary\n\nSales rose 4%.\n\n## Findings\n\n{LOOP}\n\n{LOOP}\n",
-    # repaired: the second heading becomes "Findings (2)"
-    "dup_heading": "# Q3 sales\n\n## Summary\n\nSales rose 4%.\n\n## Findings\n\nNorth grew."
-    "\n\n## Findings\n\nSouth shrank.\n",
-    # needs_model: the placeholder stands in a sentence, which stays untouched
-    "todo_sentence": "# Q3 sales\n\n## Summary\n\nSales rose overall. TODO: add numbers.\n\n"
-    "## Findings\n\nNorth grew.\n",
-    # one honest repair (the copy goes), then needs_model: the Findings section is missing
-    "looping_no_findings": f"# Q3 sales\n\n## Summary\n\n{LOOP}\n\n{LOOP}\n",
-}
-
-
-def make_sub(run_id: str, worker_id: str, iteration: int, kind: str) -> Submission:
-    """A worker output of a given kind: clean, missing, broken or garbage (JSON results), or
-    one of :data:`TEXT_KINDS` (Markdown reports)."""
-    output: str | dict[str, Any]
-    if kind in TEXT_KINDS:
-        output = TEXT_KINDS[kind]
-    elif kind == "clean":
-        output = {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9}
-    elif kind == "missing":
-        output = {"summary": "Sales rose 4%.", "confidence": 0.8}
-    elif kind == "broken":
-        output = {"summary": "Sales rose.", "findings": "x", "error": "tool timed out"}
-    else:  # nothing usable: in the escalate band
-        output = {"error": "worker crashed"}
-    return Submission(
-        run_id=run_id,
-        iteration=iteration,
-        worker_id=worker_id,
-        subtask_signature=f"sig-{worker_id}",
-        task="Summarise the quarterly sales report with findings.",
-        output=output,
-        claimed_format="markdown" if isinstance(output, str) else None,
-        required_fields=REQUIRED,
-    )
-
-
-KINDS = ("clean", "looping", "missing", "broken", "garbage")
-CONFIG = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
-
-
-def reference(
-    subs: list[Submission], config: dict[str, Any]
-) -> tuple[dict[str, CritiqueResult], MemoryPatternStore]:
-    """The same submissions through the broker-free runner, for comparison."""
-    patterns = MemoryPatternStore()
-    ctx = make_context(load_config(env={}, overrides=config), patterns=patterns)
-    out = {f"{s.iteration}:{s.worker_id}": run_submission(s, ctx) for s in subs}
-    return out, patterns
+"""One worker process (threads pool, 4 threads) for the module."""
 
 
 def test_200_submissions_from_20_workers(worker: WorkerProcess) -> None:
@@ -186,7 +117,7 @@ def test_redelivered_task_bodies_change_no_count_or_charge(
     worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Running each stage body twice with the same message counts patterns and charges once."""
-    from tests.integration.helpers import estimating_revise
+    from tests.support.revisers import estimating_revise
     from workers import runtime, tasks
 
     # A reviser that spends (estimated) tokens, so the repair round reserves and charges.
@@ -227,7 +158,7 @@ def test_redelivered_task_bodies_change_no_count_or_charge(
 
 
 def test_killed_worker_loses_nothing(
-    env: dict[str, str], worker: WorkerProcess, tmp_path: Path
+    env: dict[str, str], worker: WorkerProcess, start_worker: WorkerStarter
 ) -> None:
     """SIGKILL a worker mid-run: all submissions finish, counts stay exact, the lease returns."""
     from workers import runtime
@@ -236,14 +167,10 @@ def test_killed_worker_loses_nothing(
     worker.stop()  # only the killable worker consumes during this test
     run_id = f"kill-{uuid.uuid4().hex[:8]}"
     config = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
-    slow = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:slow_revise"}
+    slow = {**env, "CRITIQUE_REPAIRER": "tests.support.revisers:slow_revise"}
     subs = [make_sub(run_id, f"w{i:02d}", 1, KINDS[i % len(KINDS)]) for i in range(16)]
-    victim = WorkerProcess(
-        env["REDIS_URL"], concurrency=4, name="victim", env=slow, log=tmp_path / "victim.log"
-    )
-    rescuer = WorkerProcess(
-        env["REDIS_URL"], concurrency=4, name="rescuer", env=slow, log=tmp_path / "rescuer.log"
-    )
+    victim = start_worker("victim", slow, started=False)
+    rescuer = start_worker("rescuer", slow, started=False)
     try:  # whatever fails, no worker process of this test outlives it
         victim.start()
         client = CritiqueClient(config)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -55,29 +55,27 @@ SECRET = "docs-examples-secret-0123456789"
 
 
 @pytest.fixture(scope="module")
-def worker(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One worker thread on the test Redis, without any provider key, so results arrive in
-    the order they were submitted, as the docs show them."""
-    url = worker_db_url(redis_url)
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with client_on(url, CRITIQUE_SECRET=SECRET):
-        w = WorkerProcess(url, name="docs", concurrency=1, log=log)
-        w.env = {k: v for k, v in w.env.items() if not k.endswith("_API_KEY")}
-        w.start()
-        try:
-            yield url
-        finally:
-            w.stop()
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    """The docs' worker and commands on the test Redis, sharing one secret, and without any
+    provider key (the docs show a keyless worker)."""
+    with client_on(worker_db_url(redis_url), CRITIQUE_SECRET=SECRET) as e:
+        yield {k: v for k, v in e.items() if not k.endswith("_API_KEY")}
+
+
+WORKER = WorkerSpec("docs", concurrency=1)
+"""One worker thread, so results arrive in the order they were submitted, as the docs show."""
 
 
 PYTHON_EXAMPLES = [("README.md", 0), ("docs/client.md", 0), ("docs/llm.md", 0), ("docs/llm.md", 1)]
 
 
 @pytest.mark.parametrize(("doc", "index"), PYTHON_EXAMPLES)
-def test_a_python_example_prints_what_its_doc_shows(worker: str, doc: str, index: int) -> None:
+def test_a_python_example_prints_what_its_doc_shows(
+    worker: WorkerProcess, doc: str, index: int
+) -> None:
     import redis
 
-    redis.Redis.from_url(worker).flushdb()  # the examples reuse run ids: start clean
+    redis.Redis.from_url(worker.redis_url).flushdb()  # the examples reuse run ids: start clean
     code, shown = example_pairs(doc)[index]
     saved = dict(os.environ)
     try:
@@ -250,20 +248,21 @@ def test_the_transcripts_of_a_page_print_what_it_shows(
 
 
 def test_the_transcripts_of_docs_operations_print_what_it_shows(
-    worker: str, tmp_path: Path
+    worker: WorkerProcess, tmp_path: Path
 ) -> None:
     """docs/operations.md's sessions, in order: the worker's own checks, ``submit`` (``--wait``,
     ``--json``, refusals), ``watch``, ``status``, ``report`` and ``archive`` of run q3-sales
     against a real worker; the archive folder reads as /srv/critique/archive."""
     import redis
 
-    redis.Redis.from_url(worker).flushdb()  # a run of its own: q3-sales starts empty
+    url = worker.redis_url
+    redis.Redis.from_url(url).flushdb()  # a run of its own: q3-sales starts empty
     env = offline_env() | {
-        "REDIS_URL": worker,
+        "REDIS_URL": url,
         "CRITIQUE_SECRET": SECRET,
         "CRITIQUE_ARCHIVE_DIR": str(tmp_path / "archive"),
     }
-    run_transcripts("docs/operations.md", tmp_path, env, redis=worker)
+    run_transcripts("docs/operations.md", tmp_path, env, redis=url)
 
 
 def test_every_transcript_is_run_or_marked_illustrative() -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
 import socket
 import subprocess
 import uuid
@@ -20,193 +18,41 @@ import redis
 
 from pipeline.runner import start
 from pipeline.store import keys
-from tests.integration.rawcelery import QUEUE, entry_body, push, sign, task_meta
-from tests.integration.test_distributed import CONFIG, REQUIRED, make_sub
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
-
-WORKER_KEY = "workers-only-key-" + "w" * 16
-MANAGER_KEY = "managers-entry-key-" + "m" * 16
-
-
-def hand_built(run_id: str, worker_id: str = "w1") -> dict[str, Any]:
-    """A clean submission written out as a manager in another language would write it."""
-    return {
-        "run_id": run_id,
-        "iteration": 1,
-        "worker_id": worker_id,
-        "subtask_signature": f"sig-{worker_id}",
-        "task": "Summarise the quarterly sales report with findings.",
-        "output": {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9},
-        "required_fields": list(REQUIRED),
-    }
+from tests.support.entry import (
+    MANAGER_KEY,
+    NODE,
+    WORKER_KEY,
+    docs_js,
+    hand_built,
+    pass_results,
+    refusal,
+    run_docs_js,
+)
+from tests.support.rawcelery import QUEUE, entry_body, push, sign, task_meta
+from tests.support.submissions import CONFIG, make_sub
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 
-def _worker(env: dict[str, str], log: Path, name: str) -> WorkerProcess:
-    return WorkerProcess(env["REDIS_URL"], concurrency=2, name=name, env=env, log=log).start()
-
-
-def _refusal(meta: dict[str, Any]) -> tuple[str, str]:
-    """``(exc_type, reason)`` of a FAILURE record, checking it is one line and no traceback."""
-    assert meta["status"] == "FAILURE", meta
-    assert meta["traceback"] is None
-    result = meta["result"]
-    assert isinstance(result["exc_message"], list) and len(result["exc_message"]) == 1
-    reason = result["exc_message"][0]
-    assert isinstance(reason, str) and "\n" not in reason and reason
-    return str(result["exc_type"]), reason
-
-
-def _pass_results(r: redis.Redis, run_id: str) -> dict[bytes, bytes]:
-    return r.hgetall(keys.run_key(run_id, keys.PASS_RESULTS))
-
-
-@pytest.fixture(scope="class")
-def plain(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
-    """A worker with no secret, and a client of its Redis."""
-    with client_on(worker_db_url(redis_url), CRITIQUE_SECRET="") as env:
-        log = tmp_path_factory.mktemp("entry-plain") / "worker.log"
-        w = _worker(env, log, "entryplain")
-        yield redis.Redis.from_url(env["REDIS_URL"])
-        w.stop()
-
-
-@pytest.fixture(scope="class")
-def split(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
-    """A worker holding the workers' key and the managers' entry key, and a client of its
-    Redis."""
+@pytest.fixture(scope="module")
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    """This process's client and the worker: the workers' key and the managers' entry key."""
     with client_on(
         worker_db_url(redis_url), CRITIQUE_SECRET=WORKER_KEY, CRITIQUE_ENTRY_SECRET=MANAGER_KEY
-    ) as env:
-        log = tmp_path_factory.mktemp("entry-split") / "worker.log"
-        w = _worker(env, log, "entrysplit")
-        yield redis.Redis.from_url(env["REDIS_URL"])
-        w.stop()
+    ) as e:
+        yield e
 
 
-@pytest.fixture(scope="class")
-def one_secret(redis_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[redis.Redis]:
-    """A worker with CRITIQUE_SECRET alone (a one-secret setup), and a client of its Redis."""
-    with client_on(worker_db_url(redis_url), CRITIQUE_SECRET=WORKER_KEY) as env:
-        log = tmp_path_factory.mktemp("entry-one") / "worker.log"
-        w = _worker(env, log, "entryone")
-        yield redis.Redis.from_url(env["REDIS_URL"])
-        w.stop()
+WORKER = WorkerSpec("entrysplit", concurrency=2)
 
 
-class TestOneSecret:
-    def test_an_entry_signed_with_critique_secret_is_accepted(
-        self, one_secret: redis.Redis
-    ) -> None:
-        """Without CRITIQUE_ENTRY_SECRET, entry messages sign with CRITIQUE_SECRET (setups
-        from before the split keep working) and unsigned ones are still refused."""
-        run_id = f"one-{uuid.uuid4().hex[:8]}"
-        task_id = str(uuid.uuid4())
-        body = entry_body(hand_built(run_id), task_id, CONFIG, WORKER_KEY)
-        push(one_secret, "critique.submit", task_id, body)
-        meta = task_meta(one_secret, task_id)
-        assert (meta["status"], meta["result"]["status"]) == ("SUCCESS", "accepted"), meta
-        unsigned_id = str(uuid.uuid4())
-        push(
-            one_secret, "critique.submit", unsigned_id, entry_body(hand_built(run_id), unsigned_id)
-        )
-        assert _refusal(task_meta(one_secret, unsigned_id))[0] == "ForgedMessageError"
-
-
-class TestWithoutASecret:
-    @pytest.fixture
-    def r(self, plain: redis.Redis) -> redis.Redis:
-        return plain
-
-    def test_a_hand_built_entry_message_gets_its_verdict_under_its_own_id(
-        self, r: redis.Redis
-    ) -> None:
-        """The entry task's id holds the gate's summary, the same as the stored result."""
-        from workers.client import CritiqueClient
-
-        run_id = f"entry-{uuid.uuid4().hex[:8]}"
-        task_id = str(uuid.uuid4())
-        push(r, "critique.submit", task_id, entry_body(hand_built(run_id), task_id, CONFIG))
-        meta = task_meta(r, task_id)
-        assert meta["status"] == "SUCCESS", meta
-        [stored] = CritiqueClient(CONFIG).results(run_id)
-        summary = meta["result"]
-        assert (summary["run_id"], summary["worker_id"], summary["status"]) == (
-            run_id,
-            "w1",
-            stored.status,
-        )
-        assert summary["best_score"] == stored.best_score
-        assert stored.status == "accepted"
-
-    def test_a_repair_round_still_ends_under_the_entry_id(self, r: redis.Redis) -> None:
-        """An output that needs a repair round (a replacement task) still ends its verdict
-        under the id the manager sent."""
-        run_id = f"entry-{uuid.uuid4().hex[:8]}"
-        task_id = str(uuid.uuid4())
-        sub = make_sub(run_id, "w2", 1, "looping").model_dump(mode="json")
-        push(r, "critique.submit", task_id, entry_body(sub, task_id, CONFIG))
-        meta = task_meta(r, task_id)
-        assert (meta["status"], meta["result"]["status"]) == ("SUCCESS", "repaired"), meta
-
-    @pytest.mark.parametrize(
-        ("change", "exc_type", "says"),
-        [
-            (lambda b: b["submission"].pop("worker_id"), "SubmissionError", "worker_id"),
-            (
-                lambda b: b.update(config={"llm": {"api_base": "http://x"}}),
-                "RefusedOverride",
-                "llm",
-            ),
-            (lambda b: b.update(extra=1), "SubmissionError", "unknown field"),
-            (lambda b: b.update(v=2), "SubmissionError", "'v' must be 1"),
-        ],
-        ids=["malformed", "worker-only-override", "unknown-field", "version"],
-    )
-    def test_invalid_entry_fails_with_a_one_line_reason(
-        self, r: redis.Redis, change: Any, exc_type: str, says: str
-    ) -> None:
-        """Invalid input is a FAILURE with one line naming what is wrong, no traceback, and
-        starts no pass."""
-        run_id = f"bad-{uuid.uuid4().hex[:8]}"
-        task_id = str(uuid.uuid4())
-        body = entry_body(hand_built(run_id), task_id, CONFIG)
-        change(body)
-        push(r, "critique.submit", task_id, body)
-        got_type, reason = _refusal(task_meta(r, task_id))
-        assert got_type.startswith(exc_type) and says in reason, (got_type, reason)
-        assert not r.exists(keys.run_key(run_id, keys.ENTRIES))
-
-    def test_the_same_entry_message_delivered_twice_runs_one_pass(self, r: redis.Redis) -> None:
-        """Two deliveries of one entry message (same task id) claim one pass: one result,
-        one result event, one entry record."""
-        from workers.app import app
-        from workers.client import CritiqueClient
-
-        run_id = f"twice-{uuid.uuid4().hex[:8]}"
-        task_id = str(uuid.uuid4())
-        body = entry_body(hand_built(run_id), task_id, CONFIG)
-        node = f"entryplain@{socket.gethostname()}"
-
-        def submits() -> int:
-            stats = app.control.inspect(destination=[node], timeout=2.0).stats() or {}
-            return int(((stats.get(node) or {}).get("total") or {}).get("critique.submit", 0))
-
-        before = submits()
-        push(r, "critique.submit", task_id, body)
-        push(r, "critique.submit", task_id, body)
-        assert task_meta(r, task_id)["status"] == "SUCCESS"
-        wait_until(lambda: submits() >= before + 2, 30, what="both deliveries to run")
-
-        def settled() -> bool:
-            active = app.control.inspect(destination=[node], timeout=2.0).active() or {}
-            return r.llen(QUEUE) == 0 and not any(active.values())
-
-        wait_until(settled, 30, what="the worker to go idle")
-        assert len(r.hgetall(keys.run_key(run_id, keys.ENTRIES))) == 1
-        assert len(_pass_results(r, run_id)) == 1
-        events = [e for e in CritiqueClient(CONFIG).trace(run_id) if e["type"] == "result"]
-        assert len(events) == 1
+@pytest.fixture(scope="module")
+def split(env: dict[str, str], worker: WorkerProcess) -> Iterator[redis.Redis]:
+    """A client of the Redis of the module's worker, which holds the workers' key and the
+    managers' entry key."""
+    client = redis.Redis.from_url(env["REDIS_URL"])
+    yield client
+    client.close()
 
 
 class TestSplitKeys:
@@ -248,7 +94,7 @@ class TestSplitKeys:
         run_id = f"forged-{uuid.uuid4().hex[:8]}"
         task_id = str(uuid.uuid4())
         push(r, "critique.submit", task_id, build(hand_built(run_id), task_id))
-        got_type, reason = _refusal(task_meta(r, task_id))
+        got_type, reason = refusal(task_meta(r, task_id))
         assert got_type == "ForgedMessageError" and says in reason, reason
         assert not r.exists(keys.run_key(run_id, keys.ENTRIES))
 
@@ -274,7 +120,7 @@ class TestSplitKeys:
         assert meta["status"] == "FAILURE"
         assert meta["result"]["exc_type"] == "ForgedMessageError"
         assert "another key" in meta["result"]["exc_message"][0]
-        assert _pass_results(r, run_id) == {}
+        assert pass_results(r, run_id) == {}
 
     def test_a_forged_entry_under_a_finished_id_leaves_its_verdict(self, r: redis.Redis) -> None:
         """Garbage sent under a submission's entry id after its verdict landed is refused and
@@ -305,41 +151,6 @@ class TestSplitKeys:
 def _altered(body: dict[str, Any]) -> dict[str, Any]:
     body["submission"]["output"]["summary"] = "Sales rose 40%."
     return body
-
-
-NODE = shutil.which("node")
-
-
-def docs_js(tmp_path: Path) -> Path:
-    """The JavaScript example of docs/entry.md, as a file."""
-    text = (ROOT / "docs" / "entry.md").read_text(encoding="utf-8")
-    [code] = re.findall(r"```js\n(.*?)```", text, flags=re.S)
-    path = tmp_path / "submit.js"
-    path.write_text(code, encoding="utf-8")
-    return path
-
-
-def run_docs_js(
-    tmp_path: Path, run_id: str, client: redis.Redis, **redis_env: str
-) -> subprocess.CompletedProcess[str]:
-    """Run docs/entry.md's Node example on a hand-built submission of ``run_id`` (with the
-    run's CONFIG), against the Redis ``client`` talks to, signing with the managers' key;
-    ``redis_env`` adds the example's other variables (REDIS_DB, REDIS_USER, …)."""
-    js = docs_js(tmp_path)
-    (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
-    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
-    conn = client.connection_pool.connection_kwargs
-    env = {
-        **os.environ,
-        "REDIS_HOST": str(conn["host"]),
-        "REDIS_PORT": str(conn["port"]),
-        **redis_env,
-        "CRITIQUE_ENTRY_SECRET": MANAGER_KEY,
-    }
-    return subprocess.run(
-        [str(NODE), str(js), str(tmp_path / "sub.json"), str(tmp_path / "config.json")],
-        capture_output=True, text=True, env=env, timeout=90,
-    )  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")

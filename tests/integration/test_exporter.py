@@ -17,39 +17,44 @@ from typing import Any
 import pytest
 import redis
 
-from tests.integration.rawcelery import entry_body, push, task_meta
-from tests.integration.test_distributed import CONFIG, KINDS, make_sub
-from tests.integration.test_entry import hand_built
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.entry import hand_built
+from tests.support.rawcelery import entry_body, push, task_meta
+from tests.support.submissions import CONFIG, KINDS, make_sub
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, worker_db_url
 from workers.embedded import free_port
 
 
 @pytest.fixture(scope="module")
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    """This process's client and the worker on the same (flushed) store, unsigned."""
+    with client_on(worker_db_url(redis_url), CRITIQUE_SECRET="") as e:
+        yield e
+
+
+WORKER = WorkerSpec("exp", concurrency=2)
+
+
+@pytest.fixture(scope="module")
 def fleet(
-    redis_url: str, tmp_path_factory: pytest.TempPathFactory
+    env: dict[str, str], worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[dict[str, str], str]]:
-    """A worker and an exporter on the same (flushed) store; yields (env, metrics URL)."""
+    """The module's worker and an exporter on its store; yields (env, metrics URL)."""
     logs: Path = tmp_path_factory.mktemp("exporter")
-    with client_on(worker_db_url(redis_url), CRITIQUE_SECRET="") as env:
-        w = WorkerProcess(
-            env["REDIS_URL"], concurrency=2, name="exp", env=env, log=logs / "worker.log"
-        ).start()
-        port = free_port()
-        with open(logs / "exporter.log", "wb") as out:
-            exporter = subprocess.Popen(
-                [sys.executable, "-m", "workers.cli", "exporter", "--host", "127.0.0.1",
-                 "--port", str(port)],
-                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        url = f"http://127.0.0.1:{port}/metrics"
-        try:
-            wait_until(lambda: _scrape(url) is not None, 30, what="the exporter to serve")
-            yield env, url
-        finally:
-            exporter.terminate()
-            exporter.wait(timeout=10)
-            w.stop()
+    port = free_port()
+    with open(logs / "exporter.log", "wb") as out:
+        exporter = subprocess.Popen(
+            [sys.executable, "-m", "workers.cli", "exporter", "--host", "127.0.0.1",
+             "--port", str(port)],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        wait_until(lambda: _scrape(url) is not None, 30, what="the exporter to serve")
+        yield env, url
+    finally:
+        exporter.terminate()
+        exporter.wait(timeout=10)
 
 
 def _scrape(url: str) -> str | None:

@@ -20,7 +20,7 @@ from tests.fakes.openai_server import (
     reply,
     timeout,
 )
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerProcess, WorkerSpec, WorkerStarter, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -40,9 +40,9 @@ def fake() -> Iterator[FakeOpenAIServer]:
 @pytest.fixture(scope="module")
 def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
     """This process and the workers share the worker database of the test Redis. The LLM
-    transport is worker-only configuration (SPEC §3), so it comes from the environment: the
-    fake's address, a 2 s call timeout and fast retries; the worker holds a key, so it lists
-    the models submissions may name."""
+    transport is worker-only configuration (a submission may not set it), so it comes from the
+    environment: the fake's address, a 2 s call timeout and fast retries; the worker holds a
+    key, so it lists the models submissions may name."""
     with client_on(
         worker_db_url(redis_url),
         CRITIQUE_LLM_API_KEY="sk-test",
@@ -56,15 +56,8 @@ def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """A worker for critique.cpu and critique.llm (not the dedicated critic queue)."""
-    log = tmp_path_factory.mktemp("llm-logs") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="llm", env=env, log=log).start()
-    yield w
-    w.stop()
+WORKER = WorkerSpec("llm")
+"""A worker for critique.cpu and critique.llm (not the dedicated critic queue)."""
 
 
 @pytest.fixture()
@@ -147,8 +140,8 @@ def test_defective_output_is_repaired_with_a_targeted_prompt_and_accepted(
     worker: WorkerProcess, llm: FakeOpenAIServer
 ) -> None:
     """A missing field and a placeholder: L0 sends it to repair (no critic tokens), the LLM
-    repair prompt carries every SPEC §5.3 part, the LLM re-critique accepts it, and the result
-    holds the RepairAttempt and the per-round trace."""
+    repair prompt carries every part (task, output, defects, pitfalls), the LLM re-critique
+    accepts it, and the result holds the RepairAttempt and the per-round trace."""
     llm.on(REPAIR, json.dumps(FIXED))
     llm.on(CRITIC, critique(0.95))
     run_id = new_run()
@@ -338,7 +331,7 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
     env: dict[str, str],
     worker: WorkerProcess,
     llm: FakeOpenAIServer,
-    tmp_path_factory: pytest.TempPathFactory,
+    start_worker: WorkerStarter,
 ) -> None:
     """mode: dedicated: the critic model is the configured one, and the submissions' first
     tasks (Layer-0, then the critic in the same task) run only on the worker that consumes
@@ -348,11 +341,7 @@ def test_dedicated_mode_runs_the_critic_on_its_own_queue(
     from workers.app import app
 
     llm.on(CRITIC, critique(0.95))
-    log = tmp_path_factory.mktemp("dedicated") / "worker.log"
-    dedicated = WorkerProcess(
-        env["REDIS_URL"], concurrency=2, queues="critique.llm.critic", name="dedicated",
-        env=env, log=log,
-    ).start()  # fmt: skip
+    dedicated = start_worker("dedicated", env, concurrency=2, queues="critique.llm.critic")
     try:
         subs = [sub(new_run(), FIXED, worker_id=f"w{i}") for i in range(3)]
         results = run(config(llm, mode="dedicated"), *subs)

@@ -14,15 +14,14 @@ from typing import Any
 
 import pytest
 
-from pipeline.models import Submission
-from tests.integration.workers import ROOT, WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.submissions import operator_sub
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, worker_db_url
 from workers.cli import main
 
 pytestmark = pytest.mark.integration
 
 CONFIG = {"enabled": True, "budget": {"total_tokens": 2_000_000}}
-EVIL = "<script>alert('owned')</script>"
 
 
 def _reset_clients() -> None:
@@ -39,12 +38,8 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """One real worker process (threads pool) for the module."""
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    with WorkerProcess(env["REDIS_URL"], concurrency=4, name="ops", env=env, log=log):
-        yield
+WORKER = WorkerSpec("ops")
+"""One real worker process (threads pool) for the module."""
 
 
 LOOP = (
@@ -53,43 +48,18 @@ LOOP = (
 )
 
 
-def _sub(run_id: str, worker_id: str, kind: str, iteration: int = 1) -> Submission:
-    output: str | dict[str, Any]
-    fmt = None
-    if kind == "clean":
-        output = {"summary": "Sales rose 4%.", "findings": "Two regions grew.", "confidence": 0.9}
-    elif kind == "looping":  # the token-free reviser deletes the verbatim copy: repaired
-        output = f"# Q3 sales\n\n## Summary\n\nSales rose 4%.\n\n## Findings\n\n{LOOP}\n\n{LOOP}\n"
-        fmt = "markdown"
-    elif kind == "evil":
-        output = f"# Summary\n\nSales rose.\n\n{EVIL}\n"
-        fmt = "markdown"
-    else:  # no confidence, no required field, an error: score 0 → escalated
-        output = {"error": "tool crashed"}
-    return Submission(
-        run_id=run_id,
-        iteration=iteration,
-        worker_id=worker_id,
-        subtask_signature=f"sig-{worker_id}",
-        task="Summarise the quarterly sales report with findings.",
-        output=output,
-        claimed_format=fmt,
-        required_fields=() if kind == "evil" else ("summary", "findings"),
-    )
-
-
 @pytest.fixture(scope="module")
-def finished_run(worker: None) -> str:
+def finished_run(worker: WorkerProcess) -> str:
     """A run of five submissions over two iterations, all finished."""
     from workers.client import CritiqueClient
 
     run_id = f"ops-{uuid.uuid4().hex[:8]}"
     subs = [
-        _sub(run_id, "w1", "clean"),
-        _sub(run_id, "w2", "looping"),
-        _sub(run_id, "w3", "garbage"),
-        _sub(run_id, "w4", "evil"),
-        _sub(run_id, "w2", "looping", iteration=2),
+        operator_sub(run_id, "w1", "clean"),
+        operator_sub(run_id, "w2", "looping"),
+        operator_sub(run_id, "w3", "garbage"),
+        operator_sub(run_id, "w4", "evil"),
+        operator_sub(run_id, "w2", "looping", iteration=2),
     ]
     client = CritiqueClient(CONFIG)
     client.wait_many(client.submit_many(subs), timeout=90)
@@ -208,7 +178,7 @@ def test_report_writes_tree_html_and_lessons(
 
     other = f"ops-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient(CONFIG)
-    client.wait(client.submit(_sub(other, "w9", "looping")), timeout=60)
+    client.wait(client.submit(operator_sub(other, "w9", "looping")), timeout=60)
     rc, out, _ = _cli(capsys, "report", finished_run, "--out", str(tmp_path), "--json")
     assert rc == 0
     doc = json.loads(out)
@@ -231,14 +201,16 @@ def test_report_writes_tree_html_and_lessons(
 
 
 def test_watch_follows_live_and_ends_when_every_submission_finished(
-    worker: None, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """watch --json prints every stage event live and ends (exit 0) once all results are in."""
     from workers.client import CritiqueClient
 
     run_id = f"watch-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient(CONFIG)
-    client.submit_many([_sub(run_id, f"w{i}", k) for i, k in enumerate(("looping", "clean"))])
+    client.submit_many(
+        [operator_sub(run_id, f"w{i}", k) for i, k in enumerate(("looping", "clean"))]
+    )
     rc, out, _ = _cli(capsys, "watch", run_id, "--json", "--timeout", "60")
     lines = [json.loads(line) for line in out.strip().splitlines()]
     assert rc == 0
@@ -295,7 +267,7 @@ def _failed_chain(run_id: str, worker_id: str) -> None:
 
     sid, task_id = runtime.new_pass_id(), uuid.uuid4().hex
     overrides = {**CONFIG, "llm": {"api_base": "http://127.0.0.1:9/v1"}}
-    sub = _sub(run_id, worker_id, "clean")
+    sub = operator_sub(run_id, worker_id, "clean")
     msg = runtime.encode(start(sub, sid), overrides, task="critique.l0", task_id=task_id)
     runtime.stores().runs.begin_pass(run_id, 1, worker_id, sid)
     res = app.send_task("critique.l0", args=(msg,), task_id=task_id)
@@ -303,7 +275,7 @@ def _failed_chain(run_id: str, worker_id: str) -> None:
 
 
 def test_failed_chains_are_failed_not_pending(
-    worker: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    worker: WorkerProcess, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A chain that failed is shown as failed with a one-line reason (no Python repr), never as
     pending: status exits 1, watch ends at once (no --timeout needed) and exits 1, report lists
@@ -312,7 +284,7 @@ def test_failed_chains_are_failed_not_pending(
 
     run_id = f"fail-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient(CONFIG)
-    client.wait(client.submit(_sub(run_id, "good", "clean")), timeout=60)
+    client.wait(client.submit(operator_sub(run_id, "good", "clean")), timeout=60)
     _failed_chain(run_id, "broken")
     reason = "refused by the worker: submission may not set 'llm.api_base'"
     deadline = time.monotonic() + 30
@@ -351,7 +323,9 @@ def test_failed_chains_are_failed_not_pending(
     assert "Failed chains" in page and "may not set" in page
 
 
-def test_watch_shows_a_repeated_note_once(worker: None, capsys: pytest.CaptureFixture[str]) -> None:
+def test_watch_shows_a_repeated_note_once(
+    worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Three repairs without budget.total_tokens each note it; watch prints the note once and
     says how many repeats it left out."""
     from workers.client import CritiqueClient
@@ -359,7 +333,7 @@ def test_watch_shows_a_repeated_note_once(worker: None, capsys: pytest.CaptureFi
     run_id = f"note-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient({"enabled": True})  # no budget: the decide stage notes it
     client.wait_many(
-        client.submit_many([_sub(run_id, f"w{i}", "looping") for i in range(3)]), timeout=60
+        client.submit_many([operator_sub(run_id, f"w{i}", "looping") for i in range(3)]), timeout=60
     )
     rc, out, _ = _cli(capsys, "watch", run_id)
     assert rc == 0

@@ -1,6 +1,7 @@
-"""Passes (SPEC §4) and effects written once, on a real Redis with a real worker process: a
-resubmission is critiqued afresh and ``wait`` answers with its own pass; a stage or gate
-delivered twice leaves no lease held, reserves once, charges once and writes one result event."""
+"""Passes (one critique of one submission) and effects written once, on a real Redis with a real
+worker process: a resubmission is critiqued afresh and ``wait`` answers with its own pass; a
+stage or gate delivered twice leaves no lease held, reserves once, charges once and writes one
+result event."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from pipeline.runner import run_submission, start
 from pipeline.store import keys
 from pipeline.store.memory import MemoryPatternStore
 from pipeline.wiring import make_context
-from tests.integration.helpers import estimating_revise
-from tests.integration.test_distributed import make_sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.revisers import estimating_revise
+from tests.support.submissions import make_sub
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
@@ -34,17 +35,11 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(
-    env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[WorkerProcess]:
-    """One worker (threads, 4) whose reviser spends (estimated) tokens, so repair rounds
-    reserve and charge budget (the default deterministic reviser is token-free)."""
-    log = tmp_path_factory.mktemp("passes") / "worker.log"
-    wenv = {**env, "CRITIQUE_REPAIRER": "tests.integration.helpers:estimating_revise"}
-    w = WorkerProcess(env["REDIS_URL"], concurrency=4, name="passes", env=wenv, log=log).start()
-    yield w
-    w.stop()
+WORKER = WorkerSpec(
+    "passes", more_env={"CRITIQUE_REPAIRER": "tests.support.revisers:estimating_revise"}
+)
+"""One worker (threads, 4) whose reviser spends (estimated) tokens, so repair rounds
+reserve and charge budget (the default deterministic reviser is token-free)."""
 
 
 def _run_id(tag: str) -> str:

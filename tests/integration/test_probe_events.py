@@ -13,25 +13,25 @@ from typing import Any
 import pytest
 
 from pipeline.models import Submission
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import WorkerStarter, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def url(redis_url: str) -> Iterator[str]:
-    db = worker_db_url(redis_url)
-    with client_on(db):
-        w = WorkerProcess(db, name="probes", env={"CRITIQUE_SWEEP_S": "0.5"}).start()
-        try:
-            yield db
-        finally:
-            w.stop()
+def env(redis_url: str) -> Iterator[dict[str, str]]:
+    """This process's client on the workers' database."""
+    with client_on(worker_db_url(redis_url)) as e:
+        yield e
 
 
-def test_probes_send_no_task_events_while_stage_tasks_do(url: str) -> None:
+def test_probes_send_no_task_events_while_stage_tasks_do(
+    env: dict[str, str], start_worker: WorkerStarter
+) -> None:
     from workers.app import app
     from workers.client import CritiqueClient
+
+    start_worker("probes", {**env, "CRITIQUE_SWEEP_S": "0.5"})
 
     seen: list[dict[str, Any]] = []
 

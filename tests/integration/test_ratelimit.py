@@ -1,4 +1,4 @@
-"""Cluster-wide LLM rate limits (SPEC §5.10): the GCRA script's arithmetic on a real Redis."""
+"""Cluster-wide LLM rate limits: the GCRA script's arithmetic on a real Redis."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Cluster-wide LLM rate limits through real workers (SPEC §5.10): two worker processes
+"""Cluster-wide LLM rate limits through real workers: two worker processes
 sharing ``llm.rate_limit: {rpm: 120}`` never send the (fake) provider more than 10 requests
 in any 5-second window, plus the bucket's burst of 2."""
 
@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from pipeline.models import Submission
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.integration.workers import ACCEPTING_CRITIQUE, WorkerProcess, llm_workers
+from tests.support.workers import ACCEPTING_CRITIQUE, WorkerStarter, llm_env
 
 pytestmark = pytest.mark.integration
 
@@ -31,25 +30,25 @@ def fake() -> Iterator[FakeOpenAIServer]:
 
 
 @pytest.fixture()
-def workers(
-    redis_url: str, fake: FakeOpenAIServer, tmp_path: Path
-) -> Iterator[list[WorkerProcess]]:
-    with llm_workers(
+def env(redis_url: str, fake: FakeOpenAIServer) -> Iterator[dict[str, str]]:
+    """This process's client on the workers' database; the environment of workers whose LLM
+    calls go to the fake."""
+    with llm_env(
         redis_url,
         fake.api_base,
-        tmp_path,
-        name="rl",
         CRITIQUE_LLM__RATE_LIMIT=json.dumps({"rpm": RPM}),
         CRITIQUE_ALLOWED_MODELS=CRITIC_MODEL,
-    ) as procs:
-        yield procs
+    ) as env:
+        yield env
 
 
 def test_two_workers_share_one_rpm_bucket(
-    workers: list[WorkerProcess], fake: FakeOpenAIServer
+    env: dict[str, str], start_worker: WorkerStarter, fake: FakeOpenAIServer
 ) -> None:
     from workers.client import CritiqueClient
 
+    for i in range(2):  # two worker processes (threads × 4)
+        start_worker(f"rl{i}", env)
     run_id = f"rl-{uuid.uuid4().hex[:8]}"
     subs = [
         Submission(

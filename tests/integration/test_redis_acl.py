@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from pipeline.store import keys
-from tests.integration.rawcelery import entry_body, push, task_meta
-from tests.integration.test_distributed import CONFIG
-from tests.integration.test_entry import NODE, hand_built, run_docs_js
-from tests.integration.workers import ROOT, WorkerProcess
+from tests.support.entry import NODE, hand_built, run_docs_js
+from tests.support.rawcelery import entry_body, push, task_meta
+from tests.support.submissions import CONFIG
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, worker_env
 from workers.embedded import EmbeddedRedis
 
 ACL_FILE = ROOT / "deploy" / "redis-acl.conf"
@@ -56,20 +56,20 @@ def _url(server: EmbeddedRedis, user: str, password_env: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def manager(
-    server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[redis.Redis]:
-    """A worker logged in as critique-worker, and a manager's connection as critique-manager."""
+def env(server: EmbeddedRedis) -> dict[str, str]:
+    """The worker's environment: logged in as critique-worker, holding both keys."""
     url = _url(server, "critique-worker", "CRITIQUE_WORKER_REDIS_PASSWORD")
-    log: Path = tmp_path_factory.mktemp("acl") / "worker.log"
-    env = {"CRITIQUE_SECRET": WORKER_KEY, "CRITIQUE_ENTRY_SECRET": MANAGER_KEY}
-    w = WorkerProcess(url, concurrency=2, name="acl", env=env, log=log).start()
-    try:
-        yield redis.Redis.from_url(
-            _url(server, "critique-manager", "CRITIQUE_MANAGER_REDIS_PASSWORD")
-        )
-    finally:
-        w.stop()
+    return worker_env(url, CRITIQUE_SECRET=WORKER_KEY, CRITIQUE_ENTRY_SECRET=MANAGER_KEY)
+
+
+WORKER = WorkerSpec("acl", concurrency=2)
+
+
+@pytest.fixture(scope="module")
+def manager(server: EmbeddedRedis, worker: WorkerProcess) -> redis.Redis:
+    """A manager's connection as critique-manager, with the module's worker (logged in as
+    critique-worker) running."""
+    return redis.Redis.from_url(_url(server, "critique-manager", "CRITIQUE_MANAGER_REDIS_PASSWORD"))
 
 
 def test_the_manager_user_submits_and_reads_its_verdict(manager: redis.Redis) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.errors import ConfigError
 from pipeline.models import Submission
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
+from tests.support.workers import ROOT, WorkerStarter, client_on, worker_db_url, worker_env
 
 pytestmark = pytest.mark.integration
 
@@ -21,13 +21,11 @@ MANAGERS_TYPO = "m" * 64
 
 @pytest.fixture
 def signed(redis_url: str) -> Iterator[str]:
+    """This process's client on the workers' database with the workers' key (flushed for each
+    test); the test starts the worker that holds the same key."""
     url = worker_db_url(redis_url)
-    with client_on(url, CRITIQUE_SECRET=WORKERS_KEY):
-        w = WorkerProcess(url, name="mismatch").start()
-        try:
-            yield url
-        finally:
-            w.stop()
+    with client_on(url, CRITIQUE_SECRET=WORKERS_KEY) as env:
+        yield env["REDIS_URL"]
 
 
 def _subs() -> list[Submission]:
@@ -43,9 +41,13 @@ def _subs() -> list[Submission]:
     ]
 
 
-def test_a_mis_keyed_resubmit_is_refused_and_the_finished_results_stay(signed: str) -> None:
+def test_a_mis_keyed_resubmit_is_refused_and_the_finished_results_stay(
+    signed: str, start_worker: WorkerStarter
+) -> None:
     from workers.client import CritiqueClient
     from workers.commands.status import load_snapshot
+
+    start_worker("mismatch", worker_env(signed, CRITIQUE_SECRET=WORKERS_KEY))
 
     client = CritiqueClient()
     done = client.wait_many(client.submit_many(_subs()), timeout=60)
@@ -65,15 +67,16 @@ def test_a_mis_keyed_resubmit_is_refused_and_the_finished_results_stay(signed: s
     assert [r.status for r in again] == ["accepted"] * 3
 
 
-def test_a_mis_keyed_submit_wait_says_the_worker_refused_it_and_why(signed: str) -> None:
+def test_a_mis_keyed_submit_wait_says_the_worker_refused_it_and_why(
+    signed: str, start_worker: WorkerStarter
+) -> None:
     """A fresh run submitted with the wrong secret: --wait times out naming the refusal and
     the secret to compare, not "is a worker consuming …?"."""
     import json
     import subprocess
     import sys
 
-    from tests.integration.workers import ROOT, worker_env
-
+    start_worker("mismatch", worker_env(signed, CRITIQUE_SECRET=WORKERS_KEY))
     line = json.dumps({"run_id": "fresh-mk", "worker_id": "w1", "task": "t", "output": "ok"})
     done = subprocess.run(
         [sys.executable, "-m", "workers.cli", "submit", "-", "--wait", "--timeout", "4"],

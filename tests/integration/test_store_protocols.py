@@ -1,4 +1,5 @@
-"""One behaviour suite for both store implementations: in-memory and Redis (DESIGN habit 8).
+"""One behaviour suite for both store implementations: in-memory and Redis, so
+the fake the broker-free tests use cannot drift from the real store.
 
 Every test here runs twice, against ``pipeline.store.memory`` and ``pipeline.store.redis``, so the
 fake used by unit tests and the broker-free runner cannot drift from the real store.
@@ -413,7 +414,7 @@ def test_concurrent_reserve_of_one_lease_holds_once(ledger: BudgetLedger) -> Non
     assert ledger.reserve("run1", "other:2", 40, CAP, 30) is True
 
 
-# --- budget waits (SPEC §4: the budget waits rather than refuses while tokens are only held) ---
+# --- budget waits (the budget waits, rather than refuses, while tokens are only held) ----------
 
 
 def test_a_reservation_blocked_only_by_held_tokens_waits_then_is_granted(

@@ -114,7 +114,7 @@ def exercise_every_store(
 
 def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
     """Every key written lives under the prefix, run keys with the {run_id} tag, all with a TTL:
-    run keys the run TTL, the lessons keys (which outlive runs, SPEC §5.7) the lessons TTL."""
+    run keys the run TTL, the lessons keys (which outlive runs) the lessons TTL."""
     exercise_every_store(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     found = sorted(k.decode() for k in redis_client.scan_iter(match="*"))
     run_keys = {keys.run_key("run1", s, PREFIX) for s in keys.RUN_KEY_SUFFIXES}

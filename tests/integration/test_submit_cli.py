@@ -10,14 +10,13 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import redis
 
-from tests.integration.workers import ROOT, WorkerProcess, worker_db_url, worker_env
+from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, worker_db_url, worker_env
 
 pytestmark = pytest.mark.integration
 
@@ -34,12 +33,13 @@ def db_url(redis_url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def worker(db_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """One real worker process (threads pool) for the module."""
-    log = tmp_path_factory.mktemp("logs") / "worker.log"
-    w = WorkerProcess(db_url, concurrency=4, name="submitcli", log=log).start()
-    yield w
-    w.stop()
+def env(db_url: str) -> dict[str, str]:
+    """The worker's environment: this process's, on the worker database."""
+    return worker_env(db_url)
+
+
+WORKER = WorkerSpec("submitcli")
+"""One real worker process (threads pool) for the module."""
 
 
 def critique(

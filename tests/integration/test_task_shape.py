@@ -9,15 +9,14 @@ import socket
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from pipeline.runner import start
 from pipeline.store import keys
-from tests.integration.test_distributed import CONFIG, make_sub
-from tests.integration.workers import WorkerProcess, client_on, worker_db_url
 from tests.support import wait_until
+from tests.support.submissions import CONFIG, make_sub
+from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 NODE = f"shape@{socket.gethostname()}"
 
@@ -28,12 +27,7 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
         yield e
 
 
-@pytest.fixture(scope="module")
-def worker(env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    log: Path = tmp_path_factory.mktemp("shape") / "worker.log"
-    w = WorkerProcess(env["REDIS_URL"], concurrency=2, name="shape", env=env, log=log).start()
-    yield
-    w.stop()
+WORKER = WorkerSpec("shape", concurrency=2)
 
 
 def _tasks_run() -> Counter[str]:
@@ -65,7 +59,7 @@ def _settled_count(before: Counter[str], expected: Counter[str]) -> Counter[str]
     ],
 )
 def test_an_output_costs_one_task_plus_one_per_repair_round(
-    worker: None, kind: str, status: str, tasks: dict[str, int]
+    worker: WorkerProcess, kind: str, status: str, tasks: dict[str, int]
 ) -> None:
     """A clean output runs as one task (Layer-0, critic, decide and gate in critique.l0); one
     repaired in one round as two (critique.l0, then critique.repair under the same id), and
@@ -93,7 +87,7 @@ def test_an_output_costs_one_task_plus_one_per_repair_round(
     assert _settled_count(before, Counter(tasks)) == Counter(tasks)
 
 
-def test_a_chain_sent_by_an_older_client_still_finishes(worker: None) -> None:
+def test_a_chain_sent_by_an_older_client_still_finishes(worker: WorkerProcess) -> None:
     """``l0 → critic → gate`` as clients before the fused tasks sent it: the l0 task runs the
     stages it can, hands the state down the chain instead of finishing the pass itself, and
     the gate at the end stores the one result under its own id."""

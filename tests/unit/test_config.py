@@ -42,7 +42,7 @@ def write(tmp_path: Path, text: str) -> Path:
 
 
 def test_defaults_match_the_spec_table() -> None:
-    """Every default is the one SPEC §3 lists."""
+    """Every setting has its documented default."""
     c = load_config(env={})
     assert c.enabled is False
     assert c.mode == "inline"

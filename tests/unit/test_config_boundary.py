@@ -1,4 +1,4 @@
-"""The configuration trust boundary (SPEC §3 "Who may set what"), as pure functions and at the
+"""The configuration trust boundary (who may set what), as pure functions and at the
 client's front door: a submission may set policy, never a field that reaches a network address,
 a secret or code, and never more than the worker allows. No Redis needed."""
 
@@ -48,7 +48,7 @@ def test_every_field_is_declared_worker_only_or_policy_exactly_once() -> None:
 
 def test_the_worker_only_list_names_what_the_spec_names() -> None:
     """llm (with llm.rate_limit), command, command_timeout_s, output_contract.extra, repairer,
-    allowed_models, cache (SPEC §3, §5.10)."""
+    allowed_models, cache."""
     assert {w.path for w in WORKER_ONLY} == {
         "llm",
         "cache",

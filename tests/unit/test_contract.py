@@ -354,7 +354,7 @@ def test_many_repeats_are_capped() -> None:
 
 
 def test_default_suite_has_the_six_checks() -> None:
-    """`checks: [default]` expands to the six SPEC checks in a fixed order."""
+    """`checks: [default]` expands to the six built-in checks in a fixed order."""
     assert build_suite().names == DEFAULT_CHECKS
     assert set(DEFAULT_CHECKS) == {
         "no_placeholder",

@@ -13,7 +13,7 @@ from pipeline.models import ReusablePattern
 from pipeline.pitfalls import pitfalls_block, render_pitfalls
 from pipeline.runner import critic_stage, decide_stage, repair_stage, start
 from pipeline.store.memory import MemoryPatternStore
-from tests.unit.test_passes_budget import Provider, _llm_context, _sub
+from tests.support.providers import Provider, budget_sub, llm_context
 
 GENERIC = CritiqueConfig(critic="heuristic", max_repair_attempts=2)
 RUBRIC = CritiqueConfig(critic="rubric", rubric=RubricConfig(max_rounds=4))
@@ -181,8 +181,8 @@ def test_the_repair_sends_the_prompt_the_decide_stage_sized() -> None:
     between decide and repair; the order is dropped once the repair ran."""
     provider = Provider()
     patterns = MemoryPatternStore()
-    ctx = _llm_context(provider, 10_000_000, patterns=patterns)
-    state = decide_stage(critic_stage(start(_sub(), "p1"), ctx), ctx)
+    ctx = llm_context(provider, 10_000_000, patterns=patterns)
+    state = decide_stage(critic_stage(start(budget_sub(), "p1"), ctx), ctx)
     order = state.repair_order
     assert order is not None and order.prompt is not None and state.next == "repair"
     assert order.pitfalls == render_pitfalls(patterns.top("run-1", 10))
@@ -206,8 +206,8 @@ def test_without_a_budget_cap_nothing_is_rendered_before_the_repair() -> None:
     """No budget cap: the round is not sized, so the decide stage renders no prompt (the
     reviser renders it once, in the repair) and still carries the pitfalls it read."""
     provider = Provider()
-    ctx = _llm_context(provider, None)
-    state = decide_stage(critic_stage(start(_sub(), "p1"), ctx), ctx)
+    ctx = llm_context(provider, None)
+    state = decide_stage(critic_stage(start(budget_sub(), "p1"), ctx), ctx)
     assert state.repair_order is not None
     assert state.repair_order.prompt is None and state.repair_order.bound.total == 0
     assert state.lease_id is None
@@ -220,8 +220,8 @@ def test_a_state_without_an_order_still_repairs() -> None:
     """A repair state from before repair orders existed (no ``repair_order``) repairs as before:
     the reviser reads the pitfalls and renders the prompt itself."""
     provider = Provider()
-    ctx = _llm_context(provider, 10_000_000)
-    state = decide_stage(critic_stage(start(_sub(), "p1"), ctx), ctx)
+    ctx = llm_context(provider, 10_000_000)
+    state = decide_stage(critic_stage(start(budget_sub(), "p1"), ctx), ctx)
     legacy = state.model_copy(update={"repair_order": None})
     repaired = repair_stage(legacy, ctx)
     assert repaired.attempt == 1

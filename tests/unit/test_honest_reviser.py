@@ -1,4 +1,4 @@
-"""The token-free reviser invents nothing (SPEC §5.3): its honest edits, its refusals, the loop's
+"""The token-free reviser invents nothing: its honest edits, its refusals, the loop's
 ``needs_model`` stop, and property tests over generated outputs."""
 
 from __future__ import annotations

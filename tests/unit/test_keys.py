@@ -82,7 +82,7 @@ def test_scan_pattern_matches_only_that_run() -> None:
 
 
 def test_queue_and_task_names_are_stable() -> None:
-    """Managers in any language enqueue by these names (SPEC §4); they must not drift."""
+    """Managers in any language enqueue by these names (docs/entry.md); they must not drift."""
     assert (keys.QUEUE_CPU, keys.QUEUE_LLM) == ("critique.cpu", "critique.llm")
     assert [
         keys.TASK_L0,

@@ -648,7 +648,7 @@ def _envelope() -> CritiqueEnvelope:
 
 
 def test_reviser_prompt_carries_every_repair_part() -> None:
-    """The repair request has the SPEC §5.3 prompt: task, output, actionable defects, etc."""
+    """The repair request has the full repair prompt: task, output, actionable defects, etc."""
     llm = FakeLLM("# Summary\n\nSales rose 4% in 2024.")
     attempt = RepairAttempt(
         worker_id="w1",

@@ -6,8 +6,6 @@ repairs reserve nothing; an over-report is charged in full and closes the budget
 from __future__ import annotations
 
 import dataclasses
-import json
-import random
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +29,6 @@ from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Usage
 from pipeline.pitfalls import render_pitfalls
 from pipeline.repair import repair_reply_tokens
 from pipeline.runner import (
-    L0Outcome,
     LoopState,
     budget_wait_s,
     critic_stage,
@@ -46,123 +43,15 @@ from pipeline.store.base import BudgetSnapshot
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore, MemoryTraceSink
 from pipeline.wiring import make_context
 from tests.support import RecordingLedger
-
-MODEL = "openai/critic"
-WORDS = ["north", "south", "region", "store", "online", "order", "growth", "margin", "price"]
-
-
-def _words(seed: int, n: int = 24) -> str:
-    rng = random.Random(seed)
-    return " ".join(rng.choice(WORDS) for _ in range(n))
-
-
-class Provider:
-    """A completer behaving like a provider: it answers the critic by the round in the prompt
-    (a critical defect until round 3) and the repairer with a fresh output; usage is
-    ⌊chars/4⌋ for the prompt and the reply, or ``max_tokens`` when ``fill`` (a provider that
-    writes as long as it may), times ``over`` (a provider that reports more than it may)."""
-
-    def __init__(self, *, fill: bool = False, over: float = 1.0) -> None:
-        self.fill = fill
-        self.over = over
-        self.requests: list[LLMRequest] = []
-        self.replies: list[LLMReply] = []
-        self.repairs = 0
-
-    def __call__(self, request: LLMRequest) -> LLMReply:
-        self.requests.append(request)
-        user = "\n".join(m.content for m in request.messages if m.role == "user")
-        if request.purpose == "repair":
-            self.repairs += 1
-            text = json.dumps(
-                {"summary": _words(self.repairs), "findings": _words(1000 + self.repairs)}
-            )
-        else:
-            found = re.search(r"Critique round: (\d+)", user)
-            round_no = int(found.group(1)) if found else 1
-            score = {1: 0.4, 2: 0.5}.get(round_no, 0.95)
-            defects = (
-                [
-                    {
-                        "category": "incomplete",
-                        "severity": "critical",
-                        "location": "findings",
-                        "description": f"findings too thin (round {round_no})",
-                    }
-                ]
-                if score < 0.6
-                else []
-            )
-            text = json.dumps({"score": score, "defects": defects, "summary": "ok"})
-        prompt = sum(len(m.content) for m in request.messages) // 4
-        completion = (request.max_tokens or 0) if self.fill else len(text) // 4
-        reply = LLMReply(
-            text=text,
-            usage=Usage(
-                tokens_in=int(prompt * self.over), tokens_out=int(completion * self.over), calls=1
-            ),
-        )
-        self.replies.append(reply)
-        return reply
-
-    def spent_on_repairs(self) -> int:
-        """What the provider billed for repair-phase calls: repairs and re-critiques."""
-        first = re.compile(r"Critique round: 1\b")
-        return sum(
-            r.usage.tokens
-            for q, r in zip(self.requests, self.replies, strict=True)
-            if not first.search("\n".join(m.content for m in q.messages))
-        )
-
-
-def _no_l0(sub: Submission, output: Any, previous_size: int | None) -> L0Outcome:
-    return L0Outcome()
-
-
-def _never(previous: str, current: str) -> bool:
-    return False
-
-
-def _llm_context(
-    provider: Provider,
-    total_tokens: int | None,
-    *,
-    budget: MemoryBudgetLedger | None = None,
-    patterns: MemoryPatternStore | None = None,
-    max_tokens: int = 300,
-    **extra: Any,
-) -> Any:
-    config = CritiqueConfig.model_validate(
-        {
-            "enabled": True,
-            "critic": "llm",
-            "model": MODEL,
-            "max_repair_attempts": 3,
-            "budget": {"total_tokens": total_tokens},
-            "llm": {"max_tokens": max_tokens},
-            **extra,
-        }
-    )
-    return make_context(
-        config,
-        complete=provider,
-        budget=budget or MemoryBudgetLedger(),
-        patterns=patterns,
-        l0=_no_l0,
-        fixpoint=_never,
-    )
-
-
-def _sub(worker: str = "w1", run_id: str = "run-1", **kw: Any) -> Submission:
-    fields: dict[str, Any] = {
-        "run_id": run_id,
-        "worker_id": worker,
-        "task": "Summarise the quarterly sales report: a summary and the findings.",
-        "output": {"summary": _words(7), "findings": "thin"},
-        "required_fields": ("summary", "findings"),
-    }
-    return Submission.model_validate({**fields, **kw})
-
+from tests.support.providers import (
+    MODEL,
+    Provider,
+    budget_sub,
+    llm_context,
+    never_similar,
+    no_l0,
+    seeded_words,
+)
 
 # --- complete_within ---------------------------------------------------------------------------
 
@@ -255,8 +144,8 @@ def test_a_repair_round_reserves_counted_prompts_plus_max_tokens_and_charges_rea
 
     provider = Provider()
     ledger = RecordingLedger()
-    ctx = _llm_context(provider, 10_000_000, budget=ledger)
-    sub = _sub()
+    ctx = llm_context(provider, 10_000_000, budget=ledger)
+    sub = budget_sub()
     result = run_submission(sub, ctx, pass_id="p1")
 
     assert (result.status, result.stop_reason) == ("repaired", "accepted")
@@ -281,8 +170,8 @@ def test_repair_bound_parts_are_the_calls_the_stages_make() -> None:
     critique part the critic call's counted prompt with an empty output + the output bound +
     the re-critique's max_tokens."""
     provider = Provider()
-    ctx = _llm_context(provider, 10_000_000)
-    state = LoopState(submission=_sub(), output=_sub().output, pass_id="p1")
+    ctx = llm_context(provider, 10_000_000)
+    state = LoopState(submission=budget_sub(), output=budget_sub().output, pass_id="p1")
     state = critic_stage(state, ctx)
     assert state.envelope is not None
     bound = repair_bound(ctx, state, state.envelope)
@@ -305,8 +194,8 @@ def test_a_provider_using_every_allowed_token_never_passes_the_cap() -> None:
     """Replies as long as max_tokens allows, over many submissions sharing a binding budget:
     the provider's real spend stays within the cap; the refusals say spent and held."""
     provider = Provider(fill=True)
-    ctx = _llm_context(provider, 200_000, repair_budget_fraction=0.1)  # cap 20 000
-    results = [run_submission(_sub(f"w{i:02d}"), ctx, pass_id=f"p{i}") for i in range(20)]
+    ctx = llm_context(provider, 200_000, repair_budget_fraction=0.1)  # cap 20 000
+    results = [run_submission(budget_sub(f"w{i:02d}"), ctx, pass_id=f"p{i}") for i in range(20)]
     spent = ctx.budget.spent("run-1")
     assert spent == provider.spent_on_repairs() == sum(r.budget_charged for r in results)
     assert 0 < spent <= 20_000
@@ -333,9 +222,9 @@ def test_a_binding_budget_refuses_only_near_its_end() -> None:
     run ends with all but less than one reservation of its cap spent."""
     provider = Provider()
     cap = 10_000
-    ctx = _llm_context(provider, 100_000, repair_budget_fraction=0.1)
+    ctx = llm_context(provider, 100_000, repair_budget_fraction=0.1)
     for i in range(30):
-        run_submission(_sub(f"w{i:02d}"), ctx, pass_id=f"p{i}")
+        run_submission(budget_sub(f"w{i:02d}"), ctx, pass_id=f"p{i}")
     events = ctx.trace.read("run-1")
     charged = [e["charged"] for e in events if e.get("lease")]
     refusals = [
@@ -357,13 +246,13 @@ def test_an_over_report_is_charged_in_full_noted_and_closes_the_budget() -> None
     """A provider that reports more than the call's max_tokens allowed: the whole figure is
     charged (never under-counted), the result notes it, and the next repair is refused."""
     provider = Provider(fill=True, over=10.0)
-    ctx = _llm_context(provider, 10_000_000)
-    first = run_submission(_sub("w1"), ctx, pass_id="a")
+    ctx = llm_context(provider, 10_000_000)
+    first = run_submission(budget_sub("w1"), ctx, pass_id="a")
     assert ctx.budget.spent("run-1") == provider.spent_on_repairs() == first.budget_charged
     assert any("more than the" in n and "charged" in n for n in first.notes), first.notes
     snap = ctx.budget.snapshot("run-1")
     assert snap.overrun > 0 and snap.held == 0
-    second = run_submission(_sub("w2"), ctx, pass_id="b")
+    second = run_submission(budget_sub("w2"), ctx, pass_id="b")
     assert second.stop_reason == "repair_budget_exhausted"
     [reason] = [
         e["reason"]
@@ -385,8 +274,8 @@ def test_a_re_ask_runs_only_within_what_the_reservation_left() -> None:
             return reply
 
     provider = Unusable(fill=True)
-    ctx = _llm_context(provider, 10_000_000, max_repair_attempts=1)
-    result = run_submission(_sub(), ctx, pass_id="p")
+    ctx = llm_context(provider, 10_000_000, max_repair_attempts=1)
+    result = run_submission(budget_sub(), ctx, pass_id="p")
     reasons = [n for n in result.notes if "critic fallback" in n]
     assert reasons and "re-ask was not made" in reasons[0]
     assert ctx.budget.spent("run-1") == provider.spent_on_repairs()
@@ -396,7 +285,7 @@ def test_a_re_ask_runs_only_within_what_the_reservation_left() -> None:
 def test_token_free_repairs_reserve_and_charge_nothing() -> None:
     """The deterministic reviser with the heuristic critic: a cap of one token refuses nothing,
     no lease is taken, nothing is charged."""
-    looping = "# Q3\n\n## Summary\n\nUp.\n\n## Findings\n\n" + ((_words(3, 30) + "\n\n") * 2)
+    looping = "# Q3\n\n## Summary\n\nUp.\n\n## Findings\n\n" + ((seeded_words(3, 30) + "\n\n") * 2)
     config = CritiqueConfig(enabled=True, critic="heuristic", budget={"total_tokens": 10})
     ctx = make_context(config)
     sub = Submission(
@@ -413,7 +302,7 @@ def test_token_free_repairs_reserve_and_charge_nothing() -> None:
     assert ctx.budget.snapshot("run-1") == BudgetSnapshot()
 
 
-# --- waiting for held tokens (SPEC §4) ---------------------------------------------------------
+# --- waiting for held tokens ------------------------------------------------------------------
 
 
 class Clock:
@@ -442,7 +331,7 @@ def _waiting_ctx(clock: Clock, wait_s: float = 60.0, **extra: Any) -> Any:
     repair round (about 2 600) fits what is left of the cap, not beside that hold."""
     ledger = MemoryBudgetLedger(clock=clock)
     assert ledger.reserve("run-1", "other:1", 9_000, 10_000, 900)
-    ctx = _llm_context(Provider(), round(10_000 / 0.15) + 1, budget=ledger, **extra)
+    ctx = llm_context(Provider(), round(10_000 / 0.15) + 1, budget=ledger, **extra)
     budget = ctx.config.budget.model_copy(update={"wait_s": wait_s})
     config = ctx.config.model_copy(update={"budget": budget})
     assert config.repair_token_cap == 10_000
@@ -459,7 +348,7 @@ def test_a_repair_blocked_only_by_held_tokens_waits_for_them_then_runs() -> None
     clock = Clock()
     ctx = _waiting_ctx(clock, max_repair_attempts=1)
     clock.events.append((103.0, lambda: ctx.budget.commit("run-1", "other:1", 6_000)))
-    result = run_submission(_sub(), ctx, pass_id="p")
+    result = run_submission(budget_sub(), ctx, pass_id="p")
     assert result.stop_reason != "repair_budget_exhausted" and len(result.attempts) == 1
     assert 3.0 <= sum(clock.sleeps) <= 4.1 and all(0 < s <= 1.02 for s in clock.sleeps)
     [waited] = [e["budget_wait_s"] for e in _round_events(ctx) if "budget_wait_s" in e]
@@ -472,7 +361,7 @@ def test_a_wait_that_runs_out_is_refused_naming_spent_held_asked_and_the_wait() 
     the reason names what it asked, spent, held and how long it waited."""
     clock = Clock()
     ctx = _waiting_ctx(clock, wait_s=5)
-    result = run_submission(_sub(), ctx, pass_id="p")
+    result = run_submission(budget_sub(), ctx, pass_id="p")
     assert result.stop_reason == "repair_budget_exhausted" and result.attempts == ()
     assert 5.0 <= sum(clock.sleeps) <= 5.1
     [reason] = [e["reason"] for e in _round_events(ctx)]
@@ -488,13 +377,13 @@ def test_without_a_wait_held_tokens_refuse_at_once() -> None:
     wait); a worker's own bound (half its soft time limit) caps a longer wait."""
     clock = Clock()
     ctx = _waiting_ctx(clock, wait_s=0)
-    result = run_submission(_sub(), ctx, pass_id="p")
+    result = run_submission(budget_sub(), ctx, pass_id="p")
     assert result.stop_reason == "repair_budget_exhausted" and clock.sleeps == []
     assert "this run does not wait" in _round_events(ctx)[0]["reason"]
     capped = Clock()
     ctx = dataclasses.replace(_waiting_ctx(capped), max_budget_wait_s=2.0)
     assert budget_wait_s(ctx) == 2.0
-    assert run_submission(_sub(), ctx, pass_id="p").stop_reason == "repair_budget_exhausted"
+    assert run_submission(budget_sub(), ctx, pass_id="p").stop_reason == "repair_budget_exhausted"
     assert 2.0 <= sum(capped.sleeps) <= 2.1
 
 
@@ -527,14 +416,14 @@ def _heuristic_ctx(**kw: Any) -> Any:
     config = CritiqueConfig(
         enabled=True, critic="heuristic", max_repair_attempts=1, budget={"total_tokens": 10**6}
     )
-    return make_context(config, reviser=CountingReviser(), l0=_no_l0, fixpoint=_never, **kw)
+    return make_context(config, reviser=CountingReviser(), l0=no_l0, fixpoint=never_similar, **kw)
 
 
 def test_each_pass_has_its_own_leases_patterns_trace_and_result() -> None:
     """The same submission run twice as two passes: each reserves its own lease, its
     critiques are counted again, its events and its result carry its pass id."""
     ctx = _heuristic_ctx()
-    sub = _sub(output={"summary": "x", "confidence": 0.9})
+    sub = budget_sub(output={"summary": "x", "confidence": 0.9})
     first = run_submission(sub, ctx, pass_id="pass-a")
     freq_once = {p.category: p.frequency for p in ctx.patterns.top("run-1", 50)}
     second = run_submission(sub, ctx, pass_id="pass-b")
@@ -551,7 +440,7 @@ def test_each_pass_has_its_own_leases_patterns_trace_and_result() -> None:
 def test_without_a_pass_id_the_keys_are_the_old_ones() -> None:
     """The broker-free runner called without a pass id keys leases and critiques as before."""
     ctx = _heuristic_ctx()
-    state = start(_sub())
+    state = start(budget_sub())
     assert lease_for(ctx, state) == "w1:1:1"
     assert lease_for(ctx, state.model_copy(update={"pass_id": "p9"})) == "w1:1:p9:1"
 
@@ -560,7 +449,7 @@ def test_a_re_run_decide_gets_the_same_lease_back() -> None:
     """decide run twice on one state holds one lease once; after the round was committed a
     third run still gets it back, holding nothing."""
     ctx = _heuristic_ctx()
-    state = critic_stage(start(_sub(), "p"), ctx)
+    state = critic_stage(start(budget_sub(), "p"), ctx)
     once = decide_stage(state, ctx)
     twice = decide_stage(state, ctx)
     assert once.lease_id == twice.lease_id == "w1:1:p:1"
@@ -586,7 +475,7 @@ def test_a_failed_repair_keeps_its_lease_only_for_a_retry(error: Exception, held
 
     ctx = _heuristic_ctx()
     ctx.reviser = Failing()
-    state = decide_stage(critic_stage(start(_sub(), "p"), ctx), ctx)
+    state = decide_stage(critic_stage(start(budget_sub(), "p"), ctx), ctx)
     with pytest.raises(type(error)):
         repair_stage(state, ctx)
     assert (ctx.budget.snapshot("run-1").holders == 1) is held
@@ -605,7 +494,7 @@ def test_a_critic_failing_for_good_in_a_repair_round_charges_the_repair() -> Non
             raise LLMPermanentError("bad key")
 
     ctx = _heuristic_ctx()
-    state = repair_stage(decide_stage(critic_stage(start(_sub(), "p"), ctx), ctx), ctx)
+    state = repair_stage(decide_stage(critic_stage(start(budget_sub(), "p"), ctx), ctx), ctx)
     ctx.critic = Broken()
     with pytest.raises(LLMPermanentError):
         critic_stage(state, ctx)

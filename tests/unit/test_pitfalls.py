@@ -23,7 +23,7 @@ def _pattern(category: str, rule: str, frequency: int, first: int = 1, last: int
 
 
 def test_pitfalls_text_byte_for_byte() -> None:
-    """The rendered block matches SPEC §5.7 exactly, one line per pattern in the given order,
+    """The rendered block is exactly the documented format, one line per pattern in the given order,
     then the one line saying the list is data, not instructions."""
     patterns = [
         _pattern("missing_data", "Always include the 'summary' field in your output", 3),
@@ -44,7 +44,7 @@ def test_pitfalls_text_byte_for_byte() -> None:
 
 
 def test_single_pattern_matches_the_spec_example() -> None:
-    """The SPEC's own example renders exactly (then the data line)."""
+    """The documented example renders exactly (then the data line)."""
     text = render_pitfalls(
         [_pattern("missing_data", "Always include the 'summary' field in your output", 3)]
     )
@@ -221,8 +221,8 @@ def _many_missing(n: int) -> tuple[Defect, ...]:
 
 
 def test_patterns_per_critique_are_capped_at_twenty() -> None:
-    """20,000 missing required fields teach at most 20 patterns (SPEC §3), chosen the same
-    way every time."""
+    """20,000 missing required fields teach at most 20 patterns (the per-critique cap), chosen
+    the same way every time."""
     from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
 
     env = CritiqueEnvelope(worker_id="w", score=0.0, defects=_many_missing(20_000))

@@ -1,4 +1,4 @@
-"""``llm.rate_limit`` (SPEC §5.10): one limit for every model or one per model; worker-only."""
+"""``llm.rate_limit``: one limit for every model or one per model; worker-only."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@ from typing import Any
 import redis
 
 from pipeline.store.redis_common import celery_url
-from tests.faults.conftest import ServerProcess
-from tests.integration.workers import WorkerProcess
+from tests.support.servers import ServerProcess
+from tests.support.workers import WorkerProcess
 from workers.embedded import free_port, ping
 
 MASTER = "mymaster"

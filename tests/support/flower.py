@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from tests.integration.workers import ROOT
+from tests.support.workers import ROOT
 from workers.embedded import free_port
 
 USER, PASSWORD = "user", "secret"

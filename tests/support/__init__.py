@@ -1,4 +1,12 @@
-"""Small helpers the tests share: waiting on a condition, and the compiled-scanner requirement."""
+"""What the test suites share, so no suite imports another suite's test module.
+
+This package: waiting on a condition, the compiled-scanner requirement, a recording budget
+ledger, reading a run's step records. Its modules: ``workers`` (the worker harness behind the
+``start_worker`` and ``worker`` fixtures of tests/conftest.py), ``revisers`` (callables a
+worker loads from its configuration), ``submissions`` and ``entry`` (builders), ``rawcelery``
+(hand-built broker messages), ``servers`` and ``sentinel`` (Redis processes the fault tests
+kill), ``flower``, ``faults``, ``hostile``, ``provider_keys``, ``probes`` and ``providers``.
+"""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from pipeline.config import load_config
-from tests.unit.test_sentinel_settings import _probe
+from tests.support.probes import config_probe
 
 _QUEUES_PROBE = """
 import json
@@ -26,7 +26,7 @@ def test_the_pipeline_queues_are_declared_as_quorum_queues_with_publisher_confir
     """The three queues, each with a direct exchange of its name (Celery makes them as it meets
     them, as before, so a Redis broker's lists are the same), carry ``x-queue-type: quorum``;
     publishes wait for confirms; acks stay late."""
-    out = _probe(_QUEUES_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
+    out = config_probe(_QUEUES_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
     assert out.returncode == 0, out.stderr
     *queues, confirm, detect, late, defined = json.loads(out.stdout)
     quorum = {"x-queue-type": "quorum"}
@@ -42,7 +42,7 @@ def test_the_pipeline_queues_are_declared_as_quorum_queues_with_publisher_confir
 def test_classic_queues_are_kept_with_critique_amqp_queue_type_classic() -> None:
     """``CRITIQUE_AMQP_QUEUE_TYPE=classic`` declares the queues without arguments (a broker
     whose queues exist as classic ones); it is a process setting, not a configuration field."""
-    out = _probe(
+    out = config_probe(
         _QUEUES_PROBE, REDIS_URL="redis://127.0.0.1:1/0", CRITIQUE_AMQP_QUEUE_TYPE="classic"
     )
     assert out.returncode == 0, out.stderr
@@ -63,10 +63,10 @@ def test_a_worker_on_rabbitmq_turns_celerys_prefetch_reduction_off_and_redis_kee
     off (its restore sends basic.qos from a task thread, see workers.app) and leaves the
     transport to kombu's py-amqp one; a Redis broker keeps Celery's default and gets the guarded
     transport. An unreachable broker is left to the consumer's reconnect loop."""
-    amqp = _probe(_WORKER_PROBE, CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:1//")
+    amqp = config_probe(_WORKER_PROBE, CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:1//")
     assert amqp.returncode == 0, amqp.stderr
     assert amqp.stdout.split() == ["False", "None"]
-    plain = _probe(_WORKER_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
+    plain = config_probe(_WORKER_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
     assert plain.returncode == 0, plain.stderr
     assert plain.stdout.split() == ["True", "workers.recovery:RedisTransport"]
 
@@ -74,7 +74,7 @@ def test_a_worker_on_rabbitmq_turns_celerys_prefetch_reduction_off_and_redis_kee
 def test_a_worker_on_rabbitmq_refuses_an_unknown_queue_type() -> None:
     """A mistyped ``CRITIQUE_AMQP_QUEUE_TYPE`` stops a worker on RabbitMQ at start: exit 2, one
     line naming the variable and its two values."""
-    bad = _probe(
+    bad = config_probe(
         _WORKER_PROBE,
         CELERY_BROKER_URL="amqp://guest:guest@127.0.0.1:1//",
         CRITIQUE_AMQP_QUEUE_TYPE="quorom",
