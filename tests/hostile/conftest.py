@@ -6,7 +6,8 @@ process (threads pool) from the ``worker`` fixture, on the workers' database, st
 pointed at the same database with the same secret. Tests attack through the client, the CLI, or
 raw broker messages (``send_raw``), then assert the refusal, its message, and that the worker is
 still alive and an honest submission sent afterwards still gets its result
-(``assert_still_serving``; modules wrap ``worker`` to check that after every test).
+(``assert_still_serving``, which :func:`still_serving` runs after every test that used the
+worker).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.support.hostile import SECRET
+from tests.support.hostile import SECRET, assert_still_serving
 from tests.support.provider_keys import Listener
-from tests.support.workers import client_on, worker_db_url
+from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +47,15 @@ def listener() -> Iterator[Listener]:
     """The local server an attacker would aim a submission's model at."""
     with FakeOpenAIServer() as server:
         yield Listener(server)
+
+
+@pytest.fixture(autouse=True)
+def still_serving(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that used the module's worker: the worker is alive and an honest
+    submission sent after the attack still gets its accepted result."""
+    worker: WorkerProcess | None = (
+        request.getfixturevalue("worker") if "worker" in request.fixturenames else None
+    )
+    yield
+    if worker is not None:
+        assert_still_serving(worker)

@@ -9,7 +9,7 @@ After each attack the worker is alive and serves an honest submission."""
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ from pipeline.errors import SubmissionError
 from pipeline.injection import INJECTION_SCORE_CAP
 from pipeline.models import Submission
 from pipeline.runner import RESULT_EXTRA_BYTES, start
-from tests.support.hostile import ENABLED, HOSTILE_WORKER, assert_still_serving, send_signed
+from tests.support.hostile import ENABLED, HOSTILE_WORKER, send_signed
 from tests.support.workers import WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -29,13 +29,6 @@ REDIS_SLACK = 256 * 1024
 
 
 WORKER = HOSTILE_WORKER
-
-
-@pytest.fixture
-def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's shared worker; every test ends by checking that it still serves."""
-    yield worker
-    assert_still_serving(worker)
 
 
 def _redis_bytes(url: str) -> int:

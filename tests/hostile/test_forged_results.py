@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,7 +27,6 @@ from tests.support.hostile import (
     ENABLED,
     HOSTILE_WORKER,
     SECRET,
-    assert_still_serving,
     honest_submission,
     log_of,
     send_raw,
@@ -41,14 +39,6 @@ ATTACKER_KEY = b"attacker-guessed-key-" + b"y" * 16
 
 
 WORKER = HOSTILE_WORKER
-
-
-@pytest.fixture
-def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's shared worker; after every test it is alive and serves an honest
-    submission."""
-    yield worker
-    assert_still_serving(worker)
 
 
 def new_run(prefix: str = "forged") -> str:

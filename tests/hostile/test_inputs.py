@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,6 @@ from pipeline.runner import start
 from tests.support.hostile import (
     ENABLED,
     HOSTILE_WORKER,
-    assert_still_serving,
     honest_submission,
     send_raw,
     send_signed,
@@ -85,13 +83,6 @@ def _refusal(res: Any, timeout: float = 60.0) -> str:
 
 
 WORKER = HOSTILE_WORKER
-
-
-@pytest.fixture
-def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's shared worker; every test ends by checking that it still serves."""
-    yield worker
-    assert_still_serving(worker)
 
 
 # --- item 3: files held by reference are checked like inline ones -------------------------------

@@ -22,7 +22,7 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, REPAIR, FakeOpenAIServer
-from tests.support.hostile import ENABLED, assert_still_serving, llm_worker_env
+from tests.support.hostile import ENABLED, llm_worker_env
 from tests.support.workers import WorkerProcess, WorkerSpec
 
 pytestmark = pytest.mark.integration
@@ -63,13 +63,6 @@ def pitfall_env(
 
 WORKER = WorkerSpec("pitfalls", env_fixture="pitfall_env")
 """One worker for the module, on the environment above."""
-
-
-@pytest.fixture
-def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; after every test it is alive and serves an honest submission."""
-    yield worker
-    assert_still_serving(worker)
 
 
 def new_run(name: str) -> str:

@@ -59,13 +59,15 @@ WORKER = WorkerSpec("operated")
 class TestTheOperatorsEndpoint:
     """The operator sets llm.api_base and allowed_models: the key goes there and nowhere else."""
 
-    @pytest.fixture
-    def worker(
-        self, worker: WorkerProcess, listener: Listener, operator_llm: FakeOpenAIServer
-    ) -> Iterator[WorkerProcess]:
+    @pytest.fixture(autouse=True)
+    def operator_llm_only(
+        self, listener: Listener, operator_llm: FakeOpenAIServer
+    ) -> Iterator[None]:
+        """Each test starts with the operator's endpoint accepting; after it the attacker's
+        listener got nothing."""
         operator_llm.reset()
         operator_llm.set_default(ACCEPTING_CRITIQUE)
-        yield worker
+        yield
         listener.assert_untouched()
 
     def test_an_allowed_model_carries_the_key_to_the_operators_endpoint(

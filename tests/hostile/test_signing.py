@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,7 +25,6 @@ from tests.support.hostile import (
     ENABLED,
     HOSTILE_WORKER,
     SECRET,
-    assert_still_serving,
     honest_submission,
     log_of,
     send_raw,
@@ -58,14 +56,6 @@ STAGE_OF = {
 
 
 WORKER = HOSTILE_WORKER
-
-
-@pytest.fixture
-def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's shared worker; after every test it is alive and serves an honest
-    submission."""
-    yield worker
-    assert_still_serving(worker)
 
 
 def new_run(prefix: str = "forge") -> str:

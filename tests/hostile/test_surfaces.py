@@ -13,13 +13,12 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from pipeline.models import FileRef, Submission
-from tests.support.hostile import ENABLED, HOSTILE_WORKER, assert_still_serving
+from tests.support.hostile import ENABLED, HOSTILE_WORKER
 from tests.support.workers import ROOT, WorkerProcess
 from workers.cli import EXIT_BROKEN_PIPE, EXIT_USAGE, main
 
@@ -97,15 +96,8 @@ def evil_run(worker: WorkerProcess) -> tuple[str, set[str]]:
     return run_id, carried
 
 
-@pytest.fixture
-def serving_worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; tests that use it end by checking that it still serves."""
-    yield worker
-    assert_still_serving(worker)
-
-
 def test_critique_md_shows_worker_html_as_text(
-    serving_worker: WorkerProcess,
+    worker: WorkerProcess,
     evil_run: tuple[str, set[str]],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],

