@@ -109,18 +109,18 @@ def collect(
 ) -> RunRecord | None:
     """The run's full record as the store holds it now (verified records only), or None when
     the store holds no submission, result, failure or trace event of it."""
-    s = stores or runtime.stores()
+    stores = stores or runtime.stores()
     idx = index or default_index()
-    submitted = s.runs.submitted(run_id)
-    latest = s.runs.results(run_id)
-    passes = s.runs.pass_results(run_id)
+    submitted = stores.runs.submitted(run_id)
+    latest = stores.runs.results(run_id)
+    passes = stores.runs.pass_results(run_id)
     held = {archive.pass_key(r) for r in passes}
     passes += [r for r in latest if archive.pass_key(r) not in held]  # stored without a pass id
-    failures = {m: dataclasses.asdict(f) for m, f in s.runs.failures(run_id).items()}
-    trace = s.trace.read(run_id)
+    failures = {m: dataclasses.asdict(f) for m, f in stores.runs.failures(run_id).items()}
+    trace = stores.trace.read(run_id)
     if not (submitted or passes or failures or trace):
         return None
-    budget = s.budget.snapshot(run_id)
+    budget = stores.budget.snapshot(run_id)
     return RunRecord(
         run_id=run_id,
         archived_at=time.time() if now is None else now,
@@ -129,11 +129,11 @@ def collect(
         passes=tuple(passes),
         latest=archive.latest_members(latest),
         failures=failures,
-        completions=s.runs.completions(run_id),
-        rejections=s.runs.rejections(run_id),
+        completions=stores.runs.completions(run_id),
+        rejections=stores.runs.rejections(run_id),
         trace=tuple(trace),
-        patterns=tuple(s.patterns.top(run_id, MAX_PATTERNS_PER_RUN)),
-        lessons=tuple(s.patterns.lessons(MAX_LESSONS)),
+        patterns=tuple(stores.patterns.top(run_id, MAX_PATTERNS_PER_RUN)),
+        lessons=tuple(stores.patterns.lessons(MAX_LESSONS)),
         pending=tuple(idx.pending(run_id)),
         budget={"spent": budget.spent, "overrun": budget.overrun},
     )
@@ -281,8 +281,8 @@ def read_archived(run_id: str, directory: Path | None = None) -> tuple[Path, Run
 def in_redis(run_id: str, stores: RedisStores | None = None) -> bool:
     """Redis still holds a submission or a result of the run (then it, not the archive,
     answers)."""
-    s = stores or runtime.stores()
-    return bool(s.runs.submitted(run_id)) or bool(s.runs.results(run_id))
+    stores = stores or runtime.stores()
+    return bool(stores.runs.submitted(run_id)) or bool(stores.runs.results(run_id))
 
 
 def results_if_expired(run_id: str, iteration: int | None = None) -> list[CritiqueResult]:

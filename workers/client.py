@@ -147,12 +147,12 @@ class CritiqueClient:
         it in the run."""
         from workers.recovery import register
 
-        sid = str(msg["sid"])
+        pass_id = str(msg["sid"])
         try:
             # Before the chain is sent: this pass is the submission's latest (its result, not an
             # earlier pass's, is the one results() shows) and pending from now.
-            runtime.stores().runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, sid)
-            register(sub.run_id, sub.iteration, sub.worker_id, sid)
+            runtime.stores().runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+            register(sub.run_id, sub.iteration, sub.worker_id, pass_id)
             res = chain.apply_async()
             runtime.stores().runs.mark_submitted(
                 sub.run_id,
@@ -160,7 +160,7 @@ class CritiqueClient:
                 sub.worker_id,
                 res.id,
                 sub.subtask_signature,
-                sid=sid,
+                pass_id=pass_id,
                 message=msg,
             )
         except StoreUnavailableError:
@@ -180,7 +180,7 @@ class CritiqueClient:
                 hint="is it running there? set CELERY_BROKER_URL (or REDIS_URL, which it "
                 "defaults to)",
             ) from exc
-        return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id, sid)
+        return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id, pass_id)
 
     # -- reading --------------------------------------------------------------------------------
     def result(self, handle: Handle) -> CritiqueResult | None:
@@ -203,9 +203,11 @@ class CritiqueClient:
             got = runs.pass_outcome(h.run_id, h.iteration, h.worker_id, h.pass_id)
         else:
             got = runs.result(h.run_id, h.iteration, h.worker_id)
-            sid = None if got is not None else runs.latest_pass(h.run_id, h.iteration, h.worker_id)
-            if sid:
-                got = runs.failure(h.run_id, pass_member(h.iteration, h.worker_id, sid))
+            pass_id = (
+                None if got is not None else runs.latest_pass(h.run_id, h.iteration, h.worker_id)
+            )
+            if pass_id:
+                got = runs.failure(h.run_id, pass_member(h.iteration, h.worker_id, pass_id))
         if isinstance(got, Failure):
             return SubmissionError(
                 f"submission {h.worker_id} of run {h.run_id} {_failure_text(got)}"
@@ -315,9 +317,12 @@ class CritiqueClient:
         prescriptions, known patterns with frequencies, repair history."""
         from pipeline.artifacts import manager_summary
 
-        s = runtime.stores()
+        stores = runtime.stores()
         return manager_summary(
-            run_id, iteration, s.runs.results(run_id, iteration), s.patterns.top(run_id, 50)
+            run_id,
+            iteration,
+            stores.runs.results(run_id, iteration),
+            stores.patterns.top(run_id, 50),
         )
 
     # -- gates ----------------------------------------------------------------------------------
@@ -402,17 +407,19 @@ class CritiqueClient:
         ``reject`` when the signature was already dispatched in this run and the mean critique
         score is under ``min_score_to_complete``; the event is written to the trace.
         """
-        s = runtime.stores()
-        dispatched = {d.get("signature", "") for d in s.runs.submitted(run_id).values()}
+        stores = runtime.stores()
+        dispatched = {d.get("signature", "") for d in stores.runs.submitted(run_id).values()}
         event = redundancy_guard(
             subtask_signature,
             dispatched,
-            mean_best_score(s.runs.results(run_id)),
+            mean_best_score(stores.runs.results(run_id)),
             runtime.config_for(self.config),
             iteration=iteration,
             worker_id=worker_id,
         )
-        s.trace.emit(run_id, {"type": "gate", "stage": "delegate", **event.model_dump(mode="json")})
+        stores.trace.emit(
+            run_id, {"type": "gate", "stage": "delegate", **event.model_dump(mode="json")}
+        )
         return event
 
     def pitfalls(self, run_id: str, limit: int = 10) -> str:
@@ -465,19 +472,19 @@ class _Progress:
         if now < self.next_check:
             return
         self.next_check = now + self.every
-        s = recovery.default_stores()
+        stores = recovery.default_stores()
         h = self.handle
         if self.member is None:
-            sid = h.pass_id
-            if not sid:
-                doc = s.runs.submission(h.run_id, h.iteration, h.worker_id) or {}
-                sid = str(doc.get("sid") or "")
-            if not sid:
+            pass_id = h.pass_id
+            if not pass_id:
+                doc = stores.runs.submission(h.run_id, h.iteration, h.worker_id) or {}
+                pass_id = str(doc.get("sid") or "")
+            if not pass_id:
                 return
-            self.member = pass_member(h.iteration, h.worker_id, sid)
-        seen = s.pending.last_progress(h.run_id, self.member)
+            self.member = pass_member(h.iteration, h.worker_id, pass_id)
+        seen = stores.pending.last_progress(h.run_id, self.member)
         if seen is not None:
-            ctx = recovery.RedriveContext.start(by="wait", stall_s=self.stall_s, stores=s)
+            ctx = recovery.RedriveContext.start(by="wait", stall_s=self.stall_s, stores=stores)
             recovery.redrive_if_stalled(ctx, h.run_id, self.member, seen)
 
 

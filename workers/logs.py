@@ -98,9 +98,9 @@ def message_ids(msg: Any) -> dict[str, Any]:
             out = _ids_from_state(_state_head(msg["state_ref"]))
     except Exception:  # a log line never fails a task
         out = {}
-    sid = msg.get("sid")
-    if isinstance(sid, str) and sid:
-        out["pass"] = sid[:16]
+    pass_id = msg.get("sid")
+    if isinstance(pass_id, str) and pass_id:
+        out["pass"] = pass_id[:16]
     return out
 
 

@@ -295,7 +295,7 @@ class Step:
 @dataclasses.dataclass(frozen=True)
 class StageJob:
     """One stage to run on one message: the message, its decoded ``state`` and ``overrides``,
-    its pass id ``sid``, and ``prev``, the step this task just ran (whose ``out`` is the
+    its pass id ``pass_id``, and ``prev``, the step this task just ran (whose ``out`` is the
     message: it is not decoded nor checked at the trust boundary again, this task made it from
     one that was)."""
 
@@ -303,7 +303,7 @@ class StageJob:
     stage: str
     state: LoopState
     overrides: dict[str, Any]
-    sid: str
+    pass_id: str
     prev: Step | None
 
     @property
@@ -312,16 +312,17 @@ class StageJob:
 
     @functools.cached_property
     def passed(self) -> LoopState:
-        """The state under its pass id (a message from before pass ids carries it as ``sid``)."""
-        if self.state.pass_id == self.sid:
+        """The state under its pass id (a message from before pass ids
+        carries it only as its ``sid`` field)."""
+        if self.state.pass_id == self.pass_id:
             return self.state
-        return self.state.model_copy(update={"pass_id": self.sid})
+        return self.state.model_copy(update={"pass_id": self.pass_id})
 
     @functools.cached_property
     def step(self) -> str:
         """The step id this run is recorded under (:func:`keys.step_id`)."""
         sub = self.state.submission
-        member = pass_member(sub.iteration, sub.worker_id, self.sid)
+        member = pass_member(sub.iteration, sub.worker_id, self.pass_id)
         return keys.step_id(member, self.state.round, self.state.attempt, self.stage)
 
     @functools.cached_property
@@ -412,10 +413,10 @@ class StageTask(StageProtocol, ReplacingStage):
             state, overrides = from_broker(self, msg, stage, runtime.decode)
         else:
             state, overrides = prev.state, prev.overrides
-        sid = _pass_id(self, msg, state)
+        pass_id = _pass_id(self, msg, state)
         sub = state.submission
-        _attribute(self, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), stage)
-        return StageJob(msg, stage, state, overrides, sid, prev)
+        _attribute(self, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), stage)
+        return StageJob(msg, stage, state, overrides, pass_id, prev)
 
     def boundary(self, job: StageJob) -> StageJob:
         if job.prev is None:
@@ -462,7 +463,9 @@ class StageTask(StageProtocol, ReplacingStage):
                 attempt=new.attempt,
             )
         to, to_id = routing.consumer(self, new.next, new, job.overrides)
-        out = runtime.encode(new, job.overrides, sid=job.sid or None, task=to, task_id=to_id)
+        out = runtime.encode(
+            new, job.overrides, pass_id=job.pass_id or None, task=to, task_id=to_id
+        )
         return StageRun(new, out, buffer.payloads.get(job.run_id, ()))
 
     def record(self, job: StageJob, run: StageRun) -> Step:
@@ -556,10 +559,10 @@ def _pass_id(task: Task, msg: dict[str, Any], state: LoopState) -> str:
     """The message's pass: the state's ``pass_id``, else the message's ``sid``; a message with
     neither (a chain sent without the client) gets one derived from its task id, which a
     redelivery keeps, so its first stage runs as one pass however often it is delivered."""
-    sid = state.pass_id or str(msg.get("sid") or "")
-    if not sid and task.request.id:
-        sid = "t" + str(task.request.id).replace("-", "")[:15]
-    return sid
+    pass_id = state.pass_id or str(msg.get("sid") or "")
+    if not pass_id and task.request.id:
+        pass_id = "t" + str(task.request.id).replace("-", "")[:15]
+    return pass_id
 
 
 def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
@@ -598,16 +601,16 @@ def _budget_wait_cap(task: Task) -> float:
 def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, Any]:
     """Store the pass's result and write its ``result`` event, both in one atomic step and
     once per pass (a re-run writes nothing); return a summary."""
-    sid = _pass_id(task, msg, state)
+    pass_id = _pass_id(task, msg, state)
     sub = state.submission
-    _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, sid), "gate")
-    if state.pass_id != sid:
-        state = state.model_copy(update={"pass_id": sid})
+    _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
+    if state.pass_id != pass_id:
+        state = state.model_copy(update={"pass_id": pass_id})
     began = time.monotonic()
     result = finish(state)
     event = result.trace_event(round=state.round, stage="gate")
     # The pass leaves the pending index in the same step: it can no longer stall.
-    if runtime.stores().runs.put_result(result, sid=sid, events=[encode_event(event)]):
+    if runtime.stores().runs.put_result(result, pass_id=pass_id, events=[encode_event(event)]):
         _count_result(result)
         runtime.metrics().observe("gate", time.monotonic() - began)
     return {

@@ -272,25 +272,26 @@ def new_pass_id() -> str:
 def encode(
     state: LoopState,
     overrides: dict[str, Any] | None,
-    sid: str | None = None,
+    pass_id: str | None = None,
     *,
     task: str = "",
     task_id: str = "",
 ) -> dict[str, Any]:
     """A message carrying ``state``: inline when small, else by blob reference.
 
-    ``sid`` identifies one submission's pass through the pipeline (docs/client.md, 'Passes': new for
-    every ``submit``, kept by every stage after it), so a resubmission never replays an earlier
-    pass's steps. Default: the state's ``pass_id``, else a fresh one (:func:`new_pass_id`).
+    ``pass_id`` (sent as the message's ``sid``) identifies one submission's pass through the
+    pipeline (docs/client.md, 'Passes': new for every ``submit``, kept by every stage after it),
+    so a resubmission never replays an earlier pass's steps. Default: the state's ``pass_id``,
+    else a fresh one (:func:`new_pass_id`).
     ``task`` and ``task_id``: the Celery task the message is addressed to (omitted when empty:
     with ``CRITIQUE_SECRET`` set no worker accepts such a message).
     """
-    if state.pass_id and sid and sid != state.pass_id:
-        raise ValueError(f"message sid {sid!r} is not the state's pass id {state.pass_id!r}")
+    if state.pass_id and pass_id and pass_id != state.pass_id:
+        raise ValueError(f"message sid {pass_id!r} is not the state's pass id {state.pass_id!r}")
     raw = state.model_dump_json()
     msg: dict[str, Any] = {
         "v": MESSAGE_VERSION,
-        "sid": sid or state.pass_id or new_pass_id(),
+        "sid": pass_id or state.pass_id or new_pass_id(),
         "config": overrides or {},
     }
     if len(raw) <= INLINE_LIMIT:

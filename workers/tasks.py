@@ -217,25 +217,25 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
     )
     admit(sub, config, runtime.file_bytes)
     runs = runtime.stores().runs
-    sid, first = runs.claim_entry(
+    pass_id, first = runs.claim_entry(
         sub.run_id, sub.iteration, sub.worker_id, task_id, runtime.new_pass_id()
     )
-    if not first and runs.pass_outcome(sub.run_id, sub.iteration, sub.worker_id, sid):
-        log.info("entry task %s delivered again: its pass %s has its outcome", task_id, sid)
+    if not first and runs.pass_outcome(sub.run_id, sub.iteration, sub.worker_id, pass_id):
+        log.info("entry task %s delivered again: its pass %s has its outcome", task_id, pass_id)
         raise Ignore()  # store nothing over the pass's summary
     first_msg = runtime.encode(
-        start(sub, sid), overrides, sid=sid, task=keys.TASK_L0, task_id=task_id
+        start(sub, pass_id), overrides, pass_id=pass_id, task=keys.TASK_L0, task_id=task_id
     )
     if first or runs.latest_pass(sub.run_id, sub.iteration, sub.worker_id) is None:
-        runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, sid)
-        register(sub.run_id, sub.iteration, sub.worker_id, sid)
+        runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+        register(sub.run_id, sub.iteration, sub.worker_id, pass_id)
         runs.mark_submitted(
             sub.run_id,
             sub.iteration,
             sub.worker_id,
             task_id,
             sub.subtask_signature,
-            sid=sid,
+            pass_id=pass_id,
             message=first_msg,
         )
     runtime.metrics().observe("submit", time.monotonic() - began)

@@ -1,7 +1,7 @@
 """The run registry in Redis: what was submitted, and the final result of each submission.
 
 ``submitted`` and ``passes`` are hashes keyed ``"<iteration>:<worker_id>"``. Each submit of a
-submission starts a *pass* with a fresh pass id (``sid``; see docs/client.md, "Passes:
+submission starts a *pass* with a fresh pass id (``pass_id``; see docs/client.md, "Passes:
 submitting the same submission again"): the client records it as the submission's latest
 pass (:meth:`RedisRunStore.begin_pass`, before the chain is sent), and the gate stores the
 pass's result once (:meth:`RedisRunStore.put_result`), in ``results:pass`` under the pass,
@@ -218,14 +218,14 @@ def member(iteration: int, worker_id: str) -> str:
     return f"{iteration}:{worker_id}"
 
 
-def pass_member(iteration: int, worker_id: str, sid: str) -> str:
+def pass_member(iteration: int, worker_id: str, pass_id: str) -> str:
     """The ``pending`` sorted-set member of one submission pass."""
-    return f"{iteration}:{worker_id}:{sid}"
+    return f"{iteration}:{worker_id}:{pass_id}"
 
 
-def pass_member_of(field: str, sid: str) -> str:
+def pass_member_of(field: str, pass_id: str) -> str:
     """The pass member of submission ``field`` (``"<iteration>:<worker_id>"``) and pass id."""
-    return f"{field}:{sid}"
+    return f"{field}:{pass_id}"
 
 
 def _pass_of_step(step: str) -> str:
@@ -288,16 +288,16 @@ class RedisRunStore:
         task_id: str,
         signature: str,
         *,
-        sid: str = "",
+        pass_id: str = "",
         message: dict[str, Any] | None = None,
     ) -> None:
         """Record that a submission entered the pipeline (for status, the redundancy guard and
-        ``resume``: the pass id ``sid`` and the first stage ``message``). The message serves
+        ``resume``: the pass id ``pass_id`` and the first stage ``message``). The message serves
         only the live chain (a re-drive starts from it): it is kept under the pass in
         ``messages``, with the live-chain TTL, and deleted when the pass's result lands."""
         doc: dict[str, Any] = {"task_id": task_id, "signature": signature, "at": time.time()}
-        if sid:
-            doc["sid"] = sid
+        if pass_id:
+            doc["sid"] = pass_id
         elif message is not None:
             doc["message"] = message  # no pass to file it under (not the client's path)
         with store_errors(self._r):
@@ -310,9 +310,9 @@ class RedisRunStore:
                     member(iteration, worker_id),
                     json.dumps(doc),
                     self._ttl_ms,
-                    pass_member(iteration, worker_id, sid) if sid else "",
+                    pass_member(iteration, worker_id, pass_id) if pass_id else "",
                     pack_record(json.dumps(message), binary=self._binary)
-                    if sid and message is not None
+                    if pass_id and message is not None
                     else "",
                     self._live_ttl_ms,
                 ],
@@ -344,10 +344,10 @@ class RedisRunStore:
             if raw is None:
                 return None
             doc = dict(json.loads(text(raw)))
-            sid = str(doc.get("sid") or "")
-            if sid:
+            pass_id = str(doc.get("sid") or "")
+            if pass_id:
                 message = self._r.hget(
-                    self._key(run_id, keys.MESSAGES), pass_member(iteration, worker_id, sid)
+                    self._key(run_id, keys.MESSAGES), pass_member(iteration, worker_id, pass_id)
                 )
                 unpacked = None if message is None else unpack(message)
                 if unpacked is not None:
@@ -355,7 +355,7 @@ class RedisRunStore:
         return doc
 
     def latest_step(
-        self, run_id: str, iteration: int, worker_id: str, sid: str
+        self, run_id: str, iteration: int, worker_id: str, pass_id: str
     ) -> tuple[str, str] | None:
         """The last recorded step of one submission pass: ``(step id, output)``, or None.
 
@@ -364,7 +364,7 @@ class RedisRunStore:
         step-record hash: meant for recovery and status, not for every stage. None too once
         the pass has its result (its steps are released then).
         """
-        field = pass_member(iteration, worker_id, sid)
+        field = pass_member(iteration, worker_id, pass_id)
         best: tuple[tuple[int, int, int], str, str] | None = None
         with store_errors(self._r):
             rows = self._r.hgetall(self._steps_key(run_id, field))
@@ -381,25 +381,25 @@ class RedisRunStore:
             raw = self._r.hgetall(self._key(run_id, keys.SUBMITTED))
         return {text(k): json.loads(text(v)) for k, v in raw.items()}
 
-    def begin_pass(self, run_id: str, iteration: int, worker_id: str, sid: str) -> None:
-        """Record ``sid`` as the submission's latest pass (call before its chain is sent): the
+    def begin_pass(self, run_id: str, iteration: int, worker_id: str, pass_id: str) -> None:
+        """Record ``pass_id`` as the submission's latest pass (call before its chain is sent): the
         previous pass's result leaves ``results`` (it stays under its own pass), and only this
         pass's gate will write there."""
         field = member(iteration, worker_id)
         with store_errors(self._r):
             self._begin_pass(
                 keys=[self._key(run_id, keys.PASSES), self._key(run_id, keys.RESULTS)],
-                args=[field, sid, self._ttl_ms],
+                args=[field, pass_id, self._ttl_ms],
             )
 
     def claim_entry(
-        self, run_id: str, iteration: int, worker_id: str, entry_id: str, sid: str
+        self, run_id: str, iteration: int, worker_id: str, entry_id: str, pass_id: str
     ) -> tuple[str, bool]:
-        """The pass the entry task ``entry_id`` (``critique.submit``) runs: ``sid`` and True
+        """The pass the entry task ``entry_id`` (``critique.submit``) runs: ``pass_id`` and True
         when this call is the first to claim one for it, else the pass id an earlier delivery of
         the same entry message claimed and False; so a redelivered entry message never starts a
         second pass. Kept for the run TTL."""
-        wanted = pass_member(iteration, worker_id, sid)
+        wanted = pass_member(iteration, worker_id, pass_id)
         with store_errors(self._r):
             got, first = self._claim_entry(
                 keys=[self._key(run_id, keys.ENTRIES)], args=[entry_id, wanted, self._ttl_ms]
@@ -420,24 +420,24 @@ class RedisRunStore:
         return None if raw is None else text(raw)
 
     def put_result(
-        self, result: CritiqueResult, *, sid: str | None = None, events: Sequence[str] = ()
+        self, result: CritiqueResult, *, pass_id: str | None = None, events: Sequence[str] = ()
     ) -> bool:
         """Store a submission pass's final result once, with its trace ``events`` (encoded).
 
-        With its pass id ``sid``: one atomic script stores it (packed) under the pass, points
+        With its pass id ``pass_id``: one atomic script stores it (packed) under the pass, points
         ``results`` at it while it is the latest pass, takes the pass off the pending index (it
         can no longer stall), appends the events and deletes the pass's step records and first
         message (only the live chain needed them); a repeated call (a re-run gate) writes
-        nothing and returns False. Without ``sid``: ``results`` is written (idempotently) with
+        nothing and returns False. Without ``pass_id``: ``results`` is written (idempotently) with
         the events.
         """
-        if sid and result.pass_id != sid:
+        if pass_id and result.pass_id != pass_id:
             if result.pass_id:
-                raise ValueError(f"result of pass {result.pass_id!r} put as pass {sid!r}")
-            result = result.model_copy(update={"pass_id": sid})  # filed under its pass
+                raise ValueError(f"result of pass {result.pass_id!r} put as pass {pass_id!r}")
+            result = result.model_copy(update={"pass_id": pass_id})  # filed under its pass
         field = member(result.iteration, result.worker_id)
         raw = pack_record(self._seal(RESULT_KIND, result.model_dump_json()), binary=self._binary)
-        if not sid:
+        if not pass_id:
             key = self._key(result.run_id, keys.RESULTS)
             trace = self._key(result.run_id, keys.TRACE)
             with store_errors(self._r):
@@ -455,7 +455,7 @@ class RedisRunStore:
                     pipe.pexpire(trace, self._ttl_ms)
                 pipe.execute()
             return True
-        pass_field = pass_member(result.iteration, result.worker_id, sid)
+        pass_field = pass_member(result.iteration, result.worker_id, pass_id)
         script_keys = [
             self._key(result.run_id, s)
             for s in (keys.PASS_RESULTS, keys.PASSES, keys.PENDING, keys.TRACE)
@@ -470,7 +470,7 @@ class RedisRunStore:
                 args=[
                     field,
                     pass_field,
-                    sid,
+                    pass_id,
                     raw,
                     self._ttl_ms,
                     keys.TRACE_MAXLEN,
@@ -497,16 +497,16 @@ class RedisRunStore:
         """The latest pass's result of each submission field: the one ``passes`` names (read
         from ``results:pass`` in one round trip), else a record in ``results`` (written by a
         gate without a pass); what does not verify is left out."""
-        named = {text(f): text(sid) for f, sid in passes.items() if sid is not None}
-        wanted = [(f, pass_member_of(f, sid), sid) for f, sid in named.items()]
+        named = {text(f): text(pass_id) for f, pass_id in passes.items() if pass_id is not None}
+        wanted = [(f, pass_member_of(f, pass_id), pass_id) for f, pass_id in named.items()]
         out: dict[str, CritiqueResult] = {}
         if wanted:
             with store_errors(self._r):
                 got = self._r.hmget(self._key(run_id, keys.PASS_RESULTS), [w[1] for w in wanted])
-            for (field, pass_field, sid), raw in zip(wanted, got, strict=True):
+            for (field, pass_field, pass_id), raw in zip(wanted, got, strict=True):
                 if raw is None:
                     continue
-                result = self._result(raw, run_id, keys.PASS_RESULTS, pass_field, sid)
+                result = self._result(raw, run_id, keys.PASS_RESULTS, pass_field, pass_id)
                 if result is not None:
                     out[field] = result
         for name, raw in unpassed.items():
@@ -519,19 +519,19 @@ class RedisRunStore:
         return out
 
     def pass_result(
-        self, run_id: str, iteration: int, worker_id: str, sid: str
+        self, run_id: str, iteration: int, worker_id: str, pass_id: str
     ) -> CritiqueResult | None:
-        """The result of one pass (``sid``), or None while that pass has not finished (or its
+        """The result of one pass (``pass_id``), or None while that pass has not finished (or its
         record is not verifiable)."""
-        outcome = self.pass_outcome(run_id, iteration, worker_id, sid, failure=False)
+        outcome = self.pass_outcome(run_id, iteration, worker_id, pass_id, failure=False)
         return outcome if isinstance(outcome, CritiqueResult) else None
 
     def pass_outcome(
-        self, run_id: str, iteration: int, worker_id: str, sid: str, *, failure: bool = True
+        self, run_id: str, iteration: int, worker_id: str, pass_id: str, *, failure: bool = True
     ) -> CritiqueResult | Failure | None:
         """What one pass ended in, in one round trip: its result, else (with ``failure``) the
         failure a worker recorded for it, else None (still running, or nothing verifiable)."""
-        field = pass_member(iteration, worker_id, sid)
+        field = pass_member(iteration, worker_id, pass_id)
         with store_errors(self._r):
             pipe = self._r.pipeline(transaction=False)
             pipe.hget(self._key(run_id, keys.PASS_RESULTS), field)
@@ -539,7 +539,7 @@ class RedisRunStore:
                 pipe.hget(self._key(run_id, keys.FAILURES), field)
             got = pipe.execute()
         if got[0] is not None:
-            result = self._result(got[0], run_id, keys.PASS_RESULTS, field, sid)
+            result = self._result(got[0], run_id, keys.PASS_RESULTS, field, pass_id)
             if result is not None:
                 return result
         if failure and got[1] is not None:
@@ -571,11 +571,11 @@ class RedisRunStore:
             pipe = self._r.pipeline(transaction=False)
             pipe.hmget(self._key(run_id, keys.PASSES), list(fields))
             pipe.hmget(self._key(run_id, keys.RESULTS), list(fields))
-            sids, unpassed = pipe.execute()
+            pass_ids, unpassed = pipe.execute()
             named = [
-                (f, pass_member_of(f, text(sid)))
-                for f, sid in zip(fields, sids, strict=True)
-                if sid
+                (f, pass_member_of(f, text(pass_id)))
+                for f, pass_id in zip(fields, pass_ids, strict=True)
+                if pass_id
             ]
             raws = (
                 self._r.hmget(self._key(run_id, keys.PASS_RESULTS), [m for _, m in named])
@@ -585,8 +585,8 @@ class RedisRunStore:
         stored = [(f, raw) for (f, _), raw in zip(named, raws, strict=True) if raw is not None]
         stored += [
             (f, raw)
-            for f, sid, raw in zip(fields, sids, unpassed, strict=True)
-            if not sid and raw is not None
+            for f, pass_id, raw in zip(fields, pass_ids, unpassed, strict=True)
+            if not pass_id and raw is not None
         ]
         out = []
         for field, raw in stored:
@@ -756,10 +756,10 @@ class RedisRunStore:
         return doc
 
     def _result(
-        self, raw: str | bytes, run_id: str, hash_: str, field: str, sid: str | None = None
+        self, raw: str | bytes, run_id: str, hash_: str, field: str, pass_id: str | None = None
     ) -> CritiqueResult | None:
         """A stored result, if it verifies and belongs where it is filed: its run, submission
-        (``field`` of ``results``) or pass (``field`` of ``results:pass``, ``sid``)."""
+        (``field`` of ``results``) or pass (``field`` of ``results:pass``, ``pass_id``)."""
         where = (run_id, hash_, field)
         unpacked = unpack(raw)
         if unpacked is None:
@@ -774,7 +774,7 @@ class RedisRunStore:
             self._note(where, "not a valid result")
             return None
         filed = member(result.iteration, result.worker_id)
-        if sid is not None:
+        if pass_id is not None:
             filed = pass_member(result.iteration, result.worker_id, result.pass_id)
         if result.run_id != run_id or filed != field:
             self._note(where, "a result filed under another run, submission or pass")

@@ -28,8 +28,8 @@ PASS = "1:w1:sid1"
 Q = "critique.cpu"
 
 
-def _snap(at: float, *sids: str) -> Snapshot:
-    return Snapshot(frozenset(sids), at, at + 0.01)
+def _snap(at: float, *pass_ids: str) -> Snapshot:
+    return Snapshot(frozenset(pass_ids), at, at + 0.01)
 
 
 def test_a_pass_with_an_unacknowledged_message_is_alive() -> None:
@@ -135,12 +135,12 @@ def test_the_broker_view_finds_the_pass_of_an_unacknowledged_message_and_restore
     tag = str(message.delivery_tag)
     unacked = broker.unacked()
     assert list(unacked) == [tag] and abs(unacked[tag] - time.time()) < 60
-    assert broker.snapshot().sids == {"sid1"}
+    assert broker.snapshot().pass_ids == {"sid1"}
     broker.restore(tag)
     broker.restore(tag)
     r = redis.Redis.from_url(redis_server.url(0))
     assert r.llen(Q) == 1 and broker.unacked() == {}
-    assert broker.snapshot().sids == frozenset()
+    assert broker.snapshot().pass_ids == frozenset()
     payload = json.loads(r.lindex(Q, 0) or b"{}")
     assert payload["properties"]["delivery_info"]["redelivered"] is True
 
@@ -148,7 +148,7 @@ def test_the_broker_view_finds_the_pass_of_an_unacknowledged_message_and_restore
 def test_the_broker_view_ignores_messages_that_are_not_stage_messages(channel: Any) -> None:
     """A probe's arguments (no pass id) and an unreadable body give no pass id."""
     _take_unacked(channel, [["critique.cpu", 1.0], {}, {}])
-    assert RedisBroker(channel.connection.client, channel).snapshot().sids == frozenset()
+    assert RedisBroker(channel.connection.client, channel).snapshot().pass_ids == frozenset()
 
 
 def test_workers_report_what_they_hold_and_gone_ones_are_forgotten(

@@ -52,7 +52,7 @@ def test_a_pass_is_pending_from_submit_to_result_and_steps_are_its_progress(
     runs.record_step(RUN, "1:w2:other:1:0:l0", "{}")  # another pass: not indexed, not added
     assert pending.last_progress(RUN, PASS) == 200.0
     assert pending.count(RUN) == 1
-    runs.put_result(_result(), sid="sid1")
+    runs.put_result(_result(), pass_id="sid1")
     assert pending.last_progress(RUN, PASS) is None
     assert runs.result(RUN, 1, "w1") is not None
 

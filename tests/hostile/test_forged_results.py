@@ -52,17 +52,19 @@ def registered_pass(run_id: str, worker_id: str = "victim") -> Any:
     from workers.client import Handle
 
     sub = honest_submission(run_id, worker_id)
-    sid = runtime.new_pass_id()
-    msg = runtime.encode(start(sub, sid), ENABLED, task=keys.TASK_L0, task_id=uuid.uuid4().hex)
+    pass_id = runtime.new_pass_id()
+    msg = runtime.encode(start(sub, pass_id), ENABLED, task=keys.TASK_L0, task_id=uuid.uuid4().hex)
     gate_id = uuid.uuid4().hex
     runs = runtime.stores().runs
-    runs.begin_pass(run_id, 1, worker_id, sid)
-    recovery.register(run_id, 1, worker_id, sid)
-    runs.mark_submitted(run_id, 1, worker_id, gate_id, sub.subtask_signature, sid=sid, message=msg)
-    return Handle(run_id, 1, worker_id, gate_id, sid)
+    runs.begin_pass(run_id, 1, worker_id, pass_id)
+    recovery.register(run_id, 1, worker_id, pass_id)
+    runs.mark_submitted(
+        run_id, 1, worker_id, gate_id, sub.subtask_signature, pass_id=pass_id, message=msg
+    )
+    return Handle(run_id, 1, worker_id, gate_id, pass_id)
 
 
-def forged_result(run_id: str, worker_id: str, sid: str) -> dict[str, Any]:
+def forged_result(run_id: str, worker_id: str, pass_id: str) -> dict[str, Any]:
     """An `accepted` 1.0 result for a TODO output, as JSON a store writer would put there."""
     from pipeline.models import CritiqueEnvelope, CritiqueResult
 
@@ -76,7 +78,7 @@ def forged_result(run_id: str, worker_id: str, sid: str) -> dict[str, Any]:
         original_score=1.0,
         best_score=1.0,
         envelope=env,
-        pass_id=sid,
+        pass_id=pass_id,
     )
     return dict(json.loads(result.model_dump_json()))
 
@@ -236,10 +238,10 @@ def test_unsigned_or_misfiled_records_in_the_store_are_not_trusted(
     from workers.client import CritiqueClient
 
     handle = registered_pass(new_run("store"))
-    run_id, sid = handle.run_id, handle.pass_id
+    run_id, pass_id = handle.run_id, handle.pass_id
     r = redis.Redis.from_url(hostile_url)
-    field, pass_field = "1:victim", pass_member(1, "victim", sid)
-    forged = forged_result(run_id, "victim", sid)
+    field, pass_field = "1:victim", pass_member(1, "victim", pass_id)
+    forged = forged_result(run_id, "victim", pass_id)
     failure = {"run_id": run_id, "member": pass_field, "stage": "gate", "error": "X"}
     failure.update({"reason": "forged refusal", "refused": True, "task_id": "", "at": 0})
     for record, failed in (
@@ -270,7 +272,11 @@ def test_unsigned_or_misfiled_records_in_the_store_are_not_trusted(
     client = CritiqueClient(ENABLED)
     assert client.resume(handle) == "l0"
     got = client.wait(handle, timeout=30)
-    assert (got.status, got.output, got.pass_id) == ("accepted", honest_submission().output, sid)
+    assert (got.status, got.output, got.pass_id) == (
+        "accepted",
+        honest_submission().output,
+        pass_id,
+    )
     assert runtime.stores().runs.result(run_id, 1, "victim") == got
     # Resumed once more, the pass has its result: nothing is sent again.
     assert client.resume(handle) == "finished"

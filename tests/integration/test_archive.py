@@ -38,7 +38,7 @@ def env(redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
         yield folder
 
 
-def _result(run_id: str, worker: str, sid: str, score: float = 0.9) -> CritiqueResult:
+def _result(run_id: str, worker: str, pass_id: str, score: float = 0.9) -> CritiqueResult:
     return CritiqueResult(
         run_id=run_id,
         worker_id=worker,
@@ -48,33 +48,39 @@ def _result(run_id: str, worker: str, sid: str, score: float = 0.9) -> CritiqueR
         original_score=score,
         best_score=score,
         envelope=CritiqueEnvelope(worker_id=worker, score=score),
-        pass_id=sid,
-        notes=(f"note of {sid}",),
+        pass_id=pass_id,
+        notes=(f"note of {pass_id}",),
     )
 
 
-def _submit(run_id: str, worker: str, sid: str) -> None:
+def _submit(run_id: str, worker: str, pass_id: str) -> None:
     """What the client does at submit: latest pass, pending, registry (with the first message)."""
     from workers import runtime
 
     runs = runtime.stores().runs
-    runs.begin_pass(run_id, 1, worker, sid)
-    RedisPendingIndex(runtime.client()).add(run_id, pass_member(1, worker, sid), time.time())
+    runs.begin_pass(run_id, 1, worker, pass_id)
+    RedisPendingIndex(runtime.client()).add(run_id, pass_member(1, worker, pass_id), time.time())
     runs.mark_submitted(
-        run_id, 1, worker, f"task-{sid}", f"sig-{worker}", sid=sid, message={"state": "x" * 500}
+        run_id,
+        1,
+        worker,
+        f"task-{pass_id}",
+        f"sig-{worker}",
+        pass_id=pass_id,
+        message={"state": "x" * 500},
     )
 
 
-def _finish(run_id: str, worker: str, sid: str, score: float = 0.9) -> None:
+def _finish(run_id: str, worker: str, pass_id: str, score: float = 0.9) -> None:
     """What the chain does: a trace event, a pattern, then the gate's result."""
     from workers import runtime
 
     s = runtime.stores()
-    s.trace.emit(run_id, {"type": "l0", "worker_id": worker, "sid": sid})
+    s.trace.emit(run_id, {"type": "l0", "worker_id": worker, "sid": pass_id})
     pattern = ReusablePattern(category="missing_data", description="d", prevention_rule="add it")
-    s.patterns.record(run_id, f"crit-{sid}", 1, [pattern], pass_key=sid)
-    event = encode_event({"type": "result", "worker_id": worker, "sid": sid})
-    s.runs.put_result(_result(run_id, worker, sid, score), sid=sid, events=[event])
+    s.patterns.record(run_id, f"crit-{pass_id}", 1, [pattern], pass_key=pass_id)
+    event = encode_event({"type": "result", "worker_id": worker, "sid": pass_id})
+    s.runs.put_result(_result(run_id, worker, pass_id, score), pass_id=pass_id, events=[event])
 
 
 def _seed(run_id: str) -> None:

@@ -33,7 +33,7 @@ PER_OUTPUT_MAX = 3 * 1024
 """The most Redis bytes a finished output may hold (issue 21's bound)."""
 
 
-def _result(run_id: str, worker_id: str, sid: str) -> CritiqueResult:
+def _result(run_id: str, worker_id: str, pass_id: str) -> CritiqueResult:
     return CritiqueResult(
         run_id=run_id,
         worker_id=worker_id,
@@ -43,7 +43,7 @@ def _result(run_id: str, worker_id: str, sid: str) -> CritiqueResult:
         original_score=1.0,
         best_score=1.0,
         envelope=CritiqueEnvelope(worker_id=worker_id, score=1.0),
-        pass_id=sid,
+        pass_id=pass_id,
     )
 
 
@@ -62,15 +62,17 @@ def test_a_result_releases_its_passs_steps_and_first_message_only(
 
     runs, pending = RedisRunStore(redis_client), RedisPendingIndex(redis_client)
     run_id = _run("compact")
-    for worker, sid in (("w1", "s1"), ("w2", "s2")):
-        runs.begin_pass(run_id, 1, worker, sid)
-        runs.mark_submitted(run_id, 1, worker, "t", "sig", sid=sid, message={"first": worker})
-        runs.record_step(run_id, f"1:{worker}:{sid}:1:0:l0", '{"l0": 1}')
-        pending.add(run_id, f"1:{worker}:{sid}", 100.0)
-        pending.claim(run_id, f"1:{worker}:{sid}", 100.0, 110.0, 5)
-        pending.update_suspects(run_id, {f"1:{worker}:{sid}": (110.0, 120.0)}, [])
+    for worker, pass_id in (("w1", "s1"), ("w2", "s2")):
+        runs.begin_pass(run_id, 1, worker, pass_id)
+        runs.mark_submitted(
+            run_id, 1, worker, "t", "sig", pass_id=pass_id, message={"first": worker}
+        )
+        runs.record_step(run_id, f"1:{worker}:{pass_id}:1:0:l0", '{"l0": 1}')
+        pending.add(run_id, f"1:{worker}:{pass_id}", 100.0)
+        pending.claim(run_id, f"1:{worker}:{pass_id}", 100.0, 110.0, 5)
+        pending.update_suspects(run_id, {f"1:{worker}:{pass_id}": (110.0, 120.0)}, [])
     runs.record_completion(run_id, "req", {"verdict": "complete"})
-    assert runs.put_result(_result(run_id, "w1", "s1"), sid="s1")
+    assert runs.put_result(_result(run_id, "w1", "s1"), pass_id="s1")
     assert list(pending.suspects(run_id)) == ["1:w2:s2"]
     assert redis_client.hkeys(keys.run_key(run_id, keys.RESUMES)) == [b"1:w2:s2"]
     assert not redis_client.exists(keys.pass_steps_key(run_id, "1:w1:s1"))
@@ -92,7 +94,7 @@ def test_a_result_is_stored_once_packed_and_read_through_the_latest_pass(
     runs = RedisRunStore(redis_client)
     run_id = _run("once")
     runs.begin_pass(run_id, 1, "w1", "s1")
-    runs.put_result(_result(run_id, "w1", "s1"), sid="s1")
+    runs.put_result(_result(run_id, "w1", "s1"), pass_id="s1")
     raw = redis_client.hget(keys.run_key(run_id, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
     assert raw is not None and not raw.startswith(b"{")  # packed
     assert len(raw) < len(_result(run_id, "w1", "s1").model_dump_json()) / 2
@@ -101,7 +103,7 @@ def test_a_result_is_stored_once_packed_and_read_through_the_latest_pass(
     runs.begin_pass(run_id, 1, "w1", "s2")
     assert runs.result(run_id, 1, "w1") is None and runs.results(run_id) == []
     assert runs.pass_result(run_id, 1, "w1", "s1") == _result(run_id, "w1", "s1")
-    runs.put_result(_result(run_id, "w1", "s2"), sid="s2")
+    runs.put_result(_result(run_id, "w1", "s2"), pass_id="s2")
     assert runs.result(run_id, 1, "w1") == _result(run_id, "w1", "s2")
 
 
@@ -112,7 +114,7 @@ def test_a_step_of_a_finished_pass_records_nothing(redis_client: redis.Redis) ->
     run_id = _run("late")
     runs.begin_pass(run_id, 1, "w1", "s1")
     runs.record_step(run_id, "1:w1:s1:1:0:l0", "{}", ['{"type": "stage"}'])
-    runs.put_result(_result(run_id, "w1", "s1"), sid="s1", events=['{"type": "result"}'])
+    runs.put_result(_result(run_id, "w1", "s1"), pass_id="s1", events=['{"type": "result"}'])
     trace = keys.run_key(run_id, keys.TRACE)
     before = redis_client.xlen(trace)
     with pytest.raises(PassFinished):
@@ -132,8 +134,8 @@ def test_a_client_recording_a_pass_after_its_result_keeps_no_first_message(
     runs = RedisRunStore(redis_client)
     run_id = _run("race")
     runs.begin_pass(run_id, 1, "w1", "s1")
-    runs.put_result(_result(run_id, "w1", "s1"), sid="s1")
-    runs.mark_submitted(run_id, 1, "w1", "t", "sig", sid="s1", message={"first": 1})
+    runs.put_result(_result(run_id, "w1", "s1"), pass_id="s1")
+    runs.mark_submitted(run_id, 1, "w1", "t", "sig", pass_id="s1", message={"first": 1})
     assert runs.submission(run_id, 1, "w1") == runs.submitted(run_id)["1:w1"]
     assert not redis_client.exists(keys.run_key(run_id, keys.MESSAGES))
 
@@ -144,7 +146,7 @@ def test_a_grace_keeps_a_finished_passs_steps_for_a_while(redis_client: redis.Re
     runs = RedisRunStore(redis_client, steps_grace_s=60)
     run_id = _run("grace")
     runs.record_step(run_id, "1:w1:s1:1:0:l0", "{}")
-    runs.put_result(_result(run_id, "w1", "s1"), sid="s1")
+    runs.put_result(_result(run_id, "w1", "s1"), pass_id="s1")
     key = keys.pass_steps_key(run_id, "1:w1:s1")
     assert 0 < redis_client.pttl(key) <= 60_000
     with pytest.raises(PassFinished):
@@ -156,7 +158,7 @@ def test_live_records_expire_with_the_live_ttl(redis_client: redis.Redis) -> Non
     (shorter than the run's keys), never later than the run's."""
     runs = RedisRunStore(redis_client, ttl_s=3600, live_ttl_s=120)
     run_id = _run("live")
-    runs.mark_submitted(run_id, 1, "w1", "t", "sig", sid="s1", message={"first": 1})
+    runs.mark_submitted(run_id, 1, "w1", "t", "sig", pass_id="s1", message={"first": 1})
     runs.record_step(run_id, "1:w1:s1:1:0:l0", "{}")
     for key in (keys.pass_steps_key(run_id, "1:w1:s1"), keys.run_key(run_id, keys.MESSAGES)):
         assert 0 < redis_client.pttl(key) <= 120_000, key

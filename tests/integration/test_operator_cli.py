@@ -265,13 +265,15 @@ def _failed_chain(run_id: str, worker_id: str) -> None:
     from workers import runtime
     from workers.app import app
 
-    sid, task_id = runtime.new_pass_id(), uuid.uuid4().hex
+    pass_id, task_id = runtime.new_pass_id(), uuid.uuid4().hex
     overrides = {**CONFIG, "llm": {"api_base": "http://127.0.0.1:9/v1"}}
     sub = operator_sub(run_id, worker_id, "clean")
-    msg = runtime.encode(start(sub, sid), overrides, task="critique.l0", task_id=task_id)
-    runtime.stores().runs.begin_pass(run_id, 1, worker_id, sid)
+    msg = runtime.encode(start(sub, pass_id), overrides, task="critique.l0", task_id=task_id)
+    runtime.stores().runs.begin_pass(run_id, 1, worker_id, pass_id)
     res = app.send_task("critique.l0", args=(msg,), task_id=task_id)
-    runtime.stores().runs.mark_submitted(run_id, 1, worker_id, res.id, f"sig-{worker_id}", sid=sid)
+    runtime.stores().runs.mark_submitted(
+        run_id, 1, worker_id, res.id, f"sig-{worker_id}", pass_id=pass_id
+    )
 
 
 def test_failed_chains_are_failed_not_pending(

@@ -290,10 +290,10 @@ def test_store_keeps_the_latest_pass_in_results(env: dict[str, str]) -> None:
 
     runs.begin_pass(run_id, 1, "w1", "p1")
     runs.begin_pass(run_id, 1, "w1", "p2")
-    assert runs.put_result(result("p1", 0.7), sid="p1", events=['{"type":"result"}']) is True
+    assert runs.put_result(result("p1", 0.7), pass_id="p1", events=['{"type":"result"}']) is True
     assert runs.result(run_id, 1, "w1") is None
-    assert runs.put_result(result("p2", 0.9), sid="p2", events=['{"type":"result"}']) is True
-    assert runs.put_result(result("p2", 0.9), sid="p2", events=['{"type":"result"}']) is False
+    assert runs.put_result(result("p2", 0.9), pass_id="p2", events=['{"type":"result"}']) is True
+    assert runs.put_result(result("p2", 0.9), pass_id="p2", events=['{"type":"result"}']) is False
     latest = runs.result(run_id, 1, "w1")
     assert latest is not None and latest.pass_id == "p2"
     old = runs.pass_result(run_id, 1, "w1", "p1")

@@ -20,7 +20,7 @@ KEY = b"k" * 32
 RUN = "run1"
 
 
-def result(sid: str, score: float = 0.9, worker_id: str = "w1") -> CritiqueResult:
+def result(pass_id: str, score: float = 0.9, worker_id: str = "w1") -> CritiqueResult:
     return CritiqueResult(
         run_id=RUN,
         worker_id=worker_id,
@@ -30,7 +30,7 @@ def result(sid: str, score: float = 0.9, worker_id: str = "w1") -> CritiqueResul
         original_score=score,
         best_score=score,
         envelope=CritiqueEnvelope(worker_id=worker_id, score=score),
-        pass_id=sid,
+        pass_id=pass_id,
     )
 
 
@@ -45,7 +45,7 @@ def test_a_signed_result_reads_back_and_an_altered_one_does_not(
     with its score raised (signature kept) reads as absent everywhere."""
     runs = signed_store(redis_client)
     runs.begin_pass(RUN, 1, "w1", "s1")
-    runs.put_result(result("s1"), sid="s1")
+    runs.put_result(result("s1"), pass_id="s1")
     packed = redis_client.hget(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
     assert packed is not None
     raw = unpack(packed)
@@ -63,7 +63,7 @@ def test_a_signed_result_reads_back_and_an_altered_one_does_not(
 def test_without_secrets_results_are_stored_as_before(redis_client: redis.Redis) -> None:
     """Development: a result is stored as its JSON (no signature), packed, and read back."""
     runs = RedisRunStore(redis_client)
-    runs.put_result(result("s1"), sid="s1")
+    runs.put_result(result("s1"), pass_id="s1")
     raw = redis_client.hget(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
     assert raw is not None and unpack(raw) == result("s1").model_dump_json()
     assert runs.pass_result(RUN, 1, "w1", "s1") == result("s1")
@@ -85,7 +85,7 @@ def test_a_failure_is_recorded_once_and_a_result_outranks_it(redis_client: redis
         True,
     )
     assert runs.failures(RUN) == {member: got}
-    runs.put_result(result("s1"), sid="s1")
+    runs.put_result(result("s1"), pass_id="s1")
     assert runs.pass_outcome(RUN, 1, "w1", "s1") == result("s1")
 
 
@@ -95,7 +95,7 @@ def test_records_filed_under_another_pass_or_run_are_not_trusted(
     """A validly signed result or failure copied to another pass's field (or another run's
     hash) is misfiled: absent there."""
     runs = signed_store(redis_client)
-    runs.put_result(result("s1"), sid="s1")
+    runs.put_result(result("s1"), pass_id="s1")
     runs.put_failure(
         RUN, pass_member(1, "w2", "s1"), stage="l0", error="E", reason="r", refused=True
     )

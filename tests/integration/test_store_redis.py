@@ -85,7 +85,7 @@ def exercise_every_store(
     runs.begin_pass(run_id, 1, "w1", "sid")
     runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")  # released below with the pass's result
     # A second pass still live: its first message and a step record stay.
-    runs.mark_submitted(run_id, 1, "w3", "task-3", "sig", sid="live", message={"m": 1})
+    runs.mark_submitted(run_id, 1, "w3", "task-3", "sig", pass_id="live", message={"m": 1})
     runs.record_step(run_id, "1:w3:live:1:0:l0", "{}")
     runs.record_completion(run_id, "req", {"verdict": "complete"})
     result = CritiqueResult(
@@ -99,7 +99,7 @@ def exercise_every_store(
         envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
     )
     runs.put_result(result)
-    runs.put_result(result, sid="sid")
+    runs.put_result(result, pass_id="sid")
     runs.count_rejection_once(run_id, "req")
     runs.claim_entry(run_id, 1, "w1", "entry-task-id", "sid")
     runs.put_failure(run_id, "1:w2:sid", stage="l0", error="E", reason="r", refused=True)

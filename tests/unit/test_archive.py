@@ -24,7 +24,7 @@ from pipeline.models import (
 SECRET = (b"archive-test-secret-0123456789",)
 
 
-def _result(worker: str, sid: str, *, score: float = 0.9, output: str = "ok") -> CritiqueResult:
+def _result(worker: str, pass_id: str, *, score: float = 0.9, output: str = "ok") -> CritiqueResult:
     return CritiqueResult(
         run_id="run-1",
         iteration=1,
@@ -49,7 +49,7 @@ def _result(worker: str, sid: str, *, score: float = 0.9, output: str = "ok") ->
             RoundTrace(round=1, score=0.4, mean=0.4, defects=2, verdict="continue"),
             RoundTrace(round=2, score=score, mean=score, defects=0, verdict="accepted"),
         ),
-        pass_id=sid,
+        pass_id=pass_id,
         notes=("repair 1: deterministic reviser",),
     )
 

@@ -33,9 +33,9 @@ def _paper(**kw: Any) -> dict[str, Any]:
     return paper
 
 
-def _section(sid: str, title: str, body: str, figs: int = 0, cites: int = 0) -> dict[str, Any]:
+def _section(pass_id: str, title: str, body: str, figs: int = 0, cites: int = 0) -> dict[str, Any]:
     return {
-        "id": sid,
+        "id": pass_id,
         "title": title,
         "body": body,
         "figure_refs": [f"f{i}" for i in range(figs)],

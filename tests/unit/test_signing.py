@@ -240,7 +240,7 @@ def _state_msg(monkeypatch: pytest.MonkeyPatch, secret: str | None) -> dict[str,
     else:
         monkeypatch.setenv("CRITIQUE_SECRET", secret)
     sub = Submission(run_id="r1", worker_id="w1", task="t", output="fine output")
-    return runtime.encode(start(sub), {"enabled": True}, sid="s1")
+    return runtime.encode(start(sub), {"enabled": True}, pass_id="s1")
 
 
 def test_encode_signs_when_the_secret_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -323,7 +323,7 @@ def test_decode_checks_the_address_only_with_the_secret(monkeypatch: pytest.Monk
 
     monkeypatch.setenv("CRITIQUE_SECRET", "a" * 32)
     sub = Submission(run_id="r1", worker_id="w1", task="t", output="fine output")
-    msg = runtime.encode(start(sub), {}, sid="s1", task="critique.l0", task_id="t-1")
+    msg = runtime.encode(start(sub), {}, pass_id="s1", task="critique.l0", task_id="t-1")
     assert runtime.decode(msg, task="critique.l0", task_id="t-1")[0].submission.run_id == "r1"
     with pytest.raises(ForgedMessageError, match="replayed under another task or id"):
         runtime.decode(msg, task="critique.l0", task_id="t-2")
@@ -338,7 +338,7 @@ def test_address_re_signs_only_what_verifies(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setenv("CRITIQUE_SECRET", "b" * 32)
     sub = Submission(run_id="r1", worker_id="w1", task="t", output="fine output")
-    msg = runtime.encode(start(sub), {}, sid="s1", task="critique.l0", task_id="t-1")
+    msg = runtime.encode(start(sub), {}, pass_id="s1", task="critique.l0", task_id="t-1")
     assert runtime.address(msg, "critique.l0", "t-1") is msg
     moved = runtime.address(msg, "critique.critic", "t-9")
     runtime.decode(moved, task="critique.critic", task_id="t-9")

@@ -65,7 +65,7 @@ class Snapshot:
     """The pass ids of every message in the broker's ``unacked`` set, read between ``before``
     and ``after`` (wall clock)."""
 
-    sids: frozenset[str]
+    pass_ids: frozenset[str]
     before: float
     after: float
 
@@ -95,7 +95,7 @@ def default_stores() -> RecoveryStores:
     return stores_on(runtime.client())
 
 
-def register(run_id: str, iteration: int, worker_id: str, sid: str) -> None:
+def register(run_id: str, iteration: int, worker_id: str, pass_id: str) -> None:
     """Index a pass as pending from now (call before its chain is sent)."""
-    member = pass_member(iteration, worker_id, sid)
+    member = pass_member(iteration, worker_id, pass_id)
     default_stores().pending.add(run_id, member, time.time())

@@ -66,7 +66,7 @@ FINISHED = "finished"
 class _Plan:
     """What re-driving one pass would publish."""
 
-    sid: str
+    pass_id: str
     after_step: str | None
     state: LoopState
     signature: Any
@@ -86,13 +86,13 @@ def _plan(
             f"cannot resume {worker_id} of run {run_id}: no first message recorded for it "
             "(was it submitted by this client version?)"
         )
-    sid = str(doc.get("sid", ""))
-    latest = s.runs.latest_step(run_id, iteration, worker_id, sid)
+    pass_id = str(doc.get("sid", ""))
+    latest = s.runs.latest_step(run_id, iteration, worker_id, pass_id)
     msg: dict[str, Any] = doc["message"] if latest is None else dict(json.loads(latest[1]))
     state, overrides = runtime.decode(msg)
     config = runtime.config_for(overrides)
     sig = continuation(msg, config, state.submission, str(doc["task_id"]))
-    return _Plan(sid, None if latest is None else latest[0], state, sig, _queue_of(sig))
+    return _Plan(pass_id, None if latest is None else latest[0], state, sig, _queue_of(sig))
 
 
 def _queue_of(sig: Any) -> str:
@@ -154,14 +154,14 @@ def redrive(
     at (``done``: only the gate was missing), or ``finished`` when the pass has its result
     already: then nothing is sent (its step records and first message were released with it).
     """
-    s = stores or default_stores()
-    doc = s.runs.submission(run_id, iteration, worker_id)
-    sid = str((doc or {}).get("sid") or "")
-    if sid and s.runs.pass_result(run_id, iteration, worker_id, sid) is not None:
+    stores = stores or default_stores()
+    doc = stores.runs.submission(run_id, iteration, worker_id)
+    pass_id = str((doc or {}).get("sid") or "")
+    if pass_id and stores.runs.pass_result(run_id, iteration, worker_id, pass_id) is not None:
         return FINISHED
-    plan = _plan(s, run_id, iteration, worker_id, doc)
-    s.pending.touch(run_id, pass_member(iteration, worker_id, plan.sid), time.time())
-    return _publish(s, run_id, iteration, worker_id, plan, by)
+    plan = _plan(stores, run_id, iteration, worker_id, doc)
+    stores.pending.touch(run_id, pass_member(iteration, worker_id, plan.pass_id), time.time())
+    return _publish(stores, run_id, iteration, worker_id, plan, by)
 
 
 # --- what one look at the pending passes shares ------------------------------------------------
@@ -244,13 +244,13 @@ class RedriveContext:
     ) -> RedriveContext:
         """A context for a look starting now: the default stores, the configured stall time
         (:func:`~workers.recovery.base.stall_after_s`) and a fresh cache unless given."""
-        s = stores or default_stores()
+        stores = stores or default_stores()
         return cls(
-            stores=s,
+            stores=stores,
             by=by,
             now=time.time() if now is None else now,
             stall_s=stall_after_s() if stall_s is None else stall_s,
-            view=DrainView(s.pending),
+            view=DrainView(stores.pending),
             queues=QueueCache() if queues is None else queues,
         )
 
@@ -284,9 +284,9 @@ def _examine(
     if parsed is None:
         s.pending.drop(run_id, member)
         return None
-    iteration, worker_id, sid = parsed
+    iteration, worker_id, pass_id = parsed
     doc = s.runs.submission(run_id, iteration, worker_id)
-    if doc is None or str(doc.get("sid", "")) != sid or "message" not in doc:
+    if doc is None or str(doc.get("sid", "")) != pass_id or "message" not in doc:
         # Superseded by a resubmission (only the latest pass's first message is kept), or not
         # registered (yet: its submit may still be publishing; or its run expired).
         if doc is not None or ctx.now - last_progress >= max(10 * ctx.stall_s, 3600.0):
@@ -411,7 +411,7 @@ def judge(
     ``"young"`` (progress too recent to judge), ``"suspect"`` (no message of it seen now: record
     it with ``snap.after``), or ``"confirm"`` (none seen now either, and it was a suspect with the
     same progress at least :data:`LOST_GRACE_S` ago: check its queue drained past that time)."""
-    if member.rpartition(":")[2] in snap.sids:
+    if member.rpartition(":")[2] in snap.pass_ids:
         return "alive"
     if snap.before - last_progress < LOST_MARGIN_S:
         return "young"

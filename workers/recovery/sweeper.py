@@ -207,11 +207,11 @@ def probe(queue: str, sent: float) -> None:
     default_stores().pending.probe_done(str(queue), float(sent), time.time())
 
 
-def send_probes(s: RecoveryStores, queues: list[str], now: float, every_s: float) -> None:
+def send_probes(stores: RecoveryStores, queues: list[str], now: float, every_s: float) -> None:
     """Send a probe to each of ``queues`` that is due one (one outstanding per queue,
     cluster-wide; one presumed lost after three intervals is replaced)."""
     for queue in queues:
-        if s.pending.probe_due(queue, now, every_s, 3 * every_s):
+        if stores.pending.probe_due(queue, now, every_s, 3 * every_s):
             # No long publish retries here: a probe that is not sent is replaced later.
             # No task events either: a probe is plumbing, not work a monitor should list (its
             # own are off by send_events=False; this drops the "task-sent" its sender would
@@ -279,13 +279,13 @@ class SweeperThread(threading.Thread):
         # master, a redis+cluster:// one is a cluster client. The broker's own reads (unacked,
         # the holders' reports) go through the broker connection (RedisBroker), never here.
         client: StoreClient | None = None
-        s: RecoveryStores | None = None
+        stores: RecoveryStores | None = None
         while True:
             with _tick_lock:
                 try:
-                    if s is None:
-                        client, s = self._store()
-                    self.tick(s)
+                    if stores is None:
+                        client, stores = self._store()
+                    self.tick(stores)
                 except Exception as exc:  # an outage, mostly: say so now and then, carry on
                     self._drop_broker()
                     now = time.monotonic()
@@ -349,7 +349,7 @@ class SweeperThread(threading.Thread):
         if broker is not None:
             broker.report(self.token, time.time(), self.interval_s, held_tags())
 
-    def tick(self, s: RecoveryStores) -> None:
+    def tick(self, stores: RecoveryStores) -> None:
         now = time.time()
         broker = self.broker()
         if broker is not None:
@@ -358,9 +358,9 @@ class SweeperThread(threading.Thread):
                 self.restore_orphans(broker, time.time())
         if not self.sweeping or self._stop_event.is_set():
             return
-        send_probes(s, self.queues, now, self.interval_s)
-        if s.pending.try_lock(self.token, self.interval_s):
-            ctx = RedriveContext.start(by="sweeper", stores=s, now=now, queues=self._queues)
+        send_probes(stores, self.queues, now, self.interval_s)
+        if stores.pending.try_lock(self.token, self.interval_s):
+            ctx = RedriveContext.start(by="sweeper", stores=stores, now=now, queues=self._queues)
             sweep(ctx, broker)
         self.archive(now)
 

@@ -71,8 +71,8 @@ class HeldReport:
         return now - self.at <= 3.0 * self.every + LOST_GRACE_S
 
 
-def _sid_of(entry: bytes | str | None) -> str | None:
-    """The pass id (``sid``) of the stage message in one ``unacked`` entry (kombu's JSON
+def _pass_id_of(entry: bytes | str | None) -> str | None:
+    """The pass id (the ``sid`` field) of the stage message in one ``unacked`` entry (kombu's JSON
     ``[payload, exchange, routing key]``, the body base64-encoded JSON ``[args, kwargs,
     embed]``); None for any other message (a probe, an entry task, something unreadable)."""
     if entry is None:
@@ -83,10 +83,10 @@ def _sid_of(entry: bytes | str | None) -> str | None:
         if (payload.get("properties") or {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         args = json.loads(body)[0]
-        sid = args[0].get("sid") if args and isinstance(args[0], dict) else None
+        pass_id = args[0].get("sid") if args and isinstance(args[0], dict) else None
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
-    return sid if isinstance(sid, str) and sid else None
+    return pass_id if isinstance(pass_id, str) and pass_id else None
 
 
 class RedisBroker:
@@ -103,7 +103,7 @@ class RedisBroker:
         self._index = prefix + str(channel.unacked_index_key)
         self._holders = f"{prefix}{channel.unacked_key}.{keys.HOLDERS}"
         self._r = redis.Redis(connection_pool=channel.pool)
-        self._sids: dict[str, str | None] = {}
+        self._pass_ids: dict[str, str | None] = {}
 
     def unacked(self) -> dict[str, float]:
         """Every unacknowledged message: delivery tag -> when it was delivered (unix s)."""
@@ -114,17 +114,17 @@ class RedisBroker:
         """The pass ids of the unacknowledged stage messages now (each message read once)."""
         before = time.time()
         tags = self.unacked()
-        new = [t for t in tags if t not in self._sids]
+        new = [t for t in tags if t not in self._pass_ids]
         for i in range(0, len(new), 500):
             batch = new[i : i + 500]
             rows: Any = self._r.hmget(self._unacked, batch)
             for tag, entry in zip(batch, rows, strict=True):
                 if entry is not None:  # (a tag not in the hash yet: read next time)
-                    self._sids[tag] = _sid_of(entry)
-        for tag in [t for t in self._sids if t not in tags]:
-            del self._sids[tag]
-        sids = frozenset(s for t in tags if (s := self._sids.get(t)) is not None)
-        return Snapshot(sids, before, time.time())
+                    self._pass_ids[tag] = _pass_id_of(entry)
+        for tag in [t for t in self._pass_ids if t not in tags]:
+            del self._pass_ids[tag]
+        pass_ids = frozenset(s for t in tags if (s := self._pass_ids.get(t)) is not None)
+        return Snapshot(pass_ids, before, time.time())
 
     def report(self, token: str, at: float, every: float, tags: frozenset[str]) -> None:
         """Say which messages this worker holds (and that it is alive)."""
