@@ -4,6 +4,7 @@ the repository does not hold, and every relative Markdown link in README.md and 
 
 from __future__ import annotations
 
+import itertools
 import re
 import subprocess
 import unicodedata
@@ -163,3 +164,14 @@ def test_a_path_that_moved_is_reported(tmp_path: Path) -> None:
 @pytest.mark.parametrize("doc", [*DOCS, "bench/README.md"])
 def test_every_repository_path_a_doc_names_exists(doc: str) -> None:
     assert missing_paths(doc) == []
+
+
+def test_the_shipped_example_outputs_are_the_ones_operations_md_shows() -> None:
+    """README's ``critique submit docs/examples/outputs.jsonl`` submits exactly the lines that
+    docs/operations.md's ``$ cat outputs.jsonl`` shows (and its transcript test runs)."""
+    page = (ROOT / "docs/operations.md").read_text(encoding="utf-8").splitlines()
+    start = page.index("$ cat outputs.jsonl") + 1
+    shown = list(itertools.takewhile(lambda line: not line.startswith("$ "), page[start:]))
+    shipped = (ROOT / "docs/examples/outputs.jsonl").read_text(encoding="utf-8").splitlines()
+    assert shipped == shown
+    assert "docs/examples/outputs.jsonl" in (ROOT / "README.md").read_text(encoding="utf-8")
