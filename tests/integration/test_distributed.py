@@ -364,6 +364,44 @@ def test_critique_resume_redrives_the_pending_submissions(
     assert main(["resume", run_id, "--worker", "nobody"]) == 2
 
 
+def test_critique_resume_leaves_a_failed_chain_alone_unless_asked(
+    env: dict[str, str], worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A submission whose chain a worker recorded as failed is not pending: `critique resume`
+    lists it with its reason and re-drives nothing; `--failed` re-drives it, and it finishes."""
+    import json as _json
+
+    from pipeline.store.runs import pass_member
+    from workers import runtime
+    from workers.cli import main
+    from workers.client import CritiqueClient
+
+    run_id = f"resume-failed-{uuid.uuid4().hex[:8]}"
+    handle = _lose_l0_successor(worker, env, make_sub(run_id, "w1", 1, "looping"))
+    runtime.stores().runs.put_failure(
+        run_id,
+        pass_member(1, "w1", handle.pass_id),
+        stage="critic",
+        error="ConfigError",
+        reason="the worker refused the message",
+        refused=True,
+    )
+    capsys.readouterr()
+    assert main(["resume", run_id, "--json"]) == 0
+    doc = _json.loads(capsys.readouterr().out)
+    assert doc["resumed"] == []
+    assert [(f["worker_id"], "refused" in f["reason"]) for f in doc["failed"]] == [("w1", True)]
+    assert main(["resume", run_id]) == 0
+    out = capsys.readouterr().out
+    assert "not resumed" in out and "--failed" in out and "nothing pending" in out
+    assert main(["resume", run_id, "--failed", "--json"]) == 0
+    doc = _json.loads(capsys.readouterr().out)
+    assert doc["resumed"] == [{"iteration": 1, "worker_id": "w1", "stage": "critic"}]
+    # wait() would answer with the recorded failure at once; the re-driven pass's result lands.
+    landed = wait_until(lambda: CritiqueClient(CONFIG).result(handle), timeout=60)
+    assert landed.status == "repaired"
+
+
 def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(
     env: dict[str, str], worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:

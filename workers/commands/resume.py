@@ -1,4 +1,5 @@
-"""``critique resume RUN [--worker W] [--iteration N] [--json]``: re-drive pending submissions.
+"""``critique resume RUN [--worker W] [--iteration N] [--failed] [--json]``: re-drive pending
+submissions.
 
 Every pending submission of the run (or the named ones) is resumed from its last recorded step
 (:meth:`workers.client.CritiqueClient.resume`): for a chain whose message the broker lost,
@@ -6,6 +7,10 @@ e.g. popped by a worker that was killed before it registered the message. Resumi
 that is only slow is harmless (stages replay their recorded output; effects are idempotent).
 The client's ``wait`` (and ``critique submit --wait``) does this by itself after
 ``CRITIQUE_STALL_S``; this is the operator's way to do it now.
+
+A submission whose chain a worker recorded as failed (an error, or a message it refused) is not
+pending: it is listed with its reason and left alone, since re-driving it would most often fail
+the same way; ``--failed`` re-drives it too (after the cause was fixed, e.g. a worker's key).
 
 Exit codes: 0 resumed (or nothing pending), 2 bad usage, an unknown run or worker, 3 Redis
 unreachable.
@@ -35,6 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--worker", action="append", default=[], metavar="W", help="only this worker (repeatable)"
     )
     add_iteration_argument(parser)
+    parser.add_argument(
+        "--failed",
+        action="store_true",
+        help="also re-drive submissions whose chain failed (by default listed and left alone)",
+    )
     add_json_argument(parser, "print what was resumed as JSON")
 
 
@@ -43,13 +53,20 @@ def run(args: argparse.Namespace) -> int:
         from workers.client import CritiqueClient, Handle
         from workers.recovery import FINISHED
 
-        snap = load_snapshot(args.run_id, args.iteration, chain_errors=False)
-        pending = snap.pending
+        snap = load_snapshot(args.run_id, args.iteration)
+        pending = [*snap.pending, *(snap.failed if args.failed else [])]
+        skipped = [] if args.failed else snap.failed
         if args.worker:
             unknown = sorted(set(args.worker) - {split_key(k)[1] for k in snap.submitted})
             if unknown:
                 raise CommandError(f"run {args.run_id!r} has no submission from {unknown}")
             pending = [k for k in pending if split_key(k)[1] in args.worker]
+            skipped = [k for k in skipped if split_key(k)[1] in args.worker]
+        failed = [
+            {"iteration": it, "worker_id": w, "reason": snap.errors[k]}
+            for k in skipped
+            for it, w in [split_key(k)]
+        ]
         client = CritiqueClient()
         resumed = []
         for key in pending:
@@ -58,8 +75,14 @@ def run(args: argparse.Namespace) -> int:
             stage = client.resume(Handle(args.run_id, iteration, worker, task_id))
             resumed.append({"iteration": iteration, "worker_id": worker, "stage": stage})
         if args.json:
-            print(json.dumps({"run_id": args.run_id, "resumed": resumed}))
-        elif not resumed:
+            print(json.dumps({"run_id": args.run_id, "resumed": resumed, "failed": failed}))
+            return EXIT_OK
+        for f in failed:
+            print(
+                f"not resumed {args.run_id}  {f['iteration']}  {f['worker_id']}  (its chain "
+                f"failed: {f['reason']}; fix the cause and submit it again, or --failed)"
+            )
+        if not resumed:
             print(f"resume: nothing pending in run {args.run_id}")
         else:
             for r in resumed:
