@@ -15,15 +15,25 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCOPE = ("pipeline", "workers", "docs", "deploy", "bench", "README.md", "celeryconfig.py")
-"""What must read without any other document: the code, the docs, the deploy files, the
-benchmarks."""
+SCOPE = (
+    "pipeline",
+    "workers",
+    "tests",
+    "docs",
+    "deploy",
+    "bench",
+    "README.md",
+    "celeryconfig.py",
+)
+"""What must read without any other document: the code, the tests, the docs, the deploy files,
+the benchmarks."""
 
 OUTSIDE_REFERENCES = re.compile(r"SPEC\.md|SPEC §|SPEC 5|DESIGN\.md|DESIGN habit")
 """How a line points at the product's specification or design notes, which live outside the
 repository."""
 
-PENDING: tuple[str, ...] = ()
+PENDING: tuple[str, ...] = ("tests/unit/test_self_contained.py",)
+"""Left out: this file spells the patterns it looks for."""
 
 
 def tracked(*paths: str) -> list[str]:
