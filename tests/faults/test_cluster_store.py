@@ -224,7 +224,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     capsys.readouterr()
     assert list((tmp_path / "ws").rglob("critique.json"))
     assert main(["resume", cli_run, "--json"]) == 0
-    assert json.loads(capsys.readouterr().out) == {"run_id": cli_run, "resumed": []}
+    assert json.loads(capsys.readouterr().out) == {"run_id": cli_run, "resumed": [], "failed": []}
     assert main(["watch", run_ids[1], "--json", "--timeout", "30"]) == 0  # XREAD on the cluster
     capsys.readouterr()
     assert main(["archive", run_ids[1], "--dir", str(tmp_path / "archive"), "--json"]) == 0
