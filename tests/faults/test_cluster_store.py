@@ -37,6 +37,7 @@ PER_RUN = 8
 CLUSTER_ARGS = (
     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
     "--cluster-node-timeout", "2000", "--appendonly", "no",
+    "--repl-diskless-sync-delay", "0",  # a replica's first sync starts at once, not after 5 s
 )  # fmt: skip
 
 
@@ -51,6 +52,25 @@ def _redis_cli() -> str:
 def _cluster_ok(port: int) -> bool:
     info = redis.Redis(port=port, decode_responses=True).cluster("info")  # parsed: a dict
     return bool(info.get("cluster_state") == "ok")
+
+
+def _replica_synced(port: int) -> bool:
+    """True for a master, or for a replica whose link to its master is up and not syncing."""
+    info = redis.Redis(port=port, decode_responses=True).info("replication")
+    if info.get("role") != "slave":
+        return True
+    return info.get("master_link_status") == "up" and not int(
+        info.get("master_sync_in_progress", 0)
+    )
+
+
+def _log_tails(nodes: list[RedisServer], lines: int = 15) -> str:
+    """The last lines of each node's ``redis.log``: what a failed failover wait reports."""
+    out = []
+    for n in nodes:
+        log = (n.dir / "redis.log").read_text(errors="replace").splitlines()[-lines:]
+        out.append(f"--- node :{n.port}\n" + "\n".join(log))
+    return "\n".join(out)
 
 
 @pytest.fixture
@@ -75,6 +95,11 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[Red
         assert made.returncode == 0, made.stdout + made.stderr
         wait_until(
             lambda: all(_cluster_ok(n.port) for n in nodes), timeout=30, what="cluster_state:ok"
+        )
+        # cluster_state:ok comes before a replica's first sync ends, and a replica that never
+        # synced refuses to fail over (its data is of unbounded age): wait for every link.
+        wait_until(
+            lambda: all(_replica_synced(n.port) for n in nodes), timeout=60, what="replicas synced"
         )
         yield nodes
     finally:
@@ -277,11 +302,14 @@ def test_a_cluster_master_killed_mid_run_is_a_reconnect_and_every_submission_end
     killed = time.monotonic()
     survivors = [n for n in cluster if n is not victim]
     slot = key_slot(last.encode())
-    wait_until(
-        lambda: _owner(survivors)[slot] != victim.port and _cluster_ok(survivors[0].port),
-        timeout=30,
-        what="the victim's replica promoted",
-    )
+    try:
+        wait_until(
+            lambda: _owner(survivors)[slot] != victim.port and _cluster_ok(survivors[0].port),
+            timeout=30,
+            what="the victim's replica promoted",
+        )
+    except pytest.fail.Exception as e:  # say why: the nodes' logs hold the failover's story
+        pytest.fail(f"{e}\n{_log_tails(survivors)}", pytrace=False)
     promoted = time.monotonic() - killed
     wait_until(lambda: finished() == len(subs), timeout=100, what="every result")
     done = time.monotonic() - killed
