@@ -652,6 +652,13 @@ class RedisRunStore:
             got = pipe.execute()
         return bool(got[0])
 
+    def clear_failure(self, run_id: str, field: str) -> bool:
+        """Forget the failure recorded for a pass member (``critique resume --failed`` before
+        it re-drives the pass): the pass is pending again, and a new failure can be recorded.
+        False when there was none."""
+        with store_errors(self._r):
+            return bool(self._r.hdel(self._key(run_id, keys.FAILURES), field))
+
     def failure(self, run_id: str, field: str) -> Failure | None:
         """The failure recorded for a pass member or completion member, if any verifies."""
         with store_errors(self._r):

@@ -368,7 +368,8 @@ def test_critique_resume_leaves_a_failed_chain_alone_unless_asked(
     env: dict[str, str], worker: WorkerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A submission whose chain a worker recorded as failed is not pending: `critique resume`
-    lists it with its reason and re-drives nothing; `--failed` re-drives it, and it finishes."""
+    lists it with its reason and re-drives nothing; `--failed` forgets the failure and re-drives
+    it, and wait() gets its result."""
     import json as _json
 
     from pipeline.store.runs import pass_member
@@ -397,9 +398,9 @@ def test_critique_resume_leaves_a_failed_chain_alone_unless_asked(
     assert main(["resume", run_id, "--failed", "--json"]) == 0
     doc = _json.loads(capsys.readouterr().out)
     assert doc["resumed"] == [{"iteration": 1, "worker_id": "w1", "stage": "critic"}]
-    # wait() would answer with the recorded failure at once; the re-driven pass's result lands.
-    landed = wait_until(lambda: CritiqueClient(CONFIG).result(handle), timeout=60)
-    assert landed.status == "repaired"
+    # The failure record is gone with the re-drive: wait() waits for the new outcome.
+    assert runtime.stores().runs.failure(run_id, pass_member(1, "w1", handle.pass_id)) is None
+    assert CritiqueClient(CONFIG).wait(handle, timeout=60).status == "repaired"
 
 
 def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(

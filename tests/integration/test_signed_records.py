@@ -89,6 +89,22 @@ def test_a_failure_is_recorded_once_and_a_result_outranks_it(redis_client: redis
     assert runs.pass_outcome(RUN, 1, "w1", "s1") == result("s1")
 
 
+def test_a_cleared_failure_leaves_the_pass_pending_and_the_next_failure_is_recorded(
+    redis_client: redis.Redis,
+) -> None:
+    """clear_failure (resume --failed) forgets a pass's failure: no outcome until the re-driven
+    pass ends, and a new failure is recorded in place of the first (not refused as a repeat)."""
+    runs = signed_store(redis_client)
+    member = pass_member(1, "w1", "s1")
+    runs.put_failure(RUN, member, stage="l0", error="E", reason="first", refused=True)
+    assert runs.clear_failure(RUN, member)
+    assert not runs.clear_failure(RUN, member)  # nothing left to clear
+    assert runs.pass_outcome(RUN, 1, "w1", "s1") is None
+    assert runs.put_failure(RUN, member, stage="critic", error="F", reason="again", refused=False)
+    got = runs.failure(RUN, member)
+    assert got is not None and (got.stage, got.reason) == ("critic", "again")
+
+
 def test_records_filed_under_another_pass_or_run_are_not_trusted(
     redis_client: redis.Redis,
 ) -> None:

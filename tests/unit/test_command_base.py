@@ -24,6 +24,7 @@ from workers.commands._common import (
     UnknownRunError,
     above,
     at_least,
+    between,
     check_numbers,
     check_redis,
     number_problem,
@@ -94,13 +95,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--previous-size", type=at_least(0))
     parser.add_argument("--reps", type=at_least(1), default=3)
     parser.add_argument("--timeout", type=above(0), default=1.0)
+    parser.add_argument("--port", type=between(1, 65535))
     return parser
 
 
 def test_the_int_type_accepts_its_range_and_keeps_defaults() -> None:
     """In range: a plain int or float; the defaults are left as they are."""
-    args = _parser().parse_args(["--previous-size", "0", "--timeout", "0.5"])
-    assert (args.previous_size, args.reps, args.timeout) == (0, 3, 0.5)
+    args = _parser().parse_args(["--previous-size", "0", "--timeout", "0.5", "--port", "65535"])
+    assert (args.previous_size, args.reps, args.timeout, args.port) == (0, 3, 0.5, 65535)
     assert number_problem(args) is None
     check_numbers(args)
 
@@ -112,6 +114,8 @@ def test_the_int_type_accepts_its_range_and_keeps_defaults() -> None:
         (["--reps", "0"], "--reps must be ≥ 1"),
         (["--timeout", "0"], "--timeout must be > 0"),
         (["--timeout", "nan"], "--timeout must be > 0"),
+        (["--port", "70000"], "--port must be 1–65535"),
+        (["--port", "0"], "--port must be 1–65535"),
     ],
 )
 def test_an_out_of_range_number_is_worded_as_before(argv: list[str], message: str) -> None:

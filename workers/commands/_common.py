@@ -110,6 +110,12 @@ def at_least(low: int) -> Callable[[str], int]:
     return result
 
 
+def between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (``--X must be low–high``)."""
+    result: Callable[[str], int] = _number(int, "int", lambda v: low <= v <= high, f"{low}–{high}")
+    return result
+
+
 def above(low: float) -> Callable[[str], float]:
     """An argparse type: a number > ``low`` (``--X must be > low`` otherwise; NaN is not)."""
     result: Callable[[str], float] = _number(float, "float", lambda v: v > low, f"> {low:g}")

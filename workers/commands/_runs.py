@@ -195,23 +195,6 @@ def failure_lines(
     return out
 
 
-def failure_reason(error: object) -> str:
-    """Why a chain failed, in one terminal-safe line without a Python repr: ``refused by the
-    worker: <message>`` for a refused submission or configuration (a missing provider key, a
-    worker-only field, a forged message), else ``<ExceptionType>: <message>``."""
-    from pipeline.errors import ConfigError, CritiqueError, SubmissionError
-
-    if isinstance(error, CritiqueError):
-        text = error.message
-    elif isinstance(error, BaseException):
-        text = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-    else:
-        text = str(error)
-    if isinstance(error, SubmissionError | ConfigError):
-        text = f"refused by the worker: {text}"
-    return printable(" ".join(text.split()), REASON_LIMIT) or "failed (no reason recorded)"
-
-
 def fallbacks(result: CritiqueResult) -> list[str]:
     """The result's notes that say a critic or reviser fell back: a fallback is never silent,
     so the CLI's line for that output shows it too."""

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from workers.cli import EXIT_OK
-from workers.commands._common import CommandError, service_guard
+from workers.commands._common import CommandError, between, service_guard
 
 HELP = "serve the fleet's product metrics (verdicts, tokens, budget, latency) for Prometheus"
 DEFAULT_PORT = 9808
@@ -25,7 +25,10 @@ DEFAULT_PORT = 9808
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})"
+        "--port",
+        type=between(1, 65535),
+        default=DEFAULT_PORT,
+        help=f"port (default {DEFAULT_PORT})",
     )
     parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
 

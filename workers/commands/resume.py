@@ -50,12 +50,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
+        from pipeline.store.runs import pass_member
+        from workers import runtime
         from workers.client import CritiqueClient, Handle
         from workers.recovery import FINISHED
 
         snap = load_snapshot(args.run_id, args.iteration)
         pending = [*snap.pending, *(snap.failed if args.failed else [])]
         skipped = [] if args.failed else snap.failed
+        retried = set(snap.failed) if args.failed else set()
         if args.worker:
             unknown = sorted(set(args.worker) - {split_key(k)[1] for k in snap.submitted})
             if unknown:
@@ -68,10 +71,14 @@ def run(args: argparse.Namespace) -> int:
             for it, w in [split_key(k)]
         ]
         client = CritiqueClient()
+        runs = runtime.stores().runs
         resumed = []
         for key in pending:
             iteration, worker = split_key(key)
             task_id = str(snap.submitted[key].get("task_id", ""))
+            if key in retried:  # asked for (--failed): pending again, until its new outcome
+                pass_id = str(snap.submitted[key].get("sid") or "")
+                runs.clear_failure(args.run_id, pass_member(iteration, worker, pass_id))
             stage = client.resume(Handle(args.run_id, iteration, worker, task_id))
             resumed.append({"iteration": iteration, "worker_id": worker, "stage": stage})
         if args.json:
