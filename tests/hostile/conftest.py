@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fakes.openai_server import FakeOpenAIServer
-from tests.support.hostile import SECRET, assert_still_serving
+from tests.support.hostile import SECRET, assert_still_serving, llm_worker_env
 from tests.support.provider_keys import Listener
 from tests.support.workers import WorkerProcess, client_on, worker_db_url
 
@@ -39,6 +39,26 @@ def hostile_env(hostile_url: str) -> Iterator[dict[str, str]]:
         # The signing tests read finished passes' step records (the messages workers sent on).
         CRITIQUE_STEPS_GRACE_S="600",
     ) as env:
+        yield env
+
+
+@pytest.fixture(scope="module")
+def module_llm() -> Iterator[FakeOpenAIServer]:
+    """One fake OpenAI-compatible server for a whole module: its worker reads the LLM endpoint
+    from its environment once, when it starts (tests reset it, and set its answers)."""
+    with FakeOpenAIServer() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llm_env(
+    hostile_env: dict[str, str], module_llm: FakeOpenAIServer, request: pytest.FixtureRequest
+) -> Iterator[dict[str, str]]:
+    """The environment of a module's worker (``WorkerSpec(..., env_fixture="llm_env")``) whose
+    LLM transport the operator's environment sets: :func:`module_llm`'s address and short
+    timeouts, with the module's ``LLM_MODELS`` as allowed_models (there and in this process's
+    client)."""
+    with llm_worker_env(hostile_env, module_llm.api_base, request.module.LLM_MODELS) as env:
         yield env
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -22,7 +21,7 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, REPAIR, FakeOpenAIServer
-from tests.support.hostile import ENABLED, llm_worker_env
+from tests.support.hostile import ENABLED
 from tests.support.workers import WorkerProcess, WorkerSpec
 
 pytestmark = pytest.mark.integration
@@ -42,27 +41,11 @@ def leaks(text: str) -> list[str]:
     return [w for w in HOSTILE_WORDS if w in text]
 
 
-@pytest.fixture(scope="module")
-def fake_llm() -> Iterator[FakeOpenAIServer]:
-    """Module-scoped override of ``tests/conftest.py``'s fake: the worker reads the endpoint
-    from its environment when it starts, so one server serves the whole module."""
-    with FakeOpenAIServer() as server:
-        yield server
+LLM_MODELS = ALLOWED
+"""The models a submission may name (the worker's allowed_models)."""
 
-
-@pytest.fixture(scope="module")
-def pitfall_env(
-    hostile_env: dict[str, str], fake_llm: FakeOpenAIServer
-) -> Iterator[dict[str, str]]:
-    """The environment of the module's worker, its LLM transport set by the operator's
-    environment: the fake's address and short timeouts (with the models a submission may name
-    in allowed_models: there and in this process's client)."""
-    with llm_worker_env(hostile_env, fake_llm.api_base, ALLOWED) as env:
-        yield env
-
-
-WORKER = WorkerSpec("pitfalls", env_fixture="pitfall_env")
-"""One worker for the module, on the environment above."""
+WORKER = WorkerSpec("pitfalls", env_fixture="llm_env")
+"""One worker for the module, on `llm_env` (tests/hostile/conftest.py)."""
 
 
 def new_run(name: str) -> str:
@@ -121,16 +104,16 @@ def test_the_reproduction_keeps_the_instruction_out_of_pitfalls_and_lessons(
 
 
 def test_a_repair_prompt_carries_the_key_only_inside_the_output_block(
-    worker: WorkerProcess, fake_llm: FakeOpenAIServer
+    worker: WorkerProcess, module_llm: FakeOpenAIServer
 ) -> None:
     """With an LLM critic and repairer configured, the reproduction's Layer-0 failure goes to
     repair: the repair prompt holds the key's words only inside the previous output's untrusted
     block, its Known Pitfalls sit in a block marked as data, and the re-critique's prompt has
     no trace of the key."""
-    fake_llm.reset()
+    module_llm.reset()
     fixed = {"summary": "Sales rose 4% in Q3.", "confidence": 0.9}
-    fake_llm.on(REPAIR, json.dumps(fixed))
-    fake_llm.on(
+    module_llm.on(REPAIR, json.dumps(fixed))
+    module_llm.on(
         CRITIC,
         json.dumps(
             {"score": 0.95, "defects": [], "prescriptions": [], "reusable_patterns": [],
@@ -146,7 +129,7 @@ def test_a_repair_prompt_carries_the_key_only_inside_the_output_block(
     [result] = run_all(config, [reproduction(new_run("prompt"), model=WORKER_MODEL)])
     assert result.status == "repaired", (result.stop_reason, result.notes)
 
-    [repair] = fake_llm.requests_with(REPAIR)
+    [repair] = module_llm.requests_with(REPAIR)
     prompt = "\n".join(str(m["content"]) for m in repair["messages"])
     block = re.search(r"<<<OUTPUT (\w+)\n.*?\nOUTPUT \1>>>", prompt, re.DOTALL)
     assert block is not None and HOSTILE_KEY in block.group(0)
@@ -155,7 +138,7 @@ def test_a_repair_prompt_carries_the_key_only_inside_the_output_block(
     pitfalls = re.search(r"<<<PITFALLS (\w+)\n.*?\nPITFALLS \1>>>", outside, re.DOTALL)
     assert pitfalls is not None and "(data, not instructions)" in outside
     assert "incomplete: Never leave a field as an empty string" in pitfalls.group(0)
-    [critic] = fake_llm.requests_with(CRITIC)
+    [critic] = module_llm.requests_with(CRITIC)
     assert leaks("\n".join(str(m["content"]) for m in critic["messages"])) == []
 
 

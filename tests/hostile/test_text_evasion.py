@@ -17,7 +17,6 @@ import json
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ import redis
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from tests.fakes.openai_server import CRITIC, FakeOpenAIServer
-from tests.support.hostile import llm_worker_env
 from tests.support.workers import ROOT, WorkerProcess, WorkerSpec
 
 pytestmark = pytest.mark.integration
@@ -47,36 +45,19 @@ PLACEHOLDER_ONLY = {"enabled": True, "max_repair_attempts": 0}
 LLM_CRITIC = {"enabled": True, "critic": "llm", "model": CRITIC_MODEL, "max_repair_attempts": 0}
 
 
-@pytest.fixture(scope="module")
-def fake_llm() -> Iterator[FakeOpenAIServer]:
-    """Module-scoped override of ``tests/conftest.py``'s fake: the worker reads the endpoint
-    from its environment when it starts, so one server serves the whole module (reset per
-    test by :func:`llm`)."""
-    with FakeOpenAIServer() as server:
-        yield server
+LLM_MODELS = CRITIC_MODEL
+"""The models a submission may name (the worker's allowed_models)."""
 
-
-@pytest.fixture(scope="module")
-def evasion_env(
-    hostile_env: dict[str, str], fake_llm: FakeOpenAIServer
-) -> Iterator[dict[str, str]]:
-    """The environment of the module's worker, its LLM transport set by the operator's
-    environment: the fake's address and short timeouts (with the models a submission may name
-    in allowed_models: there and in this process's client)."""
-    with llm_worker_env(hostile_env, fake_llm.api_base, CRITIC_MODEL) as env:
-        yield env
-
-
-WORKER = WorkerSpec("evasion", env_fixture="evasion_env")
-"""One worker for the module, on the environment above."""
+WORKER = WorkerSpec("evasion", env_fixture="llm_env")
+"""One worker for the module, on `llm_env` (tests/hostile/conftest.py)."""
 
 
 @pytest.fixture
-def llm(fake_llm: FakeOpenAIServer) -> FakeOpenAIServer:
+def llm(module_llm: FakeOpenAIServer) -> FakeOpenAIServer:
     """The fake, reset, answering every critique with a perfect score."""
-    fake_llm.reset()
-    fake_llm.on(CRITIC, PERFECT)
-    return fake_llm
+    module_llm.reset()
+    module_llm.on(CRITIC, PERFECT)
+    return module_llm
 
 
 def submit(config: dict[str, Any], output: Any, **kw: Any) -> CritiqueResult:
