@@ -66,7 +66,13 @@ WORKER = WorkerSpec("docs", concurrency=1)
 """One worker thread, so results arrive in the order they were submitted, as the docs show."""
 
 
-PYTHON_EXAMPLES = [("README.md", 0), ("docs/client.md", 0), ("docs/llm.md", 0), ("docs/llm.md", 1)]
+PYTHON_EXAMPLES = [
+    ("README.md", 0),
+    ("docs/client.md", 0),
+    ("docs/llm.md", 0),
+    ("docs/llm.md", 1),
+    ("docs/llm.md", 2),
+]
 
 
 @pytest.mark.parametrize(("doc", "index"), PYTHON_EXAMPLES)
@@ -84,6 +90,13 @@ def test_a_python_example_prints_what_its_doc_shows(
         os.environ.clear()
         os.environ.update(saved)
     assert got.rstrip("\n").split("\n") == shown.rstrip("\n").split("\n")
+
+
+def test_every_python_example_with_its_output_is_run() -> None:
+    """Each ``python`` block a doc follows with its output is in :data:`PYTHON_EXAMPLES`."""
+    docs = sorted({doc for doc, _ in PYTHON_EXAMPLES})
+    found = [(doc, i) for doc in docs for i in range(len(example_pairs(doc)))]
+    assert found == sorted(PYTHON_EXAMPLES)
 
 
 def test_the_readme_client_example_prints_why_analyst_02_escalated() -> None:
