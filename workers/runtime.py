@@ -37,7 +37,8 @@ from pipeline import signing
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.models import FileRef, Frozen
-from pipeline.runner import LoopState, StageContext, compact_state, expand_state
+from pipeline.runner import LoopState, StageContext
+from pipeline.state_packing import compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
 from pipeline.store.metrics import FleetMetrics
@@ -298,7 +299,7 @@ def encode(
         msg["state"] = raw
     else:
         # Its large parts (submission, outputs, envelopes) by reference too: stored once per
-        # pass, not once per stage (pipeline.runner.compact_state).
+        # pass, not once per stage (pipeline.state_packing.compact_state).
         # Only the live chain reads them: they expire with the live TTL (CRITIQUE_LIVE_TTL_S).
         blobs = stores().blobs
 

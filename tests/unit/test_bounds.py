@@ -48,12 +48,11 @@ from pipeline.runner import (
     LoopState,
     admit,
     bound_result,
-    compact_state,
-    expand_state,
     l0_stage,
     run_submission,
     start,
 )
+from pipeline.state_packing import compact_state, expand_state
 from pipeline.wiring import make_context
 
 TASK = "Summarise the Q3 sales report."
