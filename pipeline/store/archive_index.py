@@ -88,6 +88,13 @@ class RedisArchiveIndex:
             rows: Any = self._r.zrangebyscore(self._index, "-inf", now, 0, limit)
         return [text(m) for m in rows]
 
+    def known(self, limit: int = 10_000) -> list[str]:
+        """Up to ``limit`` run ids the index holds (every run submitted to this store whose
+        keys have not expired yet): the names an unknown run id is compared with."""
+        with store_errors(self._r):
+            rows: Any = self._r.zrange(self._index, 0, limit - 1)
+        return [text(m) for m in rows]
+
     def later(self, run_id: str, at: float) -> None:
         """Look at the run again at ``at`` (unless it left the index meanwhile)."""
         with store_errors(self._r):

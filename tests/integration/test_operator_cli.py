@@ -238,6 +238,20 @@ def test_watch_follows_live_and_ends_when_every_submission_finished(
     )
 
 
+def test_a_mistyped_run_id_is_answered_with_the_closest_run(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown run id one letter off a run of the store: exit 2, and the message ends by
+    naming that run (status, watch, report, resume alike)."""
+    from workers import runtime
+
+    run_id = f"typo-{uuid.uuid4().hex[:8]}"
+    runtime.stores().runs.mark_submitted(run_id, 1, "w1", "no-such-task", "sig")
+    for cmd in ("status", "watch", "report", "resume"):
+        rc, _, err = _cli(capsys, cmd, run_id[:-1])
+        assert rc == 2 and err.rstrip().endswith(f"did you mean {run_id!r}?"), (cmd, err)
+
+
 def test_unknown_run_and_unreachable_redis(
     env: dict[str, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -118,11 +118,23 @@ def load_snapshot(
         raise UnknownRunError(
             f"no submission of run {run_id!r}{where} in the store at {runtime.store_url()} "
             f"(a mistyped run id, another {runtime.store_setting()}, or the run's keys expired)"
+            + close_run(run_id)
         )
     snap = RunSnapshot(run_id, submitted, results)
     if chain_errors and snap.unfinished:
         snap.errors = chain_failures({k: submitted[k] for k in snap.unfinished}, run_id)
     return snap
+
+
+def close_run(run_id: str) -> str:
+    """``"; did you mean 'q3-sales'?"`` for the run of this store whose id is closest to a
+    mistyped ``run_id`` (the archive index names every run whose keys live), else ``""``."""
+    from pipeline.config import did_you_mean
+    from workers.archiving import default_index
+
+    known = [r for r in default_index().known() if r != run_id]
+    hint = did_you_mean(run_id, {r: repr(r) for r in known}).strip()
+    return f"; {hint}" if hint else ""
 
 
 def _archived_snapshot(run_id: str, iteration: int | None) -> RunSnapshot:
@@ -139,6 +151,7 @@ def _archived_snapshot(run_id: str, iteration: int | None) -> RunSnapshot:
             f"no submission of run {run_id!r}{where} in the store at {runtime.store_url()} "
             f"and no archive at {path} (a mistyped run id, another {runtime.store_setting()} or "
             "CRITIQUE_ARCHIVE_DIR, or the run's keys expired before it was archived)"
+            + close_run(run_id)
         )
     path, record = got
     submitted = dict(record.submitted)
