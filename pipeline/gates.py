@@ -147,7 +147,8 @@ class CompletionDecision(Frozen):
     verdict: Literal["complete", "rejected", "partial"]
     events: tuple[GateEvent, ...]
     reasons: tuple[str, ...] = ()
-    """Why it was not ``complete`` (one line per rejecting gate); empty when complete."""
+    """Why it was not ``complete`` (one line per rejecting gate, the l0 gate's placeholder
+    findings left to the placeholder gate's line); empty when complete."""
     rejected_count: int = 0
     """Rejected completions so far, this one included: pass it back as ``previous_rejections``."""
     mean_score: float | None = None
@@ -790,7 +791,11 @@ def _decide(
     previous_rejections: int,
     config: CritiqueConfig,
 ) -> CompletionDecision:
-    reasons = [f"{e.gate}: {e.reason}" for e in events if e.verdict == "reject"]
+    rejects = [e for e in events if e.verdict == "reject"]
+    if any(e.gate == GATE_PLACEHOLDER for e in rejects):
+        # The placeholder gate lists every L0 no_placeholder finding too: say each stub once.
+        rejects = [e for e in rejects if not (e.gate == GATE_L0 and e.l0_check == "no_placeholder")]
+    reasons = [f"{e.gate}: {e.reason}" for e in rejects]
     if not reasons:
         return CompletionDecision(
             verdict="complete",

@@ -200,4 +200,7 @@ def test_complete_gate_reasons_print_as_sentences_not_a_tuple() -> None:
     text = str(decision)
     assert text.startswith("rejected: ") and "placeholder 'TODO'" in text
     assert "\\'" not in text and "('" not in text
+    # The stub is said once (the placeholder gate's line), though both gates rejected on it.
+    assert text.count("placeholder 'TODO'") == 1 and text.startswith("rejected: placeholder: ")
+    assert {e.gate for e in decision.events if e.verdict == "reject"} == {"l0", "placeholder"}
     assert str(CompletionDecision(verdict="complete", events=())) == "complete"
