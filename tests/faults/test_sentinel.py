@@ -3,13 +3,15 @@ Sentinels (``redis-server --sentinel``), real Celery worker processes (threads a
 this process's client all on ``sentinel://`` URLs with ``CRITIQUE_REDIS_MASTER``. The master is
 SIGKILLed mid-run (or demoted by ``SENTINEL FAILOVER``) and a Sentinel promotes the replica:
 the broker, the result backend, the store and the sweeper follow the new master, the workers
-keep their processes and consume again, and every submission ends with its normal result.
+keep their processes and consume again, and every submission ends with its normal result;
+``critique status`` and ``resume`` on the Sentinel URL then see the run whole.
 
 Nothing is mocked; submissions need no LLM (the heuristic critic). Every server runs on a free
 loopback port in the test's temp dir and is stopped afterwards."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
 import uuid
@@ -88,6 +90,7 @@ def test_300_submissions_through_a_sentinel_failover(
     sentinel_env: dict[str, str],
     start_worker: WorkerStarter,
     how: str,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``kill``: the master is SIGKILLed mid-run and a Sentinel promotes the replica.
     ``demote``: ``SENTINEL FAILOVER`` mid-run: the replica is promoted and the old master turned
@@ -101,6 +104,7 @@ def test_300_submissions_through_a_sentinel_failover(
     ``demote``, what the old master took before the clients saw the switch) is re-driven by the
     sweeper."""
     from workers import runtime
+    from workers.cli import main
     from workers.client import CritiqueClient
     from workers.recovery import SentinelTransport
 
@@ -235,6 +239,14 @@ def test_300_submissions_through_a_sentinel_failover(
         resumes = [e for e in events if e["type"] == "resume"]
         assert {e["by"] for e in resumes} <= {"sweeper"}
         assert RedisPendingIndex(runtime.client()).count(run_id) == 0
+
+        # The operator's commands on the Sentinel URL, after the failover.
+        capsys.readouterr()
+        assert main(["status", run_id, "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert (doc["submitted"], doc["finished"], doc["failed"]) == (N, N, [])
+        assert main(["resume", run_id]) == 0
+        assert "nothing pending" in capsys.readouterr().out
         print(
             f"\nSentinel {how}: {N} submissions (submit {submit_s:.1f} s); "
             f"promoted {promoted_s if promoted_s is None else round(promoted_s, 1)} s and the "
