@@ -25,6 +25,7 @@ from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis_common import FailoverConnection, celery_url
+from tests.support import wait_until
 from tests.support.faults import DEDUPE_SKIP, event_key
 from tests.support.sentinel import MASTER, RedisNode, SentinelSetup, SentinelWorker, control_app
 from tests.support.submissions import CONFIG, KINDS, make_sub, reference
@@ -207,10 +208,7 @@ def test_300_submissions_through_a_sentinel_failover(
         CritiqueClient(CONFIG).submit_many(
             [make_sub(wave, f"a{i:02d}", 1, KINDS[i % len(KINDS)]) for i in range(AGAIN)]
         )
-        waited = time.monotonic()
-        while len(_results(wave) or {}) < AGAIN and time.monotonic() - waited < 60:
-            time.sleep(0.1)
-        assert len(_results(wave) or {}) == AGAIN, "the second wave did not finish in 60 s"
+        wait_until(lambda: len(_results(wave) or {}) == AGAIN, 60, what="the second wave")
         after = _totals(url, workers)
         idle = {n: (before.get(n), after.get(n)) for n in after if after[n] <= before.get(n, 0)}
         assert len(after) == len(workers) and not idle, (before, after)
