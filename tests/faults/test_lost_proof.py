@@ -100,6 +100,7 @@ def channel(redis_server: RedisServer) -> Iterator[Any]:
     """A kombu channel on the private Redis through the workers' guarded transport."""
     from kombu import Connection
 
+    import workers.tasks  # noqa: F401  (registers the stage tasks the door admits)
     from workers.recovery import RedisTransport
 
     conn = Connection(redis_server.url(0), transport=RedisTransport)
@@ -109,16 +110,15 @@ def channel(redis_server: RedisServer) -> Iterator[Any]:
         conn.release()
 
 
-def _take_unacked(channel: Any, body: Any) -> Any:
-    """Publish ``body`` as a Celery task message to :data:`Q` and take it without acking (as a
-    worker does: kombu writes it to ``unacked``)."""
-    from kombu import Exchange, Producer, Queue
+def _take_unacked(channel: Any, body: Any, task: str = "critique.l0") -> Any:
+    """Push ``body`` (``[args, kwargs, embed]``) as a Celery protocol-2 message of ``task`` onto
+    :data:`Q` and take it without acking, as a worker does (through the door, which admits
+    only well-formed messages of the product's tasks; kombu writes it to ``unacked``)."""
+    import uuid
 
-    queue = Queue(Q, Exchange(Q), routing_key=Q)
-    queue(channel).declare()
-    Producer(channel).publish(
-        body, exchange=Q, routing_key=Q, serializer="json", headers={"task": "critique.l0"}
-    )
+    from tests.support.rawcelery import protocol2
+
+    channel.client.lpush(Q, protocol2(task, uuid.uuid4().hex, body[0], queue=Q))
     message = channel.basic_get(Q, no_ack=False)
     assert message is not None
     return message
@@ -147,7 +147,7 @@ def test_the_broker_view_finds_the_pass_of_an_unacknowledged_message_and_restore
 
 def test_the_broker_view_ignores_messages_that_are_not_stage_messages(channel: Any) -> None:
     """A probe's arguments (no pass id) and an unreadable body give no pass id."""
-    _take_unacked(channel, [["critique.cpu", 1.0], {}, {}])
+    _take_unacked(channel, [["critique.cpu", 1.0], {}, {}], task="critique.probe")
     assert RedisBroker(channel.connection.client, channel).snapshot().pass_ids == frozenset()
 
 

@@ -5,6 +5,7 @@ refusals), read from the counters the worker wrote to the store."""
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -108,6 +109,9 @@ def test_a_scrape_after_a_known_run_counts_what_the_run_did(
         key = ("critique_outputs_total", (("status", status),))
         assert got[key] == statuses.get(status, 0), status
     assert rounds > 0 and statuses["repaired"] > 0  # the run exercised a repair round
+    moved = {k[1][0][1] for k in got if k[0] == "critique_deadlettered_total"}
+    assert moved == {"encoding", "json", "depth", "envelope", "headers", "task", "body", "eta",
+                     "raised"}  # fmt: skip
     count = {
         stage: got[("critique_stage_duration_seconds_count", (("stage", stage),))]
         for stage in ("l0", "critic", "decide", "repair", "gate")
@@ -183,3 +187,67 @@ def test_a_redrive_is_counted_once(fleet: tuple[dict[str, str], str]) -> None:
 
     got = wait_until(counted, 30, what="the exporter to count the re-driven pass")
     assert got[("critique_redrives_total", ())] == before[("critique_redrives_total", ())] + 1
+
+
+def _threads(pid: int) -> int:
+    """The process's thread count, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no thread count for {pid}")
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the exporter closed ``sock`` (a read returns end-of-file, or a reset)."""
+    sock.settimeout(0.2)
+    try:
+        return sock.recv(1024) == b""
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_half_open_connections_hold_no_more_threads_than_the_cap_and_a_scrape_answers(
+    fleet: tuple[dict[str, str], str],
+) -> None:
+    """An exporter with --max-connections 8 --timeout 2 (and its default host, loopback) under
+    200 connections that never finish their request: its thread count stays within the cap
+    (plus its idle threads and a few ending), a real scrape answers while they are open, and
+    the exporter closes every one of them (the older ones for newer connections, the rest at
+    the timeout)."""
+    env, _ = fleet
+    port = free_port()
+    cap = 8
+    argv = [sys.executable, "-m", "workers.cli", "exporter", "--port", str(port),
+            "--max-connections", str(cap), "--timeout", "2"]  # fmt: skip
+    exporter = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}/metrics"
+    held: list[socket.socket] = []
+    try:
+        wait_until(lambda: _scrape(url) is not None, 30, what="the exporter on loopback")
+        idle = _threads(exporter.pid)
+        most = idle
+        for i in range(200):
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+            sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # no blank line: never ends
+            held.append(sock)
+            if i % 10 == 0:
+                most = max(most, _threads(exporter.pid))
+        text = wait_until(lambda: _scrape(url), 30, what="a scrape past 200 half-open requests")
+        assert "critique_outputs_total" in text
+        most = max(most, _threads(exporter.pid))
+        assert most <= idle + cap + 4, (idle, most)
+        open_ones = list(held)
+
+        def all_closed() -> bool:
+            open_ones[:] = [s for s in open_ones if not _closed_by_peer(s)]
+            return not open_ones
+
+        wait_until(all_closed, 30, what="the exporter to close every half-open connection")
+        assert exporter.poll() is None, "the exporter died"
+    finally:
+        for sock in held:
+            sock.close()
+        exporter.terminate()
+        exporter.wait(timeout=10)

@@ -1,9 +1,16 @@
-"""``critique exporter [--port 9808] [--host 0.0.0.0]``: Prometheus metrics of the whole fleet.
+"""``critique exporter [--port 9808] [--host 127.0.0.1]``: Prometheus metrics of the whole fleet.
 
 Serves ``/metrics`` (Prometheus text format) from the counters every worker adds to the store
 (:mod:`pipeline.store.metrics`), read on each scrape: one exporter per fleet, however many
 workers. What each metric means: docs/operations.md#fleet-metrics-critique-exporter. Redis is
 ``$REDIS_URL``; a scrape while Redis is unreachable answers 500 (Prometheus marks it down).
+
+It listens on loopback unless ``--host`` says otherwise (the metrics are unauthenticated: keep
+them off the network, as Flower's). Each connection gets ``--timeout`` seconds per read or write,
+and at most ``--max-connections`` are open at once: past that, a new connection closes the
+oldest one still sending its request (a half-open connection holds a slot only until a real
+scrape needs it), or is closed itself when every slot is answering (:class:`BoundedServer`).
+Half-open connections cost a file descriptor each, never a thread beyond the cap.
 
 Exit codes (the table of ``critique --help``): runs until interrupted (130); 2 bad usage or
 the port cannot be bound; 3 Redis unreachable at start.
@@ -12,15 +19,25 @@ the port cannot be bound; 3 Redis unreachable at start.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import socket
+import sys
 import threading
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from workers.cli import EXIT_OK
-from workers.commands._common import CommandError, between, service_guard
+from workers.commands._common import CommandError, above, at_least, between, service_guard
 
 HELP = "serve the fleet's product metrics (verdicts, tokens, budget, latency) for Prometheus"
 DEFAULT_PORT = 9808
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_TIMEOUT_S = 10.0
+"""Seconds a connection may wait on one read or write before it is closed."""
+DEFAULT_MAX_CONNECTIONS = 32
+"""Connections served at once (one thread each); Prometheus needs one per scrape."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,7 +47,115 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PORT,
         help=f"port (default {DEFAULT_PORT})",
     )
-    parser.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
+    parser.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help=f"address to bind (default {DEFAULT_HOST}; 0.0.0.0 for every interface, e.g. in a "
+        "container whose network is private)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=above(0),
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"per-connection read/write timeout (default {DEFAULT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=at_least(1),
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"connections served at once (default {DEFAULT_MAX_CONNECTIONS})",
+    )
+
+
+class _Handler(WSGIRequestHandler):
+    """One request per connection, with ``timeout`` (set per server, :func:`serve`) on every
+    read and write; once its request line and headers are in, the connection is no longer the
+    first to be closed."""
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        self.server.answering(self.request)  # type: ignore[attr-defined]
+        return ok
+
+    def log_message(self, format: str, *args: Any) -> None:
+        """Quiet: one line per scrape would drown the log."""
+
+
+class BoundedServer(ThreadingMixIn, WSGIServer):
+    """A thread per connection, at most ``max_connections`` of them.
+
+    A new connection beyond the cap shuts down the oldest connection that has not finished
+    sending its request (the one most likely half-open), whose thread then ends at once; when
+    every open connection is being answered, the new one is closed unanswered. Connections
+    waiting in the listen backlog cost no thread."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(
+        self, address: tuple[str, int], handler: type[_Handler], *, max_connections: int
+    ) -> None:
+        self.max_connections = max_connections
+        self._lock = threading.Lock()
+        self._open: set[Any] = set()
+        self._waiting: dict[Any, None] = {}
+        """Open connections still sending their request, oldest first."""
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        with self._lock:
+            admitted = len(self._open) < self.max_connections or self._evict_oldest()
+            if admitted:
+                self._open.add(request)
+                self._waiting[request] = None
+        if not admitted:
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def _evict_oldest(self) -> bool:
+        """Shut down the oldest connection still sending its request (under the lock)."""
+        for oldest in self._waiting:
+            del self._waiting[oldest]
+            self._open.discard(oldest)
+            with contextlib.suppress(OSError):  # already gone
+                oldest.shutdown(socket.SHUT_RDWR)  # its blocked read returns: the thread ends
+            return True
+        return False
+
+    def answering(self, request: Any) -> None:
+        """``request`` sent its whole request: it is answered, not evicted."""
+        with self._lock:
+            self._waiting.pop(request, None)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self._lock:
+                self._waiting.pop(request, None)
+                self._open.discard(request)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that timed out, hung up or was closed for a newer one is no error; anything
+        else is one line on stderr, never a traceback per connection."""
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):
+            print(f"critique exporter: request failed: {exc!r}", file=sys.stderr, flush=True)
+
+
+def serve(
+    host: str, port: int, app: Any, *, max_connections: int, timeout_s: float
+) -> BoundedServer:
+    """A bound :class:`BoundedServer` for ``app`` (IPv6 when ``host`` is an IPv6 address)."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("Server", (BoundedServer,), {"address_family": family})
+    handler = type("Handler", (_Handler,), {"timeout": timeout_s})
+    server: BoundedServer = server_class((host, port), handler, max_connections=max_connections)
+    server.set_app(app)
+    return server
 
 
 class FleetCollector:
@@ -108,6 +233,17 @@ class FleetCollector:
         for reason in m.REFUSALS:
             refused.add_metric([reason], counts.get(f"refused:{reason}", 0))
         yield refused
+        from pipeline.envelope import REASONS
+
+        moved = CounterMetricFamily(
+            "critique_deadlettered",
+            "Broker messages moved aside unrun by a worker's door, by reason (docs/security.md, "
+            "'The broker door').",
+            labels=["reason"],
+        )
+        for reason in REASONS:
+            moved.add_metric([reason], counts.get(f"deadletter:{reason}", 0))
+        yield moved
 
 
 def registry() -> Any:
@@ -123,18 +259,27 @@ def registry() -> Any:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        from prometheus_client import start_http_server
+        from prometheus_client import make_wsgi_app
 
         from workers import runtime
 
         runtime.client().ping()  # exit 3 now rather than a 500 on every scrape
-        reg = registry()
+        app = make_wsgi_app(registry())
         try:
-            start_http_server(args.port, addr=args.host, registry=reg)
+            server = serve(
+                args.host,
+                args.port,
+                app,
+                max_connections=args.max_connections,
+                timeout_s=args.timeout,
+            )
         except OSError as exc:
             raise CommandError(f"cannot listen on {args.host}:{args.port}: {exc}") from None
         print(f"critique exporter: serving http://{args.host}:{args.port}/metrics", flush=True)
-        threading.Event().wait()
+        try:
+            server.serve_forever()
+        finally:
+            server.server_close()
         return EXIT_OK
 
     return service_guard("exporter", body)

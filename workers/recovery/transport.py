@@ -26,6 +26,7 @@ import json
 import time
 import warnings
 from dataclasses import dataclass
+from queue import Empty
 from typing import Any
 
 import redis
@@ -39,6 +40,7 @@ from kombu.transport import redis as kombu_redis
 
 from pipeline.store import keys
 from pipeline.store.redis_common import FailoverConnection, FailoverSSLConnection, text
+from workers import door
 from workers.recovery.base import LOST_GRACE_S, Snapshot
 
 
@@ -228,12 +230,86 @@ class _ChannelGuard:
         return cached[1]
 
 
-class _Channel(_ChannelGuard, kombu_redis.Channel):
-    """kombu's Redis channel with the guard (:class:`_ChannelGuard`)."""
+class _DoorGuard:
+    """The door of :class:`_Channel` and :class:`_SentinelChannel` (a mixin before kombu's
+    channel class): every item popped off a queue's list is checked (:func:`workers.door.
+    check_item`) before kombu parses it or builds its message; one that is refused is moved
+    aside (acknowledged by never entering ``unacked``), and the poll goes on. kombu's own read
+    raised on the first byte that is not JSON, ending the worker. A control (fanout) message
+    too deep to parse is dropped the same way; one whose envelope kombu cannot read, too."""
+
+    client: Any  # kombu's channel attributes, for the type checker
+    connection: Any
+    connection_errors: Any
+    sep: str
+    _queue_cycle: Any
+    _in_poll: Any
+
+    def _brpop_read(self, **options: Any) -> bool:
+        """kombu's BRPOP reply reader, with the door between the reply and the delivery."""
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, "BRPOP", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # the next poll reconnects
+                raise
+            if not reply:
+                raise Empty()
+            dest, item = reply
+            queue = text(dest).rsplit(self.sep, 1)[0]
+            self._queue_cycle.rotate(queue)
+            payload = door.check_item(item, queue)
+            if payload is None:
+                raise Empty()
+            self.connection._deliver(payload, queue)
+            return True
+        finally:
+            self._in_poll = None
+            parent: Any = super()
+            parent._flush_brpop_reauth()
+
+    def _get(self, queue: str, timeout: Any = None) -> Any:
+        """kombu's one-message read (``basic_get``, polling without an event loop), checked
+        by the door: a refused item is moved aside and reads as an empty queue."""
+        me: Any = self  # kombu's channel methods are untyped
+        with me.conn_or_acquire() as client:
+            for pri in me.priority_steps:
+                item = client.rpop(me._q_for_pri(queue, pri))
+                if item:
+                    me._maybe_update_queues_expire(client, queue)
+                    payload = door.check_item(item, queue)
+                    if payload is None:
+                        raise Empty()
+                    return payload
+            me._maybe_update_queues_expire(client, queue)
+            raise Empty()
+
+    def _receive_one(self, c: Any) -> Any:
+        parent: Any = super()
+        try:
+            return parent._receive_one(c)
+        except RecursionError:
+            door.refuse(door.Refusal("depth", "a control message nested too deep"), "pidbox")
+            raise Empty() from None
+
+    def _deliver_fanout_message(self, message: Any, exchange: Any) -> Any:
+        """A control or event message kombu can build a message of (an object with a
+        properties object holding a string delivery tag, a base64 or absent body)."""
+        refusal = door.check_fanout(message)
+        if refusal is not None:
+            door.refuse(refusal, str(exchange))
+            raise Empty()
+        parent: Any = super()
+        return parent._deliver_fanout_message(message, exchange)
 
 
-class _SentinelChannel(_ChannelGuard, kombu_redis.SentinelChannel):
-    """kombu's Sentinel channel with the guard, whose connections to the master are
+class _Channel(_DoorGuard, _ChannelGuard, kombu_redis.Channel):
+    """kombu's Redis channel with the door (:class:`_DoorGuard`) and the guard
+    (:class:`_ChannelGuard`)."""
+
+
+class _SentinelChannel(_DoorGuard, _ChannelGuard, kombu_redis.SentinelChannel):
+    """kombu's Sentinel channel with the door and the guard, whose connections to the master are
     :class:`~pipeline.store.redis_common.FailoverConnection`: a demoted master's ``READONLY``
     *and* ``UNBLOCKED`` replies (the latter to the BRPOP a consumer has in flight when Sentinel
     turns its server into a replica) drop the connection as a connection error, so the consumer
@@ -301,6 +377,15 @@ class Consumer(celery_consumer.Consumer):  # type: ignore[misc]  # celery is unt
             interval_max=float(opts.get("interval_max", 2)),
         )
         return super().ensure_connected(conn)
+
+    def create_task_handler(self, *args: Any, **kwargs: Any) -> Any:
+        """Celery's task-message handler behind the door (:func:`workers.door.guard_consumer`):
+        on any broker, a message that is not a well-formed message of a task this worker runs,
+        or whose handling raises, is acknowledged and moved aside instead of ending the worker
+        (Celery's own unknown-task path also stored a ``FAILURE`` under the message's id)."""
+        handle = super().create_task_handler(*args, **kwargs)
+        passthrough = tuple(self.connection_errors or ()) + tuple(self.channel_errors or ())
+        return door.guard_consumer(handle, passthrough)
 
 
 # --- the threads pool ------------------------------------------------------------------------
