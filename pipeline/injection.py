@@ -391,7 +391,8 @@ def _scan(text: str, data_keys: Collection[str] = ()) -> list[tuple[int, str]]:
 
     The patterns run on the text and, when it has anything to undo, on its normalised form
     (:func:`pipeline.textnorm.normalize`: escapes and zero-width characters removed, NFKC,
-    look-alike letters of mixed-script words mapped to Latin) with offsets mapped back; then
+    look-alike letters mapped to Latin) and in display order where bidi controls reverse a
+    run (:func:`pipeline.textnorm.display_order`), with offsets mapped back; then
     base64-encoded text (bounded, :data:`B64_MAX_RUNS`) and forged verdicts
     (:func:`looks_like_verdict`). Offsets are the original text's.
     """
@@ -403,6 +404,10 @@ def _scan(text: str, data_keys: Collection[str] = ()) -> list[tuple[int, str]]:
         # length of unchanged text (\s+, \w+), so windows would be a way around the scan.
         for start, end, label in _pattern_hits(view):
             hits.append((*norm.span(start, end), f"{label}, {DISGUISED}"))
+        shown = textnorm.display_order(norm)  # a run a bidi override shows reversed
+        if shown is not None:
+            for start, end, label in _pattern_hits(shown.text):
+                hits.append((*shown.span(start, end), f"{label}, {DISGUISED}"))
     for start, end, label in (*_b64_hits(view, _B64Budget()), *_forged_verdicts(view, data_keys)):
         hits.append((*norm.span(start, end), label))
     hits.sort()

@@ -18,7 +18,16 @@ hit found in the normalised text still reports its offset in the ORIGINAL text:
    *mixed-script words only*: a word holding both a Latin letter and a look-alike (``іgnore``
    with a Cyrillic ``і``). A word written wholly in Cyrillic or Greek is that language's word
    and is left as it is, so Russian or Greek prose is never read as English (mixed-script
-   detection in the sense of Unicode TR39; it also keeps non-Latin text cheap).
+   detection in the sense of Unicode TR39; it also keeps non-Latin text cheap). Letters of
+   scripts and symbol sets an output for this pipeline holds no prose in (:data:`LOOKALIKES`:
+   Lisu, Cherokee, Coptic, Latin small capitals, negative circled/squared letters) are mapped
+   wherever they stand, so ``ꓔꓳꓓꓳ`` (all Lisu) reads ``TODO``. The braille blank U+2800
+   reads as a space.
+
+Bidi controls are removed in step 1, which reads a right-to-left run in stored order; an
+override displays ``RLO ODOT`` as TODO, so :func:`display_order` gives the same normalised text
+with each RLE/RLO/RLI run reversed, and the scans read both. :func:`looks_blank` says whether a
+reader sees anything at all (a required field of U+200B is as empty as ``""``).
 
 ASCII control characters other than ESC (a NUL or a backspace inside a word) are left as they
 are: looking for them would cost the ASCII fast path a pass of its own.
@@ -45,7 +54,17 @@ if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-__all__ = ["CONFUSABLES", "Normalized", "fold", "needs_work", "normalize"]
+__all__ = [
+    "CONFUSABLES",
+    "LOOKALIKES",
+    "Normalized",
+    "Reordered",
+    "display_order",
+    "fold",
+    "looks_blank",
+    "needs_work",
+    "normalize",
+]
 
 # Look-alike letters → the ASCII letter they imitate. Derived from Unicode TR39
 # ``confusables.txt`` (https://www.unicode.org/Public/security/latest/confusables.txt): the
@@ -78,6 +97,51 @@ CONFUSABLES: dict[str, str] = {
     # Latin-script look-alikes (not ASCII)
     "\u0131": "i", "\u0261": "g", "\u0251": "a", "\u0269": "i",
 }  # fmt: skip
+
+# Look-alikes mapped wherever they stand, not only in mixed-script words: letters of scripts
+# and symbol sets an output for this pipeline holds no prose in, which imitate Latin capitals
+# closely enough that a word spelled wholly in them reads as English (``ꓔꓳꓓꓳ`` in Lisu reads
+# TODO). Our own reading of TR39's confusables for the letters the placeholder and injection
+# phrases use, case-preserving like :data:`CONFUSABLES`: Lisu (the Fraser alphabet is built
+# from Latin capitals), Cherokee (its small letters are small-capital forms of the capitals and
+# map with them), Coptic, Latin small capitals (``ᴛᴏᴅᴏ`` reads TODO, so they map to capitals),
+# and the negative circled/squared letters and the estimated sign (symbols NFKC leaves alone).
+# Cyrillic, Greek and Armenian stay mixed-script only: Russian "ХХХ век" is a real phrase.
+LOOKALIKES: dict[str, str] = {
+    # Lisu
+    "\ua4d0": "B", "\ua4d1": "P", "\ua4d3": "D", "\ua4d4": "T", "\ua4d6": "G",
+    "\ua4d7": "K", "\ua4d9": "J", "\ua4da": "C", "\ua4dc": "Z", "\ua4dd": "F",
+    "\ua4df": "M", "\ua4e0": "N", "\ua4e1": "L", "\ua4e2": "S", "\ua4e3": "R",
+    "\ua4e6": "V", "\ua4e7": "H", "\ua4ea": "W", "\ua4eb": "X", "\ua4ec": "Y",
+    "\ua4ee": "A", "\ua4f0": "E", "\ua4f2": "I", "\ua4f3": "O", "\ua4f4": "U",
+    # Cherokee (capitals; the small letters are added below)
+    "\u13a0": "D", "\u13a1": "R", "\u13a2": "T", "\u13a9": "Y", "\u13aa": "A",
+    "\u13ab": "J", "\u13ac": "E", "\u13b3": "W", "\u13b7": "M", "\u13bb": "H",
+    "\u13bd": "Y", "\u13c0": "G", "\u13c3": "Z", "\u13d2": "R", "\u13d4": "W",
+    "\u13d5": "S", "\u13d9": "V", "\u13da": "S", "\u13de": "L", "\u13df": "C",
+    "\u13e2": "P", "\u13e6": "K", "\u13f3": "G", "\u13f4": "B",
+    # Coptic
+    "\u2c82": "B", "\u2c8e": "H", "\u2c92": "I", "\u2c94": "K", "\u2c98": "M",
+    "\u2c9a": "N", "\u2c9e": "O", "\u2ca2": "P", "\u2ca4": "C", "\u2ca6": "T",
+    "\u2ca8": "Y", "\u2cac": "X", "\u2cd0": "L", "\u2c93": "i", "\u2c9f": "o",
+    "\u2ca3": "p", "\u2ca5": "c", "\u2ca9": "y", "\u2cad": "x",
+    # Latin small capitals
+    "\u1d00": "A", "\u0299": "B", "\u1d04": "C", "\u1d05": "D", "\u1d07": "E",
+    "\ua730": "F", "\u0262": "G", "\u029c": "H", "\u026a": "I", "\u1d0a": "J",
+    "\u1d0b": "K", "\u029f": "L", "\u1d0d": "M", "\u0274": "N", "\u1d0f": "O",
+    "\u1d18": "P", "\ua7af": "Q", "\u0280": "R", "\ua731": "S", "\u1d1b": "T",
+    "\u1d1c": "U", "\u1d20": "V", "\u1d21": "W", "\u028f": "Y", "\u1d22": "Z",
+    # symbols
+    "\u212e": "e",
+}  # fmt: skip
+LOOKALIKES.update(
+    {src.lower(): dst for src, dst in LOOKALIKES.items() if "\u13a0" <= src <= "\u13f5"}
+)
+LOOKALIKES.update({chr(base + i): chr(0x41 + i) for base in (0x1F150, 0x1F170) for i in range(26)})
+
+_BLANK_AS_SPACE = (0x2800,)
+"""Characters that render as an empty cell (the braille blank): read as a space, so they
+separate words like one and a field holding only them is blank."""
 
 _LATIN_LOOKALIKES = "\u0131\u0261\u0251\u0269"
 
@@ -114,6 +178,7 @@ _INVISIBLE: tuple[tuple[int, int], ...] = (
     (0xFEFF, 0xFEFF),  # BOM / zero-width no-break space
     (0xFFA0, 0xFFA0),  # halfwidth Hangul filler
     (0xFFF9, 0xFFFB),  # interlinear annotation
+    (0x16FE4, 0x16FE4),  # Khitan small script filler
     (0x1BCA0, 0x1BCA3),  # shorthand format controls
     (0x1D173, 0x1D17A),  # musical symbol format controls
 )
@@ -170,6 +235,8 @@ class _Tables:
             lens[cp] = len(nf)
             offs[cp] = size + len(extra)
             extra.extend(ord(c) for c in nf)
+        for cp in _BLANK_AS_SPACE:
+            offs[cp] = 0x20  # data[0x20] is the space
         self.lens = lens
         """Characters each code point becomes: 0 removed, 1 (itself or its NFKC form), 2-4."""
         self.offs = offs
@@ -187,14 +254,24 @@ class _Tables:
             latin[ord(ch)] = True
         self.latin = latin
         target = np.arange(size, dtype=np.uint32)
-        for src, dst in CONFUSABLES.items():
-            target[ord(src)] = ord(dst)
-        self.confusable = target != np.arange(size, dtype=np.uint32)
+        kind = np.zeros(size, dtype=np.uint8)
+        for table, k in ((CONFUSABLES, 1), (LOOKALIKES, 2)):
+            for src, dst in table.items():
+                target[ord(src)] = ord(dst)
+                kind[ord(src)] = k
+        self.kind = kind
+        """1: a look-alike of :data:`CONFUSABLES` (mixed-script words only), 2: of
+        :data:`LOOKALIKES` (everywhere), 0: neither."""
         self.target = target
         word = np.zeros(size, dtype=bool)
         word[:_NFKC_LIMIT] = [chr(cp).isalnum() or cp == 0x5F for cp in range(_NFKC_LIMIT)]
         word[0x20000:0x323B0] = True  # CJK ideograph extensions
         self.word = word
+        bidi = np.zeros(size, dtype=np.uint8)
+        bidi[list(_RUN_ENDS)] = 1
+        bidi[[ord(c) for c in _RTL_OPENERS]] = 2
+        self.bidi = bidi
+        """2: opens a right-to-left run; 1: ends one (any other bidi control, a paragraph end)."""
 
 
 @lru_cache(maxsize=1)
@@ -244,6 +321,12 @@ class Normalized:
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The original span of the normalised span ``[start, end)``."""
         return self.start(start), self.end(end)
+
+    def at(self, pos: int) -> int:
+        """Normalised offset where the output of original character ``pos`` begins."""
+        if self._ends is None or pos <= 0:
+            return pos
+        return int(self._ends[pos - 1])
 
     def __repr__(self) -> str:
         return f"Normalized({self.text[:40]!r}{'…' if len(self.text) > 40 else ''})"
@@ -341,26 +424,144 @@ def _fold(
 
 
 def _map_confusables(codes: npt.NDArray[np.uint32], t: _Tables) -> npt.NDArray[np.uint32]:
-    """Stage 2: look-alikes mapped to Latin in every word that mixes both (a new array, or
-    ``codes`` itself when nothing changes)."""
+    """Stage 2: :data:`LOOKALIKES` mapped to Latin everywhere, then :data:`CONFUSABLES` in
+    every word that mixes them with Latin (a new array, or ``codes`` itself when nothing
+    changes)."""
     import numpy as np
 
-    if len(codes) < 2:
+    kind = t.kind[codes]
+    if not kind.any():
         return codes
-    conf = t.confusable[codes]
-    if not conf.any():
-        return codes
-    latin = t.latin[codes]
+    out = codes
+    always = kind == 2
+    if always.any():  # before the mixed-script test: their targets count as Latin there
+        out = codes.copy()
+        out[always] = t.target[codes[always]]
+    conf = kind == 1
+    if len(out) < 2 or not conf.any():
+        return out
+    latin = t.latin[out]
     hits = np.flatnonzero((latin[:-1] & conf[1:]) | (conf[:-1] & latin[1:]))
     if len(hits) == 0:
-        return codes
-    word_id = np.cumsum(~t.word[codes], dtype=np.int64)
+        return out
+    word_id = np.cumsum(~t.word[out], dtype=np.int64)
     mixed = np.zeros(int(word_id[-1]) + 1, dtype=bool)
     mixed[word_id[hits]] = True
     where = mixed[word_id] & conf
-    out = codes.copy()
-    out[where] = t.target[codes[where]]
+    if out is codes:
+        out = codes.copy()
+    out[where] = t.target[out[where]]
     return out
+
+
+_RTL_OPENERS = "\u202b\u202e\u2067"
+"""RLE, RLO, RLI: a run they open lasts to the next bidi control (its PDF/PDI closer, or
+another opener) or the end of the paragraph."""
+_RUN_ENDS = (
+    *range(0x202A, 0x202F),  # LRE RLE PDF LRO RLO
+    *range(0x2066, 0x206A),  # LRI RLI FSI PDI
+    *(0x0A, 0x0D, 0x1C, 0x1D, 0x1E, 0x85, 0x2029),  # paragraph separators (bidi class B)
+)
+
+
+class Reordered:
+    """A normalised text in display order: each right-to-left run reversed (see
+    :func:`display_order`), with the map back to the original's offsets."""
+
+    __slots__ = ("_ends", "_norm", "_starts", "text")
+
+    def __init__(
+        self, norm: Normalized, text: str, starts: npt.NDArray[Any], ends: npt.NDArray[Any]
+    ) -> None:
+        self._norm = norm
+        self.text = text
+        self._starts = starts
+        self._ends = ends
+        """The reversed runs ``[starts[k], ends[k])`` in normalised offsets, in order and
+        disjoint."""
+
+    def _run_at(self, pos: int) -> tuple[int, int] | None:
+        import numpy as np
+
+        k = int(np.searchsorted(self._starts, pos, side="right")) - 1
+        if k >= 0 and pos < self._ends[k]:
+            return int(self._starts[k]), int(self._ends[k])
+        return None
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The original span holding every character of the display span ``[start, end)``."""
+        first, last = self._run_at(start), self._run_at(end - 1)
+        if first is not None and first == last:
+            a, b = first
+            lo, hi = a + b - end, a + b - start  # wholly inside one run: mirrored
+        else:
+            lo = first[0] if first is not None else start
+            hi = last[1] if last is not None else end
+        return self._norm.span(lo, hi)
+
+
+def display_order(norm: Normalized) -> Reordered | None:
+    """``norm``'s text as it is displayed when bidi controls reverse part of it, or None when
+    no right-to-left run (RLE, RLO or RLI up to its PDF/PDI) holds two characters or more.
+
+    Normalising removes the controls, which reads the text in stored order; an override
+    shows ``RLO ODOT`` as TODO, so the scans read this order too (a hit in either counts).
+    Every run is reversed, embeddings and isolates included: for Latin letters only an
+    override reverses, but reading more orders costs no more than a second scan. Linear and
+    vectorised (numpy), whatever the number of runs: one index permutation of the text.
+    """
+    original = norm.original
+    if not any(c in original for c in _RTL_OPENERS):
+        return None
+    import numpy as np
+
+    codes = np.frombuffer(original.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    bidi = _tables().bidi[codes]
+    openers = np.flatnonzero(bidi == 2)
+    stops = np.append(np.flatnonzero(bidi), len(codes))
+    run_end = stops[np.searchsorted(stops, openers, side="right")]  # an opener is a stop too
+    # Original offsets → normalised: where each original character's output begins.
+    begins = np.arange(len(codes) + 1) if norm._ends is None else np.append(0, norm._ends)
+    starts, ends = begins[openers + 1], begins[run_end]
+    keep = ends - starts >= 2
+    starts, ends = starts[keep], ends[keep]
+    if len(starts) == 0:
+        return None
+    view = np.frombuffer(norm.text.encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+    m = len(view)
+    owner = np.zeros(m + 1, dtype=np.int64)  # k + 1 inside run k, 0 outside
+    ids = np.arange(1, len(starts) + 1)
+    owner[starts] += ids  # runs are disjoint and non-empty: no index repeats within one update
+    owner[ends] -= ids
+    owner = np.cumsum(owner[:m])
+    inside = owner > 0
+    index = np.arange(m)
+    mirror = (starts + ends - 1)[owner[inside] - 1]
+    index[inside] = mirror - index[inside]
+    shown = view[index].tobytes().decode("utf-32-le", "surrogatepass")
+    return Reordered(norm, shown, starts, ends)
+
+
+_SHOWN = re.compile(
+    "[^\\s\x00-\x1f\x7f"
+    + "".join(f"{chr(lo)}-{chr(hi)}" for lo, hi in (*_INVISIBLE, *_MARKS, (0xE0000, 0xE0FFF)))
+    + "".join(chr(cp) for cp in _BLANK_AS_SPACE)
+    + "]"
+)
+"""A character a reader sees: not whitespace, not an ASCII control, not removed by
+:func:`normalize` (invisible, combining mark), not a blank cell."""
+
+
+def looks_blank(text: str) -> bool:
+    """True when a reader sees nothing in ``text``: only whitespace, invisible characters
+    (zero-width, fillers, bidi controls, tags, …), ASCII controls, blank cells and escape
+    sequences. An empty string and one of U+200B are the same to a reader, so the checks
+    that refuse one refuse both. Stops at the first visible character."""
+    if _SHOWN.search(text) is None:
+        return True
+    if "\x1b" not in text and "\x9b" not in text:
+        return False
+    return _SHOWN.search(normalize(text).text) is None
 
 
 def fold(text: str, *, json_escapes: bool = False) -> str:

@@ -25,9 +25,10 @@ Definitions shared by both implementations:
   Placeholders are searched everywhere, code and strings included.
 * disguised placeholders: :func:`scan` also searches the text as a reader sees it
   (:func:`pipeline.textnorm.normalize`: ANSI escapes and zero-width characters removed,
-  NFKC-folded, look-alike letters of mixed-script words mapped to Latin), so
-  ``\\x1b[31mTODO``, ``TO\\u200bDO`` and ``ＴＯＤＯ`` are found too, at their offsets in the
-  original text; in JSON mode ``\\u001b`` (how JSON writes ESC) counts as ESC too. Pure
+  NFKC-folded, look-alike letters mapped to Latin; and in display order where bidi controls
+  reverse a run, :func:`pipeline.textnorm.display_order`), so ``\\x1b[31mTODO``,
+  ``TO\\u200bDO``, ``ＴＯＤＯ``, ``ꓔꓳꓓꓳ`` and ``RLO ODOT`` are found too, at their offsets in
+  the original text; in JSON mode ``\\u001b`` (how JSON writes ESC) counts as ESC too. Pure
   ASCII text without ESC skips this entirely (the hot path is unchanged); :func:`scan_py` is
   the reference for the raw scan only.
 * modes (:func:`mode_for`): ``MD`` (markdown and plain text), ``LATEX``, ``PY``, ``JSON``,
@@ -181,35 +182,50 @@ def scan(
     return result
 
 
+def _placeholders(text: str, ext: Any, max_hits: int) -> tuple[list[tuple[int, int, int]], int]:
+    """Placeholder hits and their total in ``text``, with the compiled scanner when built."""
+    if ext is not None:
+        found, total = ext.scan(text, MODE_OTHER, WANT_PLACEHOLDERS, 3, max_hits)[:2]
+        return found, total
+    res = scan_py(text, MODE_OTHER, WANT_PLACEHOLDERS, max_hits=max_hits)
+    return res.hits, res.total_hits
+
+
 def _add_disguised(
     text: str, raw: ScanResult, ext: Any, max_hits: int, json_escapes: bool
 ) -> ScanResult:
-    """``raw`` plus the placeholders only the normalised text shows (ANSI-wrapped, split by
-    zero-width characters, fullwidth, look-alike letters), at their offsets in ``text``.
+    """``raw`` plus the placeholders only the text as a reader sees it shows (ANSI-wrapped,
+    split by zero-width characters, fullwidth, look-alike letters; and, where bidi controls
+    reverse part of it, in display order: :func:`pipeline.textnorm.display_order`), at their
+    offsets in ``text``.
 
-    A normalised hit that overlaps a raw one is the same placeholder and is not counted twice;
+    A hit that overlaps one already found is the same placeholder and is not counted twice;
     raw hits are always kept (a zero-width space can end a word in the raw text).
     """
     norm = textnorm.normalize(text, json_escapes=json_escapes)
     if norm.identity and norm.text == text:
         return raw
-    if ext is not None:
-        found, found_total = ext.scan(norm.text, MODE_OTHER, WANT_PLACEHOLDERS, 3, max_hits)[:2]
-    else:
-        res = scan_py(norm.text, MODE_OTHER, WANT_PLACEHOLDERS, max_hits=max_hits)
-        found, found_total = res.hits, res.total_hits
-    starts = [s for _, s, _ in raw.hits]
+    readings: list[textnorm.Normalized | textnorm.Reordered] = [norm]
+    shown = textnorm.display_order(norm)
+    if shown is not None:
+        readings.append(shown)
+    taken = sorted((s, e) for _, s, e in raw.hits)
     extra: list[tuple[int, int, int]] = []
-    for pid, s, e in found:
-        start, end = norm.span(s, e)
-        i = bisect_left(starts, end)
-        if i > 0 and raw.hits[i - 1][2] > start:
-            continue  # overlaps the raw hit that starts before its end
-        extra.append((pid, start, end))
+    total = raw.total_hits
+    for reading in readings:
+        found, found_total = _placeholders(reading.text, ext, max_hits)
+        total = max(total, found_total)
+        for pid, s, e in found:
+            start, end = reading.span(s, e)
+            i = bisect_left(taken, (end, -1))  # the hits that start before this one ends
+            if i > 0 and taken[i - 1][1] > start:
+                continue  # overlaps one (hits are disjoint: the last to start ends last)
+            taken.insert(i, (start, end))
+            extra.append((pid, start, end))
     if not extra:
         return raw
     hits = sorted([*raw.hits, *extra])[:max_hits]
-    return replace(raw, hits=hits, total_hits=max(raw.total_hits + len(extra), found_total))
+    return replace(raw, hits=hits, total_hits=max(raw.total_hits + len(extra), total))
 
 
 # ---- the pure-Python reference -------------------------------------------------------------
@@ -234,6 +250,13 @@ def _placeholder_regex() -> re.Pattern[str]:
 
 
 _PLACEHOLDER_RE = _placeholder_regex()
+
+
+def has_placeholder(text: str) -> bool:
+    """True when ``text`` as it is holds a placeholder (the reference scan's rule)."""
+    return _PLACEHOLDER_RE.search(text) is not None
+
+
 _MD_TOKEN = re.compile(r"\\\S|`+|[()\[\]{}]")
 _LATEX_TOKEN = re.compile(r"\\\S|%|[()\[\]{}]")
 _PY_TOKEN = re.compile(

@@ -105,7 +105,7 @@ class NoPlaceholder(BuiltinCheck):
         text = doc.text
         for _pid, start, end in result.hits[:MAX_FAILURES_PER_CHECK]:
             found = text[start:end]
-            reads = textnorm.fold(found, json_escapes=mode == _scan.MODE_JSON)
+            reads = _reads(text, start, end, mode == _scan.MODE_JSON)
             shown = f"{found!r}" if reads == found else f"{found!r} (reads {reads!r})"
             out.append(
                 self._fail(doc, f"placeholder {shown} in {_context(text, start, end)!r}", start)
@@ -116,6 +116,15 @@ class NoPlaceholder(BuiltinCheck):
             else None
         )
         return _capped(self, doc, out, result.total_hits, "placeholder matches", nxt)
+
+
+def _reads(text: str, start: int, end: int, json_escapes: bool) -> str:
+    """How the placeholder at ``[start, end)`` reads: normalised, and reversed when only
+    that shows a placeholder (it was found in a run a bidi override displays reversed)."""
+    reads = textnorm.fold(text[start:end], json_escapes=json_escapes)
+    if _scan.has_placeholder(reads) or not _scan.has_placeholder(reads[::-1]):
+        return reads
+    return reads[::-1]
 
 
 def _shingles(text: str) -> set[tuple[str, str, str]]:

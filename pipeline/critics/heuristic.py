@@ -8,14 +8,18 @@ JSON-object outputs (a worker's result dict):
     ``confidence`` not a number (e.g. the string "0.9", a bool) −0.2 warning wrong_format
     ``confidence`` < 0.3                             −0.2 warning   incomplete
     ``error`` present (not null, not blank)          −0.4 critical  incomplete
-    each missing required field (absent or null)     −0.2 critical  missing_data
-    each empty-string field (blank after strip)      −0.1 warning   incomplete
+    each missing required field (absent, null, or a blank string) −0.2 critical missing_data
+    each other empty-string field (blank)            −0.1 warning   incomplete
+
+Blank means a reader sees nothing: empty, whitespace, or only invisible characters (zero-width,
+the braille blank, Hangul fillers, bidi controls, escape sequences;
+:func:`pipeline.textnorm.looks_blank`), so ``"\\u200b"`` is as empty as ``""``.
 
 A non-numeric confidence is a format problem, not a missing value: the worker did report one.
 ``confidence`` is never double-counted as a required field, and a blank ``error`` string counts
 as an empty field rather than a reported error.
 
-Text outputs: empty (whitespace only) −0.4 critical ``incomplete``; each required field is read
+Text outputs: empty (blank) −0.4 critical ``incomplete``; each required field is read
 as a required heading (a Markdown ``#`` heading or a LaTeX ``\\section``-family title matching the
 field case-insensitively, underscores read as spaces); absent −0.2 critical ``missing_data``.
 
@@ -49,6 +53,7 @@ from pipeline.models import (
     Submission,
 )
 from pipeline.pitfalls import name_token
+from pipeline.textnorm import looks_blank
 
 MISSING_CONFIDENCE = 0.3
 NON_NUMERIC_CONFIDENCE = 0.2
@@ -132,7 +137,37 @@ def _is_number(value: Any) -> bool:
 
 
 def _blank(value: Any) -> bool:
-    return isinstance(value, str) and not value.strip()
+    """A string a reader sees nothing in: empty, whitespace, or only invisible characters
+    (U+200B, the braille blank, Hangul fillers, bidi controls, …: :func:`looks_blank`)."""
+    return isinstance(value, str) and looks_blank(value)
+
+
+def _required_findings(output: dict[str, Any], required: Sequence[str]) -> list[_Finding]:
+    """A missing-field finding per required field that is absent, null or blank."""
+    found: list[_Finding] = []
+    for field in dict.fromkeys(required):
+        if field == "confidence":
+            continue  # covered by the confidence rules, never counted twice
+        value = output.get(field)
+        if value is None or _blank(value):
+            # A required field nobody can see (an empty string, or only invisible
+            # characters) gives the reader nothing: it is missing, not merely empty.
+            name = name_token(field)
+            found.append(
+                _finding(
+                    MISSING_FIELD,
+                    "missing_data",
+                    "critical",
+                    name,
+                    f"required field '{name}' is {'missing' if value is None else 'empty'}",
+                    # The manager named the field: its prescription may say it as given.
+                    f"Add the '{field}' field with content that answers the task.",
+                    f"Always include the '{name}' field in your output"
+                    if name == field
+                    else "Always include every required field in your output",
+                )
+            )
+    return found
 
 
 def _dict_findings(output: dict[str, Any], required: Sequence[str]) -> list[_Finding]:
@@ -189,27 +224,10 @@ def _dict_findings(output: dict[str, Any], required: Sequence[str]) -> list[_Fin
                 "Resolve errors before returning; never return a result with an 'error' field",
             )
         )
-    for field in dict.fromkeys(required):
-        if field == "confidence":
-            continue  # covered by the confidence rules, never counted twice
-        if output.get(field) is None:
-            name = name_token(field)
-            found.append(
-                _finding(
-                    MISSING_FIELD,
-                    "missing_data",
-                    "critical",
-                    name,
-                    f"required field '{name}' is missing",
-                    # The manager named the field: its prescription may say it as given.
-                    f"Add the '{field}' field with content that answers the task.",
-                    f"Always include the '{name}' field in your output"
-                    if name == field
-                    else "Always include every required field in your output",
-                )
-            )
+    found += _required_findings(output, required)
+    counted = set(required) - {"confidence"}  # a blank required field is already missing
     for field, value in output.items():
-        if field != "confidence" and _blank(value):
+        if field != "confidence" and field not in counted and _blank(value):
             # The key is the worker's text: only its token (a plain name, or a stand-in such
             # as field#3f2a0c1d) goes into the finding, so it never leaves the output.
             name = name_token(field)
@@ -236,7 +254,7 @@ def _dict_findings(output: dict[str, Any], required: Sequence[str]) -> list[_Fin
 
 def _text_findings(output: str, required: Sequence[str]) -> list[_Finding]:
     found: list[_Finding] = []
-    if not output.strip():
+    if looks_blank(output):
         found.append(
             _finding(
                 EMPTY_TEXT,

@@ -3,7 +3,9 @@ worker: placeholders hidden by ANSI colours, zero-width characters or fullwidth 
 fail Layer-0; instructions to the critic hidden by homoglyphs, zero-width characters, base64 or
 a forged JSON verdict are still reported and cap the score, even when the critic LLM obeys;
 one submission with 20,000 required fields records at most 20 patterns; ``critique l0`` flags an
-ANSI-wrapped TODO. After each attack the worker is alive and serves an honest submission.
+ANSI-wrapped TODO. Issue 33: placeholders in Lisu or small capitals or reversed by an RLO, and
+required fields of invisible characters, fail as their plain forms do. After each attack the
+worker is alive and serves an honest submission.
 
 The worker gets its LLM endpoint from its own environment (``CRITIQUE_LLM__API_BASE``: the
 ``llm.*`` transport is worker-only), pointed at a fake OpenAI-compatible server that answers
@@ -105,6 +107,50 @@ def test_hidden_placeholder_fails_layer0(worker: WorkerProcess, name: str) -> No
     [location] = l0_placeholders(result)
     offset = int(location.rsplit(":", 1)[1])
     assert text[offset] in "TFＴ\u0422"  # the first letter of the hidden word, not the escape
+
+
+DISPLAYED_PLACEHOLDERS = {
+    "lisu": ("Q3 sales rose 4%. Next steps: \ua4d4\ua4f3\ua4d3\ua4f3.", "\ua4d4"),
+    "small-capitals": ("Q3 sales rose 4%. Next steps: \u1d1b\u1d0f\u1d05\u1d0f.", "\u1d1b"),
+    "rlo-reversed": ("Q3 sales rose 4%. Next steps: \u202eODOT\u202c.", "ODOT"),
+}
+
+
+@pytest.mark.parametrize("name", list(DISPLAYED_PLACEHOLDERS))
+def test_placeholder_in_lookalike_script_or_reversed_by_rlo_fails_layer0(
+    worker: WorkerProcess, name: str
+) -> None:
+    """Issue 33: a TODO spelled wholly in Lisu or small-capital letters, or stored as ODOT
+    after an RLO that displays it as TODO, is an l0 no_placeholder defect at the word's
+    offset in the original text, and the output is not accepted."""
+    text, word = DISPLAYED_PLACEHOLDERS[name]
+    result = submit(PLACEHOLDER_ONLY, text, claimed_format="text")
+    assert result.status != "accepted", result
+    [location] = l0_placeholders(result)
+    assert int(location.rsplit(":", 1)[1]) == text.index(word)
+
+
+@pytest.mark.parametrize(
+    "value", ["\u200b", "\u2800\u2800", "\u3164", "\u115f\u1160\uffa0", "\u202e\u202c"]
+)
+def test_required_field_of_invisible_characters_fails_like_an_empty_one(
+    worker: WorkerProcess, value: str
+) -> None:
+    """Issue 33: a required field holding only invisible characters (zero-width space, braille
+    blank, Hangul fillers, bidi controls) gets the verdict an empty string gets: not accepted,
+    with the field reported missing."""
+    verdicts = []
+    for shown in ("", value):
+        output = {"summary": shown, "confidence": 0.9}
+        result = submit(PLACEHOLDER_ONLY, output, required_fields=("summary",))
+        missing = [
+            d
+            for d in result.envelope.defects
+            if d.category == "missing_data" and d.location == "summary"
+        ]
+        assert result.status != "accepted" and len(missing) == 1, result
+        verdicts.append((result.status, result.best_score, missing[0].severity))
+    assert verdicts[0] == verdicts[1] and verdicts[0][2] == "critical"
 
 
 def test_hidden_placeholder_in_a_dict_field_fails_layer0(worker: WorkerProcess) -> None:

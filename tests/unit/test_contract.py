@@ -112,6 +112,12 @@ DISGUISED = [
         "\U0001d413\U0001d40e\U0001d403\U0001d40e",
     ),
     ("Intro ТОDО later.", "ТОDО"),  # Cyrillic Т and О around a Latin D
+    ("Intro \ua4d4\ua4f3\ua4d3\ua4f3 later.", "\ua4d4\ua4f3\ua4d3\ua4f3"),  # all Lisu
+    ("Intro \u1d1b\u1d0f\u1d05\u1d0f later.", "\u1d1b\u1d0f\u1d05\u1d0f"),  # small capitals
+    ("Intro \u13a2\u2c9e\u13a0\u2c9e later.", "\u13a2\u2c9e\u13a0\u2c9e"),  # Cherokee, Coptic
+    ("Intro \U0001f183\U0001f17e\U0001f173\U0001f17e.", "\U0001f183\U0001f17e\U0001f173\U0001f17e"),
+    ("Intro \u202eODOT\u202c later.", "ODOT"),  # an override displays it as TODO
+    ("Intro \u2067EMXIF\u2069 later.", "EMXIF"),  # the same inside an isolate
 ]
 
 
@@ -140,6 +146,21 @@ def test_disguised_placeholder_reason_says_how_it_reads() -> None:
     assert "'ＴＯＤＯ' (reads 'TODO')" in f.reason
 
 
+def test_reversed_placeholder_reason_says_how_it_displays() -> None:
+    """A placeholder an override displays reversed is quoted as stored and read as shown."""
+    [f] = of(run("Next: \u202eODOT\u202c."), "no_placeholder")
+    assert "'ODOT' (reads 'TODO')" in f.reason
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stored_and_display_order_hits_are_each_counted_once(engine: str) -> None:
+    """A TODO in stored order inside an override run, and one only the display shows: two
+    failures, each once; a palindrome such as XXX read both ways is one."""
+    text = "a \u202eTODO ODOT\u202c b \u202eXXX\u202c"
+    failures = of(run(text, engine), "no_placeholder")
+    assert [f.offset for f in failures] == [3, 8, text.index("XXX")]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
     "text",
@@ -149,6 +170,8 @@ def test_disguised_placeholder_reason_says_how_it_reads() -> None:
         "\x1b[32mPASS\x1b[0m all 12 tests; \x1b[1mdone\x1b[0m",
         "naïve café — “quoted” … todo list ½ ﬁne",
         "日本語のテキスト、ＴＯＤＯＳ、全角。",
+        "עברית \u202bשלום TODOS\u202c, \u202eabc\u202c, a\u2067b\u2069",  # bidi, no placeholder
+        "IPA [\u026ap\u0251] and \u1d0fk, Cherokee \u13a3\u13cd\u13d7 text",
     ],
 )
 def test_normalisation_adds_no_false_placeholders(engine: str, text: str) -> None:

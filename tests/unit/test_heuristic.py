@@ -156,3 +156,37 @@ def test_headings_match_markdown_and_latex_case_and_underscores() -> None:
     env = _critique(text, ("next_steps", "key risks", "budget", "summary"))
     assert [d.location for d in env.defects] == ["summary"]
     assert "next steps" in headings(text)
+
+
+INVISIBLE_VALUES = ["", "  ", "\u200b", "\u2800\u2800", "\u3164", "\u115f\u1160", "\uffa0",
+                    "\u202e\u202c", "\u2066\u2069", "\x1b[0m"]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", INVISIBLE_VALUES)
+def test_required_field_a_reader_sees_nothing_in_is_missing(value: str) -> None:
+    """A required field holding only whitespace or invisible characters (zero-width, braille
+    blank, Hangul fillers, bidi controls, an escape) is as missing as an empty string: one
+    critical missing_data, never also an 'empty string' warning."""
+    env = _critique({"summary": value, "confidence": 0.9}, ("summary",))
+    assert env.score == 0.8
+    assert [(d.category, d.severity, d.location) for d in env.defects] == [
+        ("missing_data", "critical", "summary")
+    ]
+    assert env.defects[0].description == "required field 'summary' is empty"
+
+
+@pytest.mark.parametrize("value", INVISIBLE_VALUES)
+def test_optional_field_a_reader_sees_nothing_in_is_an_empty_field(value: str) -> None:
+    """The same values in a field nobody required are the empty-string warning."""
+    env = _critique({"summary": "Sales rose.", "notes": value, "confidence": 0.9}, ("summary",))
+    assert [(d.category, d.severity, d.location) for d in env.defects] == [
+        ("incomplete", "warning", "notes")
+    ]
+
+
+def test_text_output_of_invisible_characters_is_empty() -> None:
+    """A text output that shows nothing is the empty-output finding."""
+    env = _critique("\u200b\u2800\n\u3164\u202e")
+    assert [(d.category, d.severity, d.description) for d in env.defects] == [
+        ("incomplete", "critical", "the output is empty")
+    ]

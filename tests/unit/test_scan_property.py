@@ -48,6 +48,8 @@ TOKENS = [
     "\u00a0", "\u2003", "\u2028", "\u0085", "\x1c", "\x0b", "\x0c",
     "\x1b[31m", "\x1b[0m", "\u200b", "\u200d", "\ufeff", "\\u001b",
     "ＴＯＤＯ", "ТОDO", "Fıxme", "é", "日本語", "\U0001d518", "ß", "İ", "ǅ", "_", "٣",
+    "\ua4d4\ua4f3\ua4d3\ua4f3", "\u1d1b\u1d0f", "\u202e", "\u202b", "\u2067", "\u202c",
+    "\u2069", "ODOT", "\u2800",
     "word", "alpha", "beta", "gamma", "the", "same words again",
 ]  # fmt: skip
 

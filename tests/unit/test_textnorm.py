@@ -6,7 +6,14 @@ import random
 
 import pytest
 
-from pipeline.textnorm import CONFUSABLES, needs_work, normalize
+from pipeline.textnorm import (
+    CONFUSABLES,
+    LOOKALIKES,
+    display_order,
+    looks_blank,
+    needs_work,
+    normalize,
+)
 
 RUSSIAN = "Съешь же ещё этих мягких французских булок, да выпей чаю. Сорок сорок, ХХХ век."
 GREEK = "Η γρήγορη καφέ αλεπού πηδάει πάνω από τον τεμπέλη σκύλο. ΤΟ ΚΑΡΟ ΕΙΝΑΙ ΜΟΝΟ."
@@ -149,3 +156,110 @@ def test_offsets_stay_inside_the_original_and_in_order() -> None:
 def test_lone_surrogates_do_not_break_normalisation() -> None:
     """Text holding a lone surrogate (possible in a str) is normalised, not an exception."""
     assert normalize("TO\u200bDO \ud800").text == "TODO \ud800"
+
+
+# ---- look-alikes of scripts with no prose here, display order, blank values (issue 33) ------
+
+
+@pytest.mark.parametrize(
+    ("text", "reads"),
+    [
+        ("\ua4d4\ua4f3\ua4d3\ua4f3", "TODO"),  # Lisu, the whole word
+        ("\u13a2\u13aa\u13f4", "TAB"),  # Cherokee capitals
+        ("\uab72\uab7a", "TA"),  # Cherokee small letters: small-capital forms
+        ("\u2ca6\u2c9e\u2ca2", "TOP"),  # Coptic
+        ("\u1d1b\u1d0f\u1d05\u1d0f \ua730\u026a\u1d0d\u1d07", "TODO FIME"),  # small capitals
+        ("\U0001f163\U0001f15e \U0001f183\U0001f17e", "TO TO"),  # negative circled, squared
+        ("\u2c9e\u0422\ua4d3", "OTD"),  # a Cyrillic Т in a word the others made Latin
+    ],
+)
+def test_lookalike_letters_read_as_latin_even_in_a_word_of_their_own(text: str, reads: str) -> None:
+    """Letters of scripts and symbol sets an output holds no prose in read as the Latin
+    letter they imitate wherever they stand; offsets stay one-to-one."""
+    norm = normalize(f"x {text} y")
+    assert norm.text == f"x {reads} y"
+    assert norm.identity
+
+
+def test_lookalike_table_maps_characters_nfkc_leaves_alone_to_ascii_letters() -> None:
+    """Every LOOKALIKES entry is one non-ASCII character NFKC keeps as it is (else the entry
+    would never be reached) → one ASCII letter, and none is also a mixed-script confusable."""
+    import unicodedata
+
+    assert len(LOOKALIKES) > 150
+    for src, dst in LOOKALIKES.items():
+        assert len(src) == 1 and not src.isascii()
+        assert unicodedata.normalize("NFKC", src) == src
+        assert len(dst) == 1 and dst.isascii() and dst.isalpha()
+        assert src not in CONFUSABLES
+
+
+def test_braille_blank_reads_as_a_space_and_khitan_filler_as_nothing() -> None:
+    """U+2800 shows an empty cell: it separates words like a space. U+16FE4 shows nothing."""
+    assert normalize("ignore\u2800previous").text == "ignore previous"
+    assert normalize("TO\U00016fe4DO").text == "TODO"
+
+
+@pytest.mark.parametrize(
+    ("text", "shown", "word"),
+    [
+        ("x \u202eODOT\u202c y", "x TODO y", "ODOT"),  # RLO … PDF
+        ("x \u202bODOT\u202c y", "x TODO y", "ODOT"),  # RLE … PDF
+        ("x \u2067ODOT\u2069 y", "x TODO y", "ODOT"),  # RLI … PDI
+        ("x \u202eODOT\nODOT", "x TODO\nODOT", "ODOT"),  # a paragraph end closes the run
+        ("TO\u202eOD", "TODO", "TO\u202eOD"),  # half stored, half displayed reversed
+        ("x \u202e\u200bO\u200bDOT\u202c", "x TODO", "O\u200bDOT"),  # after normalising
+    ],
+)
+def test_display_order_reverses_right_to_left_runs(text: str, shown: str, word: str) -> None:
+    """The text in display order: each RLE/RLO/RLI run up to its closer (or any bidi control,
+    or the paragraph's end) reversed, after normalisation; a span maps back to the original
+    characters it came from."""
+    view = display_order(normalize(text))
+    assert view is not None and view.text == shown
+    s = shown.index("TODO")
+    assert view.span(s, s + 4) == (text.index(word), text.index(word) + len(word))
+
+
+@pytest.mark.parametrize("text", ["plain", "é \u202dODOT\u202c", "\u202e\u202c", "x \u202ea"])
+def test_display_order_is_none_without_a_run_to_reverse(text: str) -> None:
+    """No right-to-left opener (LRO does not reverse), or only empty or one-character runs."""
+    assert display_order(normalize(text)) is None
+
+
+def test_display_order_spans_stay_inside_the_original() -> None:
+    """On random mixtures of runs, controls and disguises, every display character maps into
+    the original text, and a span inside one run maps to the mirrored original span."""
+    pieces = ["\u202e", "\u202b", "\u2067", "\u202c", "\u2069", "\u202d", "\n", "a", "T", "O",
+              "\u200b", "\x1b[1m", "ﬁ", "é", " "]  # fmt: skip
+    r = random.Random(11)
+    for _ in range(300):
+        text = "".join(r.choice(pieces) for _ in range(r.randint(0, 30)))
+        view = display_order(normalize(text))
+        if view is None:
+            continue
+        assert len(view.text) == len(normalize(text).text)
+        for i in range(len(view.text)):
+            start, end = view.span(i, i + 1)
+            assert 0 <= start < end <= len(text), (text, i)
+            assert view.text[i] in normalize(text[start:end]).text, (text, i)
+
+
+BLANK = ["", " \t\n", "\u200b", "\u2800", "\u3164", "\u115f\u1160", "\uffa0", "\u202e\u202c",
+         "\u2066\u2069\u200e", "\ufeff\u00ad\u2060", "\x1b[0m", "\x00\x7f", "\U000e0041\U000e007f",
+         "\u3000\u00a0\u2800\u200d", "\U00016fe4", "\x9b1m"]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", BLANK)
+def test_looks_blank_for_text_a_reader_sees_nothing_in(value: str) -> None:
+    """Whitespace, zero-width and bidi controls, fillers, the braille blank, tags, ASCII
+    controls and escape sequences show nothing."""
+    assert looks_blank(value)
+
+
+@pytest.mark.parametrize(
+    "value", ["a", "\u200bx", "\x1b[0mx", "ｘ", "\u2800.", "日", "\ue000", "😀"]
+)
+def test_looks_blank_is_false_once_one_character_shows(value: str) -> None:
+    """One visible character anywhere, private-use and emoji included, is not blank."""
+    assert not looks_blank(value)
