@@ -68,6 +68,7 @@ from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.model_policy import KEY_ENV, in_key_scope, key_scope
 from pipeline.models import Frozen, Usage
 from pipeline.providers import call_scope, check_keys, load_litellm
+from pipeline.redaction import provider_error
 from pipeline.tokens import CHARS_PER_TOKEN, estimate_tokens
 
 Purpose = Literal["critic", "repair", "adjudicate", "generate"]
@@ -314,11 +315,13 @@ def retry_after_s(exc: BaseException, *, now: float | None = None) -> float | No
     return None
 
 
-def _describe(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    if len(text) > 300:
-        text = text[:297] + "..."
-    return f"{type(exc).__name__}: {text}"
+def _describe(exc: BaseException, key: str | None = None) -> str:
+    """The provider's error as a manager may read it (a failure reason, a fallback note): its
+    type, HTTP status and a short message with the call's ``key`` and anything key-like hidden
+    (:func:`pipeline.redaction.provider_error`): an error body can echo the request. The
+    errors built from it are raised ``from None``: Celery stores a failed stage's traceback,
+    chained causes included, where managers can read it (the result backend)."""
+    return provider_error(exc, (key,))
 
 
 def _field(obj: Any, name: str) -> Any:
@@ -500,16 +503,16 @@ class LiteLLMCompleter:
                 if kind == "permanent":
                     raise LLMPermanentError(
                         f"LLM call to {request.model!r} ({request.purpose}) was refused: "
-                        f"{_describe(exc)}",
+                        f"{_describe(exc, kwargs.get('api_key'))}",
                         hint=PERMANENT_HINT,
-                    ) from exc
+                    ) from None  # the provider's own text stays out of stored tracebacks
                 if attempt == attempts:
                     raise LLMTransientError(
                         f"LLM call to {request.model!r} ({request.purpose}) failed after "
                         f"{attempts} attempt{'s' if attempts != 1 else ''}; last error: "
-                        f"{_describe(exc)}",
+                        f"{_describe(exc, kwargs.get('api_key'))}",
                         hint=TRANSIENT_HINT,
-                    ) from exc
+                    ) from None
                 self._sleep(self.delay(attempt - 1, exc))
                 continue
             usage = _field(response, "usage")

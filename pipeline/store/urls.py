@@ -10,9 +10,10 @@ setting, says what is wrong with the value and shows a right one::
 
 Table-driven: :data:`SCHEMES` says how each scheme is checked, :data:`URL_SETTINGS` which
 schemes each setting accepts; a new scheme is one line in each (a checker may be shared).
-A password in a URL is never echoed (``***``). The Sentinel and Redis Cluster URL parsers live
-here too (:func:`parse_sentinel_url`, :func:`parse_cluster_url`); a cluster URL names the store
-only (``CRITIQUE_STORE_URL``, or ``REDIS_URL`` with the broker and the backend set apart).
+A password in a URL is never echoed: every message that names a URL shows it through
+:func:`redact_url` (``***``). The Sentinel and Redis Cluster URL parsers live here too
+(:func:`parse_sentinel_url`, :func:`parse_cluster_url`); a cluster URL names the store only
+(``CRITIQUE_STORE_URL``, or ``REDIS_URL`` with the broker and the backend set apart).
 """
 
 from __future__ import annotations
@@ -28,9 +29,23 @@ from pipeline.errors import ConfigError
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def _redacted(value: str) -> str:
-    """``value`` without the password of any ``user:password@`` part."""
-    return re.sub(r"(://[^:@/;]*:)[^@/;]+@", r"\1***@", value)
+def redact_url(value: str) -> str:
+    """``value`` with the password of every ``user:password@`` part shown as ``***``: for every
+    message and log line that names a URL.
+
+    Errs on the side of hiding: the user information of each part (the text after the start or
+    after a ``scheme://``, up to that part's last ``@``) loses everything after its first ``:``,
+    so a scheme-less ``user:secret@host:6379/0``, a password holding ``/``, ``;`` or an unescaped
+    ``@``, and each part of a ``sentinel://…;sentinel://…`` list are all covered; text that only
+    looks like one (``host:6379/0?x=a@b``) is hidden too, which costs a message some detail,
+    never a secret."""
+    parts = value.split("://")
+    for i, part in enumerate(parts):
+        userinfo, at, rest = part.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if at and colon:
+            parts[i] = f"{user}:***@{rest}"
+    return "://".join(parts)
 
 
 def _server(u: SplitResult) -> str | None:
@@ -372,7 +387,7 @@ def _example(setting: URLSetting, value: str) -> str:
 def url_problem(setting: URLSetting, value: str, env: Mapping[str, str]) -> str | None:
     """The one-line message for a bad ``value`` of ``setting``, or None when it is right.
     A ``sentinel://`` URL's own errors are raised by its parser (``ConfigError``)."""
-    shown = _redacted(value)
+    shown = redact_url(value)
     accepted = f"(accepted: {_accepted(setting.schemes)})"
     if not value.strip():
         return (

@@ -200,3 +200,131 @@ def test_the_docs_javascript_manager_logs_in_as_the_manager_user(
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["status"] == "accepted"
+
+
+def _user(manager: redis.Redis, user: str, password_env: str, db: int = 0) -> redis.Redis:
+    """A connection to the module's Redis as ``user`` (on database ``db``)."""
+    kw = manager.connection_pool.connection_kwargs
+    return redis.Redis(
+        host=kw["host"], port=kw["port"], username=user, password=PASSWORDS[password_env], db=db
+    )
+
+
+MANAGER_USERS = ["critique-manager", "critique-manager-celery"]
+
+
+@pytest.mark.parametrize("user", MANAGER_USERS)
+def test_the_manager_users_are_pinned_to_database_0(manager: redis.Redis, user: str) -> None:
+    """SELECT 0 is allowed (docs/entry.md's client sends it; redis-py and kombu send none for
+    /0), SELECT of any other database is refused with NOPERM, and a client whose URL names
+    database 1 cannot connect: another fleet's queue and results on the same Redis are out of
+    reach."""
+    conn = _user(manager, user, "CRITIQUE_MANAGER_REDIS_PASSWORD")
+    assert conn.execute_command("SELECT", "0") in (b"OK", "OK", True)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        conn.execute_command("SELECT", "1")
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        _user(manager, user, "CRITIQUE_MANAGER_REDIS_PASSWORD", db=1).ping()
+
+
+@pytest.fixture(scope="module")
+def flower_user(manager: redis.Redis) -> redis.Redis:
+    return _user(manager, "critique-flower", "CRITIQUE_FLOWER_REDIS_PASSWORD")
+
+
+@pytest.mark.parametrize(
+    "attempt",
+    [
+        lambda r: r.scan(0),
+        lambda r: r.keys("*"),
+        lambda r: r.dbsize(),
+        lambda r: r.randomkey(),
+        lambda r: r.lrange(keys.QUEUE_CPU, 0, -1),
+        lambda r: r.lindex(keys.QUEUE_CPU, 0),
+        lambda r: r.hgetall("unacked"),
+        lambda r: r.hgetall(keys.run_key("acl-run", keys.PASS_RESULTS)),
+        lambda r: r.get(f"{keys.key_prefix()}:anything"),
+        lambda r: r.set(f"celery-task-meta-{uuid.uuid4()}", '{"status": "SUCCESS"}'),
+        lambda r: r.lpush(keys.QUEUE_CPU, "a message"),
+        lambda r: r.delete(keys.QUEUE_CPU),
+        lambda r: r.sadd("_kombu.binding.critique.cpu", "x"),
+        lambda r: r.eval("return 1", 0),
+        lambda r: r.script_load("return 1"),
+        lambda r: r.execute_command("SELECT", "1"),
+        lambda r: r.publish("/0.celeryev/task.succeeded", "a forged event"),
+    ],
+    ids=[
+        "scan",
+        "keys",
+        "dbsize",
+        "randomkey",
+        "lrange-entry-queue",
+        "lindex-entry-queue",
+        "unacked",
+        "read-store",
+        "get-store",
+        "result-backend-write",
+        "push",
+        "del",
+        "binding-of-the-entry-queue",
+        "eval",
+        "script-load",
+        "select",
+        "publish-event",
+    ],
+)
+def test_the_flower_user_cannot_list_keys_read_messages_or_write(
+    flower_user: redis.Redis, attempt: object
+) -> None:
+    """Redis refuses (NOPERM) what Flower never does: listing or counting keys, reading the
+    queues' messages or the store, writing results, queues or bindings, running a script of
+    its own, another database, forging an event."""
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        attempt(flower_user)  # type: ignore[operator]
+
+
+def test_flower_as_the_flower_user_sees_the_fleet(
+    manager: redis.Redis, server: EmbeddedRedis, tmp_path: Path
+) -> None:
+    """Flower logged in as critique-flower, as shipped: it hears the worker's heartbeat and the
+    entry task's events (Flower's task list), reads the workers' registered tasks (remote
+    control), the queue lengths and one task's result by id, and Redis refuses none of the
+    commands it sends (ACL LOG)."""
+    from tests.support.flower import FlowerProcess, until
+
+    admin = redis.Redis.from_url(server.url_for(0))
+    admin.execute_command("ACL", "LOG", "RESET")
+    url = _url(server, "critique-flower", "CRITIQUE_FLOWER_REDIS_PASSWORD")
+    flower = FlowerProcess(worker_env(url), tmp_path / "flower.log")
+    try:
+        flower.start()
+        flower.wait_worker_alive("acl@", timeout=30)
+        run_id = f"acl-flower-{uuid.uuid4().hex[:8]}"
+        task_id = str(uuid.uuid4())
+        body = entry_body(hand_built(run_id), task_id, CONFIG, MANAGER_KEY)
+        push(manager, keys.TASK_SUBMIT, task_id, body)
+        assert task_meta(manager, task_id)["status"] == "SUCCESS"
+        seen = until(
+            "the entry task in Flower's task list",
+            lambda: (flower.json(f"/api/task/info/{task_id}") or {}).get("state") == "SUCCESS",
+            timeout=30,
+        )
+        assert seen
+        result = flower.json(f"/api/task/result/{task_id}")
+        assert result and result["state"] == "SUCCESS", result
+        lengths = flower.json("/api/queues/length")
+        assert lengths and keys.QUEUE_CPU in {q["name"] for q in lengths["active_queues"]}
+        workers = until(
+            "the worker's registered tasks through remote control",
+            lambda: {
+                name: info
+                for name, info in (flower.json("/api/workers?refresh=1") or {}).items()
+                if name.startswith("acl@") and info.get("registered")
+            },
+            timeout=30,
+        )
+        assert keys.TASK_SUBMIT in next(iter(workers.values()))["registered"]
+    finally:
+        flower.stop()
+    refused = [entry for entry in admin.acl_log() if entry.get("username") == "critique-flower"]
+    assert not refused, refused

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError
-from pipeline.store.urls import SCHEMES, URL_SETTINGS, check_url, check_urls
+from pipeline.store.urls import SCHEMES, URL_SETTINGS, check_url, check_urls, redact_url
 from workers.cli import main
 
 URL_ENVS = [s.env for s in URL_SETTINGS]
@@ -69,10 +69,53 @@ def test_the_broker_alone_takes_amqp_and_every_scheme_has_a_checker_entry() -> N
         check_url("CELERY_RESULT_BACKEND", "amqp://h//", {})
 
 
-def test_a_password_in_a_bad_url_is_never_echoed() -> None:
+@pytest.mark.parametrize(
+    ("env", "value"),
+    [
+        ("REDIS_URL", "redis://app:s3cret@h:1/db"),
+        ("REDIS_URL", "app:s3cret@h:6379/0"),  # no scheme (issue 33)
+        ("CELERY_BROKER_URL", ":s3cret@h:6379"),
+        ("REDIS_URL", "http://app:s3cret@h:6379/0"),  # a scheme the setting does not take
+        ("REDIS_URL", "redis://app:s3c/ret@h:1/db"),  # a '/' in the password
+        ("REDIS_URL", "redis://app:s3c@ret@h:x/0"),  # an unescaped '@' in the password
+        ("CELERY_BROKER_URL", "amqp://app:s3cret@h:x//"),
+    ],
+)
+def test_a_password_in_a_bad_url_is_never_echoed(env: str, value: str) -> None:
+    """Whatever is wrong with the URL, the message shows its password as ***."""
     with pytest.raises(ConfigError) as err:
-        check_urls({"REDIS_URL": "redis://app:s3cret@h:1/db"})
-    assert "s3cret" not in str(err.value) and "***" in str(err.value)
+        check_urls({env: value})
+    assert "s3c" not in str(err.value) and "***" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("user:secret@host:6379/0", "user:***@host:6379/0"),
+        ("redis://:secret@h/0", "redis://:***@h/0"),
+        ("redis://u:se@cr/et@h:1/0", "redis://u:***@h:1/0"),
+        (
+            "sentinel://:a1@h1:1/0;sentinel://:b2@h2:2",
+            "sentinel://:***@h1:1/0;sentinel://:***@h2:2",
+        ),
+        ("redis+cluster://u:secret@a:1,b:2", "redis+cluster://u:***@a:1,b:2"),
+        ("redis://critique-manager@h:6379/0", "redis://critique-manager@h:6379/0"),
+        ("unix:///run/redis.sock?db=2", "unix:///run/redis.sock?db=2"),
+    ],
+)
+def test_redact_url_hides_every_password_and_keeps_the_rest(url: str, shown: str) -> None:
+    """Every user:password@ part loses its password, scheme or not; a URL without one is
+    unchanged (the user name stays: it says which ACL user failed)."""
+    assert redact_url(url) == shown
+
+
+def test_an_unreachable_redis_message_hides_the_password() -> None:
+    """`cannot reach Redis at …` (critique submit, the demo's external workers) names the
+    server, never its password."""
+    from workers.commands._common import unreachable_redis
+
+    err = unreachable_redis("redis://app:s3cret@h:1/0", ConnectionError("refused"), "the broker")
+    assert "s3cret" not in str(err) and "redis://app:***@h:1/0" in str(err)
 
 
 @pytest.fixture

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pipeline.store.keys import QUEUE_CPU, QUEUE_LLM
+from pipeline.store.urls import redact_url
 from workers.cli import EXIT_UNAVAILABLE, EXIT_USAGE
 from workers.commands._common import CommandError, check_redis
 
@@ -103,7 +104,9 @@ def sign_with_a_private_secret(stack: contextlib.ExitStack, say: Say) -> None:
 
 
 def check_external_workers(app: Celery, url: str) -> int:
-    """The number of workers answering on the broker; raises when none (or a queue has none)."""
+    """The number of workers answering on the broker; raises when none (or a queue has none).
+    The hints name ``url`` without its password."""
+    url = redact_url(url)
     active = app.control.inspect(timeout=1.5).active_queues() or {}
     if not active:
         raise CommandError(
@@ -145,7 +148,7 @@ def start_pipeline(
 
     if not embedded:
         count = check_external_workers(app, url)
-        say(f"using Redis at {url} and {count} external worker(s)")
+        say(f"using Redis at {redact_url(url)} and {count} external worker(s)")
         return embedded, url
     from workers.embedded import InProcessWorker
 

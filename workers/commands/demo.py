@@ -227,6 +227,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     embedded, url = start_pipeline(stack, say, concurrency=args.workers)
     from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
     from pipeline.pitfalls import render_pitfalls
+    from pipeline.store.urls import redact_url
     from workers import runtime
     from workers.commands.report import write_report
     from workers.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
@@ -243,7 +244,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     except BrokenPipeError:  # the reader of our output went away (`| head`), not Redis
         raise
     except unreachable_errors() as exc:
-        raise CommandError(f"lost Redis at {url}: {exc}", EXIT_UNAVAILABLE) from None
+        raise CommandError(f"lost Redis at {redact_url(url)}: {exc}", EXIT_UNAVAILABLE) from None
     except (ConfigError, SubmissionError) as exc:  # refused here, before anything ran
         raise CommandError(str(exc), EXIT_USAGE) from None
     except CritiqueError as exc:
