@@ -333,8 +333,23 @@ def write(directory: Path, record: RunRecord, secrets: Sequence[bytes] = ()) -> 
     from pipeline.artifacts import atomic_write_many
 
     path = archive_path(directory, record.run_id)
+    if not directory.exists():  # only the worker's user may list or open other runs' archives
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     atomic_write_many([(path, encode(record, secrets))], root=directory)
     return path
+
+
+def check_not_older(record: RunRecord, latest_at: float | None, where: str = "archive") -> None:
+    """Refuse (``ArchiveError``) a record archived before ``latest_at``, when the archive
+    index knows the run's last archive was written then: an older, validly signed archive of
+    the run put back in place of the latest one (its ``archived_at`` is signed with the rest)."""
+    if latest_at is None or record.archived_at >= latest_at:
+        return
+    raise ArchiveError(
+        f"{where}: an older archive of run {record.run_id!r} (written {iso(record.archived_at)}) "
+        f"than its latest ({iso(latest_at)}): refused",
+        hint="restore the latest archive of the run, or re-archive it while Redis holds it",
+    )
 
 
 def read(

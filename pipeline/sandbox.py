@@ -22,7 +22,13 @@ What a run gets, and why:
   machine (:func:`network_isolation`); otherwise it runs with the host's network, and every
   result says which (``RunResult.isolation``).
 
-Nothing here isolates the filesystem beyond the cwd: the command can read what the worker's
+- **The worker's state directories hidden where the OS allows it** (:func:`state_dirs`: the
+  archive directory and the workspace root, never named in the command's environment, never
+  its cwd): with a mount namespace (``unshare -rnm``) each is covered by an empty tmpfs that
+  the command cannot unmount (:data:`HIDE_SCRIPT`); without one they stay reachable by
+  absolute path, and the result says so.
+
+Nothing else isolates the filesystem beyond the cwd: the command can read what the worker's
 user can read. Run workers as an unprivileged user, or in a container, for that.
 """
 
@@ -254,21 +260,77 @@ def _probe(prefix: Sequence[str]) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=1)
+HIDE_SCRIPT = (
+    'while [ "$1" != -- ]; do mount -t tmpfs -o size=4k,mode=0 none "$1" || exit 125; shift; '
+    'done; shift; exec "$0" -rm -- "$@"'
+)
+"""Run by ``sh -c`` inside ``unshare -rnm`` as ``HIDE_SCRIPT <unshare> <dir>... -- <argv>``:
+an empty, mode-0 tmpfs over each state directory, then the command in a nested user and mount
+namespace, where those mounts are locked (the command, root only in its namespace, cannot
+unmount them to uncover what is below)."""
+
+
+def state_dirs(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The worker's state directories a command must never reach (absolute, existing, sorted):
+    the archive directory (``$CRITIQUE_ARCHIVE_DIR``, else the workspace's ``archive``) and
+    the workspace root (``$CRITIQUE_WORKSPACE``, else ``./workspace``). A directory that holds
+    the command's own temp dir or the Python its ``PATH`` starts with is left out (hiding it
+    would hide the command itself); ``/`` never counts."""
+    from pipeline.archive import WORKSPACE_ENV, archive_dir
+
+    source = os.environ if environ is None else environ
+    workspace = source.get(WORKSPACE_ENV, "").strip() or "workspace"
+    needed = [
+        os.path.realpath(tempfile.gettempdir()),
+        os.path.realpath(minimal_path().split(":")[0]),
+    ]
+    out: set[str] = set()
+    for candidate in (str(archive_dir(source)), workspace):
+        path = os.path.realpath(candidate)
+        if path == "/" or not os.path.isdir(path):
+            continue
+        if any(n == path or n.startswith(path.rstrip("/") + "/") for n in needed):
+            continue
+        out.add(path)
+    return tuple(sorted(out))
+
+
 def network_isolation() -> Isolation:
-    """``unshare -rn`` when it works on this machine (probed once per process), else none.
+    """The isolation a command gets by default: :func:`isolation_for` this worker's
+    :func:`state_dirs` (looked up at each run, probed once per set of directories)."""
+    return isolation_for(state_dirs())
+
+
+@functools.lru_cache(maxsize=8)
+def isolation_for(hidden: tuple[str, ...]) -> Isolation:
+    """``unshare -rnm`` hiding ``hidden`` when that works on this machine, else ``unshare -rn``
+    (network only), else none; each probed once per process.
 
     ``-r`` makes a user namespace (so no privilege is needed where unprivileged user
-    namespaces are allowed), ``-n`` a network namespace with no usable interface.
+    namespaces are allowed), ``-n`` a network namespace with no usable interface, ``-m`` a
+    mount namespace where :data:`HIDE_SCRIPT` covers the worker's state directories.
     """
     unshare = shutil.which("unshare", path=minimal_path())
     if unshare is None:
         return Isolation((), "network: not isolated (no `unshare` on this machine)")
+    sh = shutil.which("sh", path=minimal_path())
+    if sh is not None:
+        prefix = (unshare, "-rnm", "--", sh, "-c", HIDE_SCRIPT, unshare, *hidden, "--")
+        if _probe(prefix) is None:
+            return Isolation(
+                prefix,
+                "network: none (user + network namespace, `unshare -rn`); worker state "
+                f"directories hidden: {len(hidden)}",
+            )
     prefix = (unshare, "-rn", "--")
     why = _probe(prefix)
     if why is not None:
         return Isolation((), f"network: not isolated (`unshare -rn` is not permitted here: {why})")
-    return Isolation(prefix, "network: none (user + network namespace, `unshare -rn`)")
+    return Isolation(
+        prefix,
+        "network: none (user + network namespace, `unshare -rn`); worker state directories "
+        "not hidden (no mount namespace)",
+    )
 
 
 NO_ISOLATION = Isolation((), "network: not isolated (switched off for this run)")

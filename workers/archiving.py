@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pipeline import archive
 from pipeline.archive import ArchiveError, RunRecord
-from pipeline.errors import ConfigError, PathEscapeError
+from pipeline.errors import ConfigError, CritiqueError, PathEscapeError
 from pipeline.models import CritiqueResult
 from pipeline.store import keys
 from pipeline.store.archive_index import RedisArchiveIndex, RunState
@@ -133,7 +133,7 @@ def collect(
         rejections=stores.runs.rejections(run_id),
         trace=tuple(trace),
         patterns=tuple(stores.patterns.top(run_id, MAX_PATTERNS_PER_RUN)),
-        lessons=tuple(stores.patterns.lessons(MAX_LESSONS)),
+        lessons=tuple(stores.patterns.lessons(MAX_LESSONS, run_id=run_id)),
         pending=tuple(idx.pending(run_id)),
         budget={"spent": budget.spent, "overrun": budget.overrun},
     )
@@ -273,9 +273,26 @@ def _next_look(state: RunState, now: float, quiet: float, margin: float) -> floa
 def read_archived(run_id: str, directory: Path | None = None) -> tuple[Path, RunRecord] | None:
     """The run's archive (path, record) in ``directory`` (default
     :func:`pipeline.archive.archive_dir`), or None when there is none; ``ArchiveError`` when
-    it exists but cannot be trusted or read (with ``CRITIQUE_SECRET``: it must verify)."""
+    it exists but cannot be trusted or read (with ``CRITIQUE_SECRET``: it must verify), or is
+    older than the run's last archive the archive index knows of."""
     folder = archive.archive_dir() if directory is None else directory
-    return archive.read(folder, run_id, runtime.secrets())
+    got = archive.read(folder, run_id, runtime.secrets())
+    if got is not None:
+        archive.check_not_older(got[1], _latest_archived_at(run_id), str(got[0]))
+    return got
+
+
+def _latest_archived_at(run_id: str) -> float | None:
+    """When the archive index says the run was last archived (its marker lives a day past
+    the run's keys); None when it does not know or cannot be reached (the signature alone
+    then vouches for the file)."""
+    try:
+        marker = default_index().marker(run_id)
+    except CritiqueError as exc:
+        log.warning("run %s: archive index not read (%s); archive age not checked", run_id, exc)
+        return None
+    at = None if marker is None else marker.get("at")
+    return float(at) if isinstance(at, int | float) and not isinstance(at, bool) else None
 
 
 def in_redis(run_id: str, stores: RedisStores | None = None) -> bool:

@@ -323,3 +323,22 @@ def test_a_run_redis_still_holds_is_never_read_from_its_archive(
     rc, out, _ = _cli(capsys, "status", "run-i", "--json")
     doc = json.loads(out)
     assert rc == 1 and doc["archive"] is None and doc["pending"] == ["1:w7"]
+
+
+def test_an_older_signed_archive_put_back_is_refused(env: Path) -> None:
+    """A validly signed archive of the run older than the one the archive index knows as its
+    latest (a rollback by whoever can write the directory) is refused on read-back; the
+    directory is created 0700 and the file 0600."""
+    _seed("run-o")
+    first = archiving.archive_run("run-o", now=time.time() - 5)
+    assert first.path is not None
+    older = first.path.read_bytes()
+    _submit("run-o", "w5", "s5")
+    _finish("run-o", "w5", "s5", 0.2)
+    latest = archiving.archive_run("run-o")
+    assert latest.path == first.path
+    assert (os.stat(env).st_mode & 0o777, os.stat(latest.path).st_mode & 0o777) == (0o700, 0o600)
+    assert archiving.read_archived("run-o") is not None
+    first.path.write_bytes(older)
+    with pytest.raises(archive.ArchiveError, match="older archive of run 'run-o'"):
+        archiving.read_archived("run-o")

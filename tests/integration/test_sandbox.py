@@ -227,3 +227,36 @@ def test_no_network_where_unshare_works(tmp_path: Path) -> None:
     assert result.exit_code != 0 and "unreachable" in result.output.lower()
     assert result.isolation.startswith("network: none")
     assert outside.passed  # the same code reaches it without the namespace
+
+
+def test_the_archive_dir_is_hidden_from_the_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a mount namespace, the command can neither list nor delete other runs' archives by
+    their absolute path, nor unmount what covers them; the worker's copy is untouched."""
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    victim = archive / "other-run.jsonl"
+    victim.write_text("{}\n")
+    monkeypatch.setenv("CRITIQUE_ARCHIVE_DIR", str(archive))
+    iso = network_isolation()
+    if "hidden: " not in iso.description:
+        pytest.skip(f"this machine gives no mount namespace: {iso.description}")
+    work = tmp_path / "cmd"
+    work.mkdir()
+    code = (
+        "import os, subprocess, sys\n"
+        f"d = {str(archive)!r}\n"
+        "subprocess.run(['umount', '-l', d], capture_output=True)\n"
+        "seen = os.listdir(d) if os.access(d, os.R_OK) else 'denied'\n"
+        "try:\n    os.remove(os.path.join(d, 'other-run.jsonl')); gone = 'removed'\n"
+        "except OSError as exc:\n    gone = type(exc).__name__\n"
+        "print('SEEN', seen, 'GONE', gone)\n"
+    )
+    result = run_confined(
+        [PY, "-c", code], str(work), timeout_s=10, env=scrubbed_env(str(work)), isolation=iso
+    )
+    assert "SEEN" in result.output and "other-run" not in result.output.split("GONE")[0]
+    assert "GONE removed" not in result.output
+    assert victim.read_text() == "{}\n"
+    assert str(archive) not in scrubbed_env(str(work)).values()

@@ -96,8 +96,6 @@ def _record() -> RunRecord:
                 runs=2,
                 description="no findings",
                 prevention_rule="include findings",
-                first_run="run-0",
-                last_run="run-1",
             ),
         ),
         pending=("2:w4:s5",),
@@ -247,3 +245,16 @@ def test_a_folder_in_place_of_the_archive_is_one_clear_error(tmp_path: Path) -> 
     (folder / "run-1.jsonl").mkdir(parents=True)
     with pytest.raises(ArchiveError, match="not a regular file"):
         archive.read(folder, "run-1")
+
+
+def test_an_archive_older_than_the_latest_known_is_refused() -> None:
+    """check_not_older compares the signed archived_at with the index's latest: equal or newer
+    passes, older is refused naming the run, unknown (no marker) passes."""
+    from pipeline.archive import ArchiveError, RunRecord, check_not_older
+
+    record = RunRecord(run_id="run-x", archived_at=100.0, signed_store=True)
+    check_not_older(record, None)
+    check_not_older(record, 100.0)
+    check_not_older(record, 99.0)
+    with pytest.raises(ArchiveError, match="older archive of run 'run-x'"):
+        check_not_older(record, 100.5)

@@ -3,12 +3,20 @@ in-memory cache."""
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Any
 
+import pytest
+
 from pipeline.config import CritiqueConfig
 from pipeline.critics.heuristic import HeuristicCritic
-from pipeline.critique_cache import critique_cache_key
+from pipeline.critique_cache import (
+    CacheEntryRefused,
+    critique_cache_key,
+    open_entry,
+    seal_entry,
+)
 from pipeline.models import CritiqueEnvelope, Submission, Usage
 from pipeline.runner import L0Outcome, run_submission
 from pipeline.store.memory import MemoryCritiqueCache
@@ -70,18 +78,24 @@ def _ctx(critic: CountingCritic, enabled: bool = True) -> Any:
 
 
 def test_identical_outputs_are_critiqued_once_and_hits_spend_nothing() -> None:
+    """Identical prompts share one critique across runs; once the run has learned pitfalls its
+    critic's prompt differs, so the same output is critiqued again (never a stale hit)."""
     critic = CountingCritic()
     ctx = _ctx(critic)
     first = run_submission(_sub("w1"), ctx)
-    second = run_submission(_sub("w2"), ctx)
-    third = run_submission(_sub("w3", run="run-other"), ctx)  # the cache spans runs
+    second = run_submission(_sub("w2", run="run-other"), ctx)  # the cache spans runs
     assert critic.calls == 1
-    assert first.usage.tokens == 120 and second.usage.tokens == third.usage.tokens == 0
+    assert first.usage.tokens == 120 and second.usage.tokens == 0
     assert second.envelope.worker_id == "w2" and second.envelope.score == first.envelope.score
     assert any("critique cache hit" in n for n in second.notes)
     assert not any("critique cache hit" in n for n in first.notes)
+    third = run_submission(_sub("w3"), ctx)  # run-c's critic now reads w1's pitfalls
+    assert critic.calls == 2 and third.usage.tokens == 120
     caches = [e.get("cache") for e in ctx.trace.read("run-c") if e["stage"] == "critic"]
-    assert caches == ["miss", "hit"]
+    assert caches == ["miss", "miss"]
+    assert [e.get("cache") for e in ctx.trace.read("run-other") if e["stage"] == "critic"] == [
+        "hit"
+    ]
     # each occurrence still counts in pattern memory
     assert ctx.patterns.top("run-c")[0].frequency == 2
 
@@ -103,11 +117,31 @@ def test_different_outputs_or_cache_off_critique_again() -> None:
 def test_the_key_ignores_who_sent_it_but_not_what_was_asked() -> None:
     ctx = _ctx(CountingCritic())
     out = {"summary": "x"}
-    base = critique_cache_key(ctx.config, ctx.critic, _sub("w1", out), out)
-    assert critique_cache_key(ctx.config, ctx.critic, _sub("w9", out, run="other"), out) == base
+
+    def key(sub: Submission, output: Any, pitfalls: str = "", round: int = 1) -> str:
+        return critique_cache_key(
+            ctx.config, ctx.critic, sub, output, pitfalls=pitfalls, round=round
+        )
+
+    base = key(_sub("w1", out), out)
+    assert key(_sub("w9", out, run="other"), out) == base
     other_task = _sub("w1", out).model_copy(update={"task": "Something else."})
-    assert critique_cache_key(ctx.config, ctx.critic, other_task, out) != base
-    assert critique_cache_key(ctx.config, ctx.critic, _sub("w1", out), {"summary": "y"}) != base
+    assert key(other_task, out) != base
+    assert key(_sub("w1", out), {"summary": "y"}) != base
+
+
+def test_the_key_covers_the_pitfalls_and_round_in_the_critics_prompt() -> None:
+    """Two runs whose critics read different Known Pitfalls (or a repair round's prompt) never
+    share an envelope."""
+    ctx = _ctx(CountingCritic())
+    out = {"summary": "x"}
+    sub = _sub("w1", out)
+    base = critique_cache_key(ctx.config, ctx.critic, sub, out, pitfalls="", round=1)
+    with_pitfalls = critique_cache_key(
+        ctx.config, ctx.critic, sub, out, pitfalls="- [missing_data] Always fill x", round=1
+    )
+    second_round = critique_cache_key(ctx.config, ctx.critic, sub, out, pitfalls="", round=2)
+    assert len({base, with_pitfalls, second_round}) == 3
 
 
 def test_a_fallback_envelope_is_never_cached() -> None:
@@ -143,3 +177,35 @@ def test_a_submission_may_not_set_the_cache() -> None:
 
     with pytest.raises(RefusedOverrideError):
         check_submission_overrides({"cache": {"enabled": True}}, CritiqueConfig())
+
+
+SECRETS = (b"k" * 32,)
+
+
+def test_a_sealed_entry_opens_only_under_its_key_and_secret() -> None:
+    """A cache entry is a signed record bound to its key: rewritten, unsigned, copied onto
+    another key or signed with another secret, it is refused (a miss), never an envelope."""
+    env = '{"score": 0.4, "defects": []}'
+    sealed = seal_entry("k1", env, SECRETS)
+    assert open_entry("k1", sealed, SECRETS) == env
+    forged = json.loads(sealed)
+    forged["envelope"] = '{"score": 0.97, "defects": []}'
+    unsigned = json.dumps({"key": "k1", "envelope": env})
+    for raw, key, secrets in [
+        (json.dumps(forged), "k1", SECRETS),
+        (unsigned, "k1", SECRETS),
+        (sealed, "k2", SECRETS),
+        (sealed, "k1", (b"o" * 32,)),
+        (env, "k1", SECRETS),  # a bare envelope, as older workers stored them
+        ("not json", "k1", SECRETS),
+    ]:
+        with pytest.raises(CacheEntryRefused):
+            open_entry(key, raw, secrets)
+
+
+def test_without_a_secret_entries_are_stored_and_read_unsigned() -> None:
+    """Development fleets (no CRITIQUE_SECRET) keep their cache; the key binding still holds."""
+    sealed = seal_entry("k1", '{"score": 0.4}', ())
+    assert "sig" not in sealed and open_entry("k1", sealed, ()) == '{"score": 0.4}'
+    with pytest.raises(CacheEntryRefused):
+        open_entry("k2", sealed, ())
