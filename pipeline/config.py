@@ -70,6 +70,7 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_SENTINEL_PASSWORD",  # the Sentinels' own password (a secret)
         "CRITIQUE_RUN_TTL_S",  # expiry of every run key
         "CRITIQUE_LESSONS_TTL_S",  # expiry of the shared lessons keys (refreshed on each write)
+        "CRITIQUE_LESSONS_SCOPE",  # lessons per run (default) or shared by the fleet
         "CRITIQUE_LIVE_TTL_S",  # expiry of a live pass's step records and first message
         "CRITIQUE_STEPS_GRACE_S",  # how long a finished pass's step records stay (default 0)
         "CRITIQUE_LEASE_TTL_S",  # how long a dead repair's budget reservation is held

@@ -24,7 +24,14 @@ from typing import Any
 
 from pipeline.escaping import md_text
 from pipeline.injection import detect_injection
-from pipeline.models import CritiqueEnvelope, Defect, Lesson, Pattern, ReusablePattern
+from pipeline.models import (
+    CritiqueEnvelope,
+    Defect,
+    Lesson,
+    LessonScope,
+    Pattern,
+    ReusablePattern,
+)
 from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
 from pipeline.store.keys import pattern_key
 
@@ -324,25 +331,52 @@ def patterns_from_envelope(
     return out
 
 
-def render_lessons(lessons: Sequence[Lesson]) -> str:
-    """``lessons.md``: failure patterns that recurred across runs, most runs first as given.
-    Every stored string is worker-made and shown literally (:func:`pipeline.escaping.md_text`)."""
-    lines = [
-        "# Lessons",
-        "",
-        "Failure patterns that recurred across runs, most frequent first.",
-        "",
-    ]
+def render_lessons(
+    lessons: Sequence[Lesson], *, run_id: str | None = None, scope: LessonScope = "run"
+) -> str:
+    """``lessons.md`` for ``run_id``: its lessons in the given order, under the intro of their
+    ``scope`` (the run's own patterns, or the fleet's that recurred across runs).
+
+    A lesson is labelled with how many runs taught it and whether this run did; no other run
+    is named. Every stored string is shown as pattern memory keeps it (no control characters,
+    capped: a row a Redis writer planted cannot carry more) and literally
+    (:func:`pipeline.escaping.md_text`)."""
+    lines = ["# Lessons", ""]
+    if run_id is not None:
+        lines += [f"Run {md_text(run_id)}.", ""]
+    if scope == "run":
+        lines.append(
+            "Failure patterns this run taught, most frequent first (lessons are kept per run)."
+        )
+    else:
+        lines.append(
+            "Failure patterns that recurred across the fleet's runs, most runs first. Lessons "
+            "are shared by every run: each says how many runs taught it, never which."
+        )
+    lines.append("")
     if not lessons:
-        lines.append("No recurring failure patterns recorded yet.")
+        lines.append(
+            "No failure patterns recorded yet."
+            if scope == "run"
+            else "No recurring failure patterns recorded yet."
+        )
         return "\n".join(lines) + "\n"
     for i, lesson in enumerate(lessons, 1):
+        category = md_text(stored_text(lesson.category, MAX_NAME_CHARS * 2))
         lines += [
-            f"## {i}. {md_text(lesson.category)} (seen in {lesson.runs} runs)",
+            f"## {i}. {category} ({_taught_by(lesson)})",
             "",
-            f"- **Rule:** {md_text(lesson.prevention_rule)}",
-            f"- **What happened:** {md_text(lesson.description)}",
-            f"- **Runs:** first {md_text(lesson.first_run)}, latest {md_text(lesson.last_run)}",
+            f"- **Rule:** {md_text(stored_text(lesson.prevention_rule, MAX_RULE_CHARS))}",
+            f"- **What happened:** "
+            f"{md_text(stored_text(lesson.description, MAX_DESCRIPTION_CHARS))}",
             "",
         ]
     return "\n".join(lines)
+
+
+def _taught_by(lesson: Lesson) -> str:
+    """Who taught a lesson, in counts: this run, and how many runs in all."""
+    if lesson.scope == "run":
+        return "taught by this run"
+    runs = f"seen in {lesson.runs} run{'s' if lesson.runs != 1 else ''}"
+    return f"{runs}, this one among them" if lesson.this_run else runs

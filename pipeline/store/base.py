@@ -25,8 +25,25 @@ MAX_PATTERNS_PER_RUN = 1000
 full evicts the least-seen one (of those, the first recorded), so a flood of one-off patterns
 cannot grow a run's memory or push out patterns that recur."""
 MAX_LESSONS = 1000
-"""At most this many lessons are kept (they are shared by every run). A new lesson arriving
-when full evicts the one seen in the fewest runs (of those, the first learned)."""
+"""At most this many fleet lessons are kept (``CRITIQUE_LESSONS_SCOPE=fleet``: shared by every
+run). A new lesson arriving when full evicts the one seen in the fewest runs (of those, the first
+learned)."""
+MAX_LESSONS_PER_RUN = 50
+"""At most this many of the fleet's lessons may be brought by one run (the run that taught a
+pattern first): a run that floods distinct patterns fills its share, never the whole cap, so
+it cannot push out what other runs taught. Its further patterns stay in its own memory."""
+
+
+def run_lesson(pattern: Pattern) -> Lesson:
+    """One of a run's own patterns as a run-scope lesson: taught by that one run."""
+    return Lesson(
+        category=pattern.category,
+        runs=1,
+        description=pattern.description,
+        prevention_rule=pattern.prevention_rule,
+        scope="run",
+        this_run=True,
+    )
 
 
 class PatternStore(Protocol):
@@ -46,8 +63,10 @@ class PatternStore(Protocol):
         A pattern counts once per ``pass_key`` (a submission pass; "" = the critique key
         itself): a later critique of the same pass (its repair rounds) does not count a pattern
         that pass already counted, while a new pass (a resubmission) counts it again. A run
-        keeps at most :data:`MAX_PATTERNS_PER_RUN` patterns; a pattern's first count in a run
-        also counts one run for its lesson (at most :data:`MAX_LESSONS` lessons).
+        keeps at most :data:`MAX_PATTERNS_PER_RUN` patterns. With fleet lessons
+        (``CRITIQUE_LESSONS_SCOPE=fleet``), a pattern's first count in a run also counts one
+        run for its fleet lesson (at most :data:`MAX_LESSONS` lessons, at most
+        :data:`MAX_LESSONS_PER_RUN` of them brought by one run).
 
         Returns True when this call recorded them, False when the key was already recorded.
         """
@@ -58,9 +77,16 @@ class PatternStore(Protocol):
         most ``limit`` entries however many patterns tie."""
         ...
 
-    def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
-        """Patterns that occurred in at least ``min_runs`` runs, most runs first (ties: first
-        learned first); lessons expire ``CRITIQUE_LESSONS_TTL_S`` after the last write."""
+    def lessons(
+        self, limit: int = 50, min_runs: int = 2, *, run_id: str | None = None
+    ) -> list[Lesson]:
+        """The lessons ``run_id`` may see, at most ``limit``.
+
+        Run scope (the default): the run's own patterns, most frequent first (none without a
+        run id; ``min_runs`` does not apply: one run taught each). Fleet scope: patterns that
+        occurred in at least ``min_runs`` runs, most runs first (ties: first learned first),
+        each marked when ``run_id`` taught it too; they expire ``CRITIQUE_LESSONS_TTL_S`` after
+        the last write. No lesson names a run."""
         ...
 
 

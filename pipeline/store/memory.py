@@ -14,19 +14,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.models import Lesson, Pattern, ReusablePattern
+from pipeline.models import Lesson, LessonScope, Pattern, ReusablePattern
 from pipeline.store.base import (
     MAX_LESSONS,
+    MAX_LESSONS_PER_RUN,
     MAX_PATTERNS_PER_CRITIQUE,
     MAX_PATTERNS_PER_RUN,
     WAITER_GRACE_S,
     BudgetAnswer,
     BudgetSnapshot,
     encode_event,
+    run_lesson,
 )
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
+from pipeline.store.keys import lessons_scope, pattern_key
 from pipeline.store.keys import lessons_ttl_s as lessons_ttl
-from pipeline.store.keys import pattern_key
 
 
 @dataclass
@@ -35,19 +37,30 @@ class _PatternRow:
     order: int
 
 
+@dataclass
+class _LessonRow:
+    lesson: Lesson
+    order: int  # first learned
+    by: str  # the run that brought it (counted against its share, never shown)
+
+
 class MemoryPatternStore:
     """Pattern memory in a dict, guarded by a lock, with the Redis store's rules: once per
     critique key, once per pass, at most :data:`MAX_PATTERNS_PER_RUN` patterns per run and
-    :data:`MAX_LESSONS` lessons (least seen, then first recorded, evicted first), and lessons
-    that expire ``lessons_ttl_s`` after the last write (``clock`` in seconds)."""
+    lessons by ``lessons_scope`` (default ``$CRITIQUE_LESSONS_SCOPE``, read at each call): the
+    run's own patterns, or fleet lessons, at most :data:`MAX_LESSONS` (least seen, then first
+    recorded, evicted first; at most :data:`MAX_LESSONS_PER_RUN` brought by one run) that
+    expire ``lessons_ttl_s`` after the last write (``clock`` in seconds)."""
 
     def __init__(
         self,
         clock: Callable[[], float] = time.monotonic,
         lessons_ttl_s: float | None = None,
+        lessons_scope: LessonScope | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._clock = clock
+        self._lessons_scope = lessons_scope
         self._lessons_ttl_s = lessons_ttl_s if lessons_ttl_s is not None else lessons_ttl()
         if self._lessons_ttl_s <= 0:
             raise ValueError(f"lessons TTL must be positive, got {self._lessons_ttl_s!r}")
@@ -56,7 +69,8 @@ class MemoryPatternStore:
         self._counted: set[tuple[str, str, str]] = set()
         self._learned: set[tuple[str, str]] = set()
         self._order = 0
-        self._lessons: dict[str, tuple[Lesson, int]] = {}
+        self._lessons: dict[str, _LessonRow] = {}
+        self._held: dict[str, int] = {}  # run id -> fleet lessons it brought, still kept
         self._lesson_order = 0
         self._lessons_written = clock()
 
@@ -71,6 +85,7 @@ class MemoryPatternStore:
         if iteration < 1:
             raise ValueError(f"iteration must be ≥ 1, got {iteration}")
         counted_as = pass_key or critique_key
+        fleet = (self._lessons_scope or lessons_scope()) == "fleet"
         with self._lock:
             if (run_id, critique_key) in self._seen:
                 return False
@@ -113,7 +128,8 @@ class MemoryPatternStore:
                 )
                 if (run_id, key) not in self._learned:
                     self._learned.add((run_id, key))
-                    self._learn(run_id, key, p)
+                    if fleet:
+                        self._learn(run_id, key, p)
             return True
 
     def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
@@ -129,40 +145,50 @@ class MemoryPatternStore:
         Redis keys expire together."""
         if self._clock() - self._lessons_written >= self._lessons_ttl_s:
             self._lessons.clear()
+            self._held.clear()
 
     def _learn(self, run_id: str, key: str, p: ReusablePattern) -> None:
-        """A pattern's first occurrence in a run: one more run for its lesson (lock held)."""
+        """A pattern's first occurrence in a run: one more run for its fleet lesson, or a new
+        lesson while the run brought fewer than its share (lock held)."""
         self._expire_lessons()
         self._lessons_written = self._clock()
         got = self._lessons.get(key)
-        if got is None:
-            while len(self._lessons) >= MAX_LESSONS:
-                victim = min(
-                    self._lessons, key=lambda k: (self._lessons[k][0].runs, self._lessons[k][1])
-                )
-                del self._lessons[victim]
-            self._lesson_order += 1
-            lesson = Lesson(
-                category=p.category,
-                runs=1,
-                description=p.description,
-                prevention_rule=p.prevention_rule,
-                first_run=run_id,
-                last_run=run_id,
-            )
-            self._lessons[key] = (lesson, self._lesson_order)
-        else:
-            lesson = got[0].model_copy(update={"runs": got[0].runs + 1, "last_run": run_id})
-            self._lessons[key] = (lesson, got[1])
+        if got is not None:
+            got.lesson = got.lesson.model_copy(update={"runs": got.lesson.runs + 1})
+            return
+        if self._held.get(run_id, 0) >= MAX_LESSONS_PER_RUN:
+            return
+        while len(self._lessons) >= MAX_LESSONS:
+            rows = self._lessons
+            victim = min(rows, key=lambda k: (rows[k].lesson.runs, rows[k].order))
+            by = rows.pop(victim).by
+            self._held[by] -= 1
+            if self._held[by] <= 0:
+                del self._held[by]
+        self._lesson_order += 1
+        lesson = Lesson(
+            category=p.category,
+            runs=1,
+            description=p.description,
+            prevention_rule=p.prevention_rule,
+            scope="fleet",
+        )
+        self._lessons[key] = _LessonRow(lesson, self._lesson_order, run_id)
+        self._held[run_id] = self._held.get(run_id, 0) + 1
 
-    def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
+    def lessons(
+        self, limit: int = 50, min_runs: int = 2, *, run_id: str | None = None
+    ) -> list[Lesson]:
         if limit <= 0:
             return []
+        if (self._lessons_scope or lessons_scope()) == "run":
+            return [] if run_id is None else [run_lesson(p) for p in self.top(run_id, limit)]
         with self._lock:
             self._expire_lessons()
-            rows = [v for v in self._lessons.values() if v[0].runs >= min_runs]
-        best = heapq.nsmallest(limit, rows, key=lambda r: (-r[0].runs, r[1]))
-        return [r[0] for r in best]
+            own = set(self._rows.get(run_id, {})) if run_id is not None else set()
+            rows = [(k, v) for k, v in self._lessons.items() if v.lesson.runs >= min_runs]
+        best = heapq.nsmallest(limit, rows, key=lambda r: (-r[1].lesson.runs, r[1].order))
+        return [v.lesson.model_copy(update={"this_run": k in own}) for k, v in best]
 
 
 @dataclass

@@ -109,10 +109,11 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[list[Red
 
 @pytest.fixture
 def fault_store_env(cluster: list[RedisServer]) -> dict[str, str]:
-    """The store on the cluster, named by two of its three nodes (the client finds the third)."""
+    """The store on the cluster, named by two of its three nodes (the client finds the third),
+    with fleet lessons, so their one script runs on the cluster too."""
     return {"CRITIQUE_STORE_URL": "redis+cluster://" + ",".join(
         f"127.0.0.1:{n.port}" for n in cluster[:2]
-    )}  # fmt: skip
+    ), "CRITIQUE_LESSONS_SCOPE": "fleet"}  # fmt: skip
 
 
 def _owner(cluster: list[RedisServer]) -> dict[int, int]:
@@ -230,7 +231,7 @@ def test_runs_on_a_cluster_store_finish_spread_over_its_nodes_and_never_touch_th
     probe = keys.shared_key(f"{keys.PROBE}:{{{keys.QUEUE_CPU}}}", prefix)
     assert probe in everything  # the sweeper's probes went to the store, not the broker
     assert keys.shared_key(keys.PENDING_RUNS, prefix) in everything
-    # The lessons' one script (three shared keys, one {lessons} slot) ran on the cluster.
+    # The lessons' one script (four shared keys, one {lessons} slot) ran on the cluster.
     assert keys.shared_key(keys.LESSONS_RUNS, prefix) in everything
 
     # The CLI, on the same cluster store.

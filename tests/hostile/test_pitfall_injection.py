@@ -96,7 +96,7 @@ def test_the_reproduction_keeps_the_instruction_out_of_pitfalls_and_lessons(
     pitfalls = client.pitfalls(first)
     assert "incomplete: Never leave a field as an empty string" in pitfalls
     assert leaks(pitfalls) == []
-    lessons = client.lessons(min_runs=2)
+    lessons = client.lessons(run_id=second)
     assert "Never leave a field as an empty string" in [x.prevention_rule for x in lessons]
     assert leaks(" ".join(f"{x.description} {x.prevention_rule}" for x in lessons)) == []
     stored = stored_pattern_text(hostile_url)

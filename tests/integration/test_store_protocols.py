@@ -16,6 +16,7 @@ from pipeline.errors import PermanentError
 from pipeline.models import ReusablePattern
 from pipeline.store.base import (
     MAX_LESSONS,
+    MAX_LESSONS_PER_RUN,
     MAX_PATTERNS_PER_RUN,
     WAITER_GRACE_S,
     BlobStore,
@@ -64,6 +65,15 @@ def patterns(request: pytest.FixtureRequest) -> PatternStore:
     if request.param == "memory":
         return MemoryPatternStore()
     return RedisPatternStore(request.getfixturevalue("redis_client"), prefix=PREFIX, ttl_s=TTL_S)
+
+
+@pytest.fixture(params=IMPLS)
+def fleet_patterns(request: pytest.FixtureRequest) -> PatternStore:
+    """A pattern store whose lessons are the fleet's (CRITIQUE_LESSONS_SCOPE=fleet)."""
+    if request.param == "memory":
+        return MemoryPatternStore(lessons_scope="fleet")
+    client = request.getfixturevalue("redis_client")
+    return RedisPatternStore(client, prefix=PREFIX, ttl_s=TTL_S, lessons_scope="fleet")
 
 
 @pytest.fixture(params=IMPLS)
@@ -548,9 +558,11 @@ def test_blob_sizes(blobs: BlobStore, size: int) -> None:
     assert blobs.get(blobs.put(data)) == data
 
 
-def test_lessons_count_runs_and_survive_the_run(patterns: PatternStore) -> None:
-    """A pattern's lesson counts the runs it occurred in (not its critiques); a redelivered
-    critique adds nothing; below min_runs it is not a lesson yet."""
+def test_lessons_count_runs_and_survive_the_run(fleet_patterns: PatternStore) -> None:
+    """A fleet lesson counts the runs it occurred in (not its critiques); a redelivered
+    critique adds nothing; below min_runs it is not a lesson yet; it names no run, and says
+    whether the run reading it taught it."""
+    patterns = fleet_patterns
     a = rp("missing_data", "always include summary")
     b = rp("stale", "use this year's prices")
     patterns.record("lr1", "c1", 1, [a, b])
@@ -559,27 +571,64 @@ def test_lessons_count_runs_and_survive_the_run(patterns: PatternStore) -> None:
     assert patterns.lessons() == []
     patterns.record("lr2", "c1", 1, [a])
     patterns.record("lr3", "c1", 1, [a, b])
-    got = [(x.prevention_rule, x.runs, x.first_run, x.last_run) for x in patterns.lessons()]
-    assert got == [
-        ("always include summary", 3, "lr1", "lr3"),
-        ("use this year's prices", 2, "lr1", "lr3"),
-    ]
+    got = [(x.prevention_rule, x.runs, x.this_run) for x in patterns.lessons(run_id="lr2")]
+    assert got == [("always include summary", 3, True), ("use this year's prices", 2, False)]
     assert [x.runs for x in patterns.lessons(limit=1)] == [3]
+    assert all("lr" not in x.model_dump_json() for x in patterns.lessons(run_id="lr2"))
 
 
 def test_lessons_keep_at_most_max_lessons_evicting_the_fewest_runs_first_learned(
-    patterns: PatternStore,
+    fleet_patterns: PatternStore,
 ) -> None:
     """Past MAX_LESSONS lessons a new one evicts the one seen in the fewest runs (of those, the
-    first learned); a lesson from two runs stays, and ties list first learned first."""
+    first learned); a lesson from two runs stays, and ties list first learned first. Each
+    flooding run brings at most its share (MAX_LESSONS_PER_RUN)."""
+    patterns = fleet_patterns
     keep = rp("keep", "two runs")
     patterns.record("lr1", "c0", 1, [keep])
     patterns.record("lr2", "c0", 1, [keep])
     flood = [rp("flood", f"rule {i}") for i in range(MAX_LESSONS)]
     for n in range(0, len(flood), 20):
-        patterns.record("lr3", f"f{n}", 1, flood[n : n + 20])
+        run = f"lr3-{n // 40}"  # forty each: within a run's share
+        patterns.record(run, f"f{n}", 1, flood[n : n + 20])
     got = patterns.lessons(limit=2 * MAX_LESSONS, min_runs=1)
     assert len(got) == MAX_LESSONS
     assert (got[0].prevention_rule, got[0].runs) == ("two runs", 2)
     assert [x.prevention_rule for x in got[1:3]] == ["rule 1", "rule 2"]
     assert [x.prevention_rule for x in patterns.lessons()] == ["two runs"]
+
+
+def test_a_run_flooding_distinct_patterns_brings_at_most_its_share_of_fleet_lessons(
+    fleet_patterns: PatternStore,
+) -> None:
+    """One run teaching 200 distinct patterns brings its first MAX_LESSONS_PER_RUN as fleet
+    lessons and no more (its own memory keeps all 200); it still counts a lesson others
+    brought, and another run's lessons stay."""
+    patterns = fleet_patterns
+    honest = rp("stale", "use this year's prices")
+    patterns.record("h1", "c0", 1, [honest])
+    for n in range(0, 200, 20):
+        patterns.record("flood", f"f{n}", 1, [rp("flood", f"rule {i}") for i in range(n, n + 20)])
+    patterns.record("flood", "last", 1, [honest])
+    got = patterns.lessons(limit=2 * MAX_LESSONS, min_runs=1)
+    flooded = {x.prevention_rule for x in got if x.category == "flood"}
+    assert flooded == {f"rule {i}" for i in range(MAX_LESSONS_PER_RUN)}
+    assert [(x.prevention_rule, x.runs) for x in patterns.lessons()] == [
+        (honest.prevention_rule, 2)
+    ]
+    assert len(patterns.top("flood", 1000)) == 201
+
+
+def test_run_scope_lessons_are_the_runs_own_patterns(patterns: PatternStore) -> None:
+    """By default (CRITIQUE_LESSONS_SCOPE unset) a run's lessons are its own patterns, most
+    frequent first, each taught by this run; another run's patterns never appear, and no
+    lesson is shared (none without a run id)."""
+    patterns.record("own", "c1", 1, [rp("a", "rule a")])
+    patterns.record("own", "c2", 1, [rp("a", "rule a"), rp("b", "rule b")])
+    patterns.record("other", "c1", 1, [rp("evil", "rule evil"), rp("a", "rule a")])
+    got = patterns.lessons(run_id="own")
+    assert [(x.prevention_rule, x.runs, x.scope, x.this_run) for x in got] == [
+        ("rule a", 1, "run", True),
+        ("rule b", 1, "run", True),
+    ]
+    assert patterns.lessons() == [] and patterns.lessons(min_runs=1) == []

@@ -147,7 +147,7 @@ def _slots(*names: str) -> set[int]:
 
 def test_every_key_one_script_touches_shares_one_slot() -> None:
     """The hash-tag rule: a run's keys (and its archive marker and pass step hashes) are in
-    the run's slot, a queue's two probe keys in one, the three lessons keys in one; the shared
+    the run's slot, a queue's two probe keys in one, the four lessons keys in one; the shared
     keys used alone are not pinned to the runs' slots."""
     run = "r-1"
     run_keys = [keys.run_key(run, s) for s in keys.RUN_KEY_SUFFIXES]

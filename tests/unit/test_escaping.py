@@ -100,16 +100,14 @@ def _defect(description: str, location: str | None = None) -> Defect:
 
 
 def test_lessons_md_escapes_every_stored_string() -> None:
-    """lessons.md shows a lesson's category, rule, description and run ids as text."""
+    """lessons.md shows a lesson's category, rule and description as text."""
     lesson = Lesson(
         category="<b>cat</b>",
         description=f"the output reports an error: {EVIL}",
         prevention_rule="Remove the '<img src=x>' | field",
         runs=2,
-        first_run="r1",
-        last_run="r2",
     )
-    md = render_lessons([lesson])
+    md = render_lessons([lesson], scope="fleet")
     assert "<script" not in md and "<img" not in md and "<b>" not in md
     assert "## 1. &lt;b&gt;cat&lt;/b&gt; (seen in 2 runs)" in md
     assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md and "\\| field" in md

@@ -113,8 +113,9 @@ def test_patterns_from_envelope_adds_uncovered_defects_and_dedupes() -> None:
     assert patterns[1].description == "a warning stale defect"
 
 
-def test_lessons_markdown_lists_lessons_with_their_runs() -> None:
-    """lessons.md has a heading, one section per lesson with its rule and the runs it was in."""
+def test_lessons_markdown_lists_lessons_with_how_many_runs_taught_them() -> None:
+    """lessons.md has a heading, the run it is for, and one section per lesson with its rule
+    and how many runs taught it (no run named); empty, it says so for its scope."""
     from pipeline.models import Lesson
 
     lesson = Lesson(
@@ -122,15 +123,14 @@ def test_lessons_markdown_lists_lessons_with_their_runs() -> None:
         runs=4,
         description="the summary field was missing",
         prevention_rule="Always include 'summary'",
-        first_run="run-a",
-        last_run="run-d",
+        this_run=True,
     )
-    text = render_lessons([lesson])
-    assert text.startswith("# Lessons\n")
-    assert "## 1. missing_data (seen in 4 runs)" in text
+    text = render_lessons([lesson], run_id="run-x", scope="fleet")
+    assert text.startswith("# Lessons\n\nRun run-x.\n")
+    assert "## 1. missing_data (seen in 4 runs, this one among them)" in text
     assert "- **Rule:** Always include 'summary'" in text
-    assert "first run-a, latest run-d" in text
-    assert "No recurring" in render_lessons([])
+    assert "No recurring" in render_lessons([], scope="fleet")
+    assert "No failure patterns recorded yet." in render_lessons([], scope="run")
 
 
 def test_memory_lessons_count_runs_not_critiques() -> None:
@@ -138,7 +138,7 @@ def test_memory_lessons_count_runs_not_critiques() -> None:
     patterns seen in at least min_runs runs are lessons."""
     from pipeline.store.memory import MemoryPatternStore
 
-    store = MemoryPatternStore()
+    store = MemoryPatternStore(lessons_scope="fleet")
     a = ReusablePattern(category="missing_data", description="d", prevention_rule="rule a")
     b = ReusablePattern(category="stale", description="d", prevention_rule="rule b")
     store.record("run1", "c1", 1, [a, b])
@@ -146,12 +146,7 @@ def test_memory_lessons_count_runs_not_critiques() -> None:
     assert store.lessons() == []
     store.record("run2", "c1", 1, [a])
     [lesson] = store.lessons()
-    assert (lesson.prevention_rule, lesson.runs, lesson.first_run, lesson.last_run) == (
-        "rule a",
-        2,
-        "run1",
-        "run2",
-    )
+    assert (lesson.prevention_rule, lesson.runs, lesson.scope) == ("rule a", 2, "fleet")
     assert [x.runs for x in store.lessons(min_runs=1)] == [2, 1]
 
 
@@ -446,7 +441,7 @@ def test_memory_lessons_expire_after_the_lessons_ttl() -> None:
     from pipeline.store.memory import MemoryPatternStore
 
     now = [0.0]
-    store = MemoryPatternStore(clock=lambda: now[0], lessons_ttl_s=100)
+    store = MemoryPatternStore(clock=lambda: now[0], lessons_ttl_s=100, lessons_scope="fleet")
     a = ReusablePattern(category="stale", description="d", prevention_rule="rule a")
     store.record("r1", "c1", 1, [a])
     now[0] = 90.0

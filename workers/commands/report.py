@@ -7,8 +7,9 @@ For every iteration with results, the artifact tree
 ``<root>/runs/<run-id>/iterations/NNN/{critique.json, CRITIQUE.md, delegations/<worker>/…}``
 (:func:`pipeline.artifacts.write_artifacts`), plus ``<root>/runs/<run-id>/report.html`` (one
 self-contained page with each worker's score trajectory as inline SVG) and
-``<root>/runs/<run-id>/lessons.md`` (failure patterns that recurred across runs, from the
-lessons store that outlives runs). ``<root>`` is ``--out``, else
+``<root>/runs/<run-id>/lessons.md`` (the patterns the run taught; with
+``CRITIQUE_LESSONS_SCOPE=fleet``, those that recurred across the fleet's runs, counted, never
+naming another run). ``<root>`` is ``--out``, else
 ``$CRITIQUE_WORKSPACE``, else ``./workspace``. Artifacts are written for finished submissions;
 the report lists the failed chains (with their one-line reason) and the pending submissions
 apart. Prints the files written, one per line, then a tally; ``--json`` prints ``{"run_id",
@@ -70,6 +71,7 @@ def write_report(
     from pipeline.artifacts import artifact_files, atomic_write_many
     from pipeline.models import CritiqueResult
     from pipeline.pitfalls import render_lessons
+    from pipeline.store.keys import lessons_scope
     from workers import runtime
     from workers.report_html import render_report_html
 
@@ -79,12 +81,15 @@ def write_report(
         record = snap.archive[1]
         patterns = list(record.patterns[:PATTERN_LIMIT])
         events = list(record.trace)
-        lessons = [x for x in record.lessons if x.runs >= 2][:PATTERN_LIMIT]
+        kept = [x for x in record.lessons if x.scope == "run" or x.runs >= 2]
+        lessons = kept[:PATTERN_LIMIT]
+        scope = lessons[0].scope if lessons else lessons_scope()
     else:
         stores = runtime.stores()
         patterns = stores.patterns.top(run_id, PATTERN_LIMIT)
         events = stores.trace.read(run_id)
-        lessons = stores.patterns.lessons(PATTERN_LIMIT)
+        lessons = stores.patterns.lessons(PATTERN_LIMIT, run_id=run_id)
+        scope = lessons_scope()
     by_iteration: dict[int, list[CritiqueResult]] = defaultdict(list)
     for r in snap.results:
         by_iteration[r.iteration].append(r)
@@ -101,7 +106,10 @@ def write_report(
         run_id, by_iteration, patterns, events, pending=snap.pending, failed=failed
     )
     report = run_dir / "report.html"
-    files += [(report, page), (run_dir / "lessons.md", render_lessons(lessons))]
+    files += [
+        (report, page),
+        (run_dir / "lessons.md", render_lessons(lessons, run_id=run_id, scope=scope)),
+    ]
     atomic_write_many(files, root=root, remove=stale)
     return [path for path, _ in files]
 
