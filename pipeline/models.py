@@ -24,6 +24,9 @@ from pydantic import (
 )
 
 SCHEMA_VERSION = 1
+MAX_ITERATION = 1_000_000
+"""Highest iteration a submission may name: iterations end up in hash fields, reports and
+archives, and an unbounded integer from the broker (``10**300``) broke ``critique report``."""
 
 Severity = Literal["critical", "warning", "info"]
 DefectSource = Literal["l0", "heuristic", "llm", "rubric", "command"]
@@ -185,7 +188,7 @@ class FileRef(Frozen):
     """
 
     path: str
-    size: int = Field(ge=0)
+    size: int = Field(ge=0, strict=True)
     sha256: str = ""
     content: str | None = None
     blob: str | None = None
@@ -220,9 +223,10 @@ class FileRef(Frozen):
 class Submission(Frozen):
     """One worker output to critique."""
 
-    schema_version: int = SCHEMA_VERSION
+    schema_version: int = Field(SCHEMA_VERSION, strict=True)
     run_id: str
-    iteration: int = Field(1, ge=1)
+    iteration: int = Field(1, ge=1, le=MAX_ITERATION, strict=True)
+    """Strict: JSON ``true`` (or ``1.0``, ``"1"``) is not the integer 1."""
     worker_id: str
     subtask_signature: str = ""
     task: str = Field(description="the original instructions the worker got")
@@ -435,16 +439,32 @@ class Pattern(Frozen):
     last_seen_iteration: int = Field(ge=1)
 
 
+LessonScope = Literal["run", "fleet"]
+"""Whose lessons a run sees (``CRITIQUE_LESSONS_SCOPE``): its own, or the fleet's shared ones."""
+
+
 class Lesson(Frozen):
-    """A failure pattern that recurred across runs: kept without the run TTL."""
+    """A failure pattern a run taught: the run's own (scope ``run``), or one that recurred
+    across the fleet's runs (scope ``fleet``, kept without the run TTL). It names no run:
+    other runs are only counted."""
 
     category: str
     runs: int = Field(ge=1)
-    """How many runs the pattern occurred in."""
+    """How many runs taught it (1 for a run's own lesson)."""
     description: str
     prevention_rule: str
-    first_run: str
-    last_run: str
+    scope: LessonScope = "fleet"
+    this_run: bool = False
+    """Whether the run the lessons were read for taught it too."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_run_ids(cls, data: Any) -> Any:
+        """An archive written before lessons were scoped holds ``first_run``/``last_run``
+        (other runs' ids): read it, without them."""
+        if isinstance(data, dict) and ("first_run" in data or "last_run" in data):
+            return {k: v for k, v in data.items() if k not in ("first_run", "last_run")}
+        return data
 
 
 class GateEvent(Frozen):

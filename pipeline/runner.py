@@ -430,7 +430,9 @@ def _envelope_for(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope
             and ctx.config.cache.enabled
             and not is_token_free(ctx.critic, sub)
         ):
-            key = critique_cache_key(ctx.config, ctx.critic, sub, state.output)
+            key = critique_cache_key(
+                ctx.config, ctx.critic, sub, state.output, pitfalls=pitfalls, round=round_no
+            )
             envelope, cache_use = critique_through_cache(
                 ctx.cache, ctx.config.cache, key, sub.worker_id, critique
             )

@@ -9,6 +9,9 @@ everywhere, then first, then drop the old one). Pure: no I/O, no environment rea
 Two keys: ``CRITIQUE_SECRET`` signs stage messages, gate requests and records (workers only,
 and the Python client's own path); ``CRITIQUE_ENTRY_SECRET``, when set, signs entry messages
 only, so a manager that holds just that key can submit but never forge a stage or a record.
+Its keys may be named (``alice=<key>,bob=<key>``, :func:`parse_named_secrets`): the key that
+verified an entry message names the manager who sent it, and a run is bound to the identity
+that opened it (:func:`entry_identity`, :data:`FLEET_IDENTITY`).
 
 What a signature proves: the message was built by a holder of a secret, and not one byte of it
 changed since. It does not prove freshness: a validly signed message can be replayed.
@@ -27,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -75,6 +79,44 @@ def parse_secrets(raw: str | None, env: str = SECRET_ENV) -> tuple[bytes, ...]:
     return tuple(s.encode("utf-8") for s in secrets)
 
 
+FLEET_IDENTITY = "fleet"
+"""Who signed with ``CRITIQUE_SECRET`` (the workers' key; the Python client's own path, and
+entry messages of one-secret setups): the identity a run opened that way is bound to."""
+ENTRY_IDENTITY = "entry"
+"""Who signed with an unnamed managers' key (a bare item of :data:`ENTRY_SECRET_ENV`)."""
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def entry_identity(name: str) -> str:
+    """The identity of a managers' key named ``name`` (``""``: the single unnamed one), as a
+    run's owner records it: never equal to :data:`FLEET_IDENTITY`."""
+    return f"{ENTRY_IDENTITY}:{name}" if name else ENTRY_IDENTITY
+
+
+def parse_named_secrets(
+    raw: str | None, env: str = ENTRY_SECRET_ENV
+) -> tuple[tuple[str, bytes], ...]:
+    """The ``(name, secret)`` items of ``raw``: comma-separated, each ``name=secret`` or a bare
+    secret (name ``""``: one unnamed manager, as before names existed); a name may repeat, for
+    rotation. An item is named only when what precedes its first ``=`` is a name (letters,
+    digits, ``._-``, at most 64) and what follows is more than ``=`` padding, so a bare base64
+    key (``…=``) stays bare. Each secret is checked as :func:`parse_secrets` checks them."""
+    if raw is None:
+        return ()
+    items: list[tuple[str, str]] = []
+    for part in raw.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, sep, rest = part.partition("=")
+        if sep and _NAME.fullmatch(name.strip()) and rest.strip().strip("="):
+            items.append((name.strip(), rest.strip()))
+        else:
+            items.append(("", part))
+    secrets = parse_secrets(",".join(secret for _, secret in items), env)
+    return tuple((name, secret) for (name, _), secret in zip(items, secrets, strict=True))
+
+
 def canonical(message: Mapping[str, Any]) -> bytes:
     """The bytes a signature covers: every field but ``sig``, as canonical JSON in UTF-8.
 
@@ -115,8 +157,16 @@ def verify(message: Mapping[str, Any], secrets: Sequence[bytes]) -> None:
     _verify(message, secrets, b"", "message")
 
 
-def _verify(message: Mapping[str, Any], secrets: Sequence[bytes], prefix: bytes, what: str) -> None:
-    """:func:`verify` of a message (``prefix`` empty) or of a record (its domain and kind)."""
+def verify_signer(message: Mapping[str, Any], secrets: Sequence[bytes]) -> int:
+    """:func:`verify`, returning the index in ``secrets`` of the key that signed ``message``
+    (the first that matches, every one still tried in constant time): which key holder sent
+    it, so a run can be bound to its manager (:func:`parse_named_secrets`)."""
+    return _verify(message, secrets, b"", "message")
+
+
+def _verify(message: Mapping[str, Any], secrets: Sequence[bytes], prefix: bytes, what: str) -> int:
+    """:func:`verify` of a message (``prefix`` empty) or of a record (its domain and kind);
+    returns the index of the matching secret."""
     if not secrets:
         raise ForgedMessageError(f"no secret to verify the {what} with")
     sig = message.get(SIG_FIELD)
@@ -129,14 +179,16 @@ def _verify(message: Mapping[str, Any], secrets: Sequence[bytes], prefix: bytes,
     except (ValueError, TypeError) as exc:
         raise ForgedMessageError(f"{what} cannot be canonically encoded: {exc}") from None
     given = sig.encode("utf-8", "replace")
-    matched = False
-    for secret in secrets:
-        matched |= hmac.compare_digest(_mac(body, secret).encode("ascii"), given)
-    if not matched:
+    matched = -1
+    for i, secret in enumerate(secrets):
+        if hmac.compare_digest(_mac(body, secret).encode("ascii"), given) and matched < 0:
+            matched = i
+    if matched < 0:
         raise ForgedMessageError(
             f"bad signature: the {what} was altered or signed with another key (compare the "
             "manager's CRITIQUE_SECRET with the workers': they must be the same)"
         )
+    return matched
 
 
 def address(message: Mapping[str, Any], task: str, task_id: str) -> dict[str, Any]:
@@ -190,3 +242,35 @@ def verify_record(kind: str, record: Mapping[str, Any], secrets: Sequence[bytes]
     """Return when ``record`` carries a valid signature as a record of ``kind`` under one of
     ``secrets``; else raise ``ForgedMessageError`` saying why (never quoting the record)."""
     _verify(record, secrets, _record_prefix(kind), f"{kind} record")
+
+
+TRACE_MAC_CHARS = 32
+"""Hex characters of a trace event's MAC (HMAC-SHA256 cut to 128 bits): a trace stream holds
+many small events, so their tags are kept short."""
+
+
+def _trace_body(run_id: str, payload: bytes) -> bytes:
+    return RECORD_DOMAIN + b"trace\n" + run_id.encode("utf-8") + b"\n" + payload
+
+
+def trace_mac(run_id: str, payload: bytes, secret: bytes) -> str:
+    """The tag of one encoded trace event of ``run_id`` (its JSON bytes) under ``secret``: a
+    record of kind ``trace`` bound to the run, so an event copied into another run's trace, or
+    any other record, never verifies."""
+    return hmac.new(secret, _trace_body(run_id, payload), hashlib.sha256).hexdigest()[
+        :TRACE_MAC_CHARS
+    ]
+
+
+def trace_mac_ok(
+    run_id: str, payload: bytes, tag: str | bytes | None, secrets: Sequence[bytes]
+) -> bool:
+    """Whether ``tag`` is :func:`trace_mac` of the event under one of ``secrets`` (constant-time
+    comparisons, every secret tried)."""
+    if tag is None:
+        return False
+    given = tag if isinstance(tag, bytes) else tag.encode("utf-8", "replace")
+    matched = False
+    for secret in secrets:
+        matched |= hmac.compare_digest(trace_mac(run_id, payload, secret).encode("ascii"), given)
+    return matched

@@ -358,7 +358,7 @@ class RedisStores:
 
         self.patterns = RedisPatternStore(client)
         self.budget = RedisBudgetLedger(client)
-        self.trace = RedisTraceSink(client)
+        self.trace = RedisTraceSink(client, secrets=secrets)
         self.blobs = RedisBlobStore(client)
         self.runs = RedisRunStore(client, secrets=secrets)
 

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline import signing
 from pipeline.config import check_submission_model
 from pipeline.errors import CritiqueError, StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
@@ -63,6 +64,18 @@ def _check_secret_matches(subs: Sequence[Submission]) -> None:
                 hint="compare the manager's CRITIQUE_SECRET with the workers': they must be "
                 "the same",
             )
+
+
+def _enter_runs(subs: Sequence[Submission]) -> None:
+    """Bind each run submitted into to the workers' key, ``fleet`` (the identity this path
+    signs as, :data:`pipeline.signing.FLEET_IDENTITY`), as an entry message binds a run to its
+    manager's key; a run another manager opened through ``critique.submit`` is refused
+    (:class:`pipeline.store.runs.RunOwnedError`) before anything is sent. Without
+    ``CRITIQUE_SECRET`` no run has an owner."""
+    if not runtime.secrets():
+        return
+    for run_id in dict.fromkeys(sub.run_id for sub in subs):
+        runtime.stores().runs.enter_run(run_id, signing.FLEET_IDENTITY)
 
 
 @dataclass(frozen=True)
@@ -140,6 +153,7 @@ class CritiqueClient:
                 if named is exc:
                     raise
                 raise named from exc
+        _enter_runs(subs)
         return [self._enqueue(sub, msg, chain) for sub, msg, chain in prepared]
 
     def _enqueue(self, sub: Submission, msg: dict[str, Any], chain: Any) -> Handle:
@@ -426,9 +440,14 @@ class CritiqueClient:
         """The Known Pitfalls text for the workers the manager dispatches next."""
         return render_pitfalls(runtime.stores().patterns.top(run_id, limit))
 
-    def lessons(self, limit: int = 50, min_runs: int = 2) -> list[Lesson]:
-        """Failure patterns that recurred across runs (kept without the run TTL), most first."""
-        return runtime.stores().patterns.lessons(limit, min_runs)
+    def lessons(
+        self, limit: int = 50, min_runs: int = 2, *, run_id: str | None = None
+    ) -> list[Lesson]:
+        """The lessons ``run_id`` may see: by default (``CRITIQUE_LESSONS_SCOPE=run``) the
+        patterns that run taught, none without a run id; with ``fleet``, the patterns that
+        recurred in at least ``min_runs`` runs (kept without the run TTL), most first, counted
+        and never naming a run (:meth:`pipeline.store.base.PatternStore.lessons`)."""
+        return runtime.stores().patterns.lessons(limit, min_runs, run_id=run_id)
 
     def trace(
         self, run_id: str, *, follow: bool = False, block_ms: int = 1000

@@ -19,7 +19,8 @@ exponential backoff and jitter; permanent ones fail the task at once.
 A message that cannot be trusted or read (unsigned, forged or altered while ``CRITIQUE_SECRET``
 is set, addressed to another task or task id, or malformed) is refused
 (:func:`record_refusal`): a warning in the log (never the payload), a ``refused`` event in the
-trace of the run it claims (marked ``run_id_verified: false``), and the task fails with the
+trace of the run it claims (marked ``run_id_verified: false``; at most
+:data:`UNVERIFIED_REFUSALS_TRACED` per run, the rest counted), and the task fails with the
 reason, never retried and never turned into a result. A task that fails for good records the
 failure in the store for the pass (:meth:`pipeline.store.runs.RedisRunStore.put_failure`) only
 when it can attribute it: the message verified and was addressed to it. Clients read that
@@ -43,6 +44,7 @@ from pipeline.config import CritiqueConfig, check_submission_model
 from pipeline.errors import ConfigError, CritiqueError, PermanentError, SubmissionError
 from pipeline.gates import evaluate_completion
 from pipeline.models import check_identifier
+from pipeline.redaction import scrub
 from pipeline.runner import STAGES, BudgetWait, LoopState, StageContext, finish, is_token_free
 from pipeline.store import keys
 from pipeline.store.base import encode_event
@@ -96,9 +98,11 @@ def _attribute(task: Task, run_id: str, field: str, stage: str) -> None:
 
 
 def one_line(exc: BaseException) -> str:
-    """An error's message on one line (at most 500 characters), else its type's name."""
+    """An error's message on one line (at most 500 characters), else its type's name, with
+    anything key-like hidden (:func:`pipeline.redaction.scrub`): managers read it (a failure
+    reason, an entry task's ``FAILURE``), and an error from a library may quote a provider."""
     message = exc.message if isinstance(exc, CritiqueError) else str(exc)
-    return " ".join(str(message).split())[:500] or type(exc).__name__
+    return scrub(" ".join(str(message).split()))[:500] or type(exc).__name__
 
 
 def _record_failure(task: Task, exc: BaseException) -> None:
@@ -121,6 +125,12 @@ def _record_failure(task: Task, exc: BaseException) -> None:
         )
     except Exception as store_exc:  # never mask the task's own failure
         log.warning("could not record the failure of %s of run %s: %s", field, run_id, store_exc)
+
+
+UNVERIFIED_REFUSALS_TRACED = 20
+"""Refusals of unverified messages traced per claimed run; later ones are counted there only
+(:meth:`pipeline.store.redis.RedisTraceSink.emit_capped`), so unsigned messages naming a run
+cannot flood its trace."""
 
 
 def record_refusal(
@@ -158,10 +168,14 @@ def record_refusal(
         "error": type(exc).__name__,
         "task_id": task.request.id,
     }
-    if not verified:
-        event["run_id_verified"] = False
     try:
-        runtime.stores().trace.emit(run_id, event)
+        if verified:
+            runtime.stores().trace.emit(run_id, event)
+        else:  # anyone may claim any run: at most UNVERIFIED_REFUSALS_TRACED of them per run
+            event["run_id_verified"] = False
+            runtime.stores().trace.emit_capped(
+                run_id, event, "refused_unverified", UNVERIFIED_REFUSALS_TRACED
+            )
     except CritiqueError as store_exc:
         log.warning("could not record the refusal in run %s's trace: %s", run_id, store_exc)
 

@@ -36,6 +36,7 @@ from pydantic import Field
 from pipeline import signing
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
+from pipeline.lru import LRU
 from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext
 from pipeline.state_packing import compact_state, expand_state
@@ -89,14 +90,27 @@ def _parse_secrets(raw: str | None, env: str = signing.SECRET_ENV) -> tuple[byte
     return signing.parse_secrets(raw, env)
 
 
-def entry_secrets() -> tuple[bytes, ...]:
-    """The keys entry messages (``critique.submit``) verify with: ``$CRITIQUE_ENTRY_SECRET``
-    when set (the managers' key, which signs nothing else), else :func:`secrets` (one-secret
-    setups); ``()`` when neither is set: entry messages go unchecked."""
+def entry_keys() -> tuple[tuple[str, bytes], ...]:
+    """The ``(identity, key)`` pairs entry messages (``critique.submit``) verify with:
+    ``$CRITIQUE_ENTRY_SECRET`` when set (the managers' keys, which sign nothing else; each
+    ``name=key`` is the identity ``entry:<name>``, a bare key the unnamed ``entry``), else
+    :func:`secrets`, each the identity ``fleet`` (one-secret setups); ``()`` when neither is
+    set: entry messages go unchecked, and runs have no owner."""
     raw = os.environ.get(signing.ENTRY_SECRET_ENV)
     if raw is not None and raw.strip():
-        return _parse_secrets(raw, signing.ENTRY_SECRET_ENV)
-    return secrets()
+        return _parse_entry_keys(raw)
+    return tuple((signing.FLEET_IDENTITY, key) for key in secrets())
+
+
+@functools.lru_cache(maxsize=4)
+def _parse_entry_keys(raw: str) -> tuple[tuple[str, bytes], ...]:
+    named = signing.parse_named_secrets(raw, signing.ENTRY_SECRET_ENV)
+    return tuple((signing.entry_identity(name), key) for name, key in named)
+
+
+def entry_secrets() -> tuple[bytes, ...]:
+    """The keys of :func:`entry_keys`, without their identities."""
+    return tuple(key for _, key in entry_keys())
 
 
 def sign_entry(msg: dict[str, Any]) -> dict[str, Any]:
@@ -157,7 +171,8 @@ def forget_store() -> None:
 
 
 class _CountingCache:
-    """The critique cache, counting hits in the fleet metrics."""
+    """The critique cache, counting hits in the fleet metrics (refused entries are counted by
+    the cache itself, as ``cache_refused``)."""
 
     def __init__(self, inner: RedisCritiqueCache) -> None:
         self._inner = inner
@@ -183,8 +198,16 @@ def stores() -> RedisStores:
     return RedisStores(client(), secrets=secrets)
 
 
+CONFIG_CACHE_MAX = 256
+"""Most configurations (and stage contexts) a process keeps besides its own: each distinct
+overrides JSON a submission carries builds one (a context holds its critic, reviser and Layer-0
+suite, ~30 KB), and submissions come from the broker, so the caches forget the least recently
+used beyond this many (:class:`pipeline.lru.LRU`); an evicted one is rebuilt on its next use."""
+OWN_CONFIG_KEY = "{}"
+"""The cache key of a process's own configuration (no overrides): pinned, never evicted."""
+
 _config_lock = threading.Lock()
-_configs: dict[str, CritiqueConfig] = {}
+_configs: LRU[str, CritiqueConfig] = LRU(CONFIG_CACHE_MAX, pinned=(OWN_CONFIG_KEY,))
 
 
 def config_for(overrides: dict[str, Any] | None) -> CritiqueConfig:
@@ -215,13 +238,28 @@ def own_config() -> CritiqueConfig:
 
 
 def _own_config_locked() -> CritiqueConfig:
-    own = _configs.get("{}")
+    own = _configs.get(OWN_CONFIG_KEY)
     if own is None:
-        own = _configs["{}"] = load_config()
+        own = load_config()
+        _configs[OWN_CONFIG_KEY] = own
     return own
 
 
-_contexts: dict[str, StageContext] = {}
+_contexts: LRU[str, StageContext] = LRU(CONFIG_CACHE_MAX, pinned=(OWN_CONFIG_KEY,))
+
+
+def cache_sizes() -> dict[str, int]:
+    """How many configurations and stage contexts this process holds, the bound on each, and
+    how many were evicted so far: what a worker's ``inspect stats`` reports (the sweeper
+    bootstep's ``info``), so a test or an operator can see the caches stay bounded."""
+    with _config_lock:
+        return {
+            "configs": len(_configs),
+            "contexts": len(_contexts),
+            "max": CONFIG_CACHE_MAX,
+            "configs_evicted": _configs.evicted,
+            "contexts_evicted": _contexts.evicted,
+        }
 
 
 def context_for(overrides: dict[str, Any] | None) -> StageContext:
@@ -238,7 +276,11 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
         ctx = make_context(
             config,
             complete=rate_limited_completer(config, client(), _progress_wait),
-            cache=_CountingCache(RedisCritiqueCache(client())),
+            cache=_CountingCache(
+                RedisCritiqueCache(
+                    client(), secrets=secrets, on_refused=lambda _: metrics().add("cache_refused")
+                )
+            ),
             patterns=s.patterns,
             budget=s.budget,
             trace=s.trace,

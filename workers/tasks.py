@@ -33,6 +33,7 @@ from kombu.exceptions import OperationalError
 from pipeline.errors import PermanentError, TransientError
 from pipeline.runner import admit, start
 from pipeline.store import keys
+from pipeline.store.runs import EntryIdTaken, RunOwnedError
 from workers import runtime
 from workers.app import app
 from workers.protocol import (
@@ -45,6 +46,7 @@ from workers.protocol import (
     finish_pass,
     from_broker,
     one_line,
+    record_refusal,
     refuse,
 )
 
@@ -150,6 +152,10 @@ ENTRY = {
     # EntryTask.on_failure alone: one line, no traceback.
     "ignore_result": True,
     "store_errors_even_if_ignored": False,
+    # Nor a STARTED state, which Celery writes before the task runs when a hand-built message's
+    # headers ask for results: under an id another submission's entry claimed, the refusal
+    # must leave nothing at all.
+    "track_started": False,
     "throws": (PermanentError,),  # a refusal is logged as one line, not a traceback
 }
 
@@ -172,11 +178,29 @@ class EntryTask(ReplacingStage):
         return Task.on_replace(self, sig)
 
 
+_ENTRY_OF = "critique_entry"
+"""The request attribute naming the submission an entry message verified as: ``(run id,
+iteration, worker id)``, set once it decoded (:func:`_store_entry_failure` reads it)."""
+
+
 def _store_entry_failure(task: Task, exc: BaseException, task_id: str) -> None:
-    if task.request.is_eager or not task_id:
+    """The one-line ``FAILURE`` of a refused entry message under its task id: never over a
+    verdict (garbage sent under a finished submission's id), and never under an id another
+    submission's entry claimed (:meth:`RedisRunStore.claim_entry`): that id holds, or will
+    hold, that submission's verdict, so neither garbage nor another run's message sent under
+    it may show its manager a failure."""
+    if task.request.is_eager or not task_id or isinstance(exc, EntryIdTaken):
         return
     try:
-        # Never over a verdict (garbage sent under a finished submission's id).
+        claim = runtime.stores().runs.entry_claim(task_id)
+        mine = getattr(task.request, _ENTRY_OF, None)
+        if claim is not None and mine != (
+            claim.get("run_id"),
+            claim.get("iteration"),
+            claim.get("worker_id"),
+        ):
+            log.warning("entry task %s failed under another submission's id: not stored", task_id)
+            return
         meta = task.backend.get_task_meta(task_id, cache=False)
         if meta.get("status") == states.SUCCESS:
             log.warning("entry task %s failed after its pass stored an outcome: kept", task_id)
@@ -187,6 +211,20 @@ def _store_entry_failure(task: Task, exc: BaseException, task_id: str) -> None:
         log.warning("could not store the failure of entry task %s: %s", task_id, store_exc)
 
 
+def _check_owner(task: Task, sub: Any, signer: str | None) -> None:
+    """Bind the run to the identity that signed its first entry message, and refuse an entry
+    signed by another identity (``RunOwnedError``, one line naming the run only) before any
+    pass record is written. Unsigned fleets (no key) enforce no owner. The refusal is logged
+    and counted, not traced: the run is someone else's."""
+    if signer is None:
+        return
+    try:
+        runtime.stores().runs.enter_run(sub.run_id, signer)
+    except RunOwnedError as exc:
+        record_refusal(task, "submit", exc, None, exc.message, verified=True)
+        raise
+
+
 @app.task(name=keys.TASK_SUBMIT, bind=True, base=EntryTask, **ENTRY)
 def submit(self: Task, msg: Any) -> dict[str, Any]:
     """The entry task: one submission as plain JSON (:mod:`workers.entry`), from a manager in
@@ -195,10 +233,12 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
     submission's first task (:func:`submission_signature`) under its own id, so that id ends up
     holding the gate's summary in Celery's result backend.
 
-    Idempotent under redelivery: the pass is claimed under the entry task's id
+    Idempotent under redelivery: the pass is claimed under the entry task's id, fleet-wide
     (``RedisRunStore.claim_entry``), so the same message delivered twice runs one pass (a
     redelivery sends that pass's first task again, which replays its recorded steps, or does
-    nothing once the pass has its outcome)."""
+    nothing once the pass has its outcome), and another submission's message under the same
+    id is refused with nothing written there. Before that, the run is entered as the
+    message's signer (:func:`_check_owner`): another manager's run is refused."""
     from workers import entry
     from workers.recovery import register
 
@@ -208,18 +248,24 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
     began = time.monotonic()
     task_id = str(self.request.id or "")
     try:
-        sub, overrides = entry.decode_entry(msg, task_name=self.name, task_id=task_id)
+        sub, overrides, signer = entry.decode_entry(msg, task_name=self.name, task_id=task_id)
     except PermanentError as exc:
         refuse(self, msg, "submit", exc)
         raise
+    setattr(self.request, _ENTRY_OF, (sub.run_id, sub.iteration, sub.worker_id))
+    _check_owner(self, sub, signer)
     config = boundary_config(
         self, overrides, "submit", sub.run_id, sub.iteration, sub.worker_id, sub.model
     )
     admit(sub, config, runtime.file_bytes)
     runs = runtime.stores().runs
-    pass_id, first = runs.claim_entry(
-        sub.run_id, sub.iteration, sub.worker_id, task_id, runtime.new_pass_id()
-    )
+    try:
+        pass_id, first = runs.claim_entry(
+            sub.run_id, sub.iteration, sub.worker_id, task_id, runtime.new_pass_id()
+        )
+    except EntryIdTaken as exc:
+        record_refusal(self, "submit", exc, sub.run_id, exc.message, verified=True)
+        raise
     if not first and runs.pass_outcome(sub.run_id, sub.iteration, sub.worker_id, pass_id):
         log.info("entry task %s delivered again: its pass %s has its outcome", task_id, pass_id)
         raise Ignore()  # store nothing over the pass's summary

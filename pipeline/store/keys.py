@@ -6,26 +6,27 @@ expires ``CRITIQUE_RUN_TTL_S`` seconds after its last write; the keys that only 
 chain (a pass's step records, its first message) expire ``CRITIQUE_LIVE_TTL_S`` after theirs,
 and are deleted as soon as the pass's result lands. Blob keys are content-addressed and
 shared by every run (``<prefix>:blob:<sha256 hex>``); they expire too. Lessons
-(``<prefix>:lessons:{lessons}:*``) are shared too and expire ``CRITIQUE_LESSONS_TTL_S`` seconds
-after the last run that taught one.
+(``<prefix>:lessons:{lessons}:*``, written only when ``CRITIQUE_LESSONS_SCOPE=fleet``) are shared
+too and expire ``CRITIQUE_LESSONS_TTL_S`` seconds after the last run that taught one.
 
 **Redis Cluster** (``CRITIQUE_STORE_URL=redis+cluster://…``): a key's slot is the hash of its
 first ``{…}`` (its hash tag), else of the whole name. One script, transaction or multi-key
 command touches keys of one tag only: a run's keys share ``{run_id}`` (the archive marker too),
-a queue's two probe keys ``{queue}``, the three lessons keys ``{lessons}``. Every other shared
-key (a blob, a cache entry or claim, a rate-limit bucket, ``pending:runs``, ``archive:runs``,
-the sweep and archive locks) is used alone, each in a slot of its own, so several of them are
-never written in one atomic step. Scripts get every key they touch in ``KEYS``; none builds a
-key name from ``ARGV``.
+a queue's two probe keys ``{queue}``, the four lessons keys ``{lessons}``. Every other shared
+key (a blob, a cache entry or claim, an entry task id's claim, a rate-limit bucket,
+``pending:runs``, ``archive:runs``, the sweep and archive locks) is used alone, each in a slot
+of its own, so several of them are never written in one atomic step. Scripts get every key
+they touch in ``KEYS``; none builds a key name from ``ARGV``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import NamedTuple
 
 from pipeline.errors import ConfigError
-from pipeline.models import check_identifier
+from pipeline.models import LessonScope, check_identifier
 
 # --- environment -----------------------------------------------------------------------------
 
@@ -38,6 +39,8 @@ DEFAULT_LIVE_TTL_S = 24 * 3600  # a live pass's steps and first message, after t
 STEPS_GRACE_ENV = "CRITIQUE_STEPS_GRACE_S"  # env var: keep a finished pass's steps this long
 LESSONS_TTL_ENV = "CRITIQUE_LESSONS_TTL_S"  # env var that overrides the lessons TTL (seconds)
 DEFAULT_LESSONS_TTL_S = 30 * 24 * 3600  # lessons live 30 days after the last run that taught one
+LESSONS_SCOPE_ENV = "CRITIQUE_LESSONS_SCOPE"  # env var: "run" (default) or "fleet" (opt-in)
+LESSONS_SCOPES = ("run", "fleet")  # a run's lessons are its own, or shared by the whole fleet
 
 # --- queues and tasks (celeryconfig and workers.routing route by these names) ----------------
 
@@ -68,8 +71,10 @@ BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:state:ch
 BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> expiry (µs); expired ones reclaimed
 BUDGET_WAITING = "budget:waiting"  # sorted set: waiting lease id -> last ask + grace (µs)
 TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
-TRACE_EVENT_FIELD = "event"  # the one field of each trace stream entry
+TRACE_EVENT_FIELD = "event"  # the field of each trace stream entry holding its event
+TRACE_SIG_FIELD = "sig"  # with CRITIQUE_SECRET: the event's tag (pipeline.signing.trace_mac)
 TRACE_MAXLEN = 100_000  # approximate cap on a run's trace stream (XADD MAXLEN ~)
+TRACE_CAPPED = "trace:capped"  # hash: kind -> how many capped events (unverified refusals) came
 SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, sid, at}
 MESSAGES = "messages"  # hash: "<iteration>:<worker>:<sid>" -> a live pass's first message (JSON)
 RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> a result stored without a pass
@@ -84,7 +89,7 @@ PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress
 RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
 SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
 FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
-ENTRIES = "entries"  # hash: entry task id -> "<iteration>:<worker>:<sid>", the pass it started
+OWNER = "owner"  # string: the identity whose key opened the run (pipeline.signing.entry_identity)
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
     PATTERNS_FREQ,
@@ -108,7 +113,8 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     RESUMES,
     SUSPECTS,
     FAILURES,
-    ENTRIES,
+    OWNER,
+    TRACE_CAPPED,
 )  # every run key suffix, for scans, reports and tests
 
 # --- shared (not per-run) keys ---------------------------------------------------------------
@@ -118,7 +124,9 @@ LESSONS_TAG = "{lessons}"  # the lessons' one hash tag: one cluster slot for the
 LESSONS_RUNS = f"lessons:{LESSONS_TAG}:runs"  # sorted set: pattern key -> runs + order tiebreak
 LESSONS_DETAIL = f"lessons:{LESSONS_TAG}:detail"  # hash: pattern key -> JSON {category, rule…}
 LESSONS_SEQ = f"lessons:{LESSONS_TAG}:seq"  # string: the last first-learned order handed out
-LESSONS_KEYS = (LESSONS_RUNS, LESSONS_DETAIL, LESSONS_SEQ)  # all expire CRITIQUE_LESSONS_TTL_S
+LESSONS_HELD = f"lessons:{LESSONS_TAG}:held"  # hash: sha1 of a run id -> lessons it brought, kept
+LESSONS_KEYS = (LESSONS_RUNS, LESSONS_DETAIL, LESSONS_SEQ, LESSONS_HELD)  # fleet scope only; all
+# expire CRITIQUE_LESSONS_TTL_S
 PENDING_RUNS = "pending:runs"  # sorted set: run id -> last submit; runs the stall sweeper scans
 SWEEP_LOCK = "sweep:lock"  # string: token of the worker sweeping for stalls now (expires)
 ARCHIVE_RUNS = "archive:runs"  # sorted set: run id -> when the archiver looks at it next (unix s)
@@ -132,6 +140,11 @@ METRICS_COUNTERS = "metrics:{counters}"  # hash: fleet counters (pipeline.store.
 METRICS_DURATIONS = "metrics:{durations}"  # hash: "<stage>:b<i>" / "<stage>:sum": stage histogram
 METRICS_KEYS = (METRICS_COUNTERS, METRICS_DURATIONS)  # each its own {tag}: its own cluster slot
 PROBE_DRAINED = "drained"  # sorted set ``<prefix>:probe:{<queue>}:drained``: probe sent -> ran
+ENTRY_CLAIM = "entry"  # string ``<prefix>:entry:<sha256 of a task id>``: JSON {run_id, iteration,
+# worker_id, pass_id} of the entry message that first ran under that id, fleet-wide (run TTL)
+DEADLETTER = "deadletter"  # list: broker messages refused at a worker's door (workers.door),
+# newest first, JSON {reason, detail, queue, at, task, id, excerpt}; capped, expires like a run
+DEADLETTER_MAX = 1000  # entries the dead-letter list keeps (LPUSH + LTRIM)
 
 # --- broker keys (in the Redis broker's database, beside kombu's own) -------------------------
 
@@ -212,6 +225,26 @@ def lessons_ttl_s() -> int:
     return _seconds_env(LESSONS_TTL_ENV, DEFAULT_LESSONS_TTL_S, "unset it for the 30-day default")
 
 
+def lessons_scope() -> LessonScope:
+    """Whose lessons a run sees: ``$CRITIQUE_LESSONS_SCOPE``, ``run`` (the default) or ``fleet``.
+
+    A worker-side setting, read from the environment only (no submission's configuration can
+    widen it): under ``run`` a run's lessons are the patterns it taught itself and nothing is
+    written to the shared lessons keys; ``fleet`` is the operator's consent to one shared
+    store, where any run that can submit puts text into every run's ``lessons.md``, bounded
+    per run (:data:`~pipeline.store.base.MAX_LESSONS_PER_RUN`) and labelled with counts."""
+    raw = (os.environ.get(LESSONS_SCOPE_ENV) or "").strip().lower()
+    if raw in ("", "run"):
+        return "run"
+    if raw != "fleet":
+        raise ConfigError(
+            f"{LESSONS_SCOPE_ENV}={raw!r} is neither 'run' nor 'fleet'",
+            key=LESSONS_SCOPE_ENV,
+            hint="unset it to keep each run's lessons to itself",
+        )
+    return "fleet"
+
+
 def run_key(run_id: str, suffix: str, prefix: str | None = None) -> str:
     """The key ``<prefix>:{<run_id>}:<suffix>``; ``run_id`` must be a safe identifier."""
     check_identifier(run_id, "run_id")
@@ -273,6 +306,14 @@ def pattern_key(category: str, prevention_rule: str) -> str:
     """Identity of a pattern (a field of ``patterns:freq``/``patterns:detail``/``lessons:*``):
     its category and its whitespace/case-folded prevention rule."""
     return f"{category}|{' '.join(prevention_rule.lower().split())}"
+
+
+def entry_claim_key(task_id: str, prefix: str | None = None) -> str:
+    """The fleet-wide claim of an entry task id (:data:`ENTRY_CLAIM`): hashed, because a task
+    id comes from the broker (any length, any characters, braces that would pick a cluster
+    slot)."""
+    digest = hashlib.sha256(task_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return shared_key(f"{ENTRY_CLAIM}:{digest}", prefix)
 
 
 def blob_key(sha256_hex: str, prefix: str | None = None) -> str:

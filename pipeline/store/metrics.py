@@ -4,7 +4,8 @@ Every worker adds to the same two Redis hashes, so one exporter serves the whole
 many workers run:
 
 * ``<prefix>:metrics:{counters}``: ``outputs:<status>``, ``tokens:critique``,
-  ``tokens:repair``, ``budget_charged``, ``cache_hits``, ``redrives``, ``refused:<reason>``;
+  ``tokens:repair``, ``budget_charged``, ``cache_hits``, ``cache_refused``, ``redrives``,
+  ``refused:<reason>``;
 * ``<prefix>:metrics:{durations}``: per stage, ``<stage>:b<i>`` (observations in bucket ``i`` of
   :data:`BUCKETS`, the last one ``+Inf``; not cumulative) and ``<stage>:sum`` (seconds).
 

@@ -75,6 +75,18 @@ _INDEX_EVERY_S = 60.0
 """A store puts a run on the archiver's index at most this often (see ``mark_submitted``)."""
 
 
+class EntryIdTaken(SubmissionError):
+    """An entry task id that another submission's entry message claimed first (fleet-wide):
+    the refusal writes nothing under the id, which holds, or will hold, that submission's
+    verdict."""
+
+
+class RunOwnedError(SubmissionError):
+    """A submission into a run that another identity opened (another manager's key, or the
+    workers' key against a manager's run): refused before any pass record is written, naming
+    the run only."""
+
+
 class PassFinished(Exception):
     """The pass a step belongs to has its result already: the step records nothing and its
     chain ends (a late redelivery or a duplicate chain of a finished pass)."""
@@ -112,8 +124,9 @@ return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
 # KEYS[1] the step-record hash (the pass's own, or the run's for a completion gate), KEYS[2]
 # trace stream, KEYS[3] pending sorted set, KEYS[4] results:pass; ARGV: step, output, TTL of
 # KEYS[1] (ms), stream maxlen, event field, the pass's member ("" for none), now (s), TTL of
-# the trace (ms), then the encoded events. Returns nil when this call recorded the step, ""
-# when the pass has its result already (nothing is written), else the output recorded first.
+# the trace (ms), then per encoded event its packed form and its tag ('' unsigned). Returns nil
+# when this call recorded the step, "" when the pass has its result already (nothing is
+# written), else the output recorded first.
 # A first record is the pass's progress: its pending score (if it is still pending, XX) moves
 # to now, which is what the stall sweeper (workers.recovery) measures.
 _RECORD_STEP = """
@@ -128,8 +141,12 @@ if ARGV[6] ~= '' then
   redis.call('ZADD', KEYS[3], 'XX', ARGV[7], ARGV[6])
 end
 if #ARGV > 8 then
-  for i = 9, #ARGV do
-    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i])
+  for i = 9, #ARGV, 2 do
+    if ARGV[i + 1] == '' then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i])
+    else
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i], 'sig', ARGV[i + 1])
+    end
   end
   redis.call('PEXPIRE', KEYS[2], ARGV[8])
 end
@@ -140,7 +157,8 @@ return false
 # KEYS[1] results:pass, KEYS[2] passes, KEYS[3] pending, KEYS[4] trace, KEYS[5] the pass's
 # step records, KEYS[6] messages, KEYS[7] suspects, KEYS[8] resumes. ARGV: submission field,
 # pass field (= the pending member), pass id, the packed result, TTL (ms), stream maxlen,
-# event field, the steps' grace (ms: 0 deletes them now), then the encoded events. The first
+# event field, the steps' grace (ms: 0 deletes them now), then per encoded event its packed
+# form and its tag ('' unsigned; the field 'sig' is keys.TRACE_SIG_FIELD). The first
 # gate of a pass stores its result (and records the pass as the submission's latest when none
 # was: a chain sent without the client), appends its events and releases what only the live
 # chain needed: the pass's step records, its first message and the sweeper's notes on it
@@ -159,8 +177,12 @@ end
 redis.call('HDEL', KEYS[6], ARGV[2])
 redis.call('HDEL', KEYS[7], ARGV[2])
 redis.call('HDEL', KEYS[8], ARGV[2])
-for i = 9, #ARGV do
-  redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i])
+for i = 9, #ARGV, 2 do
+  if ARGV[i + 1] == '' then
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i])
+  else
+    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i], 'sig', ARGV[i + 1])
+  end
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
@@ -184,12 +206,27 @@ end
 return 1
 """
 
-# KEYS[1] entries. ARGV: entry task id, the pass member it would start, TTL (ms). Returns the
-# pass member the entry task id started (the first one claimed) and 1 when this call claimed it.
+# KEYS[1] the entry task id's fleet-wide claim. ARGV: the claim (JSON), TTL (ms). Returns the
+# claim that stands (the first one) and 1 when this call made it.
 _CLAIM_ENTRY = """
-local first = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return {redis.call('HGET', KEYS[1], ARGV[1]), first}
+if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then
+  return {ARGV[1], 1}
+end
+return {redis.call('GET', KEYS[1]), 0}
+"""
+
+# KEYS[1] the run's owner. ARGV: the identity opening or entering the run, TTL (ms). Returns the
+# owner that stands; its TTL is refreshed only by the owner itself.
+_CLAIM_OWNER = """
+local owner = redis.call('GET', KEYS[1])
+if not owner then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  return ARGV[1]
+end
+if owner == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return owner
 """
 
 # KEYS[1] passes, KEYS[2] results. ARGV: submission field, pass id, TTL (ms).
@@ -235,6 +272,15 @@ def _pass_of_step(step: str) -> str:
     return "" if parsed is None else parsed.pass_member
 
 
+def _entry_claim(raw: Any) -> dict[str, Any] | None:
+    """A stored entry claim as a dict; None for anything else (written by no worker)."""
+    try:
+        doc = json.loads(text(raw))
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 class RedisRunStore:
     """Submissions and results of runs."""
 
@@ -264,14 +310,22 @@ class RedisRunStore:
         self._put_result = client.register_script(_PUT_RESULT)
         self._begin_pass = client.register_script(_BEGIN_PASS)
         self._claim_entry = client.register_script(_CLAIM_ENTRY)
+        self._claim_owner = client.register_script(_CLAIM_OWNER)
         self._mark_submitted = client.register_script(_MARK_SUBMITTED)
 
     def _key(self, run_id: str, suffix: str) -> str:
         return keys.run_key(run_id, suffix, self._prefix)
 
-    def _packed(self, events: Sequence[str]) -> list[bytes | str]:
-        """Encoded trace events as the stream stores them (:func:`pack_event`)."""
-        return [pack_event(e, binary=self._binary) for e in events]
+    def _packed(self, run_id: str, events: Sequence[str]) -> list[bytes | str]:
+        """Encoded trace events as the scripts take them: per event its packed form
+        (:func:`pack_event`) and its tag (:func:`pipeline.signing.trace_mac`, ``""`` without
+        secrets), so a reader with the secret trusts only events a key holder wrote."""
+        secrets = self._secrets()
+        out: list[bytes | str] = []
+        for e in events:
+            tag = signing.trace_mac(run_id, e.encode("utf-8"), secrets[0]) if secrets else ""
+            out += [pack_event(e, binary=self._binary), tag]
+        return out
 
     def _steps_key(self, run_id: str, pass_field: str) -> str:
         """The step records of one pass; the run's ``steps`` hash for a step outside a pass
@@ -396,22 +450,52 @@ class RedisRunStore:
         self, run_id: str, iteration: int, worker_id: str, entry_id: str, pass_id: str
     ) -> tuple[str, bool]:
         """The pass the entry task ``entry_id`` (``critique.submit``) runs: ``pass_id`` and True
-        when this call is the first to claim one for it, else the pass id an earlier delivery of
+        when this call is the first to claim the id, else the pass id an earlier delivery of
         the same entry message claimed and False; so a redelivered entry message never starts a
-        second pass. Kept for the run TTL."""
-        wanted = pass_member(iteration, worker_id, pass_id)
+        second pass. The claim is fleet-wide (one key per task id, :func:`keys.entry_claim_key`,
+        kept for the run TTL): an id another submission claimed, in this run or any other, is
+        :class:`EntryIdTaken`, so no pass of another run ever stores its summary under the
+        victim's id (Celery never overwrites a ``SUCCESS``)."""
+        wanted = {"run_id": run_id, "iteration": iteration, "worker_id": worker_id}
+        doc = json.dumps({**wanted, "pass_id": pass_id}, sort_keys=True)
         with store_errors(self._r):
             got, first = self._claim_entry(
-                keys=[self._key(run_id, keys.ENTRIES)], args=[entry_id, wanted, self._ttl_ms]
+                keys=[keys.entry_claim_key(entry_id, self._prefix)], args=[doc, self._ttl_ms]
             )
-        claimed = text(got)
-        prefix = f"{iteration}:{worker_id}:"
-        if not claimed.startswith(prefix):  # the same entry id for another submission
-            raise SubmissionError(
-                f"entry task id {entry_id[:64]!r} already started another submission of run "
-                f"{run_id}: send each submission under a fresh task id"
+        claim = _entry_claim(got)
+        if claim is None or {k: claim.get(k) for k in wanted} != wanted:
+            same_run = claim is not None and claim.get("run_id") == run_id
+            whose = f"another submission of run {run_id}" if same_run else "another run's entry"
+            raise EntryIdTaken(
+                f"entry task id {entry_id[:64]!r} already started {whose}: send each "
+                "submission under a fresh task id"
             )
-        return claimed[len(prefix) :], bool(int(first))
+        return str(claim.get("pass_id") or ""), bool(int(first))
+
+    def entry_claim(self, entry_id: str) -> dict[str, Any] | None:
+        """Who claimed the entry task id ``entry_id``: ``{run_id, iteration, worker_id,
+        pass_id}`` of the entry message that first ran under it, or None (never claimed, or
+        expired)."""
+        with store_errors(self._r):
+            got = self._r.get(keys.entry_claim_key(entry_id, self._prefix))
+        return None if got is None else _entry_claim(got)
+
+    def claim_owner(self, run_id: str, identity: str) -> str:
+        """Bind the run to ``identity`` (the key that signed its first entry, or ``fleet`` for
+        the Python client's path) unless it is bound already; returns the owner that stands
+        (``identity`` when it is this call's, or the run's own). Kept for the run TTL,
+        refreshed by its owner's every entry."""
+        with store_errors(self._r):
+            got = self._claim_owner(
+                keys=[self._key(run_id, keys.OWNER)], args=[identity, self._ttl_ms]
+            )
+        return text(got)
+
+    def enter_run(self, run_id: str, identity: str) -> None:
+        """:meth:`claim_owner`, raising :class:`RunOwnedError` ("run R belongs to another
+        manager") unless the run is ``identity``'s."""
+        if self.claim_owner(run_id, identity) != identity:
+            raise RunOwnedError(f"run {run_id} belongs to another manager")
 
     def latest_pass(self, run_id: str, iteration: int, worker_id: str) -> str | None:
         """The submission's latest pass id, or None (never submitted through the client)."""
@@ -444,13 +528,12 @@ class RedisRunStore:
                 pipe = self._r.pipeline(transaction=True)
                 pipe.hset(key, field, raw)
                 pipe.pexpire(key, self._ttl_ms)
-                for payload in events:
-                    pipe.xadd(
-                        trace,
-                        {keys.TRACE_EVENT_FIELD: pack_event(payload, binary=self._binary)},
-                        maxlen=keys.TRACE_MAXLEN,
-                        approximate=True,
-                    )
+                packed = self._packed(result.run_id, events)
+                for event, tag in zip(packed[::2], packed[1::2], strict=True):
+                    fields: dict[Any, Any] = {keys.TRACE_EVENT_FIELD: event}
+                    if tag:
+                        fields[keys.TRACE_SIG_FIELD] = tag
+                    pipe.xadd(trace, fields, maxlen=keys.TRACE_MAXLEN, approximate=True)
                 if events:
                     pipe.pexpire(trace, self._ttl_ms)
                 pipe.execute()
@@ -476,7 +559,7 @@ class RedisRunStore:
                     keys.TRACE_MAXLEN,
                     keys.TRACE_EVENT_FIELD,
                     self._grace_ms,
-                    *self._packed(events),
+                    *self._packed(result.run_id, events),
                 ],
             )
         return bool(int(got))
@@ -884,7 +967,7 @@ class RedisRunStore:
                     pass_field,
                     repr(time.time()),
                     self._ttl_ms,
-                    *self._packed(events),
+                    *self._packed(run_id, events),
                 ],
             )
         if got is None:

@@ -96,7 +96,8 @@ class TestSplitKeys:
         push(r, "critique.submit", task_id, build(hand_built(run_id), task_id))
         got_type, reason = refusal(task_meta(r, task_id))
         assert got_type == "ForgedMessageError" and says in reason, reason
-        assert not r.exists(keys.run_key(run_id, keys.ENTRIES))
+        assert not r.exists(keys.entry_claim_key(task_id))
+        assert not r.exists(keys.run_key(run_id, keys.OWNER))
 
     def test_the_managers_key_cannot_forge_a_stage_message(self, r: redis.Redis) -> None:
         """A critique.l0 message carrying a finished-looking state, signed with the entry key:

@@ -3,6 +3,7 @@ verdicts under their own ids, as in test_entry.py."""
 
 from __future__ import annotations
 
+import json
 import socket
 import uuid
 from collections.abc import Iterator
@@ -87,7 +88,7 @@ class TestWithoutASecret:
                 "llm",
             ),
             (lambda b: b.update(extra=1), "SubmissionError", "unknown field"),
-            (lambda b: b.update(v=2), "SubmissionError", "'v' must be 1"),
+            (lambda b: b.update(v=2), "SubmissionError", "'v' must be the integer 1"),
         ],
         ids=["malformed", "worker-only-override", "unknown-field", "version"],
     )
@@ -103,7 +104,7 @@ class TestWithoutASecret:
         push(r, "critique.submit", task_id, body)
         got_type, reason = refusal(task_meta(r, task_id))
         assert got_type.startswith(exc_type) and says in reason, (got_type, reason)
-        assert not r.exists(keys.run_key(run_id, keys.ENTRIES))
+        assert not r.exists(keys.entry_claim_key(task_id))
 
     def test_the_same_entry_message_delivered_twice_runs_one_pass(self, r: redis.Redis) -> None:
         """Two deliveries of one entry message (same task id) claim one pass: one result,
@@ -131,7 +132,8 @@ class TestWithoutASecret:
             return r.llen(QUEUE) == 0 and not any(active.values())
 
         wait_until(settled, 30, what="the worker to go idle")
-        assert len(r.hgetall(keys.run_key(run_id, keys.ENTRIES))) == 1
+        assert json.loads(r.get(keys.entry_claim_key(task_id)) or b"{}")["run_id"] == run_id
+        assert not r.exists(keys.run_key(run_id, keys.OWNER))  # no key: no owner enforced
         assert len(pass_results(r, run_id)) == 1
         events = [e for e in CritiqueClient(CONFIG).trace(run_id) if e["type"] == "result"]
         assert len(events) == 1

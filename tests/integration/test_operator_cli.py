@@ -173,7 +173,8 @@ def test_report_writes_tree_html_and_lessons(
     finished_run: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """report --out writes the §5.8 tree per iteration, report.html (an SVG per result, output
-    escaped) and lessons.md with the patterns that recurred in another run too."""
+    escaped) and lessons.md with the patterns the run taught itself: another run teaching the
+    same pattern is neither counted nor named (lessons are per run by default)."""
     from workers.client import CritiqueClient
 
     other = f"ops-{uuid.uuid4().hex[:8]}"
@@ -195,8 +196,9 @@ def test_report_writes_tree_html_and_lessons(
     assert "&lt;script&gt;alert(&#x27;owned&#x27;)&lt;/script&gt;" in page
     assert "<script" not in page
     lessons = (run_dir / "lessons.md").read_text(encoding="utf-8")
-    assert lessons.startswith("# Lessons") and "policy_violation (seen in 2 runs)" in lessons
-    assert f"first {finished_run}, latest {other}" in lessons
+    assert lessons.startswith(f"# Lessons\n\nRun {finished_run}.\n")
+    assert "policy_violation (taught by this run)" in lessons
+    assert other not in lessons and "seen in" not in lessons
     assert set(doc["files"]) >= {str(run_dir / "lessons.md"), str(run_dir / "report.html")}
 
 

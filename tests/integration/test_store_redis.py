@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import socket
@@ -69,7 +70,7 @@ def exercise_every_store(
 ) -> None:
     """Write through every write path of every store for run ``run1``."""
     run_id = "run1"
-    patterns = RedisPatternStore(client, prefix=prefix, ttl_s=ttl_s)
+    patterns = RedisPatternStore(client, prefix=prefix, ttl_s=ttl_s, lessons_scope="fleet")
     patterns.record(run_id, "c1", 1, [rp("a", "rule a")])
     ledger = RedisBudgetLedger(client, prefix=prefix, ttl_s=ttl_s)
     ledger.reserve(run_id, "t:1", 10, 100, 60)
@@ -78,7 +79,9 @@ def exercise_every_store(
     ledger.refund(run_id, "t:2")
     ledger.reserve(run_id, "t:3", 10, 100, 60)
     ledger.ask(run_id, "t:4", 90, 100, 60, wait_s=60)  # waits for t:3's hold
-    RedisTraceSink(client, prefix=prefix, ttl_s=ttl_s).emit(run_id, {"stage": "l0"})
+    sink = RedisTraceSink(client, prefix=prefix, ttl_s=ttl_s)
+    sink.emit(run_id, {"stage": "l0"})
+    sink.emit_capped(run_id, {"type": "refused"}, "refused_unverified", 1)
     RedisBlobStore(client, prefix=prefix, ttl_s=ttl_s).put(b"blob bytes")
     runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
     runs.mark_submitted(run_id, 1, "w1", "task-1", "sig")
@@ -102,6 +105,7 @@ def exercise_every_store(
     runs.put_result(result, pass_id="sid")
     runs.count_rejection_once(run_id, "req")
     runs.claim_entry(run_id, 1, "w1", "entry-task-id", "sid")
+    runs.claim_owner(run_id, "entry:alice")
     runs.put_failure(run_id, "1:w2:sid", stage="l0", error="E", reason="r", refused=True)
     pending = RedisPendingIndex(client, prefix=prefix, ttl_s=ttl_s)
     pending.add(run_id, "1:w1:sid", 1.0)
@@ -127,7 +131,8 @@ def test_every_key_is_prefixed_and_expires(redis_client: redis.Redis) -> None:
         probe,
         f"{probe}:{keys.PROBE_DRAINED}",
     }
-    assert set(found) - run_keys == {blob} | lessons | recovery
+    claim = keys.entry_claim_key("entry-task-id", PREFIX)
+    assert set(found) - run_keys == {blob, claim} | lessons | recovery
     assert run_keys <= set(found)
     for key in found:
         if key in lessons:
@@ -246,7 +251,9 @@ def test_lessons_expire_after_the_lessons_ttl_and_each_write_renews_it(
 ) -> None:
     """Lessons keys carry the lessons TTL (not the run TTL); a run teaching a lesson pushes
     their expiry back out."""
-    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S, lessons_ttl_s=7200)
+    store = RedisPatternStore(
+        redis_client, prefix=PREFIX, ttl_s=TTL_S, lessons_ttl_s=7200, lessons_scope="fleet"
+    )
     store.record("run1", "c1", 1, [rp("a", "rule a")])
     lesson_keys = [keys.shared_key(k, PREFIX) for k in keys.LESSONS_KEYS]
     assert all(TTL_S * 1000 < redis_client.pttl(k) <= 7_200_000 for k in lesson_keys)
@@ -263,6 +270,7 @@ def test_lessons_ttl_comes_from_the_environment(
     """CRITIQUE_LESSONS_TTL_S sets the lessons TTL; a value that is not a positive number is a
     configuration error naming the variable."""
     monkeypatch.setenv(keys.LESSONS_TTL_ENV, "600")
+    monkeypatch.setenv(keys.LESSONS_SCOPE_ENV, "fleet")
     RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S).record(
         "run1", "c1", 1, [rp("a", "r")]
     )
@@ -270,6 +278,44 @@ def test_lessons_ttl_comes_from_the_environment(
     monkeypatch.setenv(keys.LESSONS_TTL_ENV, "soon")
     with pytest.raises(ConfigError, match="CRITIQUE_LESSONS_TTL_S"):
         RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+
+
+def test_run_scope_writes_no_shared_lessons_key(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With CRITIQUE_LESSONS_SCOPE unset, recording patterns of two runs writes no lessons key:
+    nothing one run taught reaches a store another run reads."""
+    monkeypatch.delenv(keys.LESSONS_SCOPE_ENV, raising=False)
+    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    store.record("run1", "c1", 1, [rp("a", "rule a")])
+    store.record("run2", "c1", 1, [rp("a", "rule a")])
+    assert [k for k in redis_client.scan_iter(match="*") if b":lessons:" in k] == []
+    assert [x.prevention_rule for x in store.lessons(run_id="run2")] == ["rule a"]
+
+
+def test_fleet_rows_name_no_run_and_an_old_row_loses_its_run_ids(
+    redis_client: redis.Redis,
+) -> None:
+    """A fleet lesson row stores its bringer only as a hash, and the share counts by it; a row
+    written before lessons were scoped (first_run/last_run) loses those ids when next counted,
+    and a planted row that is not a lesson is skipped on read."""
+    store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S, lessons_scope="fleet")
+    detail = keys.shared_key(keys.LESSONS_DETAIL, PREFIX)
+    runs = keys.shared_key(keys.LESSONS_RUNS, PREFIX)
+    old = {"category": "a", "description": "d", "prevention_rule": "rule old", "order": 1}
+    redis_client.hset(
+        detail, "a|rule old", json.dumps({**old, "first_run": "x1", "last_run": "x2"})
+    )
+    redis_client.zadd(runs, {"a|rule old": 1.5})
+    redis_client.hset(detail, "a|junk", "not json")
+    redis_client.zadd(runs, {"a|junk": 9})
+    store.record("secret-run", "c1", 1, [rp("a", "rule old"), rp("a", "rule new")])
+    stored = b" ".join(redis_client.hvals(detail))
+    assert b"secret-run" not in stored and b"x1" not in stored and b"x2" not in stored
+    held = keys.shared_key(keys.LESSONS_HELD, PREFIX)
+    assert redis_client.hgetall(held) == {hashlib.sha1(b"secret-run").hexdigest().encode(): b"1"}
+    got = [(x.prevention_rule, x.runs) for x in store.lessons(min_runs=1)]
+    assert got == [("rule old", 2), ("rule new", 1)]
 
 
 def test_pattern_store_rejects_iteration_zero(redis_client: redis.Redis) -> None:
@@ -453,12 +499,41 @@ def test_latest_step_follows_the_loop_order(redis_client: redis.Redis) -> None:
 
 def test_an_entry_task_id_claims_one_pass(redis_client: redis.Redis) -> None:
     """The first claim of an entry task id wins its pass; a redelivery gets that pass back, and
-    the same id for another submission is refused."""
-    from pipeline.errors import SubmissionError
-    from pipeline.store.runs import RedisRunStore
+    the same id for another submission is refused, in the same run or in any other: the claim
+    is fleet-wide, and names the submission that holds it."""
+    from pipeline.store.runs import EntryIdTaken, RedisRunStore
 
     runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     assert runs.claim_entry("run-e", 1, "w1", "t1", "first") == ("first", True)
     assert runs.claim_entry("run-e", 1, "w1", "t1", "second") == ("first", False)
-    with pytest.raises(SubmissionError, match="another submission"):
+    with pytest.raises(EntryIdTaken, match="another submission of run run-e"):
         runs.claim_entry("run-e", 1, "w2", "t1", "third")
+    with pytest.raises(EntryIdTaken, match="another run's entry"):
+        runs.claim_entry("run-f", 1, "w1", "t1", "fourth")
+    assert runs.entry_claim("t1") == {
+        "run_id": "run-e",
+        "iteration": 1,
+        "worker_id": "w1",
+        "pass_id": "first",
+    }
+    assert runs.entry_claim("t2") is None
+    key = keys.entry_claim_key("t1", PREFIX)
+    assert 0 < redis_client.pttl(key) <= TTL_S * 1000
+
+
+def test_a_run_is_bound_to_the_identity_that_opened_it(redis_client: redis.Redis) -> None:
+    """The first identity to enter a run owns it (SET NX, the run TTL); the same identity keeps
+    entering, any other is refused naming the run only, and refreshes nothing."""
+    from pipeline.store.runs import RedisRunStore, RunOwnedError
+
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    runs.enter_run("run-o", "entry:alice")
+    runs.enter_run("run-o", "entry:alice")
+    owner = keys.run_key("run-o", keys.OWNER, PREFIX)
+    redis_client.pexpire(owner, 5_000)
+    for other in ("entry:bob", "entry", "fleet"):
+        with pytest.raises(RunOwnedError, match=r"^run run-o belongs to another manager$"):
+            runs.enter_run("run-o", other)
+    assert redis_client.pttl(owner) <= 5_000
+    assert runs.claim_owner("run-o", "entry:alice") == "entry:alice"
+    assert redis_client.pttl(owner) > 5_000

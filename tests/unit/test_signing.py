@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import hmac
 import json
+from pathlib import Path
 
 import pytest
 
@@ -483,3 +484,46 @@ def test_a_short_entry_secret_is_refused_naming_its_variable(
     with pytest.raises(ConfigError, match="CRITIQUE_ENTRY_SECRET") as info:
         runtime.entry_secrets()
     assert "short-key" not in str(info.value)
+
+
+def test_a_trace_tag_is_bound_to_its_run_and_its_bytes() -> None:
+    """A trace event's tag verifies only for the same run, the same bytes and a known secret;
+    a missing tag never does."""
+    from pipeline.signing import trace_mac, trace_mac_ok
+
+    key, other = b"a" * 32, b"b" * 32
+    tag = trace_mac("run-1", b'{"type":"l0"}', key)
+    assert trace_mac_ok("run-1", b'{"type":"l0"}', tag, (other, key))
+    assert trace_mac_ok("run-1", b'{"type":"l0"}', tag.encode(), (key,))
+    assert not trace_mac_ok("run-2", b'{"type":"l0"}', tag, (key,))
+    assert not trace_mac_ok("run-1", b'{"type":"result"}', tag, (key,))
+    assert not trace_mac_ok("run-1", b'{"type":"l0"}', tag, (other,))
+    assert not trace_mac_ok("run-1", b'{"type":"l0"}', None, (key,))
+
+
+def test_state_dirs_name_the_archive_and_workspace_but_never_the_commands_own(
+    tmp_path: Path,
+) -> None:
+    """The sandbox hides the archive directory and the workspace root; a directory holding the
+    command's temp dir or its Python (here: /) is never hidden, nor a missing one."""
+    import tempfile
+
+    from pipeline.sandbox import state_dirs
+
+    arch, ws = tmp_path / "arch", tmp_path / "ws"
+    arch.mkdir()
+    ws.mkdir()
+    env = {"CRITIQUE_ARCHIVE_DIR": str(arch), "CRITIQUE_WORKSPACE": str(ws)}
+    assert state_dirs(env) == tuple(sorted([str(arch.resolve()), str(ws.resolve())]))
+    assert (
+        state_dirs({"CRITIQUE_ARCHIVE_DIR": tempfile.gettempdir(), "CRITIQUE_WORKSPACE": "/"}) == ()
+    )
+    assert (
+        state_dirs(
+            {
+                "CRITIQUE_ARCHIVE_DIR": str(tmp_path / "missing"),
+                "CRITIQUE_WORKSPACE": str(tmp_path / "nope"),
+            }
+        )
+        == ()
+    )

@@ -48,8 +48,12 @@ class UnknownRunError(LookupError):
 
 
 def unreachable_redis(url: str, exc: BaseException, what: str = "Redis") -> CommandError:
-    """``cannot reach <what> at <url>: <exc>`` and the one hint, exit 3."""
-    return CommandError(f"cannot reach {what} at {url}: {exc}\n{REDIS_HINT}", EXIT_UNAVAILABLE)
+    """``cannot reach <what> at <url>: <exc>`` and the one hint, exit 3 (the URL's password
+    shown as ``***``)."""
+    from pipeline.store.urls import redact_url
+
+    shown = redact_url(url)
+    return CommandError(f"cannot reach {what} at {shown}: {exc}\n{REDIS_HINT}", EXIT_UNAVAILABLE)
 
 
 def service_guard(command: str, body: Callable[[], int]) -> int:
@@ -149,8 +153,23 @@ def add_json_argument(parser: argparse.ArgumentParser, help: str) -> None:
 
 
 def add_iteration_argument(parser: argparse.ArgumentParser) -> None:
-    """``--iteration N`` (``args.iteration``, None when not given; N ≥ 1)."""
-    parser.add_argument("--iteration", type=at_least(1), metavar="N", help="only this iteration")
+    """``--iteration N`` (``args.iteration``, None when not given; 1 ≤ N ≤ the highest
+    iteration a submission may name, :data:`pipeline.models.MAX_ITERATION`)."""
+    parser.add_argument("--iteration", type=_iteration, metavar="N", help="only this iteration")
+
+
+def _iteration(text: str) -> int | OutOfRange:
+    """An iteration number: ``--iteration must be ≥ 1`` below, ``≤ 1000000`` above (a
+    submission names no higher one)."""
+    from pipeline.models import MAX_ITERATION
+
+    value = int(text)  # ValueError: argparse's own "invalid int value" (exit 2)
+    if value < 1:
+        return OutOfRange(value, "≥ 1")
+    return value if value <= MAX_ITERATION else OutOfRange(value, f"≤ {MAX_ITERATION}")
+
+
+_iteration.__name__ = "int"  # argparse names the type in "invalid int value: 'x'"
 
 
 # -- the Redis check ----------------------------------------------------------------------------

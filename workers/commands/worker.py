@@ -382,14 +382,14 @@ def _start(args: argparse.Namespace) -> int:
     count = processes(args, queues)  # a bad value: ValueError, exit 2
     argvs = worker_argvs(args, queues, concurrency, count)
     from pipeline.errors import ConfigError
-    from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_secrets
+    from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_named_secrets, parse_secrets
     from pipeline.store.redis_common import check_redis_urls
 
     try:
         check_redis_urls()  # a sentinel:// URL parses and has CRITIQUE_REDIS_MASTER
         allowed_models = check_own_config(keys=bool(set(queues) & set(LLM_QUEUES)))
         signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
-        parse_secrets(os.environ.get(ENTRY_SECRET_ENV), ENTRY_SECRET_ENV)  # too short: exit 2
+        parse_named_secrets(os.environ.get(ENTRY_SECRET_ENV))  # too short: exit 2
     except ConfigError as exc:
         raise CommandError(one_line(exc)) from None
     if args.dry_run:

@@ -85,7 +85,7 @@ def stores_on(client: StoreClient) -> RecoveryStores:
     workers recorded with ``CRITIQUE_SECRET`` (:func:`workers.runtime.secrets`)."""
     return RecoveryStores(
         RedisRunStore(client, secrets=runtime.secrets),
-        RedisTraceSink(client),
+        RedisTraceSink(client, secrets=runtime.secrets),
         RedisPendingIndex(client),
     )
 

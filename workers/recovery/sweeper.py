@@ -427,6 +427,14 @@ class Sweeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyp
     label = "Stall sweeper"
     requires = ("celery.worker.components:Pool",)
 
+    def info(self, w: Any) -> dict[str, Any]:
+        """What ``celery inspect stats`` adds for this worker: the sizes of its configuration
+        and stage-context caches (:func:`workers.runtime.cache_sizes`; under ``prefork``, the
+        main process's own, not its children's)."""
+        from workers import runtime
+
+        return {"critique_caches": runtime.cache_sizes()}
+
     def create(self, w: Any) -> _SweeperService:
         interval = sweep_interval_s()
         consumed = w.app.amqp.queues.consume_from or w.app.amqp.queues
