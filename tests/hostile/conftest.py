@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import redis
 
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support.hostile import SECRET, assert_still_serving, llm_worker_env
@@ -26,6 +27,14 @@ from tests.support.workers import WorkerProcess, client_on, worker_db_url
 def hostile_url(redis_url: str) -> str:
     """The workers' database (the one below the test database)."""
     return worker_db_url(redis_url)
+
+
+@pytest.fixture
+def r(hostile_url: str) -> Iterator[redis.Redis]:
+    """A raw client of the workers' Redis, as a manager's (or an attacker's) own connection."""
+    client = redis.Redis.from_url(hostile_url)
+    yield client
+    client.close()
 
 
 @pytest.fixture(scope="module")

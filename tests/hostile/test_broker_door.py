@@ -16,7 +16,6 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
 import redis
 
 from pipeline.store import keys
@@ -28,11 +27,6 @@ from tests.support.workers import ROOT, WorkerProcess
 WORKER = HOSTILE_WORKER
 DEADLETTER = f"critique:{keys.DEADLETTER}"
 COUNTERS = "critique:metrics:{counters}"
-
-
-@pytest.fixture
-def r(hostile_url: str) -> redis.Redis:
-    return redis.Redis.from_url(hostile_url)
 
 
 def envelope(task: str = "critique.submit", task_id: str | None = None, args: Any = None) -> dict:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ from pipeline.models import MAX_ITERATION
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.entry import hand_built, refusal
-from tests.support.hostile import HOSTILE_WORKER, SECRET, log_of
+from tests.support.hostile import HOSTILE_WORKER, SECRET, log_of, new_run_id
 from tests.support.rawcelery import QUEUE, entry_body, protocol2, push, sign, task_meta
 from tests.support.submissions import CONFIG
 from tests.support.workers import WorkerProcess
@@ -28,18 +27,6 @@ from tests.support.workers import WorkerProcess
 pytestmark = pytest.mark.integration
 
 WORKER = HOSTILE_WORKER
-
-
-@pytest.fixture
-def r(hostile_env: dict[str, str]) -> Iterator[redis.Redis]:
-    """A client of the workers' Redis, as a manager's raw connection."""
-    client = redis.Redis.from_url(hostile_env["REDIS_URL"])
-    yield client
-    client.close()
-
-
-def _run_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def _send(r: redis.Redis, sub: dict[str, Any], config: dict[str, Any] | None = None) -> str:
@@ -64,7 +51,7 @@ def test_another_runs_entry_id_is_refused_and_the_verdict_under_it_is_kept(
     left byte for byte, B starts no pass, and the id's claim still names A."""
     from workers import runtime
 
-    victim, attacker = _run_id("victim"), _run_id("attacker")
+    victim, attacker = new_run_id("victim"), new_run_id("attacker")
     task_id = _send(r, hand_built(victim))
     assert task_meta(r, task_id)["result"]["run_id"] == victim
     before = r.get(f"celery-task-meta-{task_id}")
@@ -89,9 +76,12 @@ def test_a_claimed_entry_id_gets_no_failure_from_another_run_or_from_garbage(
     from workers import runtime
 
     task_id = str(uuid.uuid4())
-    runtime.stores().runs.claim_entry(_run_id("inflight"), 1, "w1", task_id, "p" + "0" * 15)
+    runtime.stores().runs.claim_entry(new_run_id("inflight"), 1, "w1", task_id, "p" + "0" * 15)
     push(
-        r, keys.TASK_SUBMIT, task_id, entry_body(hand_built(_run_id("b")), task_id, CONFIG, SECRET)
+        r,
+        keys.TASK_SUBMIT,
+        task_id,
+        entry_body(hand_built(new_run_id("b")), task_id, CONFIG, SECRET),
     )
     push(r, keys.TASK_SUBMIT, task_id, {"v": 1, "garbage": True})
     wait_until(
@@ -110,7 +100,7 @@ def test_an_unclaimed_id_still_gets_its_one_line_refusal(
 ) -> None:
     """The claim rule costs honest senders nothing: a refused entry under its own fresh id still
     gets its one-line FAILURE there."""
-    task_id = _send(r, {**hand_built(_run_id("own")), "iteration": 0})
+    task_id = _send(r, {**hand_built(new_run_id("own")), "iteration": 0})
     exc_type, reason = refusal(task_meta(r, task_id))
     assert exc_type == "SubmissionError" and "iteration" in reason, reason
 
@@ -137,7 +127,7 @@ def test_a_stream_of_distinct_configurations_leaves_the_caches_bounded(
 
     cap = runtime.CONFIG_CACHE_MAX
     extra = 24
-    run_id = _run_id("configs")
+    run_id = new_run_id("configs")
     ids = [
         _send(
             r,
@@ -199,7 +189,7 @@ def test_booleans_and_unbounded_numbers_are_refused_in_one_line(
     naming the field, and no pass starts."""
     from workers import runtime
 
-    run_id = _run_id("numbers")
+    run_id = new_run_id("numbers")
     task_id = str(uuid.uuid4())
     body = {
         "v": 1,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -19,7 +18,7 @@ import redis
 from pipeline.errors import SubmissionError
 from pipeline.store import keys
 from tests.support.entry import hand_built, refusal
-from tests.support.hostile import ENABLED, HOSTILE_WORKER, honest_submission
+from tests.support.hostile import ENABLED, HOSTILE_WORKER, honest_submission, new_run_id
 from tests.support.rawcelery import entry_body, push, task_meta
 from tests.support.submissions import CONFIG
 from tests.support.workers import WorkerProcess
@@ -38,17 +37,6 @@ WORKER = dataclasses.replace(
         "CRITIQUE_ENTRY_SECRET": f"alice={ALICE},bob={BOB},alice={ALICE_OLD},{UNNAMED}",
     },
 )
-
-
-@pytest.fixture
-def r(hostile_env: dict[str, str]) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(hostile_env["REDIS_URL"])
-    yield client
-    client.close()
-
-
-def _run_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def _entry(r: redis.Redis, key: str, sub: dict[str, object]) -> dict[str, object]:
@@ -74,7 +62,7 @@ def test_another_managers_key_cannot_flip_a_python_managers_completion_gate(
     from workers.client import CritiqueClient
 
     client = CritiqueClient(CONFIG)
-    sub = honest_submission(_run_id("python"), worker_id="w1")
+    sub = honest_submission(new_run_id("python"), worker_id="w1")
     stub = sub.model_copy(update={"output": {"summary": "TODO: fill in"}})
     assert client.wait(client.submit(stub), timeout=60).status != "accepted"
     final = "Sales rose 4% in Q3."
@@ -95,7 +83,7 @@ def test_a_run_opened_with_a_named_key_takes_only_that_managers_entries(
     name repeats for rotation: one identity)."""
     from workers import runtime
 
-    run_id = _run_id("alice")
+    run_id = new_run_id("alice")
     assert _entry(r, ALICE, hand_built(run_id, "w1"))["status"] == "SUCCESS"
     for key in (BOB, UNNAMED):
         exc_type, reason = refusal(_entry(r, key, hand_built(run_id, "w2")))
@@ -115,7 +103,7 @@ def test_the_unnamed_key_is_one_identity_and_the_python_client_is_another(
     from workers import runtime
     from workers.client import CritiqueClient
 
-    run_id = _run_id("unnamed")
+    run_id = new_run_id("unnamed")
     assert _entry(r, UNNAMED, hand_built(run_id, "w1"))["status"] == "SUCCESS"
     assert refusal(_entry(r, ALICE, hand_built(run_id, "w2")))[0] == "RunOwnedError"
     with pytest.raises(SubmissionError, match=f"run {run_id} belongs to another manager"):

@@ -62,6 +62,11 @@ def log_of(worker: WorkerProcess) -> str:
     return Path(worker.log).read_text(encoding="utf-8", errors="replace") if worker.log else ""
 
 
+def new_run_id(prefix: str = "hostile") -> str:
+    """A fresh run id: ``<prefix>-<8 hex digits>``."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
 def honest_submission(run_id: str | None = None, worker_id: str = "honest") -> Submission:
     """A clean JSON output that the heuristic critic accepts at 1.0."""
     return Submission(
