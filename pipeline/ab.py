@@ -545,8 +545,7 @@ def escalation_markdown(
         f"# Escalation: {row.input_id} ({row.run_id})",
         "",
         f"{row.input_id} ended `{result.status}` ({result.stop_reason}) after "
-        f"{len(result.attempts)} repair(s): score {result.original_score:.2f} → "
-        f"{result.best_score:.2f}.  ",
+        f"{len(result.attempts)} repair(s): score {result.score_text()}.  ",
         f"{len(remaining)} defect(s) remain by the critic; the independent counter finds "
         f"{counted.total} in the best output.  ",
         first_line,
@@ -556,7 +555,8 @@ def escalation_markdown(
         f"- **retry** — run it again, e.g. with a stronger model or more "
         f"`max_repair_attempts` on the workers: `{retry_command}`",
         f"- **accept best** — take the best output below as it is (score "
-        f"{result.best_score:.2f}); the remaining defects ship with it.",
+        f"{'no score' if result.best_score is None else f'{result.best_score:.2f}'}); the "
+        "remaining defects ship with it.",
         "- **manual** — fix the remaining defects by hand: they are listed below with where "
         "they are.",
         "",

@@ -25,8 +25,14 @@ from typing import Any
 
 from pipeline.errors import PathEscapeError, SubmissionError
 from pipeline.escaping import md_cell
-from pipeline.gates import mean_best_score
-from pipeline.models import SCHEMA_VERSION, CritiqueResult, Pattern, check_identifier
+from pipeline.gates import mean_best_score, not_counted
+from pipeline.models import (
+    SCHEMA_VERSION,
+    UNCHECKED_LINE,
+    CritiqueResult,
+    Pattern,
+    check_identifier,
+)
 
 TOP_PRESCRIPTIONS = 10
 _CELL_MAX = 200
@@ -108,6 +114,8 @@ def manager_summary(
             "repaired": sum(1 for r in ordered if r.status == "repaired"),
             "escalated": sum(1 for r in ordered if r.status == "escalated"),
             "failed": sum(1 for r in ordered if r.status == "failed"),
+            "unchecked": sum(1 for r in ordered if r.status == "unchecked"),
+            "cancelled": sum(1 for r in ordered if r.status == "cancelled"),
             "tokens_in": sum(r.usage.tokens_in for r in ordered),
             "tokens_out": sum(r.usage.tokens_out for r in ordered),
             "cost": round(sum(r.usage.cost for r in ordered), 6),
@@ -133,11 +141,18 @@ def _band(result: CritiqueResult, band: str) -> str:
     output says what decided it instead (``accept_with_warnings`` there read as a contradiction)."""
     if result.status in ("escalated", "failed"):
         return f"— (not decided by the score: stop {result.stop_reason})"
+    if not result.checked:
+        return f"— (not checked: {result.status})"
     return band
 
 
 def _why_rows(result: CritiqueResult) -> list[tuple[str, str]]:
-    """``why`` (the deciding defects) and ``next`` rows for an escalated or failed output."""
+    """``why`` (the deciding defects) and ``next`` rows for an escalated or failed output; a
+    ``checked`` row saying nothing was for an unchecked or cancelled one."""
+    if result.status == "unchecked":
+        return [("checked", f"no: {UNCHECKED_LINE}")]
+    if not result.checked:
+        return [("checked", f"no: {result.envelope.summary}")]
     lines = result.why()
     if not lines:
         return []
@@ -152,7 +167,9 @@ def render_critique_md(summary: dict[str, Any], results: Sequence[CritiqueResult
     lines = [
         f"# Critique — run `{summary['run_id']}`, iteration {summary['iteration']:03d}",
         "",
-        f"Mean score **{_score(summary['mean_score'])}** over {totals['workers']} worker(s); "
+        f"Mean score **{_score(summary['mean_score'])}** over "
+        f"{totals['workers'] - totals['unchecked'] - totals['cancelled']} checked worker(s)"
+        f"{not_counted(ordered)}; "
         f"{totals['repaired']} repaired, {totals['escalated']} escalated, "
         f"{totals['failed']} failed. Defects: {totals['defects']['critical']} critical, "
         f"{totals['defects']['warning']} warning, {totals['defects']['info']} info.",

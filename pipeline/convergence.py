@@ -68,6 +68,8 @@ STOP_VERDICT: dict[StopReason, Verdict] = {
 
 STOP_TEXT: dict[StopReason, str] = {
     "accepted": "score ≥ 0.6 with no critical defect and no Layer-0 error",
+    "disabled": "critique is off (enabled: false): nothing was checked",
+    "cancelled": "the pass was cancelled (critique cancel / client.cancel) before its verdict",
     "target": "every rubric dimension reached the target score",
     "repair_fixpoint_detected": "two consecutive repair outputs are ≥ 0.95 similar",
     "no_improvement": "the score did not strictly improve over the previous round",

@@ -16,7 +16,8 @@ import json
 import math
 import re
 import struct
-from collections.abc import Callable, Collection, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import PurePosixPath
@@ -25,7 +26,7 @@ from typing import Any, Literal
 from pipeline.config import CritiqueConfig, OutputContractConfig
 from pipeline.errors import SubmissionError
 from pipeline.files import FileReader, file_text, inline_bytes, read_file
-from pipeline.models import ClaimedFormat, CritiqueResult, FileRef, Frozen, GateEvent
+from pipeline.models import UNSCORED, ClaimedFormat, CritiqueResult, FileRef, Frozen, GateEvent
 
 DELIVERABLE_MIN_BYTES = 512
 # A mean exactly at the threshold passes even when float arithmetic lands a hair below it.
@@ -363,16 +364,37 @@ def scan_placeholders(text: str, where: str) -> list[PlaceholderHit]:
     ]
 
 
-def mean_best_score(results: Sequence[CritiqueResult]) -> float | None:
-    """Mean ``best_score`` over the run's workers (each worker's latest iteration), or None."""
+def latest_per_worker(results: Sequence[CritiqueResult]) -> list[CritiqueResult]:
+    """Each worker's latest result: its highest iteration, and of one iteration the last one
+    given (a run store hands back only each submission's latest pass)."""
     latest: dict[str, CritiqueResult] = {}
     for r in results:
         seen = latest.get(r.worker_id)
         if seen is None or r.iteration >= seen.iteration:
             latest[r.worker_id] = r
-    if not latest:
-        return None
-    return math.fsum(r.best_score for r in latest.values()) / len(latest)
+    return list(latest.values())
+
+
+def mean_best_score(results: Sequence[CritiqueResult]) -> float | None:
+    """Mean ``best_score`` over the run's workers (each worker's latest result), or None.
+
+    ``unchecked`` and ``cancelled`` results (:data:`~pipeline.models.UNSCORED`) have no score and
+    are not counted: an output nobody checked never raises or lowers the mean."""
+    scores = [r.best_score for r in latest_per_worker(results) if r.best_score is not None]
+    return math.fsum(scores) / len(scores) if scores else None
+
+
+def not_counted(results: Sequence[CritiqueResult]) -> str:
+    """`` (1 cancelled, 2 unchecked, not counted)`` for the workers whose latest result has no
+    score, or ``""`` when every one was checked."""
+    return not_counted_text(Counter(r.status for r in latest_per_worker(results)))
+
+
+def not_counted_text(counts: Mapping[str, int]) -> str:
+    """`` (1 cancelled, 2 unchecked, not counted)`` from counts by status (only the unscored
+    statuses are named), or ``""`` when there are none."""
+    parts = ", ".join(f"{counts[s]} {s}" for s in sorted(UNSCORED) if counts.get(s))
+    return f" ({parts}, not counted)" if parts else ""
 
 
 def _final_text(final_result: str | dict[str, Any]) -> TextItem:
@@ -587,29 +609,44 @@ def l0_gate(c: Completion) -> list[GateEvent]:
 
 def critique_score_gate(c: Completion) -> list[GateEvent]:
     """The mean best score over the run's workers against ``min_score_to_complete``; a real
-    deliverable on disk overrules a low score (the ground-truth bypass, advisory)."""
+    deliverable on disk overrules a low score (the ground-truth bypass, advisory). Unchecked
+    and cancelled outputs are not counted; when no output was checked at all the gate rejects
+    (there is no score to vouch for the run), unless the threshold is 0.0."""
     threshold = c.config.min_score_to_complete
     mean = c.mean
     if threshold <= 0.0:
         return [_event(GATE_CRITIQUE, "skip", "min_score_to_complete is 0.0", c.iteration)]
+    unscored = not_counted(c.results)
+    if mean is None and unscored:
+        return [_event(GATE_CRITIQUE, "reject", _nothing_checked(unscored), c.iteration)]
     if mean is None:
         return [_event(GATE_CRITIQUE, "skip", "no worker critiques to average", c.iteration)]
+    over = f"{_n_workers(c.results)}{unscored}"
     if mean + _SCORE_EPSILON >= threshold:
-        reason = f"mean critique score {mean:.3f} ≥ {threshold:.2f} over {_n_workers(c.results)}"
+        reason = f"mean critique score {mean:.3f} ≥ {threshold:.2f} over {over}"
         return [_event(GATE_CRITIQUE, "pass", reason, c.iteration)]
     if c.wants_file and c.valid:
         first = c.valid[0]
         reason = (
-            f"mean critique score {mean:.3f} < {threshold:.2f} overruled: the deliverable "
-            f"{first.path!r} ({first.size} B) exists on disk (filesystem ground truth; "
-            "advisory — placeholder and file gates still apply)"
+            f"mean critique score {mean:.3f} < {threshold:.2f} over {over} overruled: the "
+            f"deliverable {first.path!r} ({first.size} B) exists on disk (filesystem ground "
+            "truth; advisory — placeholder and file gates still apply)"
         )
         return [_event(GATE_CRITIQUE, "bypass", reason, c.iteration)]
     reason = (
         f"mean critique score {mean:.3f} < min_score_to_complete {threshold:.2f} over "
-        f"{_n_workers(c.results)}: repair or re-delegate before completing"
+        f"{over}: repair or re-delegate before completing"
     )
     return [_event(GATE_CRITIQUE, "reject", reason, c.iteration)]
+
+
+def _nothing_checked(unscored: str) -> str:
+    """Why a COMPLETE is refused when no worker output was critiqued."""
+    return (
+        f"no worker output was critiqued{unscored}: nothing vouches for this run; resubmit "
+        "with critique on (remove enabled: false), or set min_score_to_complete: 0.0 to "
+        "complete without a critique score"
+    )
 
 
 def deliverable_gate(c: Completion) -> list[GateEvent]:
@@ -754,7 +791,8 @@ def evaluate_completion(
 
 
 def _n_workers(results: Sequence[CritiqueResult]) -> str:
-    n = len({r.worker_id for r in results})
+    """``2 workers``: those whose latest result was checked (the ones the mean is over)."""
+    n = sum(1 for r in latest_per_worker(results) if r.checked)
     return f"{n} worker{'s' if n != 1 else ''}"
 
 

@@ -31,9 +31,24 @@ archives, and an unbounded integer from the broker (``10**300``) broke ``critiqu
 Severity = Literal["critical", "warning", "info"]
 DefectSource = Literal["l0", "heuristic", "llm", "rubric", "command"]
 ClaimedFormat = Literal["json", "markdown", "latex", "text", "python"]
-Status = Literal["accepted", "accepted_with_warnings", "repaired", "escalated", "failed"]
+Status = Literal[
+    "accepted",
+    "accepted_with_warnings",
+    "repaired",
+    "escalated",
+    "failed",
+    "unchecked",
+    "cancelled",
+]
+"""What a manager reads. ``unchecked``: critique was explicitly off, nothing was checked (no
+score, never ``accepted``); ``cancelled``: ``critique cancel`` / ``client.cancel`` stopped the
+pass before it finished (no verdict)."""
+UNSCORED: frozenset[str] = frozenset({"unchecked", "cancelled"})
+"""Statuses that carry no score: nothing (or not everything) was checked."""
 StopReason = Literal[
     "accepted",
+    "disabled",
+    "cancelled",
     "target",
     "plateau",
     "budget",
@@ -534,6 +549,19 @@ WHY_DEFECTS = 3
 """Deciding defects a one-line explanation names (the envelope lists every one)."""
 
 
+UNCHECKED_LINE = (
+    "critique is off (enabled: false): nothing was checked; do not treat this output as reviewed"
+)
+"""What an ``unchecked`` verdict says wherever it is printed."""
+
+
+def score_text(original: float | None, best: float | None) -> str:
+    """``0.42 → 0.91`` for scored verdicts; ``no score`` when either side is missing."""
+    if original is None or best is None:
+        return "no score"
+    return f"{original:.2f} → {best:.2f}"
+
+
 def defect_line(defect: Defect) -> str:
     """``missing_data at findings: required field 'findings' is missing``: one line."""
     where = f" at {defect.location}" if defect.location else ""
@@ -552,8 +580,10 @@ class CritiqueResult(Frozen):
     stop_reason: StopReason
     output: str | dict[str, Any]
     """The best output seen (keep-best: never a worse attempt)."""
-    original_score: float
-    best_score: float
+    original_score: float | None
+    best_score: float | None
+    """None exactly when ``status`` is ``unchecked`` or ``cancelled`` (:data:`UNSCORED`): no
+    score was given, so none is reported (never a made-up 1.00)."""
     envelope: CritiqueEnvelope
     """The envelope of the best output."""
     attempts: tuple[RepairAttempt, ...] = ()
@@ -568,6 +598,15 @@ class CritiqueResult(Frozen):
     """The pass (one submit of this submission; docs/client.md, 'Passes') this result belongs to."""
     notes: tuple[str, ...] = ()
     """Things the user should know (e.g. no total budget configured; fallback critic used)."""
+
+    @property
+    def checked(self) -> bool:
+        """False for ``unchecked`` and ``cancelled``: no verdict, so no score and no defects."""
+        return self.status not in UNSCORED
+
+    def score_text(self) -> str:
+        """``0.42 → 0.91``, or ``no score`` for an output nobody (fully) checked."""
+        return score_text(self.original_score, self.best_score)
 
     @property
     def deciding_defects(self) -> tuple[Defect, ...]:
@@ -596,16 +635,17 @@ class CritiqueResult(Frozen):
         if len(deciding) > WHY_DEFECTS:
             lines.append(f"… and {len(deciding) - WHY_DEFECTS} more in the envelope")
         if not deciding:
-            lines.append(f"no actionable defect listed; score {self.best_score:.2f}")
+            lines.append(f"no actionable defect listed; score {self.score_text()}")
         return (*lines, f"next: {step}")
 
     def __str__(self) -> str:
         repairs = len(self.attempts)
         head = (
             f"{self.worker_id} {self.status} ({self.stop_reason}, {repairs} "
-            f"repair{'s' if repairs != 1 else ''}) {self.original_score:.2f} → "
-            f"{self.best_score:.2f}"
+            f"repair{'s' if repairs != 1 else ''}) {self.score_text()}"
         )
+        if self.status == "unchecked":
+            return f"{head}: {UNCHECKED_LINE}"
         why = self.why()
         return f"{head}: {'; '.join(why)}" if why else head
 
@@ -631,3 +671,35 @@ class CritiqueResult(Frozen):
         if self.pass_id:
             event["pass_id"] = self.pass_id
         return event
+
+
+def cancelled_result(
+    *,
+    run_id: str,
+    iteration: int,
+    worker_id: str,
+    pass_id: str,
+    by: str,
+    output: str | dict[str, Any] = "",
+) -> CritiqueResult:
+    """The result of a pass that ``critique cancel`` / ``client.cancel`` stopped: ``cancelled``,
+    no score, no defects, the note naming who cancelled it. ``output`` is what the pass had
+    (the submission's output when known; empty when the pass never started)."""
+    return CritiqueResult(
+        run_id=run_id,
+        iteration=iteration,
+        worker_id=worker_id,
+        status="cancelled",
+        stop_reason="cancelled",
+        output=output,
+        original_score=None,
+        best_score=None,
+        envelope=CritiqueEnvelope(
+            worker_id=worker_id,
+            score=0.0,
+            summary=f"cancelled by {by}: the pass stopped before its verdict",
+            critic="cancelled",
+        ),
+        pass_id=pass_id,
+        notes=(f"cancelled by {by}: nothing after the cancel was checked or charged",),
+    )

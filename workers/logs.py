@@ -118,7 +118,7 @@ def _outcome(state: str | None, retval: Any) -> str:
         return _one_line(f"{type(retval).__name__}: {message}")
     if isinstance(retval, dict) and "stop_reason" in retval:  # the gate's summary
         score = retval.get("best_score")
-        shown = f" {score:.2f}" if isinstance(score, int | float) else ""
+        shown = f" {score:.2f}" if isinstance(score, int | float) else " no score"
         return f"{retval.get('status')}/{retval.get('stop_reason')}{shown}"
     if isinstance(retval, dict) and "verdict" in retval:  # a completion decision
         return str(retval.get("verdict"))

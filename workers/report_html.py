@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import html
 import math
+import typing
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipeline.models import CritiqueResult, DefectRef, Pattern, RoundTrace
+from pipeline.gates import not_counted
+from pipeline.models import UNCHECKED_LINE, CritiqueResult, DefectRef, Pattern, RoundTrace, Status
 from pipeline.tokens import text_of
 
 TOP_DEFECTS = 15
@@ -27,7 +29,8 @@ _PAD_L, _PAD_R, _PAD_T, _PAD_B = 38, 12, 12, 30
 RUBRIC_SCALE = 10.0
 """Rubric means are 0–10; the chart draws them divided by this, on the same 0–1 axis."""
 
-STATUSES = ("accepted", "accepted_with_warnings", "repaired", "escalated", "failed")
+STATUSES: tuple[str, ...] = typing.get_args(Status)
+"""Every status a result may have, one totals card each (derived: never drifts from the model)."""
 
 _CSS = """
 :root { --fg:#1d2330; --muted:#5b6475; --line:#d9dde5; --bg:#f6f7f9; --card:#fff;
@@ -56,6 +59,8 @@ td.num, th.num { text-align:right; font-variant-numeric:tabular-nums; }
 .s-accepted_with_warnings { background:#fdf1d6; color:var(--warn); }
 .s-escalated, .s-failed, .s-pending-error { background:#fde2df; color:var(--bad); }
 .s-pending { background:#e3ebf9; color:var(--blue); }
+.s-unchecked { background:#fff; color:var(--bad); border:1px dashed var(--bad); }
+.s-cancelled { background:#eceef2; color:var(--muted); text-decoration:line-through; }
 .sev-critical { color:var(--bad); font-weight:600; } .sev-warning { color:var(--warn); }
 .sev-info { color:var(--muted); }
 .charts { display:grid; grid-template-columns:repeat(auto-fill,minmax(340px,1fr)); gap:14px; }
@@ -92,8 +97,9 @@ def _score(value: float | None) -> str:
     return "—" if value is None or not math.isfinite(value) else f"{value:.2f}"
 
 
-def _mean(values: Iterable[float]) -> float | None:
-    items = list(values)
+def _mean(values: Iterable[float | None]) -> float | None:
+    """The mean of the scores given, skipping None (unchecked and cancelled outputs)."""
+    items = [v for v in values if v is not None]
     return math.fsum(items) / len(items) if items else None
 
 
@@ -193,7 +199,7 @@ def _iteration_tables(results_by_iteration: Mapping[int, Sequence[CritiqueResult
         parts.append(
             f'<h3 id="iteration-{it:03d}">Iteration {it:03d} '
             f'<span class="muted">— {len(ordered)} worker(s), mean best score '
-            f"{_score(mean)}</span></h3>"
+            f"{_score(mean)}{esc(not_counted(ordered))}</span></h3>"
         )
         parts.append(_table(head, rows))
     parts.append("</section>")
@@ -328,10 +334,12 @@ def _worker_figure(r: CritiqueResult) -> str:
     preview = esc(text[:OUTPUT_PREVIEW_CHARS]) + ("\n…" if cut else "")
     first = f" (first {OUTPUT_PREVIEW_CHARS} chars)" if cut else ""
     summary = f'<p class="muted">{esc(r.envelope.summary)}</p>' if r.envelope.summary else ""
+    if r.status == "unchecked":
+        summary = f'<p class="s-unchecked">{esc(UNCHECKED_LINE)}</p>'
     return (
         f'<figure id="w-{r.iteration:03d}-{esc(r.worker_id)}">'
         f"<figcaption><code>{esc(r.worker_id)}</code> · iteration {r.iteration:03d} · "
-        f"{_badge(r.status)} · {_score(r.original_score)} → {_score(r.best_score)}</figcaption>"
+        f"{_badge(r.status)} · {esc(r.score_text())}</figcaption>"
         f"{trajectory_svg(r)}"
         f'<div class="legend">{legend} &nbsp; verdicts: {verdicts}</div>{summary}'
         f"{_defect_diffs(r)}"

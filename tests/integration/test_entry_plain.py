@@ -18,6 +18,7 @@ from tests.support.entry import (
     hand_built,
     pass_results,
     refusal,
+    todo_report,
 )
 from tests.support.rawcelery import QUEUE, entry_body, push, task_meta
 from tests.support.submissions import CONFIG, make_sub
@@ -67,6 +68,29 @@ class TestWithoutASecret:
         )
         assert summary["best_score"] == stored.best_score
         assert stored.status == "accepted"
+
+    def test_an_entry_with_an_empty_config_checks_the_output(self, r: redis.Redis) -> None:
+        """``config: {}`` (no ``enabled`` anywhere) critiques: the TODO report gets a checked,
+        not-accepted verdict in the entry task's result, never ``accepted`` at 1.00."""
+        run_id = f"entry-{uuid.uuid4().hex[:8]}"
+        task_id = str(uuid.uuid4())
+        push(r, "critique.submit", task_id, entry_body(todo_report(run_id), task_id, {}))
+        meta = task_meta(r, task_id)
+        summary = meta["result"]
+        assert meta["status"] == "SUCCESS", meta
+        assert summary["status"] in ("escalated", "failed"), summary
+        assert summary["checked"] is True and summary["best_score"] < 1.0
+
+    def test_a_client_with_no_config_checks_the_output(self, r: redis.Redis) -> None:
+        """``CritiqueClient()`` with no configuration critiques too: not accepted."""
+        from pipeline.models import Submission
+        from workers.client import CritiqueClient
+
+        client = CritiqueClient()
+        sub = Submission.model_validate(todo_report(f"client-{uuid.uuid4().hex[:8]}"))
+        result = client.wait(client.submit(sub), timeout=60)
+        assert result.checked and result.status in ("escalated", "failed"), str(result)
+        assert any("TODO" in d.description for d in result.envelope.defects)
 
     def test_a_repair_round_still_ends_under_the_entry_id(self, r: redis.Redis) -> None:
         """An output that needs a repair round (a replacement task) still ends its verdict

@@ -4,10 +4,12 @@ refusals), read from the counters the worker wrote to the store."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import subprocess
 import sys
+import typing
 import urllib.request
 import uuid
 from collections import Counter
@@ -18,8 +20,9 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline.models import UNCHECKED_LINE, Status, Submission
 from tests.support import wait_until
-from tests.support.entry import hand_built
+from tests.support.entry import hand_built, todo_report
 from tests.support.rawcelery import entry_body, push, task_meta
 from tests.support.submissions import CONFIG, KINDS, make_sub
 from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, worker_db_url
@@ -105,7 +108,7 @@ def test_a_scrape_after_a_known_run_counts_what_the_run_did(
         return got if total == len(results) and refused == 1 else None
 
     got = wait_until(settled, 30, what="the exporter to count the run")
-    for status in ("accepted", "accepted_with_warnings", "repaired", "escalated", "failed"):
+    for status in typing.get_args(Status):
         key = ("critique_outputs_total", (("status", status),))
         assert got[key] == statuses.get(status, 0), status
     assert rounds > 0 and statuses["repaired"] > 0  # the run exercised a repair round
@@ -136,7 +139,7 @@ def test_a_scrape_after_a_known_run_counts_what_the_run_did(
     assert ("critique_cache_hits_total", ()) in got
     assert ("critique_budget_cap_tokens", ()) in got
     labels = {dict(k[1]).get("status") for k in got if k[0] == "critique_outputs_total"}
-    assert labels <= {"accepted", "accepted_with_warnings", "repaired", "escalated", "failed"}
+    assert labels == set(typing.get_args(Status))  # unchecked and cancelled too, at 0
 
 
 def test_the_dashboard_queries_only_metrics_the_exporter_serves(
@@ -148,6 +151,52 @@ def test_the_dashboard_queries_only_metrics_the_exporter_serves(
     dashboard = (ROOT / "deploy" / "grafana-dashboard.json").read_text()
     used = set(re.findall(r"critique_[a-z_]+", dashboard)) - {"critique_pipeline"}
     assert used and used <= served, used - served
+
+
+def test_an_explicitly_disabled_submission_reads_unchecked_everywhere(
+    fleet: tuple[dict[str, str], str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``enabled: false`` ends ``unchecked`` with no score in the client's result, the entry
+    task's result JSON, ``critique status RUN`` (text and --json) and the exporter's
+    ``status="unchecked"`` count; never ``accepted``, never 1.00."""
+    from workers.cli import main
+    from workers.client import CritiqueClient
+
+    env, url = fleet
+    unchecked = ("critique_outputs_total", (("status", "unchecked"),))
+    before = _samples(_scrape(url) or "").get(unchecked, 0)
+    run_id = f"off-{uuid.uuid4().hex[:8]}"
+    off = {"enabled": False}
+    client = CritiqueClient(off)
+    result = client.wait(client.submit(Submission.model_validate(todo_report(run_id))), 60)
+    assert (result.status, result.stop_reason) == ("unchecked", "disabled")
+    assert (result.original_score, result.best_score, result.checked) == (None, None, False)
+
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    task_id = str(uuid.uuid4())
+    push(r, "critique.submit", task_id, entry_body(todo_report(run_id, "w2"), task_id, off))
+    meta = task_meta(r, task_id)
+    assert meta["status"] == "SUCCESS", meta
+    summary = meta["result"]
+    assert (summary["status"], summary["stop_reason"]) == ("unchecked", "disabled")
+    assert (summary["best_score"], summary["checked"]) == (None, False)
+
+    capsys.readouterr()
+    assert main(["status", run_id, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["counts"] == {"unchecked": 2} and doc["mean_best_score"] is None
+    for row in doc["submissions"]:
+        assert (row["status"], row["best_score"], row["checked"]) == ("unchecked", None, False)
+        assert row["note"] == UNCHECKED_LINE
+    assert main(["status", run_id]) == 0
+    text = capsys.readouterr().out
+    assert text.count(UNCHECKED_LINE) == 2 and "no score" in text
+    assert "accepted" not in text and "1.00" not in text
+
+    def counted() -> bool:
+        return _samples(_scrape(url) or "").get(unchecked) == before + 2
+
+    wait_until(counted, 30, what="the exporter to count the unchecked outputs")
 
 
 class _LostInTheBroker:

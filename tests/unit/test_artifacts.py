@@ -152,6 +152,31 @@ def test_render_critique_md_mentions_every_worker() -> None:
     assert "(false positive)" in md
 
 
+UNCHECKED = CritiqueResult(
+    run_id="run-7",
+    iteration=1,
+    worker_id="drafter_03",
+    status="unchecked",
+    stop_reason="disabled",
+    output="# Q3 report\n\nTODO: fill in the numbers.",
+    original_score=None,
+    best_score=None,
+    envelope=CritiqueEnvelope(worker_id="drafter_03", score=0.0, critic="disabled"),
+)
+
+
+def test_critique_md_says_unchecked_with_no_score_and_leaves_it_out_of_the_mean() -> None:
+    """An unchecked worker shows no score, says nothing was checked, and is not in the mean."""
+    s = manager_summary("run-7", 1, [CLEAN, UNCHECKED], ())
+    assert s["mean_score"] == pytest.approx(0.95)
+    assert (s["totals"]["unchecked"], s["totals"]["cancelled"]) == (1, 0)
+    md = render_critique_md(s, [CLEAN, UNCHECKED])
+    assert "Mean score **0.95** over 1 checked worker(s) (1 unchecked, not counted);" in md
+    assert "## Worker `drafter_03` — unchecked (stop: disabled)" in md
+    assert "| best score | — |" in md and "| band | — (not checked: unchecked) |" in md
+    assert "| checked | no: critique is off (enabled: false): nothing was checked" in md
+
+
 def test_write_artifacts_tree_and_roundtrip(tmp_path: Path) -> None:
     """The seed's tree is written; per-worker files round-trip through the models."""
     written = write_artifacts(tmp_path, "run-7", 1, [CLEAN, REPAIRED], PATTERNS)

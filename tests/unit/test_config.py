@@ -44,7 +44,7 @@ def write(tmp_path: Path, text: str) -> Path:
 def test_defaults_match_the_spec_table() -> None:
     """Every setting has its documented default."""
     c = load_config(env={})
-    assert c.enabled is False
+    assert c.enabled is True  # on unless turned off explicitly
     assert c.mode == "inline"
     assert c.model is None
     assert c.max_repair_attempts == 2

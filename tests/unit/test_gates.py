@@ -20,11 +20,12 @@ from pipeline.gates import (
     implies_deliverable,
     is_deliverable_file,
     mean_best_score,
+    not_counted,
     redundancy_guard,
     scan_placeholders,
     validate_deliverable,
 )
-from pipeline.models import CritiqueEnvelope, CritiqueResult, FileRef, GateEvent
+from pipeline.models import CritiqueEnvelope, CritiqueResult, FileRef, GateEvent, Status
 
 CFG = CritiqueConfig(enabled=True)
 
@@ -341,6 +342,53 @@ def test_critique_score_threshold_is_inclusive_and_uses_latest_iteration() -> No
     assert mean_best_score([result("w1", 0.2, 1), result("w1", 0.8, 2)]) == pytest.approx(0.8)
     assert mean_best_score([]) is None
     assert by_gate(run())["critique_score"].verdict == "skip"
+
+
+def unscored(worker: str, status: Status = "unchecked", iteration: int = 1) -> CritiqueResult:
+    """A result with no score: critique off (``unchecked``) or a cancelled pass."""
+    return CritiqueResult(
+        run_id="run1",
+        iteration=iteration,
+        worker_id=worker,
+        status=status,
+        stop_reason="disabled" if status == "unchecked" else "cancelled",
+        output="# Q3 report\n\nTODO: fill in the numbers.",
+        original_score=None,
+        best_score=None,
+        envelope=CritiqueEnvelope(worker_id=worker, score=0.0, critic="disabled"),
+    )
+
+
+def test_mean_skips_unchecked_and_cancelled_and_says_so() -> None:
+    """The mean is over checked outputs only; the gate names what it did not count."""
+    mixed = [result("w1", 0.8), unscored("w2"), unscored("w3"), unscored("w4", "cancelled")]
+    assert mean_best_score(mixed) == pytest.approx(0.8)
+    assert not_counted(mixed) == " (1 cancelled, 2 unchecked, not counted)"
+    assert not_counted([result("w1", 0.8)]) == ""
+    ev = by_gate(run(results=mixed))["critique_score"]
+    assert ev.verdict == "pass"
+    assert "over 1 worker (1 cancelled, 2 unchecked, not counted)" in ev.reason
+
+
+def test_complete_with_every_output_unchecked_is_refused() -> None:
+    """No checked output: the score gate rejects, naming enabled: false, unless its bar is 0."""
+    d = run(results=[unscored("w1"), unscored("w2")])
+    ev = by_gate(d)["critique_score"]
+    assert d.verdict == "rejected" and d.mean_score is None
+    assert ev.verdict == "reject" and "(2 unchecked, not counted)" in ev.reason
+    assert "enabled: false" in ev.reason and "min_score_to_complete: 0.0" in ev.reason
+    off = CritiqueConfig(enabled=True, min_score_to_complete=0.0)
+    assert by_gate(run(results=[unscored("w1")], config=off))["critique_score"].verdict == "skip"
+
+
+def test_latest_pass_per_worker_decides_what_counts() -> None:
+    """A worker's latest result is the one counted: a later unchecked iteration is not averaged
+    with its earlier scored one, and a later scored one counts over an earlier unchecked one."""
+    assert mean_best_score([result("w1", 0.9, 1), unscored("w1", iteration=2)]) is None
+    assert mean_best_score([unscored("w1", iteration=1), result("w1", 0.4, 2)]) == 0.4
+    assert not_counted([result("w1", 0.9, 1), unscored("w1", iteration=2)]) == (
+        " (1 unchecked, not counted)"
+    )
 
 
 def test_deliverable_presence_rejects_without_big_file() -> None:

@@ -7,6 +7,8 @@ import base64
 import json
 import zlib
 
+from pipeline.models import CritiqueEnvelope, CritiqueResult
+from pipeline.store.base import encode_event
 from pipeline.store.packing import PACK_MIN, UNPACK_MAX, pack_event, pack_record, unpack
 
 RECORD = json.dumps({"run_id": "r1", "output": "Sales rose 4% in Q3. " * 40, "sig": "x" * 70})
@@ -81,3 +83,25 @@ def test_a_packed_event_past_its_limit_is_unreadable() -> None:
     big = '{"note":"' + "x" * 5000 + '"}'
     assert unpack(pack_event(big), limit=1000) is None
     assert unpack(pack_event(big)) == big
+
+
+def test_an_unchecked_result_and_its_event_with_no_scores_pack_and_unpack() -> None:
+    """A result with None scores round-trips packed, and its result event (null scores, words
+    outside the frozen event dictionary) still packs to under half its JSON."""
+    result = CritiqueResult(
+        run_id="q3-sales",
+        worker_id="analyst_02",
+        status="unchecked",
+        stop_reason="disabled",
+        output="# Q3 report\n\nTODO: fill in the numbers. " * 8,
+        original_score=None,
+        best_score=None,
+        envelope=CritiqueEnvelope(worker_id="analyst_02", score=0.0, critic="disabled"),
+        pass_id="0f3a9c2b7d1e4a56",
+    )
+    stored = unpack(pack_record(result.model_dump_json()))
+    assert stored is not None and CritiqueResult.model_validate_json(stored) == result
+    event = encode_event(result.trace_event(round=0, stage="gate"))
+    assert '"best_score":null' in event and '"status":"unchecked"' in event
+    packed = pack_event(event)
+    assert len(packed) < len(event) / 2 and unpack(packed) == event

@@ -13,6 +13,7 @@ from pipeline.models import (
     RepairAttempt,
     RoundTrace,
     Usage,
+    cancelled_result,
 )
 from workers.report_html import render_report_html, trajectory_svg
 
@@ -198,3 +199,28 @@ def test_empty_run_renders() -> None:
     """A run without results still renders a page that says so."""
     page = render_report_html("run-1", {}, [], [])
     assert "No results yet." in page and "None recorded." in page
+
+
+def test_unchecked_and_cancelled_show_no_score_their_own_badge_and_stay_out_of_means() -> None:
+    """Unscored results get an s-unchecked / s-cancelled badge, a totals card, ``no score``,
+    the unchecked line, and are left out of every mean."""
+    unchecked = _result("w2").model_copy(
+        update={
+            "status": "unchecked",
+            "stop_reason": "disabled",
+            "original_score": None,
+            "best_score": None,
+            "attempts": (),
+            "trace": (),
+        }
+    )
+    gone = cancelled_result(run_id="run-1", iteration=1, worker_id="w3", pass_id="p", by="cli")
+    page = render_report_html("run-1", {1: [_result("w1"), unchecked, gone]}, [], [])
+    assert ".s-unchecked {" in page and ".s-cancelled {" in page
+    assert '<span class="badge s-unchecked">unchecked</span>' in page
+    assert '<span class="badge s-cancelled">cancelled</span>' in page
+    assert "<dt>unchecked</dt><dd>1</dd>" in page and "<dt>cancelled</dt><dd>1</dd>" in page
+    assert "<dt>mean best score</dt><dd>0.90</dd>" in page
+    assert "mean best score 0.90 (1 cancelled, 1 unchecked, not counted)" in page
+    assert "unchecked</span> · no score</figcaption>" in page
+    assert "critique is off (enabled: false): nothing was checked" in page

@@ -241,19 +241,33 @@ def test_pattern_memory_off_records_nothing() -> None:
     assert ctx.patterns.top("run-1") == []
 
 
-def test_disabled_passes_through_untouched() -> None:
-    """enabled: false returns the output unchanged, accepted, with no critique and no usage."""
+def test_disabled_passes_through_unchecked_with_no_score() -> None:
+    """enabled: false returns the output unchanged as ``unchecked`` (stop ``disabled``), with no
+    score (never accepted, never 1.00), no stage run, no usage, and one result trace event."""
 
     def explode(*_: Any) -> L0Outcome:
         raise AssertionError("no stage may run when critique is disabled")
 
-    ctx = make_context(CritiqueConfig(), l0=explode, fixpoint=_never)
+    ctx = make_context(CritiqueConfig(enabled=False), l0=explode, fixpoint=_never)
     result = run_submission(_sub("anything TODO"), ctx)
-    assert (result.status, result.stop_reason) == ("accepted", "accepted")
+    assert (result.status, result.stop_reason) == ("unchecked", "disabled")
+    assert (result.original_score, result.best_score, result.checked) == (None, None, False)
+    assert "no score" in str(result) and "accepted" not in str(result)
     assert result.output == "anything TODO"
     assert result.usage == Usage() and result.trace == () and result.attempts == ()
     assert DISABLED_NOTE in result.notes
-    assert ctx.trace.read("run-1") == []
+    [event] = ctx.trace.read("run-1")
+    assert (event["type"], event["status"], event["best_score"]) == ("result", "unchecked", None)
+
+
+def test_default_config_checks_a_todo_output_instead_of_accepting_it() -> None:
+    """With no configuration at all critique is on: a TODO placeholder is not accepted."""
+    result = run_submission(
+        _sub("# Q3 report\n\nTODO: fill in the numbers."),
+        make_context(CritiqueConfig(), fixpoint=_never),
+    )
+    assert result.checked and result.status not in ("accepted", "accepted_with_warnings")
+    assert result.best_score is not None and result.best_score < 1.0
 
 
 def test_make_context_picks_critic_and_reviser_from_config() -> None:

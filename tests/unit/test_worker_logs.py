@@ -98,6 +98,10 @@ def test_the_stage_line_has_ids_status_timing_and_no_payload() -> None:
     assert stage_line("critique.gate", "fd92", MSG, "SUCCESS", 1.0, gate).endswith(
         "SUCCESS 1.0 ms escalated/needs_model 0.50"
     )
+    unchecked = {"status": "unchecked", "stop_reason": "disabled", "best_score": None}
+    assert stage_line("critique.gate", "fd92", MSG, "SUCCESS", 1.0, unchecked).endswith(
+        "SUCCESS 1.0 ms unchecked/disabled no score"
+    )
     failed = stage_line("critique.critic", "x", MSG, "FAILURE", 2.0, ValueError("bad\nthing"))
     assert failed.endswith("FAILURE 2.0 ms ValueError: bad thing")
     assert "SECRET-PAYLOAD" not in line + failed

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.archive import RunRecord, iso
-from pipeline.models import CritiqueResult
+from pipeline.models import UNCHECKED_LINE, CritiqueResult
 from workers.commands._common import UnknownRunError
 from workers.commands._text import escape_controls, printable
 
@@ -218,10 +218,23 @@ WHY_LIMIT = 300
 """Longest line of a result's explanation shown (characters)."""
 
 
+def unscored_note(result: CritiqueResult) -> str | None:
+    """What an ``unchecked`` or ``cancelled`` result says instead of a verdict (nothing was
+    checked; who cancelled it); None for a checked one."""
+    if result.checked:
+        return None
+    if result.status == "unchecked":
+        return UNCHECKED_LINE
+    return next((n for n in result.notes if n.startswith("cancelled")), result.envelope.summary)
+
+
 def why_lines(result: CritiqueResult, indent: str = "      ") -> list[str]:
-    """An escalated or failed result's deciding defects and next step, one indented,
-    terminal-safe line each (the stored text is worker-made); [] for other verdicts."""
-    return [escape_controls(f"{indent}{printable(line, WHY_LIMIT)}") for line in result.why()]
+    """An escalated or failed result's deciding defects and next step, or an unchecked or
+    cancelled one's :func:`unscored_note`, one indented, terminal-safe line each (the stored
+    text is worker-made); [] for other verdicts."""
+    note = unscored_note(result)
+    lines = result.why() if note is None else (note,)
+    return [escape_controls(f"{indent}{printable(line, WHY_LIMIT)}") for line in lines]
 
 
 def tally(results: Sequence[CritiqueResult], failed: int, pending: int) -> str:

@@ -50,7 +50,14 @@ if TYPE_CHECKING:
     from workers.client import CritiqueClient
 
 from workers.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
-from workers.commands._common import CommandError, above, add_json_argument, at_least, service_guard
+from workers.commands._common import (
+    CommandError,
+    above,
+    add_json_argument,
+    at_least,
+    service_guard,
+    unreachable_redis,
+)
 from workers.commands._pipeline import sigterm_as_exit, start_pipeline
 
 HELP = "A/B experiment: defects without (A) and with (B) the critique loop, over INPUTS.jsonl"
@@ -284,7 +291,9 @@ def _failure(exc: BaseException) -> CommandError:
     if isinstance(exc, CritiqueTimeout):
         return CommandError(str(exc), EXIT_UNAVAILABLE)
     if is_unreachable(exc):
-        return CommandError(f"lost Redis: {exc}", EXIT_UNAVAILABLE)
+        from workers import runtime
+
+        return unreachable_redis(runtime.store_url(), exc)
     if isinstance(exc, CritiqueError):
         return CommandError(str(exc), EXIT_USAGE)
     raise exc

@@ -37,8 +37,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
-from workers.commands._common import CommandError, above, add_json_argument, at_least, service_guard
+from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from workers.commands._common import (
+    CommandError,
+    above,
+    add_json_argument,
+    at_least,
+    service_guard,
+    unreachable_redis,
+)
 from workers.commands._pipeline import sigterm_as_exit, start_pipeline
 
 if TYPE_CHECKING:
@@ -74,10 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # -- output -------------------------------------------------------------------------------------
-def _fmt_score(value: float) -> str:
-    return f"{value:.2f}"
-
-
 def _row(sample: Sample, result: CritiqueResult) -> dict[str, Any]:
     return {
         "iteration": result.iteration,
@@ -93,13 +96,15 @@ def _row(sample: Sample, result: CritiqueResult) -> dict[str, Any]:
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
+    from pipeline.models import score_text
+
     header = ["it", "worker", "sample", "score", "status", "stop reason", "repairs"]
     body = [
         [
             str(r["iteration"]),
             r["worker_id"],
             r["kind"],
-            f"{_fmt_score(r['original_score'])} → {_fmt_score(r['best_score'])}",
+            score_text(r["original_score"], r["best_score"]),
             r["status"],
             r["stop_reason"],
             str(r["repairs"]),
@@ -149,8 +154,8 @@ def _wait_iteration(
             repairs = len(result.attempts)
             progress(
                 f"[{done_before + len(finished):>2}/{total}] iteration {result.iteration}  "
-                f"{result.worker_id:<20} {_fmt_score(result.original_score)} → "
-                f"{_fmt_score(result.best_score)}  {result.status} ({result.stop_reason}, "
+                f"{result.worker_id:<20} {result.score_text()}  {result.status} "
+                f"({result.stop_reason}, "
                 f"{repairs} repair{'s' if repairs != 1 else ''})"
             )
         if len(finished) == len(handles):
@@ -227,7 +232,6 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     embedded, url = start_pipeline(stack, say, concurrency=args.workers)
     from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
     from pipeline.pitfalls import render_pitfalls
-    from pipeline.store.urls import redact_url
     from workers import runtime
     from workers.commands.report import write_report
     from workers.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
@@ -244,7 +248,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     except BrokenPipeError:  # the reader of our output went away (`| head`), not Redis
         raise
     except unreachable_errors() as exc:
-        raise CommandError(f"lost Redis at {redact_url(url)}: {exc}", EXIT_UNAVAILABLE) from None
+        raise unreachable_redis(url, exc) from None
     except (ConfigError, SubmissionError) as exc:  # refused here, before anything ran
         raise CommandError(str(exc), EXIT_USAGE) from None
     except CritiqueError as exc:

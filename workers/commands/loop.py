@@ -193,7 +193,7 @@ def _loop(args: argparse.Namespace) -> int:
         print(f"status: {result.status}")
         print(f"stop reason: {result.stop_reason} ({STOP_TEXT[result.stop_reason]})")
         print(
-            f"score: {result.original_score:.2f} -> {result.best_score:.2f} "
+            f"score: {result.score_text()} "
             f"after {len(result.attempts)} repair(s); tokens: {result.usage.tokens}"
         )
         for note in result.notes:

@@ -4,6 +4,9 @@ Every submission is in one of three states:
 
 - **finished**: it has a result — a verdict (``accepted``, ``accepted_with_warnings``,
   ``repaired``, ``escalated`` or ``failed``); escalated is a normal outcome, the manager's cue;
+  or no verdict: ``unchecked`` (critique explicitly off, ``enabled: false``: nothing was
+  checked, no score) or ``cancelled`` (``critique cancel``); these show ``no score``, a line
+  saying so under the row (``note`` in ``--json``, ``checked: false``), and are not in the means;
 - **failed**: its Celery chain failed — refused by a worker (a configuration error such as a
   missing provider key, a forged message), or a stage raised — so it will never have a result;
   shown with a one-line reason;
@@ -41,7 +44,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.models import CritiqueResult
+from pipeline.gates import not_counted_text
+from pipeline.models import CritiqueResult, score_text
 from workers.cli import EXIT_FAILED, EXIT_OK
 from workers.commands._common import (
     add_iteration_argument,
@@ -56,6 +60,7 @@ from workers.commands._runs import (
     fallbacks,
     load_snapshot,
     split_key,
+    unscored_note,
 )
 from workers.commands._text import escape_controls, json_line, printable
 
@@ -81,8 +86,10 @@ def repair_labels(result: CritiqueResult) -> dict[int, str]:
     return out
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return round(math.fsum(values) / len(values), 6) if values else None
+def _mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the scores given, skipping None (unchecked and cancelled results)."""
+    scores = [v for v in values if v is not None]
+    return round(math.fsum(scores) / len(scores), 6) if scores else None
 
 
 def _score(value: float | None) -> str:
@@ -143,6 +150,8 @@ def snapshot_doc(snap: RunSnapshot, iteration: int | None) -> dict[str, Any]:
             "original_score": r.original_score,
             "best_score": r.best_score,
             "repairs": len(r.attempts),
+            "checked": r.checked,
+            "note": unscored_note(r),
             "fallbacks": fallbacks(r),
             "rounds": round_diffs(r),
             "why": list(r.why()),
@@ -206,11 +215,13 @@ def render_text(doc: dict[str, Any]) -> str:
         if r["state"] == "pending":
             lines.append(f"{r['iteration']:>4}  {r['worker_id']:<16} pending")
             continue
-        score = f"{_score(r['original_score'])} → {_score(r['best_score'])}"
+        score = score_text(r["original_score"], r["best_score"])
         lines.append(
             f"{r['iteration']:>4}  {r['worker_id']:<16} {r['status']:<22} "
             f"{r['stop_reason'] or '':<24} {score:<13} {r['repairs']}".rstrip()
         )
+        if r.get("note"):
+            lines.append(f"{'':>6}{printable(r['note'], WHY_LIMIT)}")
         for note in r.get("fallbacks") or ():
             lines.append(f"{'':>6}FALLBACK {printable(note, 200)}")
         for diff in r.get("rounds") or ():
@@ -220,10 +231,10 @@ def render_text(doc: dict[str, Any]) -> str:
     lines.append("")
     counts = ", ".join(f"{k} {v}" for k, v in doc["counts"].items()) or "none yet"
     lines.append(f"verdicts: {counts}")
-    if doc["mean_best_score"] is not None:
-        lines.append(
-            f"mean score: {_score(doc['mean_original_score'])} → {_score(doc['mean_best_score'])}"
-        )
+    unscored = not_counted_text(doc["counts"])
+    if doc["mean_best_score"] is not None or unscored:
+        mean = score_text(doc["mean_original_score"], doc["mean_best_score"])
+        lines.append(f"mean score: {mean}{unscored}")
     if doc["failed"]:
         lines.append(f"failed: {', '.join(doc['failed'])} (no verdict: see the reason per row)")
     if doc["pending"]:
