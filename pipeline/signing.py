@@ -117,6 +117,21 @@ def parse_named_secrets(
     return tuple((name, secret) for (name, _), secret in zip(items, secrets, strict=True))
 
 
+KEY_ID_DOMAIN = b"critique-key-id"
+"""What a key id's MAC covers: no message (``{`` first) nor record (:data:`RECORD_DOMAIN`)
+starts with it, so a key id is never a signature of anything."""
+KEY_ID_CHARS = 8
+"""Hex characters of a key id: enough to tell a fleet's few keys apart, too few to matter."""
+
+
+def key_id(secret: bytes) -> str:
+    """A short, non-secret name of ``secret``: the first :data:`KEY_ID_CHARS` hex characters of
+    HMAC-SHA256(secret, :data:`KEY_ID_DOMAIN`). The same secret always has the same id, in any
+    language, so a client can tell whether it holds a key the workers accept without either
+    side showing the key (the fleet's posture, :mod:`pipeline.posture`)."""
+    return hmac.new(secret, KEY_ID_DOMAIN, hashlib.sha256).hexdigest()[:KEY_ID_CHARS]
+
+
 def canonical(message: Mapping[str, Any]) -> bytes:
     """The bytes a signature covers: every field but ``sig``, as canonical JSON in UTF-8.
 

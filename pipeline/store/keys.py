@@ -145,6 +145,8 @@ ENTRY_CLAIM = "entry"  # string ``<prefix>:entry:<sha256 of a task id>``: JSON {
 DEADLETTER = "deadletter"  # list: broker messages refused at a worker's door (workers.door),
 # newest first, JSON {reason, detail, queue, at, task, id, excerpt}; capped, expires like a run
 DEADLETTER_MAX = 1000  # entries the dead-letter list keeps (LPUSH + LTRIM)
+FLEET_POSTURE = "fleet:posture"  # hash: worker node name -> JSON posture (pipeline.posture): the
+# keys it requires, as key ids, never keys; refreshed every sweeper tick, expires once none is
 
 # --- broker keys (in the Redis broker's database, beside kombu's own) -------------------------
 

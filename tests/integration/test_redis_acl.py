@@ -123,6 +123,37 @@ def test_the_manager_user_cannot_touch_the_store(manager: redis.Redis, attempt: 
         attempt(celery_user, "acl-run")  # type: ignore[operator]
 
 
+@pytest.mark.parametrize("user", ["critique-manager", "critique-manager-celery"])
+def test_the_manager_users_read_the_fleets_posture_and_check_their_key_before_pushing(
+    manager: redis.Redis, user: str
+) -> None:
+    """Both manager users may HGETALL the fleet's posture (docs/entry.md), which says entry
+    messages must be signed and lists the managers' key by id: with that key the check passes,
+    without one it names CRITIQUE_ENTRY_SECRET; the workers' key ids are there, never a key."""
+    from pipeline import signing
+    from pipeline.posture import WorkerPosture, entry_refusal
+    from tests.support import wait_until
+
+    kw = manager.connection_pool.connection_kwargs
+    r = redis.Redis(host=kw["host"], port=kw["port"], username=user, password=kw["password"])
+    posture_key = keys.shared_key(keys.FLEET_POSTURE)
+    raw = wait_until(lambda: r.hgetall(posture_key), 30, what="the fleet's posture")
+    postures = [WorkerPosture.model_validate_json(v) for v in raw.values()]
+    assert [(p.signed, p.entry_signed) for p in postures] == [(True, True)]
+    assert postures[0].key_ids == (signing.key_id(WORKER_KEY.encode()),)
+    assert [(k.name, k.key_id) for k in postures[0].entry_keys] == [
+        ("entry", signing.key_id(MANAGER_KEY.encode()))
+    ]
+    assert all(key.encode() not in v for v in raw.values() for key in (WORKER_KEY, MANAGER_KEY))
+    now = postures[0].seen
+    assert entry_refusal(postures, (MANAGER_KEY.encode(),), now) is None
+    refused = entry_refusal(postures, (), now)
+    assert refused is not None and refused.key == "CRITIQUE_ENTRY_SECRET"
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        r.get(posture_key)
+    r.close()
+
+
 def test_a_celery_library_manager_sends_with_send_task_and_gets_the_verdict(
     manager: redis.Redis,
 ) -> None:
@@ -187,17 +218,12 @@ def test_a_celery_client_as_the_manager_user_gets_the_verdict_with_asyncresult(
 def test_the_docs_javascript_manager_logs_in_as_the_manager_user(
     manager: redis.Redis, tmp_path: Path
 ) -> None:
-    """docs/entry.md's Node example, as critique-manager (AUTH user password), submits and
-    prints the verdict: the whole manager in another language, with no store rights."""
+    """docs/entry.md's Node example, as critique-manager (AUTH user password from REDIS_URL),
+    reads the fleet's posture, submits and prints the verdict: the whole manager in another
+    language, with no store rights."""
     run_id = f"acl-node-{uuid.uuid4().hex[:8]}"
-    kw = manager.connection_pool.connection_kwargs
-    out = run_docs_js(
-        tmp_path,
-        run_id,
-        manager,
-        REDIS_USER="critique-manager",
-        REDIS_PASSWORD=str(kw["password"]),
-    )
+    assert manager.connection_pool.connection_kwargs["username"] == "critique-manager"
+    out = run_docs_js(tmp_path, run_id, manager)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["status"] == "accepted"
 

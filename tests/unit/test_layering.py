@@ -24,6 +24,7 @@ REDIS_ADAPTERS = frozenset(
     {
         "pipeline.store.archive_index",
         "pipeline.store.cache",
+        "pipeline.store.fleet",
         "pipeline.store.metrics",
         "pipeline.store.pending",
         "pipeline.store.ratelimit",

@@ -14,12 +14,14 @@ Every ``CRITIQUE_SWEEP_S`` seconds (default 5) the :class:`SweeperThread` of eac
 3. if it takes the fleet-wide sweep lock, sweeps (:func:`sweep`): every pending pass that is
    proved lost or is stalled is re-driven (:mod:`workers.recovery.redriving`), and runs with no
    pending pass left are forgotten;
-4. archives the runs that are due (``workers.archiving``, under a fleet-wide lock of its own).
+4. archives the runs that are due (``workers.archiving``, under a fleet-wide lock of its own);
+5. publishes this worker's posture, the keys it requires (:func:`publish_posture`), so a client
+   without them is refused before it sends anything.
 
-``CRITIQUE_SWEEP_S=0`` turns the restore and steps 2 to 4 off; the reports stay, so other
-workers never take this worker's messages for orphans. On RabbitMQ there is no ``unacked`` to
-read: no reports, no restore, no proof; probes and the stall rule still run. The thread is
-started by the :class:`Sweeper` worker bootstep (registered in ``workers.app``).
+``CRITIQUE_SWEEP_S=0`` turns the restore and steps 2 to 4 off; the reports and the posture
+stay, so other workers never take this worker's messages for orphans. On RabbitMQ there is no
+``unacked`` to read: no reports, no restore, no proof; probes and the stall rule still run. The
+thread is started by the :class:`Sweeper` worker bootstep (registered in ``workers.app``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,9 @@ from typing import Any
 from celery import bootsteps, shared_task
 
 from pipeline.errors import CritiqueError, PermanentError, StoreUnavailableError
+from pipeline.posture import fresh_for, posture_of
 from pipeline.store import keys
+from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.redis_common import StoreClient, store_client_from_url
 from workers import runtime
 from workers.recovery.base import (
@@ -229,6 +233,22 @@ class _NoEvents:
 _NO_EVENTS = _NoEvents()
 
 
+# --- the fleet's posture -----------------------------------------------------------------------
+
+
+def publish_posture(fleet: RedisFleetPosture, worker: str, interval_s: float) -> None:
+    """This worker's posture (:mod:`pipeline.posture`: its keys' ids, never the keys), current
+    for a few of its ``interval_s`` ticks."""
+    posture = posture_of(
+        worker,
+        runtime.secrets(),
+        runtime.entry_keys(),
+        now=time.time(),
+        fresh_s=fresh_for(interval_s),
+    )
+    fleet.publish(posture)
+
+
 # --- the sweeper thread ------------------------------------------------------------------------
 
 _tick_lock = threading.Lock()
@@ -265,6 +285,7 @@ class SweeperThread(threading.Thread):
         self.queues = queues
         self.interval_s = interval_s
         self.sweeping = sweeping
+        self.worker = name
         self.token = f"{name}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._stop_event = threading.Event()
         self._stop_by = 0.0
@@ -280,12 +301,15 @@ class SweeperThread(threading.Thread):
         # the holders' reports) go through the broker connection (RedisBroker), never here.
         client: StoreClient | None = None
         stores: RecoveryStores | None = None
+        fleet: RedisFleetPosture | None = None
         while True:
             with _tick_lock:
                 try:
-                    if stores is None:
+                    if stores is None or fleet is None:
                         client, stores = self._store()
+                        fleet = RedisFleetPosture(client)
                     self.tick(stores)
+                    publish_posture(fleet, self.worker, self.interval_s)
                 except Exception as exc:  # an outage, mostly: say so now and then, carry on
                     self._drop_broker()
                     now = time.monotonic()
@@ -301,6 +325,9 @@ class SweeperThread(threading.Thread):
         with contextlib.suppress(Exception):
             if self._broker is not None:
                 self._broker.withdraw(self.token)
+        with contextlib.suppress(Exception):
+            if fleet is not None:
+                fleet.withdraw(self.worker)  # a stopped worker requires nothing any more
         self._drop_broker()
         if client is not None:
             client.close()
