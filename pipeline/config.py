@@ -236,7 +236,9 @@ class CritiqueConfig(_Block):
     """``orchestration.delegation_loop.critique`` plus the output contract
     (docs/configuration.md)."""
 
-    enabled: bool = False
+    enabled: bool = True
+    """On unless the operator's or the submission's configuration turns it off explicitly (AWP's
+    own default is false; a service exists to check). Off: outputs end ``unchecked``."""
     mode: Literal["inline", "dedicated"] = "inline"
     model: str | None = None
     max_repair_attempts: int = Field(2, ge=0)
@@ -323,14 +325,14 @@ def _fields_help(model: type[BaseModel]) -> str:
     return ", ".join(sorted(model.model_fields))
 
 
-def did_you_mean(word: str, choices: Mapping[str, str] | Sequence[str]) -> str:
-    """``"did you mean X? "`` for the choice closest to ``word`` (difflib, case-insensitive),
-    else ``""``: the one helper behind every unknown-name message (environment variables,
-    ``--set`` keys, workflow-file keys). A mapping is compared by its keys and answers with
-    its values (``{"concurrency": "CRITIQUE_CONCURRENCY"}``)."""
+def did_you_mean(word: str, choices: Mapping[str, str] | Sequence[str], cutoff: float = 0.6) -> str:
+    """``"did you mean X? "`` for the choice closest to ``word`` (difflib, case-insensitive,
+    at least ``cutoff`` alike), else ``""``: the one helper behind every unknown-name message
+    (environment variables, ``--set`` keys, workflow-file keys). A mapping is compared by its
+    keys and answers with its values (``{"concurrency": "CRITIQUE_CONCURRENCY"}``)."""
     named = dict(choices) if isinstance(choices, Mapping) else {c: c for c in choices}
     lowered = {k.lower(): v for k, v in named.items()}
-    close = difflib.get_close_matches(word.lower(), list(lowered), n=1)
+    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
     return f"did you mean {lowered[close[0]]}? " if close else ""
 
 

@@ -74,6 +74,7 @@ from pipeline.files import FileReader, inline_bytes
 from pipeline.injection import apply_injections, submission_injections
 from pipeline.llm import token_allowance
 from pipeline.models import (
+    UNSCORED,
     CritiqueEnvelope,
     CritiqueResult,
     Defect,
@@ -114,7 +115,9 @@ NO_BUDGET_NOTE = (
     "no budget.total_tokens configured: repair_budget_fraction not applied; "
     "only max_repair_attempts bounds repair"
 )
-DISABLED_NOTE = "critique disabled (enabled: false): output passed through unchanged"
+DISABLED_NOTE = (
+    "critique disabled (enabled: false): nothing was checked; the output passed through unchecked"
+)
 
 
 class L0Outcome(Frozen):
@@ -166,6 +169,11 @@ class StageContext:
     (a worker: half its soft time limit); None: ``budget.wait_s`` alone."""
     sleep: Callable[[float], None] = field(default=time.sleep)
     """How :func:`run_submission` waits between budget asks (tests pass a fake clock's)."""
+    cancelled: Callable[[], bool] = field(default=lambda: False)  # never, in-process
+    """True once the pass this context runs was cancelled (``critique cancel``): consulted
+    before each critic or repair call that spends tokens, which then raises
+    :class:`PassCancelled` instead. A worker wires it to a lookup of the pass's result; the
+    default (in-process runs) never cancels."""
 
 
 class LoopState(Frozen):
@@ -281,10 +289,14 @@ def lease_for(ctx: StageContext, state: LoopState) -> str:
     """The budget lease of the state's next repair: one per (pass, attempt), so a re-run
     ``decide`` asks for the same lease again and a resubmission never meets an old one."""
     sub = state.submission
-    prefix = ctx.lease_prefix or ":".join(
-        p for p in (sub.worker_id, str(sub.iteration), state.pass_id) if p
-    )
+    prefix = ctx.lease_prefix or pass_lease_prefix(sub.worker_id, sub.iteration, state.pass_id)
     return f"{prefix}:{state.attempt + 1}"
+
+
+def pass_lease_prefix(worker_id: str, iteration: int, pass_id: str) -> str:
+    """What every budget lease of one pass is named from (:func:`lease_for` adds
+    ``:<attempt>``): ``"<worker>:<iteration>:<pass>"``; a cancel refunds the leases under it."""
+    return ":".join(p for p in (worker_id, str(iteration), pass_id) if p)
 
 
 def pattern_record_key(state: LoopState, round_no: int) -> str:
@@ -301,10 +313,12 @@ def pass_key(state: LoopState) -> str:
 
 
 def _passthrough(state: LoopState) -> LoopState:
+    """Critique explicitly off: the output passes through ``unchecked``, with no score (never
+    ``accepted``, never 1.00) and nothing checked, not even Layer-0."""
     envelope = CritiqueEnvelope(
         worker_id=state.submission.worker_id,
-        score=1.0,
-        summary="critique disabled: output passed through unchanged",
+        score=0.0,
+        summary="critique disabled (enabled: false): nothing was checked",
         critic="disabled",
     )
     return state.model_copy(
@@ -312,12 +326,10 @@ def _passthrough(state: LoopState) -> LoopState:
             "next": "done",
             "envelope": envelope,
             "best_output": state.output,
-            "best_score": 1.0,
             "best_envelope": envelope,
-            "original_score": 1.0,
             "notes": _add_note(state.notes, DISABLED_NOTE),
-            "status": "accepted",
-            "stop_reason": "accepted",
+            "status": "unchecked",
+            "stop_reason": "disabled",
         }
     )
 
@@ -384,7 +396,8 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
 
     In a repair round the critique's LLM calls run within what the repair's reservation has
     left (``lease_tokens`` − the repair's spend), and the lease is committed afterwards with
-    the round's real spend (:func:`_commit`).
+    the round's real spend (:func:`_commit`). A cancelled pass stops before the critic's
+    call (:class:`PassCancelled`), the repair's spend charged and its hold released.
     """
     sub = state.submission
     began = ctx.clock()
@@ -420,6 +433,8 @@ def _envelope_for(state: LoopState, ctx: StageContext) -> tuple[CritiqueEnvelope
         pitfalls = _pitfalls(ctx, sub, ctx.critic)
 
         def critique() -> CritiqueEnvelope:
+            if not is_token_free(ctx.critic, sub):
+                check_cancelled(ctx, state)  # the last moment before tokens are spent
             # Bounded before anything keeps it (the critique cache included).
             return bound_envelope(
                 ctx.critic.critique(sub, state.output, pitfalls=pitfalls, round=round_no)
@@ -641,6 +656,19 @@ def refusal_text(
     if wait_s <= 0:
         return text + "; held tokens would have to settle, and this run does not wait for them"
     return text + f"; waited {waited_s:.1f} s (the most it waits: {wait_s:g} s) for them to settle"
+
+
+class PassCancelled(Exception):
+    """The pass was cancelled (``critique cancel``) while a stage of it ran: raised before the
+    stage's next critic or repair call (:attr:`StageContext.cancelled`), so nothing more is
+    spent. The cancel wrote the pass's result already: a worker ends the chain and writes
+    nothing."""
+
+
+def check_cancelled(ctx: StageContext, state: LoopState) -> None:
+    """Raise :class:`PassCancelled` when the pass was cancelled (one cheap lookup)."""
+    if ctx.cancelled():
+        raise PassCancelled(f"pass {state.pass_id or '-'} was cancelled")
 
 
 class BudgetWait(Exception):
@@ -940,7 +968,8 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
     (so the call made is the call sized). With a budget reservation, the reviser's LLM calls
     run within its repair part (``repair_allowance``). A failure that a retry cannot fix
     releases the reservation; a transient one keeps it for the retry (the same lease, so
-    nothing is reserved twice).
+    nothing is reserved twice). A cancelled pass stops before the reviser's call
+    (:class:`PassCancelled`), its reservation released.
     """
     envelope = state.envelope
     if envelope is None:
@@ -953,6 +982,8 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
         with token_allowance(state.repair_allowance if state.lease_id is not None else None):
             result: RevisionResult
             serving = resolve_for(ctx.reviser, sub)
+            if not serving.token_free:
+                check_cancelled(ctx, state)
             if (
                 order is not None
                 and order.prompt is not None
@@ -1026,7 +1057,8 @@ def finish(state: LoopState) -> CritiqueResult:
     if state.next != "done" or state.status is None or state.stop_reason is None:
         raise ValueError(f"the loop is not finished (next stage: {state.next!r})")
     envelope = state.best_envelope or state.envelope
-    if envelope is None or state.best_output is None or state.best_score is None:
+    scored = state.status not in UNSCORED
+    if envelope is None or state.best_output is None or (scored and state.best_score is None):
         raise ValueError("a finished loop must have critiqued at least once")
     sub = state.submission
     return bound_result(
@@ -1037,8 +1069,14 @@ def finish(state: LoopState) -> CritiqueResult:
             status=state.status,
             stop_reason=state.stop_reason,
             output=state.best_output,
-            original_score=state.original_score if state.original_score is not None else 0.0,
-            best_score=state.best_score,
+            original_score=(
+                None
+                if not scored
+                else state.original_score
+                if state.original_score is not None
+                else 0.0
+            ),
+            best_score=state.best_score if scored else None,
             envelope=envelope,
             attempts=state.attempts,
             trace=state.trace,
@@ -1080,6 +1118,5 @@ def run_submission(submission: Submission, ctx: StageContext, pass_id: str = "")
                 ctx.budget.refund(submission.run_id, state.lease_id)
             raise
     result = finish(state)
-    if ctx.config.enabled:
-        ctx.trace.emit(submission.run_id, result.trace_event(round=state.round, stage="result"))
+    ctx.trace.emit(submission.run_id, result.trace_event(round=state.round, stage="result"))
     return result

@@ -2,12 +2,13 @@
 
 One exit-code table for every sub-command (:data:`EXIT_CODES`, printed in every ``--help``):
 
-    0  ran: every output has a verdict (accepted, repaired, escalated or failed are outcomes)
-    1  an output failed: its chain failed or was refused, or it was still pending at --timeout;
-       for ``l0``, a check failed
+    0  ran: every output has a verdict (accepted, repaired, escalated, unchecked, cancelled
+       and the verdict ``failed`` are outcomes)
+    1  a chain failed: a stage errored or a worker refused it (no verdict), or an output was
+       still pending at --timeout; for ``l0``, a check failed
     2  bad usage or configuration (nothing was enqueued, the worker did not start)
     3  a service could not be reached (Redis, the broker, a worker)
-  130  interrupted (Ctrl-C)
+  130  interrupted (Ctrl-C); ``critique worker`` after its warm shutdown (SIGTERM: 0)
   141  the reader of stdout went away (``critique status RUN | head -1``): a quiet end
 
 Sub-commands import these constants from here; no command defines its own. A command that
@@ -36,6 +37,7 @@ COMMANDS: dict[str, str] = {
     "report": "report",
     "archive": "archive",
     "resume": "resume",
+    "cancel": "cancel",
     "ab": "ab",
     "exporter": "exporter",
 }
@@ -51,13 +53,14 @@ OFFLINE_COMMANDS = frozenset({"l0", "loop"})
 
 EXIT_CODES = """\
 exit codes (every command):
-  0  ran: every output has a verdict (accepted, repaired, escalated and failed are outcomes,
-     not errors; escalated is the manager's cue to act)
-  1  an output failed: its chain failed or was refused by a worker, or it was still pending
-     at --timeout; for `l0`, a check failed
+  0  ran: every output has a verdict: accepted, repaired, escalated, unchecked, cancelled,
+     and the verdict `failed` (the critique judged the output failed) are outcomes, not
+     errors; escalated is the manager's cue to act
+  1  a chain failed: a stage errored or a worker refused the message, so there is no
+     verdict; or an output was still pending at --timeout; for `l0`, a check failed
   2  bad usage or configuration: nothing was enqueued, the worker did not start
   3  a service could not be reached: Redis, the broker, a worker
-  130  interrupted (Ctrl-C)
+  130  interrupted (Ctrl-C); `critique worker`: after its warm shutdown (SIGTERM: 0)
   141  the reader of the output went away (`critique status RUN | head -1`): ended quietly,
        as a tool killed by SIGPIPE, with no message
 """
@@ -126,6 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"critique {args.command}: {problem}", file=sys.stderr)
             return EXIT_USAGE
+        from pipeline.store.urls import new_lookalike_warnings
+
+        for warning in new_lookalike_warnings():  # REDIS_ULR: a typo would go unnoticed
+            print(f"critique {args.command}: warning: {warning}", file=sys.stderr)
     from workers.commands._common import number_problem
 
     bad_number = number_problem(args)  # "--X must be ≥ N" from the shared numeric types

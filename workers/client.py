@@ -23,9 +23,10 @@ id read from the run's ``submitted`` hash.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +39,11 @@ from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import admit, start
 from pipeline.store import keys
 from pipeline.store.runs import Failure, member, pass_member
-from workers import runtime
+from workers import cancelling, runtime
+from workers.cancelling import CancelReport
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
+
+log = logging.getLogger(__name__)
 
 
 def _check_secret_matches(subs: Sequence[Submission]) -> None:
@@ -106,9 +110,11 @@ class CritiqueClient:
         self.config = dict(config or {})
         # Every URL setting first: a scheme-less REDIS_URL is one ConfigError naming it here,
         # not a traceback from redis-py (or kombu) at the first submit.
-        from pipeline.store.urls import check_urls
+        from pipeline.store.urls import check_urls, new_lookalike_warnings
 
         check_urls()
+        for warning in new_lookalike_warnings():  # REDIS_ULR: the default would be used
+            log.warning("%s", warning)
         # Fail fast on a bad configuration, and on one a submission may not carry (a
         # worker-only field, a limit above this process's own configuration); see
         # docs/security.md, 'Who may set what'.
@@ -125,7 +131,8 @@ class CritiqueClient:
         Every submission is validated (a ``Submission`` instance too), admitted (size limit,
         blob files readable) and serialised — its first message and chain built — before any
         is sent. Each failure is a :class:`SubmissionError` that names the submission (its
-        index and ``worker_id``) and what is wrong.
+        index and ``worker_id``) and what is wrong. A fleet that would refuse this process's
+        messages is a ``ConfigError`` before any pass begins (:meth:`check_fleet`).
         """
         from workers.tasks import submission_signature
 
@@ -133,6 +140,7 @@ class CritiqueClient:
         unavailable = unreachable_errors()
         subs = [_as_submission(value, index) for index, value in enumerate(submissions)]
         _check_secret_matches(subs)
+        self.check_fleet()
         prepared: list[tuple[Submission, dict[str, Any], Any]] = []
         for index, sub in enumerate(subs):
             try:
@@ -155,6 +163,21 @@ class CritiqueClient:
                 raise named from exc
         _enter_runs(subs)
         return [self._enqueue(sub, msg, chain) for sub, msg, chain in prepared]
+
+    def check_fleet(self) -> None:
+        """Raise ``ConfigError`` (one line naming ``CRITIQUE_SECRET``, nothing sent) when the
+        live workers' posture (:mod:`pipeline.posture`, which every worker publishes) says they
+        would refuse what this process sends, or write results it cannot verify: they require
+        a secret this process lacks or holds another of, or this process holds one they lack.
+        ``submit``, ``complete_gate`` and ``resume`` call it before they send anything; with no
+        posture in the store (an older fleet, no worker started yet) there is nothing to check."""
+        from pipeline.posture import refusal
+        from pipeline.store.fleet import RedisFleetPosture
+
+        now = time.time()
+        refused = refusal(RedisFleetPosture(runtime.client()).read(now), runtime.secrets(), now)
+        if refused is not None:
+            raise refused
 
     def _enqueue(self, sub: Submission, msg: dict[str, Any], chain: Any) -> Handle:
         """Send one prepared submission's chain (``msg`` is its first message) and register
@@ -186,13 +209,14 @@ class CritiqueClient:
             if not is_unreachable(exc):
                 raise
             # Not a store's (mapped above): the publish, so the broker.
+            from pipeline.store.urls import cannot_reach
             from workers.app import app
 
             broker = str(app.conf.broker_url or runtime.redis_url())
             raise BrokerUnavailableError(
-                f"cannot reach the broker at {broker}: {exc}",
-                hint="is it running there? set CELERY_BROKER_URL (or REDIS_URL, which it "
-                "defaults to)",
+                cannot_reach("the broker", broker, exc),
+                hint="start the broker there, or point CELERY_BROKER_URL (or REDIS_URL, which "
+                "it defaults to) at a running one",
             ) from exc
         return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id, pass_id)
 
@@ -270,7 +294,34 @@ class CritiqueClient:
         """
         from workers.recovery import redrive
 
+        self.check_fleet()
         return redrive(handle.run_id, handle.iteration, handle.worker_id, by="client")
+
+    def cancel(
+        self,
+        target: Handle | str,
+        *,
+        workers: Sequence[str] | None = None,
+        iteration: int | None = None,
+        by: str | None = None,
+    ) -> CancelReport:
+        """Cancel a handle's pass, or every unfinished pass of a run id (of ``workers`` and
+        ``iteration`` when given): each ends ``cancelled`` (its result, which ``wait`` returns),
+        a stage in flight stops before its next model call, queued messages of it do nothing,
+        its budget leases are refunded, and the trace names ``by`` (default ``client``). A pass
+        that finished first is left alone. Returns what it did (:class:`CancelReport`);
+        ``SubmissionError`` for a run, worker or iteration with no submission
+        (docs/operations.md, "Cancelling a run"); ``ConfigError`` naming ``CRITIQUE_SECRET``
+        when the workers sign with a key this process lacks (its results would not verify)."""
+        self.check_fleet()
+        who = cancelling.who(by, "client")
+        if isinstance(target, str):
+            return cancelling.cancel_run(target, workers=workers, iteration=iteration, by=who)
+        h = target
+        pass_id = h.pass_id or runtime.stores().runs.latest_pass(h.run_id, h.iteration, h.worker_id)
+        if not pass_id:
+            raise SubmissionError(f"run {h.run_id!r} has no pass of {h.worker_id} to cancel")
+        return cancelling.cancel_pass(h.run_id, h.iteration, h.worker_id, pass_id, by=who)
 
     def wait_many(
         self, handles: Sequence[Handle], timeout: float | None = 300.0
@@ -284,14 +335,19 @@ class CritiqueClient:
         return out
 
     def as_completed(
-        self, handles: Sequence[Handle], timeout: float | None = 300.0
+        self,
+        handles: Sequence[Handle],
+        timeout: float | None = 300.0,
+        *,
+        on_poll: Callable[[], None] | None = None,
     ) -> Iterator[tuple[Handle, CritiqueResult | SubmissionError]]:
         """Yield every handle once, as soon as it has an answer: its result, or the
         :class:`SubmissionError` saying why its chain failed (refused by a worker, a stage that
         raised: as a worker recorded it for the pass, as in :meth:`wait`). One failure never
         hides the others' results. Raises :class:`CritiqueTimeout` at ``timeout`` (one shared
         deadline) while some are still pending; stalled chains are re-driven as in
-        :meth:`wait`."""
+        :meth:`wait`. ``on_poll`` is called after each round of polls while some are pending
+        (at least every 0.25 s): a caller's progress line or hint, however quiet the wait."""
         deadline = None if timeout is None else time.monotonic() + timeout
         stall_s = stall_after_s()
         left = {i: (h, _Progress(self, h, stall_s)) for i, h in enumerate(handles)}
@@ -306,6 +362,8 @@ class CritiqueClient:
                 progress.check()
             if not left:
                 return
+            if on_poll is not None:
+                on_poll()
             if deadline is not None and time.monotonic() >= deadline:
                 pending = ", ".join(h.worker_id for h, _ in left.values())
                 raise CritiqueTimeout(
@@ -364,6 +422,7 @@ class CritiqueClient:
         """
         from workers.app import app
 
+        self.check_fleet()
         if iteration is None:
             done = runtime.stores().runs.results(run_id)
             iteration = max((r.iteration for r in done), default=1)

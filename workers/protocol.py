@@ -43,9 +43,17 @@ from celery.utils.log import get_task_logger
 from pipeline.config import CritiqueConfig, check_submission_model
 from pipeline.errors import ConfigError, CritiqueError, PermanentError, SubmissionError
 from pipeline.gates import evaluate_completion
-from pipeline.models import check_identifier
+from pipeline.models import CritiqueResult, check_identifier
 from pipeline.redaction import scrub
-from pipeline.runner import STAGES, BudgetWait, LoopState, StageContext, finish, is_token_free
+from pipeline.runner import (
+    STAGES,
+    BudgetWait,
+    LoopState,
+    PassCancelled,
+    StageContext,
+    finish,
+    is_token_free,
+)
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
@@ -410,6 +418,8 @@ class StageTask(StageProtocol, ReplacingStage):
                     return self.wait_for_budget(wait)
                 time.sleep(wait.retry_s)
                 continue
+            except PassCancelled:
+                return self.end_cancelled(nxt)
             nxt, out = step.next, step.out
             if nxt == OVER:
                 return out
@@ -450,6 +460,9 @@ class StageTask(StageProtocol, ReplacingStage):
             return Step(out, job.state.next, job.state, job.overrides)
         # A decide run on the output this task just recorded cannot have a record yet: no read.
         reads = job.stage == "decide" and not (job.prev is not None and job.prev.fresh)
+        # A message off the broker reads it too: its pass may have its result (cancelled
+        # while the message waited in its queue), and then nothing runs at all.
+        reads = reads or job.prev is None
         try:
             if reads or _spends_tokens(job.stage, job.context, job.passed) or _repeated(self):
                 recorded = runtime.stores().runs.step_output(job.run_id, job.step)
@@ -463,8 +476,15 @@ class StageTask(StageProtocol, ReplacingStage):
         """The stage function on the state, its trace events buffered for the record; a
         repair sends a ``task-progress`` event (Flower)."""
         buffer = BufferedTraceSink()
+        sub = job.state.submission
+        runs = runtime.stores().runs
         ctx = dataclasses.replace(
-            job.context, trace=buffer, max_budget_wait_s=_budget_wait_cap(self)
+            job.context,
+            trace=buffer,
+            max_budget_wait_s=_budget_wait_cap(self),
+            cancelled=lambda: runs.pass_finished(
+                sub.run_id, sub.iteration, sub.worker_id, job.pass_id
+            ),
         )
         began = time.monotonic()
         new = STAGES[job.stage](job.passed, ctx)
@@ -497,9 +517,15 @@ class StageTask(StageProtocol, ReplacingStage):
     def refund(self, job: StageJob, run: StageRun, handed: Step) -> None:
         """A budget lease the run reserved that the standing output does not hold is refunded:
         the pass is over, or another delivery of this decide recorded first without it (it was
-        refused the budget, say)."""
+        refused the budget, say). A repair that ran for a pass over by now (cancelled while it
+        called its model) is charged what it spent instead: the tokens were spent (a commit is
+        once per lease, so a duplicate of a committed repair charges nothing more)."""
         lease = run.state.lease_id
-        if lease is not None and (handed.next == OVER or handed.state.lease_id != lease):
+        if lease is None:
+            return
+        if handed.next == OVER and job.stage == "repair":
+            job.context.budget.commit(job.run_id, lease, run.state.pending_repair_tokens)
+        elif handed.next == OVER or handed.state.lease_id != lease:
             job.context.budget.refund(job.run_id, lease)
 
     # What the protocol's steps hand on.
@@ -518,6 +544,16 @@ class StageTask(StageProtocol, ReplacingStage):
         log.info("step %s belongs to a finished pass: its chain ends here", job.step)
         _send_nothing_after(self)
         return Step(dict(FINISHED), OVER, job.passed, job.overrides)
+
+    def end_cancelled(self, stage: str) -> dict[str, Any]:
+        """End this task's chain before a model call: the pass was cancelled while the stage
+        ran (:class:`pipeline.runner.PassCancelled`). The cancel wrote the pass's result, so
+        nothing is recorded or sent on (the stage released its own budget hold)."""
+        log.info(
+            "task %s: its pass was cancelled during %s: its chain ends here", self.request.id, stage
+        )
+        _send_nothing_after(self)
+        return dict(FINISHED)
 
     def hand_on(self, step: Step) -> dict[str, Any]:
         """Send the state to the stage this task does not run: an older client's chain takes
@@ -614,7 +650,8 @@ def _budget_wait_cap(task: Task) -> float:
 
 def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, Any]:
     """Store the pass's result and write its ``result`` event, both in one atomic step and
-    once per pass (a re-run writes nothing); return a summary."""
+    once per pass (a re-run writes nothing); return a summary (the entry task's result):
+    ``checked`` is false and ``best_score`` null for an ``unchecked`` or ``cancelled`` pass."""
     pass_id = _pass_id(task, msg, state)
     sub = state.submission
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
@@ -623,10 +660,20 @@ def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, 
     began = time.monotonic()
     result = finish(state)
     event = result.trace_event(round=state.round, stage="gate")
+    runs = runtime.stores().runs
     # The pass leaves the pending index in the same step: it can no longer stall.
-    if runtime.stores().runs.put_result(result, pass_id=pass_id, events=[encode_event(event)]):
+    if runs.put_result(result, pass_id=pass_id, events=[encode_event(event)]):
         _count_result(result)
         runtime.metrics().observe("gate", time.monotonic() - began)
+    else:  # the result stored first stands (a cancel's, or another delivery's)
+        result = runs.pass_result(sub.run_id, sub.iteration, sub.worker_id, pass_id) or result
+    return pass_summary(result)
+
+
+def pass_summary(result: CritiqueResult) -> dict[str, Any]:
+    """What a pass's task id holds in Celery's result backend: its verdict in brief, and for
+    an escalated or failed output why (its deciding defects, at most three, then what to do
+    next) — a manager that cannot read the store still learns what to send back."""
     return {
         "run_id": result.run_id,
         "iteration": result.iteration,
@@ -634,10 +681,12 @@ def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, 
         "status": result.status,
         "stop_reason": result.stop_reason,
         "best_score": result.best_score,
+        "checked": result.checked,
+        "why": list(result.why()),
     }
 
 
-def _count_result(result: Any) -> None:
+def _count_result(result: CritiqueResult) -> None:
     """The fleet metrics of a pass's result, counted once (its first store)."""
     m = runtime.metrics()
     m.add(f"outputs:{result.status}")

@@ -386,6 +386,8 @@ class RedisPatternStore:
 #              waiters, waited (µs)] (all 0 but the verdict for a live or committed lease)
 #   commit:   ARGV[4] lease id, ARGV[5] actual tokens → the charge (the first one, when repeated)
 #   refund:   ARGV[4] lease id → 0
+#   release:  ARGV[4..] lease-id prefixes (one per cancelled pass) → how many live or waiting
+#             leases under them were refunded (a cancel: nothing of those passes stays held)
 #   holds:    → [lease id, tokens, expiry (µs), now (µs)]* of live, unexpired leases
 #   snapshot: → [spent, held, holders, overrun]
 # A lease record is "tokens:expires_us:state:charge" (state 0 live, 1 committed, 2 refunded,
@@ -510,6 +512,28 @@ elseif op == 'refund' then
     end
   end
   return 0
+elseif op == 'release' then
+  local n = 0
+  for i = 3, 4 do
+    for _, lease in ipairs(redis.call('ZRANGE', KEYS[i], 0, -1)) do
+      for p = 4, #ARGV do
+        if string.sub(lease, 1, #ARGV[p]) == ARGV[p] then
+          local rec = redis.call('HGET', KEYS[2], lease)
+          if rec then
+            local tokens, expires, state = parse(rec)
+            if state == 0 or state == 3 then
+              redis.call('HSET', KEYS[2], lease, record(tokens, expires, 2, 0))
+              n = n + 1
+            end
+          end
+          redis.call('ZREM', KEYS[i], lease)
+          break
+        end
+      end
+    end
+  end
+  if n > 0 then touch() end
+  return n
 elseif op == 'holds' then
   local now = now_us()
   local out = {}
@@ -621,6 +645,15 @@ class RedisBudgetLedger:
     def refund(self, run_id: str, lease_id: str) -> None:
         """Release a live lease's hold without charging anything (later calls do nothing)."""
         self._call(run_id, "refund", lease_id)
+
+    def refund_passes(self, run_id: str, prefixes: Sequence[str]) -> int:
+        """Refund every live or waiting lease whose id starts with one of ``prefixes`` (each
+        a cancelled pass's, :func:`pipeline.runner.pass_lease_prefix` plus ``":"``), in one
+        atomic step; returns how many were. A later commit of one still charges what its
+        holder really spent (the tokens were spent)."""
+        if not prefixes:
+            return 0
+        return int(self._call(run_id, "release", *prefixes))
 
     def spent(self, run_id: str) -> int:
         """Tokens committed so far in the run."""

@@ -601,6 +601,37 @@ class RedisRunStore:
                 out[field] = result
         return out
 
+    def pass_finished(self, run_id: str, iteration: int, worker_id: str, pass_id: str) -> bool:
+        """Whether the pass has its result stored (it finished, or was cancelled): one cheap
+        lookup, what a stage in flight asks before its next model call."""
+        field = pass_member(iteration, worker_id, pass_id)
+        with store_errors(self._r):
+            return bool(self._r.hexists(self._key(run_id, keys.PASS_RESULTS), field))
+
+    def open_passes(self, run_id: str) -> tuple[list[str], list[str]]:
+        """The run's passes as a cancel sees them: ``(open, finished)`` pass members. Each
+        submission's latest pass and every pass still on the pending index (a superseded pass
+        may still run) is open unless it has a result or a recorded failure; those that have
+        one are finished. Two round trips, whatever the run's size."""
+        with store_errors(self._r):
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hgetall(self._key(run_id, keys.PASSES))
+            pipe.zrange(self._key(run_id, keys.PENDING), 0, -1)
+            latest, pending = pipe.execute()
+            members = [pass_member_of(text(f), text(p)) for f, p in latest.items()]
+            members = list(dict.fromkeys([*members, *(text(m) for m in pending)]))
+            if not members:
+                return [], []
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hmget(self._key(run_id, keys.PASS_RESULTS), members)
+            pipe.hmget(self._key(run_id, keys.FAILURES), members)
+            results, failures = pipe.execute()
+        open_: list[str] = []
+        finished: list[str] = []
+        for m, result, failure in zip(members, results, failures, strict=True):
+            (open_ if result is None and failure is None else finished).append(m)
+        return open_, finished
+
     def pass_result(
         self, run_id: str, iteration: int, worker_id: str, pass_id: str
     ) -> CritiqueResult | None:

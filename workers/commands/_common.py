@@ -10,7 +10,9 @@ check.
   range is reported after parsing as ``--X must be ≥ N`` (``--X must be > N``) with exit 2
   (:func:`check_numbers`, called by the CLI entry point before a command runs).
 - :func:`add_run_argument` and :func:`add_json_argument`: the ``RUN`` argument and ``--json``.
-- :func:`check_redis` pings each Redis URL a command needs, with the one hint (:data:`REDIS_HINT`).
+- :func:`check_redis` pings each Redis URL a command needs; :func:`unreachable_redis` words the
+  failure as every unreachable-service message is: ``cannot reach <what> at <url>: <reason>
+  (hint: …)``, one line (the default hint: :data:`REDIS_HINT`).
 """
 
 from __future__ import annotations
@@ -48,12 +50,17 @@ class UnknownRunError(LookupError):
 
 
 def unreachable_redis(url: str, exc: BaseException, what: str = "Redis") -> CommandError:
-    """``cannot reach <what> at <url>: <exc>`` and the one hint, exit 3 (the URL's password
-    shown as ``***``)."""
-    from pipeline.store.urls import redact_url
+    """``cannot reach <what> at <url>: <reason> (hint: …)``, one line, exit 3 (the URL's
+    password shown as ``***``): the shape of every unreachable-service message
+    (:func:`pipeline.store.urls.cannot_reach`). An ``exc`` that is already such a message (the
+    stores' and the client's ``StoreUnavailableError``) is shown as it is; any other gets
+    :data:`REDIS_HINT`."""
+    from pipeline.errors import StoreUnavailableError
+    from pipeline.store.urls import cannot_reach
 
-    shown = redact_url(url)
-    return CommandError(f"cannot reach {what} at {shown}: {exc}\n{REDIS_HINT}", EXIT_UNAVAILABLE)
+    if not isinstance(exc, StoreUnavailableError):
+        exc = StoreUnavailableError(cannot_reach(what, url, exc), hint=REDIS_HINT)
+    return CommandError(str(exc), EXIT_UNAVAILABLE)
 
 
 def service_guard(command: str, body: Callable[[], int]) -> int:
@@ -66,7 +73,7 @@ def service_guard(command: str, body: Callable[[], int]) -> int:
     CLI entry point, which ends quietly, instead of being reported as "cannot reach Redis".
     ``KeyboardInterrupt`` and ``SystemExit`` pass through as well.
     """
-    from pipeline.errors import CritiqueError, StoreUnavailableError
+    from pipeline.errors import CritiqueError
     from workers.unreachable import unreachable_errors
 
     try:
@@ -77,9 +84,7 @@ def service_guard(command: str, body: Callable[[], int]) -> int:
         error, code = exc, exc.code
     except UnknownRunError as exc:
         error, code = CommandError(str(exc)), EXIT_USAGE
-    except StoreUnavailableError as exc:  # its message names the URL and REDIS_URL
-        error, code = CommandError(str(exc)), EXIT_UNAVAILABLE
-    except unreachable_errors() as exc:
+    except unreachable_errors() as exc:  # a StoreUnavailableError names its URL already
         from workers import runtime
 
         error, code = unreachable_redis(runtime.store_url(), exc), EXIT_UNAVAILABLE
@@ -150,6 +155,13 @@ def add_run_argument(parser: argparse.ArgumentParser) -> None:
 def add_json_argument(parser: argparse.ArgumentParser, help: str) -> None:
     """``--json`` (``args.json``), its help saying what is printed."""
     parser.add_argument("--json", action="store_true", help=help)
+
+
+def add_worker_argument(parser: argparse.ArgumentParser) -> None:
+    """``--worker W`` (``args.worker``, a list: repeatable; empty when not given)."""
+    parser.add_argument(
+        "--worker", action="append", default=[], metavar="W", help="only this worker (repeatable)"
+    )
 
 
 def add_iteration_argument(parser: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from workers.commands._common import (
     add_iteration_argument,
     add_json_argument,
     add_run_argument,
+    add_worker_argument,
     service_guard,
 )
 from workers.commands._runs import load_snapshot, split_key
@@ -36,9 +37,7 @@ HELP = "resume a run's pending submissions from their last recorded step"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_run_argument(parser)
-    parser.add_argument(
-        "--worker", action="append", default=[], metavar="W", help="only this worker (repeatable)"
-    )
+    add_worker_argument(parser)
     add_iteration_argument(parser)
     parser.add_argument(
         "--failed",
@@ -71,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
             for it, w in [split_key(k)]
         ]
         client = CritiqueClient()
+        client.check_fleet()  # before a failure is cleared: a refused re-drive changes nothing
         runs = runtime.stores().runs
         resumed = []
         for key in pending:
