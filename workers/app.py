@@ -13,10 +13,12 @@ import sys
 from typing import Any
 
 from celery import Celery, concurrency
-from celery.signals import celeryd_init, worker_init
+from celery.signals import celeryd_init, worker_init, worker_shutdown, worker_shutting_down
+from kombu.utils.objects import cached_property
 
 from pipeline.store import keys
 from workers import logs
+from workers.cli import EXIT_INTERRUPTED
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # Logs: one line per task at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).
@@ -26,7 +28,23 @@ logs.install()
 # raised outside a task's body ends the request instead of leaving it held forever.
 concurrency.ALIASES["threads"] = "workers.recovery:ThreadPool"
 
-app = Celery("critique", include=["workers.tasks", "workers.recovery"])
+
+class CritiqueCelery(Celery):  # type: ignore[misc]
+    """Celery with the product's worker program: its banner tells the truth about task events
+    (:mod:`workers.banner`; imported only when a worker starts)."""
+
+    @cached_property
+    def Worker(self) -> Any:  # Celery's name for it
+        return self.subclass_with_self("workers.banner:Worker")
+
+
+# Every critique.* message shows monitors (Flower, `celery events`) a summary of its arguments,
+# never the worker's output (workers.publishing).
+app = CritiqueCelery(
+    "critique",
+    include=["workers.tasks", "workers.recovery"],
+    amqp="workers.publishing:SummarisingAMQP",
+)
 app.config_from_object("celeryconfig")
 # The stall sweeper thread in every worker process (workers.recovery; CRITIQUE_SWEEP_S=0: off).
 app.steps["worker"].add("workers.recovery:Sweeper")
@@ -215,3 +233,22 @@ def _run_only_the_products_tasks(sender: Any = None, **_: Any) -> None:
     from workers import door
 
     door.drop_builtin_tasks(getattr(sender, "app", None) or app)
+
+
+_shutdown_by: dict[str, str] = {}
+"""The signal that began this worker's shutdown (``SIGINT``, ``SIGTERM``…), once there is one."""
+
+
+@worker_shutting_down.connect
+def _note_the_shutdown_signal(sig: str = "", **_: Any) -> None:
+    _shutdown_by.setdefault("sig", str(sig))
+
+
+@worker_shutdown.connect
+def _ctrl_c_exits_130(sender: Any = None, **_: Any) -> None:
+    """Ctrl-C (SIGINT) ends the worker with 130 once its warm shutdown is done, as the exit-code
+    table of ``critique --help`` says (a shell's code for an interrupted process); Celery's own
+    code for it is 1, which a service manager or script reads as a failure. SIGTERM keeps
+    Celery's 0."""
+    if _shutdown_by.get("sig") == "SIGINT" and getattr(sender, "exitcode", None) in (None, 1):
+        sender.exitcode = EXIT_INTERRUPTED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -139,14 +140,12 @@ def _blocked_stream_readers() -> int:
     )
 
 
-def test_watch_exits_130_on_ctrl_c(env: dict[str, str]) -> None:
-    """SIGINT (Ctrl-C) ends a waiting ``critique watch`` with exit 130 and a one-line note."""
-    from workers import runtime
-
-    run_id = f"sigint-{uuid.uuid4().hex[:8]}"
-    runtime.stores().runs.mark_submitted(run_id, 1, "slow", "no-such-task", "sig")
+@contextlib.contextmanager
+def _watching(env: dict[str, str], *argv: str) -> Iterator[subprocess.Popen[str]]:
+    """``critique watch ARGV`` as a process, once it has replayed the stream and blocks reading
+    it (imported and connected); killed at the end if it is still running."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "workers.cli", "watch", run_id],
+        [sys.executable, "-m", "workers.cli", "watch", *argv],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -154,17 +153,27 @@ def test_watch_exits_130_on_ctrl_c(env: dict[str, str]) -> None:
         text=True,
     )
     try:
-        wait_until(  # imported, connected and blocking on the stream
+        wait_until(
             lambda: _blocked_stream_readers() > 0 or proc.poll() is not None,
             30,
             what="critique watch to block reading the run's trace stream",
         )
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=15)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=5)
+
+
+def test_watch_exits_130_on_ctrl_c(env: dict[str, str]) -> None:
+    """SIGINT (Ctrl-C) ends a waiting ``critique watch`` with exit 130 and a one-line note."""
+    from workers import runtime
+
+    run_id = f"sigint-{uuid.uuid4().hex[:8]}"
+    runtime.stores().runs.mark_submitted(run_id, 1, "slow", "no-such-task", "sig")
+    with _watching(env, run_id) as proc:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
     assert proc.returncode == 130
     assert err.strip() == "critique watch: interrupted"
 
@@ -357,3 +366,41 @@ def test_watch_shows_a_repeated_note_once(
     assert rc == 0
     assert out.count("no budget.total_tokens configured") == 1
     assert "2 repeated note(s) not shown" in out
+
+
+def test_watch_waits_for_a_resubmitted_runs_new_pass(
+    worker: WorkerProcess, env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """watch follows each submission's latest pass: after a resubmission, the earlier pass's
+    result event is replayed (marked superseded) but finishes nothing, so watch does not end
+    done until the new pass's result arrives (the worker is paused meanwhile)."""
+    from workers.app import app
+    from workers.client import CritiqueClient
+
+    run_id = f"again-{uuid.uuid4().hex[:8]}"
+    client = CritiqueClient(CONFIG)
+    first = client.submit(operator_sub(run_id, "w1", "clean"))
+    client.wait(first, timeout=60)
+    node = [worker.nodename]
+    assert app.control.cancel_consumer("critique.cpu", destination=node, reply=True)
+    try:
+        second = client.submit(operator_sub(run_id, "w1", "clean"))  # queued, nobody consumes
+        assert second.pass_id != first.pass_id
+        rc, out, _ = _cli(capsys, "watch", run_id, "--json", "--timeout", "2")
+        lines = [json.loads(line) for line in out.strip().splitlines()]
+        assert [e["pass_id"] for e in lines if e["type"] == "result"] == [first.pass_id]
+        assert rc == 1 and lines[-1]["done"] is False and lines[-1]["pending"] == ["1:w1"]
+        rc, out, _ = _cli(capsys, "watch", run_id, "--timeout", "1")
+        assert rc == 1 and "RESULT  accepted" in out
+        assert "(an earlier pass, superseded by a resubmission)" in out
+        with _watching(env, run_id, "--json", "--timeout", "60") as proc:
+            assert proc.poll() is None, proc.communicate()  # replayed the earlier pass, waits
+            app.control.add_consumer("critique.cpu", destination=node, reply=True)
+            out, err = proc.communicate(timeout=60)
+    finally:
+        app.control.add_consumer("critique.cpu", destination=node, reply=True)
+    lines = [json.loads(line) for line in out.strip().splitlines()]
+    assert proc.returncode == 0, err
+    results = [e["pass_id"] for e in lines if e["type"] == "result"]
+    assert results == [first.pass_id, second.pass_id]
+    assert lines[-1]["done"] is True and lines[-1]["finished"] == 1

@@ -25,8 +25,20 @@ def test_every_help_prints_the_exit_code_table() -> None:
     for name, command in choices.items():
         text = command.format_help()
         assert EXIT_CODES in text, name
-    for code in ("0  ran", "1  an output failed", "2  bad usage or configuration", "3  a service"):
+    for code in ("0  ran", "1  a chain failed", "2  bad usage or configuration", "3  a service"):
         assert code in EXIT_CODES
+
+
+def test_the_exit_code_table_tells_the_failed_verdict_from_a_failed_chain() -> None:
+    """`failed` as a verdict is exit 0, a chain failure (a stage errored, no verdict) exit 1:
+    the table names each so a reader can tell them apart."""
+    rows = {
+        m.group(1): " ".join(m.group(2).split())
+        for m in re.finditer(r"^  (\d+)  (.*?)(?=^  \d|\Z)", EXIT_CODES, re.S | re.M)
+    }
+    assert "the verdict `failed`" in rows["0"] and "a chain" not in rows["0"]
+    assert "a stage errored" in rows["1"] and "no verdict" in rows["1"]
+    assert "verdict `failed`" not in rows["1"]
 
 
 def test_exit_codes_are_defined_in_one_place() -> None:

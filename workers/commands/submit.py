@@ -24,16 +24,24 @@ as failed with that reason).
 Prints one handle per submission (run_id, iteration, worker_id, task_id) as soon as all are
 enqueued. With ``--wait`` it prints each result the moment it is there (whatever the order),
 each failed chain with a one-line reason, and a final tally; on a terminal a live counter runs
-on stderr. A fallback (a critic or reviser that could not run and was replaced) is named on the
-output's line. ``--json`` prints JSON Lines: ``{"type": "submitted", …handle}`` per submission,
-then with ``--wait`` ``{"type": "result", "task_id", …CritiqueResult}`` or ``{"type": "failed",
-…handle, "error"}`` per submission (``{"type": "pending", …handle}`` for those still running at
-``--timeout``), then ``{"type": "summary", "submitted", "finished", "failed", "pending",
-"counts", "elapsed_s"}`` — every handle and every answer, whatever failed.
+on stderr, elsewhere a progress line on stderr 10 s in and then every 10 s while the counts
+change. When nothing has answered 2 s in and no worker answers a ping, it says so then
+(``no worker has taken these yet — is `critique worker` running against <broker>?``), not at
+the timeout. Ctrl-C stops the wait, not the critique: the pending submissions stay queued, and
+it says how to follow them (``critique watch RUN``, ``critique status RUN``) or stop them
+(``critique cancel RUN``); exit 130. A fallback (a critic or reviser that could not run and
+was replaced) is named on the output's line. ``--json`` prints JSON Lines: ``{"type":
+"submitted", …handle}`` per submission, then with ``--wait`` ``{"type": "result", "task_id",
+…CritiqueResult}`` or ``{"type": "failed", …handle, "error"}`` per submission (``{"type":
+"pending", …handle}`` for those still running at ``--timeout`` or Ctrl-C), then ``{"type":
+"summary", "submitted", "finished", "failed", "pending", "counts", "elapsed_s"}`` — every
+handle and every answer, whatever failed.
 
 Exit codes (the table of ``critique --help``): 0 enqueued (with ``--wait``: every submission
-has a verdict — escalated is a verdict); 1 with ``--wait``, a chain failed or ``--timeout``
-passed; 2 bad input or configuration (nothing enqueued); 3 Redis or the broker unreachable.
+has a verdict — escalated, and the verdict ``failed``, are verdicts); 1 with ``--wait``, a chain
+failed (a stage errored or a worker refused it: no verdict) or ``--timeout`` passed; 2 bad
+input or configuration (nothing enqueued); 3 Redis or the broker unreachable; 130 Ctrl-C in
+``--wait`` (the submissions stay queued).
 
 Bad input is one line on stderr and exit 2, never a traceback: each input is read up to
 ``max_output_bytes`` (an endless or larger one — ``/dev/zero``, a pipe that never ends — is
@@ -53,7 +61,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE
+from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE
 from workers.commands._common import (
     CommandError,
     above,
@@ -100,7 +108,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="one override, e.g. --set critic=rubric --set budget.total_tokens=200000",
     )
-    parser.add_argument("--wait", action="store_true", help="wait for the results")
+    parser.add_argument(
+        "--wait",
+        action="store_true",
+        help="wait for the results; Ctrl-C stops the wait, not the critique (the submissions "
+        "stay queued: follow them with `critique watch RUN`), exit 130",
+    )
     parser.add_argument(
         "--timeout",
         type=above(0),
@@ -264,7 +277,7 @@ def _result_line(result: Any) -> str:
     repairs = len(result.attempts)
     line = (
         f"{result.run_id}  {result.iteration}  {result.worker_id}  "
-        f"{result.original_score:.2f} → {result.best_score:.2f}  {result.status} "
+        f"{result.score_text()}  {result.status} "
         f"({result.stop_reason}, {repairs} repair{'s' if repairs != 1 else ''})"
     )
     fell = fallbacks(result)
@@ -406,14 +419,19 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
     results: list[Any] = []
     failed: list[tuple[Any, str]] = []
     answered: set[int] = set()
-    timed_out = False
+    timed_out = interrupted = False
+    no_worker = _NoWorkerHint(progress)
 
     def count() -> None:
         progress.update(len(results), len(failed), len(handles) - len(answered))
 
+    def poll() -> None:  # between polls, however quiet the wait: progress and the hint are due
+        count()
+        no_worker.check(bool(answered))
+
     count()
     try:
-        for h, answer in client.as_completed(handles, timeout=args.timeout):
+        for h, answer in client.as_completed(handles, timeout=args.timeout, on_poll=poll):
             answered.add(id(h))
             if isinstance(answer, SubmissionError):
                 reason = _reason(h, answer)
@@ -432,6 +450,8 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
             count()
     except CritiqueTimeout:
         timed_out = True
+    except KeyboardInterrupt:  # Ctrl-C: what is queued stays queued; say so and how to follow
+        interrupted = True
     except BrokenPipeError:  # our reader went away (`| head`), not Redis: the CLI ends quietly
         raise
     except unavailable as exc:
@@ -465,25 +485,86 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
             f"submit: {len(handles)} submission(s): {tally(results, len(failed), len(pending))} "
             f"in {elapsed:.1f} s"
         )
+    if interrupted:
+        print(interrupted_note(pending), file=sys.stderr)
+        return EXIT_INTERRUPTED
     if timed_out:
-        from workers.commands._text import printable
-
-        refused, reason = 0, ""
-        with contextlib.suppress(Exception):  # only a better hint: never fail over it
-            refused, reason = refusals_since([h.run_id for h in pending], since)
-        hint = (
-            f"a worker refused {refused} message(s) claiming this run since the submit: "
-            f"{printable(reason, 300)}"
-            if refused
-            else "is a worker consuming critique.cpu and critique.llm? start one with "
-            "`critique worker`"
-        )
-        print(
-            f"critique submit: timed out after {args.timeout:g} s; still pending: "
-            f"{', '.join(h.worker_id for h in pending)} ({hint})",
-            file=sys.stderr,
-        )
+        print(timed_out_note(pending, args.timeout, since), file=sys.stderr)
     return EXIT_FAILED if failed or pending else EXIT_OK
+
+
+def timed_out_note(pending: list[Any], timeout: float, since: float) -> str:
+    """The line ``--timeout`` ends on: what is still pending, and the likeliest why (messages a
+    worker refused since the submit, else no worker consuming the queues)."""
+    from workers.commands._text import printable
+
+    refused, reason = 0, ""
+    with contextlib.suppress(Exception):  # only a better hint: never fail over it
+        refused, reason = refusals_since([h.run_id for h in pending], since)
+    hint = (
+        f"a worker refused {refused} message(s) claiming this run since the submit: "
+        f"{printable(reason, 300)}"
+        if refused
+        else "is a worker consuming critique.cpu and critique.llm? start one with `critique worker`"
+    )
+    return (
+        f"critique submit: timed out after {timeout:g} s; still pending: "
+        f"{', '.join(h.worker_id for h in pending)} ({hint})"
+    )
+
+
+NO_WORKER_AFTER_S = 2.0
+"""With ``--wait`` and no answer yet this long after the submit, ask whether any worker runs."""
+
+
+def workers_answering(timeout: float = 1.0) -> bool:
+    """Whether any Celery worker answers a ping on the broker within ``timeout`` seconds (the
+    first reply ends the wait)."""
+    from workers.app import app
+
+    return bool(app.control.ping(timeout=timeout, limit=1))
+
+
+class _NoWorkerHint:
+    """Once, :data:`NO_WORKER_AFTER_S` into a wait with no answer yet: when no worker answers a
+    ping, say so then (on stderr), not at the timeout."""
+
+    def __init__(self, progress: Any) -> None:
+        self.progress = progress
+        self.done = False
+
+    def check(self, answered: bool) -> None:
+        if self.done or self.progress.clock() - self.progress.began < NO_WORKER_AFTER_S:
+            return
+        self.done = True
+        if answered:
+            return
+        from pipeline.store.urls import redact_url
+
+        with contextlib.suppress(Exception):  # only a hint: never fail the wait over it
+            if not workers_answering():
+                self.progress.line(
+                    "critique submit: no worker has taken these yet — is `critique worker` "
+                    f"running against {redact_url(broker_url())}?",
+                    stream=sys.stderr,
+                )
+
+
+def interrupted_note(pending: list[Any]) -> str:
+    """What Ctrl-C in ``--wait`` left behind: the pending submissions stay queued and will be
+    critiqued, and the commands that follow (or stop) them."""
+    from workers.commands._text import printable
+
+    if not pending:
+        return "critique submit: interrupted (every submission had its answer)"
+    runs = list(dict.fromkeys(h.run_id for h in pending))
+    run = printable(runs[0], 200) if len(runs) == 1 else "RUN"
+    which = "" if len(runs) == 1 else f" (RUN: {printable(', '.join(runs), 300)})"
+    return (
+        f"critique submit: interrupted; the {len(pending)} pending submission(s) stay queued "
+        f"and will be critiqued: follow them with `critique watch {run}` or `critique status "
+        f"{run}`{which}; stop them with `critique cancel {run}`"
+    )
 
 
 def _reason(h: Any, error: Any) -> str:

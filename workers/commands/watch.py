@@ -6,7 +6,9 @@ repeated by many submissions (``no budget.total_tokens configured``) is shown on
 second the run's submissions are checked: a chain that failed (refused by a worker, a stage
 that raised) is shown as ``FAILED`` with a one-line reason and counts as done. The watch ends
 when every submission registered for the run is finished or failed (submissions that arrive
-while it watches are picked up), with a tally. On a terminal a live counter runs on stderr.
+while it watches are picked up), with a tally. A submission finishes with its latest pass's
+result: a resubmitted one's earlier result is shown, marked ``(an earlier pass, superseded by a
+resubmission)``, and finishes nothing. On a terminal a live counter runs on stderr.
 
 ``--json`` prints each trace event as one JSON object per line, a ``{"type": "failed",
 "iteration", "worker_id", "error"}`` line per failed chain, then a last line ``{"type":
@@ -25,6 +27,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from pipeline.models import UNCHECKED_LINE, UNSCORED
 from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from workers.commands._common import above, add_json_argument, add_run_argument, service_guard
 from workers.commands._progress import Progress
@@ -36,6 +39,8 @@ HELP = "follow a run's progress live until no submission is pending (failed ones
 BLOCK_MS = 500
 CHECK_S = 1.0
 """How often the run's submissions and failed chains are checked while events flow."""
+SUPERSEDED = "an earlier pass, superseded by a resubmission"
+"""Said after a result event of a pass the submission was resubmitted over."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,17 +58,28 @@ def _num(value: Any) -> str:
     return f"{value:.2f}" if isinstance(value, int | float) else "?"
 
 
+def _result_text(event: dict[str, Any]) -> str:
+    """``RESULT  repaired (accepted) 0.42 → 0.91, 1 repair(s)``; an unchecked or cancelled
+    result says ``no score`` (an unchecked one, that nothing was checked)."""
+    status = event.get("status")
+    head = f"RESULT  {status} ({event.get('stop_reason')})"
+    if status == "unchecked":
+        return f"{head} no score: {UNCHECKED_LINE}"
+    if status in UNSCORED:
+        return f"{head} no score"
+    scores = f"{_num(event.get('original_score'))} → {_num(event.get('best_score'))}"
+    return f"{head} {scores}, {event.get('attempts', 0)} repair(s)"
+
+
 def format_event(event: dict[str, Any]) -> str:
     """One human-readable line for a trace event (untrusted text made terminal-safe)."""
     who = f"{event.get('iteration', '?')}:{event.get('worker_id') or '-'}"
     kind, stage = event.get("type"), event.get("stage", "?")
     rnd = event.get("round")
     if kind == "result":
-        text = (
-            f"RESULT  {event.get('status')} ({event.get('stop_reason')}) "
-            f"{_num(event.get('original_score'))} → {_num(event.get('best_score'))}, "
-            f"{event.get('attempts', 0)} repair(s)"
-        )
+        text = _result_text(event)
+    elif kind == "cancelled":
+        text = f"CANCEL  by {event.get('by', '?')}"
     elif kind == "refused":
         text = f"REFUSED {stage}: {event.get('reason', '')}"
     elif kind == "round":
@@ -103,13 +119,30 @@ class _Watch:
         self.statuses: dict[str, str] = {
             key_of(r.iteration, r.worker_id): r.status for r in snap.results
         }
-        self.seen: set[str] = set()
-        """Results whose event was shown: a finished run replays in full before the end."""
+        self.passes_seen: dict[str, set[str]] = {}
+        """Key -> the passes whose result event was shown (``""``: an event naming none); a
+        finished run replays in full before the end."""
         self.failed: dict[str, str] = {}
         self.notes: set[str] = set()
         self.hidden_notes = 0
         self.progress = Progress(f"watch {run_id}")
         self.next_check = 0.0
+
+    def latest_pass(self, key: str) -> str:
+        """The pass the run's registry names as the submission's latest (``""``: none named)."""
+        return str(self.records.get(key, {}).get("sid") or "")
+
+    def is_current(self, key: str, pass_id: str) -> bool:
+        """Whether a result event of ``pass_id`` is the submission's latest pass's: a result of
+        an earlier pass (the submission was resubmitted since) finishes nothing."""
+        latest = self.latest_pass(key)
+        return not latest or pass_id == latest
+
+    @property
+    def seen(self) -> set[str]:
+        """Submissions whose latest pass's result event was shown."""
+        got = self.passes_seen.items()
+        return {k for k, passes in got if any(self.is_current(k, p) for p in passes)}
 
     @property
     def finished(self) -> set[str]:
@@ -151,10 +184,7 @@ class _Watch:
         return not every - ended
 
     def show(self, event: dict[str, Any]) -> None:
-        if event.get("type") == "result":
-            key = key_of(int(event.get("iteration", 1)), str(event.get("worker_id")))
-            self.seen.add(key)
-            self.statuses[key] = str(event.get("status"))
+        superseded = event.get("type") == "result" and not self._saw_result(event)
         if self.as_json:
             self.progress.line(json_line(event, sort_keys=True))
         else:
@@ -165,8 +195,26 @@ class _Watch:
                     self.hidden_notes += 1
                     return
                 self.notes.add(said)
-            self.progress.line(format_event(event))
+            line = format_event(event)
+            self.progress.line(f"{line}  ({SUPERSEDED})" if superseded else line)
         self._count()
+
+    def _saw_result(self, event: dict[str, Any]) -> bool:
+        """Note a result event; False when it is an earlier pass's than the registry's latest
+        (read again first: the event may be of a pass begun since the last check)."""
+        from workers import runtime
+
+        iteration, worker_id = int(event.get("iteration", 1)), str(event.get("worker_id"))
+        key, pass_id = key_of(iteration, worker_id), str(event.get("pass_id") or "")
+        self.passes_seen.setdefault(key, set()).add(pass_id)
+        if not self.is_current(key, pass_id):
+            latest = runtime.stores().runs.latest_pass(self.run_id, iteration, worker_id)
+            if latest and key in self.records:
+                self.records[key] = {**self.records[key], "sid": latest}
+        if not self.is_current(key, pass_id):
+            return False
+        self.statuses[key] = str(event.get("status"))
+        return True
 
     def _show_failure(self, key: str, reason: str) -> None:
         iteration, worker = split_key(key)

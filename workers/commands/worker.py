@@ -18,15 +18,19 @@ runs at most one core's worth of Python however many threads it has (the GIL), a
 less: a thread back from the network waits for the GIL behind the busy ones, and the process's
 core idles meanwhile. So a threads worker on an LLM queue defaults to two processes per usable
 CPU (:data:`PROCESSES_PER_CPU`; the affinity mask, capped by a cgroup CPU quota: a container
-limited to 2 CPUs gets 4), 16 threads each: the same 32 calls in flight per CPU as one process
+limited to 4 CPUs gets 8), 16 threads each: the same 32 calls in flight per CPU as one process
 of 32 threads, with the cores busy (bench/llm.py on 2 CPUs, 200 ms calls: a third more calls/s
-than one process per CPU; bench/README.md). Each process holds ~230 MB (litellm):
-on many CPUs, ``--processes`` trades that memory against throughput. Threads carry the waits
+than one process per CPU; bench/README.md). Each process holds ~230 MB (litellm), so a small
+host (at most :data:`SMALL_HOST_CPUS` usable CPUs: a laptop, a 1-CPU pod) gets one process
+per CPU instead: a 2-core laptop runs 2 nodes (~0.5 GB), not 4 (~1 GB). On many CPUs,
+``--processes`` trades that memory against throughput. Threads carry the waits
 on the network, processes carry the CPU. Any other worker (``critique.cpu`` only; the prefork
 or solo pool) defaults to 1 process, as before: prefork already forks one child per CPU.
 With N = 1 the command replaces itself with ``celery worker`` (as it always did). With N > 1
 it becomes a small supervisor (like gunicorn's arbiter) of N ``celery worker`` processes, each
-its own node (``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>@<host>``):
+its own node (``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>@<host>``),
+announced in one line (nodes, threads, the supervisor's pid) followed by one Celery banner, the
+first node's (the others start with ``celery --quiet``: the same banner N times is noise):
 
 * SIGTERM, SIGINT and SIGQUIT are forwarded to every child (SIGHUP as SIGTERM), so Ctrl-C or a
   service manager's stop is Celery's warm shutdown in every process (twice: cold); the
@@ -46,7 +50,9 @@ its own node (``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>
 Task events (what Flower lists) are off in these processes unless ``$CRITIQUE_TASK_EVENTS`` is
 set (1 or 0): Flower turns them on in every worker it sees (``enable_events``, every 5 s), and
 without a monitor they cost a PUBLISH each, four per stage (about 12 % of an LLM-bound worker's
-CPU).
+CPU). The banner says so (``task events: OFF until a monitor asks for them …``,
+:mod:`workers.banner`) rather than Celery's "enable -E", and each node logs Celery's "Events of
+group {task} enabled by remote." when Flower turns them on.
 
 Before anything starts, the worker's own configuration is checked, so a mistake stops the
 worker instead of failing every chain it would run (exit 2, naming what to fix): the workflow
@@ -62,7 +68,9 @@ API key but no ``allowed_models`` that it refuses every submission naming a mode
 
 Then it checks that Redis answers (exit 3 with the URL when it does not) and replaces itself
 with ``python -m celery -A workers.app worker …`` (options after ``--`` go to Celery), so
-signals (Ctrl-C: warm shutdown; twice: cold) and exit codes are Celery's own; with N > 1 it
+signals (Ctrl-C: warm shutdown; twice: cold) are Celery's own, and so are its exit codes but
+one: Ctrl-C exits 130 (Celery's 1 reads as a failure; :mod:`workers.app` maps it), SIGTERM 0;
+with N > 1 it
 replaces itself with the supervisor (``python -m workers.commands.worker --supervise``, which
 imports nothing heavy: the checks' imports, litellm among them, are not kept in memory).
 """
@@ -96,7 +104,11 @@ LLM_QUEUES = (QUEUE_LLM, QUEUE_CRITIC)
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
 THREADS_DEFAULT = 16
 PROCESSES_PER_CPU = 2
-"""``--processes auto`` for a threads worker on an LLM queue: processes per usable CPU."""
+"""``--processes auto`` for a threads worker on an LLM queue: processes per usable CPU (one per
+CPU on a small host, :data:`SMALL_HOST_CPUS`)."""
+SMALL_HOST_CPUS = 2
+"""A host with at most this many usable CPUs (a laptop, a 1-CPU pod) gets one process per CPU
+from ``--processes auto``: the memory of two per CPU (~230 MB each) buys little there."""
 THREAD_POOLS = ("threads", "gevent", "eventlet")
 """Pools whose concurrency is threads (or greenlets) of one process: several processes."""
 PROCESSES_ENV = "CRITIQUE_PROCESSES"
@@ -123,7 +135,7 @@ queues:
   critique.llm.critic  LLM critic in mode: dedicated (a separate critic model)
 
 examples:
-  critique worker                                  # every queue, threads pool, 2 processes/CPU
+  critique worker                                  # every queue, threads, auto processes
   critique worker -Q critique.llm -c 64            # LLM stages only, 64 threads per process
   critique worker --processes 4 -c 32              # 4 processes x 32 threads, one command
   critique worker -Q critique.cpu -P prefork -c 4  # CPU stages in 4 processes
@@ -133,13 +145,15 @@ sizing: capacity = processes x threads (-c). On the LLM queues the threads carry
 (one per LLM call in flight: ~ calls/s you need x seconds per call) and the processes carry
 the CPU (each process runs one core's worth of Python; the pipeline's own work per output is
 milliseconds of CPU, and one process keeps a core only partly busy: the GIL), so the default
-is two processes per usable CPU (affinity mask and cgroup quota) with $CRITIQUE_CONCURRENCY
-(else 16) threads each: 32 calls in flight per CPU; raise -c for slow models or many calls in
-flight, keep --processes at about twice the CPU count (each process holds ~230 MB). A
-critique.cpu-only or prefork/solo worker defaults to 1 process (prefork forks one child per CPU
-itself). With --processes N > 1 this
-command supervises N `celery worker` nodes (<name>-1@<host> ... <name>-N@<host>, name from -n,
-else "critique"): SIGTERM/SIGINT reach all of them (warm shutdown), a child that dies is
+(auto) is two processes per usable CPU (affinity mask and cgroup quota) with
+$CRITIQUE_CONCURRENCY (else 16) threads each: 32 calls in flight per CPU; on a host with at
+most 2 usable CPUs (a laptop, a 1-CPU pod) one process per CPU (each process holds ~230 MB: a
+2-core laptop gets 2 nodes, ~0.5 GB). Raise -c for slow models or many calls in flight; keep
+--processes at about twice the CPU count on bigger hosts. A critique.cpu-only or prefork/solo
+worker defaults to 1 process (prefork forks one child per CPU itself). With --processes N > 1
+this command supervises N `celery worker` nodes (<name>-1@<host> ... <name>-N@<host>, name from
+-n, else "critique"), says so in one line and shows one Celery banner (the first node's; the
+others start --quiet): SIGTERM/SIGINT reach all of them (warm shutdown), a child that dies is
 reported on stderr and restarted (more than 5 in 60 s: the others are stopped, exit 1). A
 --logfile or --pidfile after -- needs %n in it (the node name) to be one file per process.
 
@@ -147,7 +161,14 @@ checks before it starts (exit 2 naming what to fix): the workflow file ($CRITIQU
 every CRITIQUE_* variable, CRITIQUE_SECRET, and on an LLM queue the provider key of every
 configured model (e.g. OPENAI_API_KEY; CRITIQUE_LLM_API_KEY serves any provider).
 
-task events (Flower): off unless $CRITIQUE_TASK_EVENTS=1; a running Flower turns them on.
+task events (Flower): off until a monitor asks for them (a running Flower turns them on within
+5 s, and the node logs "Events of group {{task}} enabled by remote"); the banner's "task events"
+line says so. $CRITIQUE_TASK_EVENTS=1: always on.
+
+signals: Ctrl-C (SIGINT): warm shutdown (running tasks finish, nothing new is taken), then
+exit 130; a second Ctrl-C: cold shutdown (running tasks are cut short and their messages go
+back to the queue). SIGTERM (a service manager's stop): warm shutdown, then exit 0. With
+--processes N every process gets the signal and the command exits with the same code.
 
 Redis: $REDIS_URL (default redis://127.0.0.1:6379/0); the broker is the same unless
 $CELERY_BROKER_URL says otherwise, the store unless $CRITIQUE_STORE_URL does (it may be a
@@ -188,8 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--processes",
         metavar="N",
         help=f"worker processes, each a Celery node with -c threads: a whole number >= 1 or "
-        f"auto (default: ${PROCESSES_ENV}, else auto = two per usable CPU when the pool is "
-        "threads/gevent/eventlet and an LLM queue is consumed, else 1)",
+        f"auto (default: ${PROCESSES_ENV}, else auto = two per usable CPU, one per CPU on a "
+        f"host of at most {SMALL_HOST_CPUS} CPUs, when the pool is threads/gevent/eventlet "
+        "and an LLM queue is consumed, else 1)",
     )
     parser.add_argument(
         "-n",
@@ -270,14 +292,16 @@ def available_cpus() -> int:
 def processes(args: argparse.Namespace, queues: list[str]) -> int:
     """How many worker processes: ``--processes``, else ``$CRITIQUE_PROCESSES``, else auto
     (:data:`PROCESSES_PER_CPU` x :func:`available_cpus` for a threads/gevent/eventlet worker
-    on an LLM queue, else 1).
+    on an LLM queue, one per CPU on a host of at most :data:`SMALL_HOST_CPUS`; else 1).
     Raises ``ValueError`` naming the bad value."""
     raw = args.processes if args.processes is not None else os.environ.get(PROCESSES_ENV)
     where = "--processes" if args.processes is not None else PROCESSES_ENV
     text = str(raw or "auto").strip().lower()
     if text == "auto":
-        llm = bool(set(queues) & set(LLM_QUEUES))
-        return PROCESSES_PER_CPU * available_cpus() if llm and args.pool in THREAD_POOLS else 1
+        if not set(queues) & set(LLM_QUEUES) or args.pool not in THREAD_POOLS:
+            return 1
+        cpus = available_cpus()
+        return cpus if cpus <= SMALL_HOST_CPUS else PROCESSES_PER_CPU * cpus
     try:
         n = int(text)
     except ValueError:
@@ -296,12 +320,18 @@ def node_names(hostname: str | None, n: int) -> list[str]:
 
 
 def celery_argv(
-    args: argparse.Namespace, queues: list[str], concurrency: int, hostname: str | None = None
+    args: argparse.Namespace,
+    queues: list[str],
+    concurrency: int,
+    hostname: str | None = None,
+    *,
+    quiet: bool = False,
 ) -> list[str]:
     """The ``celery worker`` command line of one process (node name ``hostname``, else
-    ``-n`` as given)."""
+    ``-n`` as given; ``quiet``: no banner, Celery's ``--quiet``)."""
     argv = [
-        sys.executable, "-m", "celery", "-A", "workers.app", "worker",
+        sys.executable, "-m", "celery", "-A", "workers.app", *(["--quiet"] if quiet else []),
+        "worker",
         "-Q", ",".join(queues), "-P", args.pool, "-c", str(concurrency), "-l", args.loglevel,
     ]  # fmt: skip
     hostname = hostname or args.hostname
@@ -314,10 +344,11 @@ def worker_argvs(
     args: argparse.Namespace, queues: list[str], concurrency: int, count: int
 ) -> list[list[str]]:
     """The command line of each of ``count`` worker processes: one as given, or ``count``
-    with distinct node names (:func:`node_names`)."""
+    with distinct node names (:func:`node_names`), only the first showing Celery's banner."""
     if count == 1:
         return [celery_argv(args, queues, concurrency)]
-    return [celery_argv(args, queues, concurrency, n) for n in node_names(args.hostname, count)]
+    names = node_names(args.hostname, count)
+    return [celery_argv(args, queues, concurrency, n, quiet=i > 0) for i, n in enumerate(names)]
 
 
 def worker_environment(env: MutableMapping[str, str]) -> None:
@@ -428,6 +459,16 @@ def _node(argv: list[str]) -> str:
     return name.replace("%h", socket.gethostname())
 
 
+def _threads(argv: list[str]) -> str:
+    """`` x <c> threads`` (or processes, as the pool has them) from a ``celery worker`` command
+    line; empty when it has no ``-c``."""
+    if "-c" not in argv:
+        return ""
+    pool = argv[argv.index("-P") + 1] if "-P" in argv else "threads"
+    unit = "processes" if pool == "prefork" else "threads"
+    return f" x {argv[argv.index('-c') + 1]} {unit}"
+
+
 def _how(status: int) -> str:
     """How a child ended, from its exit code (negative: the signal that killed it)."""
     if status < 0:
@@ -500,7 +541,8 @@ def supervise(
             os.kill(proc.pid, signal.SIGTERM)
 
     nodes = [_node(argv) for argv in argvs]
-    _say(f"{count} processes: {', '.join(nodes)} (pid {os.getpid()} supervises them)")
+    _say(f"{count} processes{_threads(argvs[0])}: {', '.join(nodes)} (pid {os.getpid()} "
+         f"supervises them; the banner below is {nodes[0]}'s, the others start quiet)")  # fmt: skip
     for index in range(count):
         spawn(index)
     while children:
