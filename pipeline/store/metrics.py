@@ -22,11 +22,13 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import typing
 from collections import Counter
 from typing import Any
 
 import redis
 
+from pipeline.models import Status
 from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, resolve_prefix, text
 
@@ -38,12 +40,15 @@ BUCKETS: tuple[float, ...] = (
 """Upper bounds (seconds) of the stage-duration histogram's buckets, ``+Inf`` after them."""
 STAGES = ("submit", "l0", "critic", "decide", "repair", "gate")
 """The stages timed (``submit``: the entry task's own work, before its first stage)."""
-STATUSES = ("accepted", "accepted_with_warnings", "repaired", "escalated", "failed")
-"""Result statuses (``pipeline.models.Status``)."""
+STATUSES: tuple[str, ...] = typing.get_args(Status)
+"""Result statuses, derived from :data:`pipeline.models.Status` so the labels never drift
+(``unchecked`` and ``cancelled`` included)."""
 PHASES = ("critique", "repair")
 """Token phases: critique (first critique and pass-through), repair (repairs, re-critiques)."""
 REFUSALS = ("forged", "override", "malformed", "config", "other")
 """Why a message was refused (:func:`refusal_reason`)."""
+ACTIVE_BATCH = 1000
+"""Runs of the sweeper's index read per round trip by :meth:`FleetMetrics.active_budgets`."""
 
 
 def refusal_reason(exc: BaseException) -> str:
@@ -146,20 +151,38 @@ class FleetMetrics:
             out.append(("+Inf" if bound == float("inf") else repr(bound), total))
         return out, float(durations.get(f"{stage}:sum", 0.0))
 
-    def active_budgets(self, limit: int = 1000) -> tuple[int, int, int]:
-        """``(runs, spent, cap)`` over the runs with passes in flight (the sweeper's index,
-        newest ``limit``): repair tokens charged and the budget caps they reserved against
-        (a run that reserved nothing counts 0). Bounded: a fleet total, never per run."""
+    def active_budgets(self, limit: int = 1000, scan: int = 10_000) -> tuple[int, int, int]:
+        """``(runs, spent, cap)`` over the runs with a pass in flight: a pending pass (submitted,
+        no result yet) or a live repair-budget lease, the newest ``limit`` of them among the
+        newest ``scan`` runs of the sweeper's index. A run whose last pass settled counts no
+        more at once (the index itself keeps it until a sweep prunes it, a stall time later).
+        Spent is the repair tokens charged, cap the budget cap the run reserved against (0 for
+        a run that reserved nothing). Bounded: a fleet total, never per run."""
         index = keys.shared_key(keys.PENDING_RUNS, self._prefix)
-        rows: Any = self._r.zrevrange(index, 0, limit - 1)
-        runs = [text(r) for r in rows]
-        if not runs:
-            return 0, 0, 0
+        runs = spent = cap = 0
+        for start in range(0, scan, ACTIVE_BATCH):
+            rows: Any = self._r.zrevrange(index, start, start + ACTIVE_BATCH - 1)
+            for got in self._in_flight([text(r) for r in rows]):
+                if runs < limit:
+                    runs += 1
+                    spent += int(text(got[0] or b"0"))
+                    cap += int(text(got[1] or b"0"))
+            if len(rows) < ACTIVE_BATCH or runs >= limit:
+                break
+        return runs, spent, cap
+
+    def _in_flight(self, run_ids: list[str]) -> list[Any]:
+        """``[spent, cap]`` (the budget hash's fields) of each of ``run_ids`` that has a pending
+        pass or an unexpired live lease (on the Redis server's clock, as the ledger's)."""
+        if not run_ids:
+            return []
+        seconds, micros = self._r.time()
+        now_us = int(seconds) * 1_000_000 + int(micros)
         pipe = self._r.pipeline(transaction=False)
-        for run_id in runs:
+        for run_id in run_ids:
+            pipe.zcard(keys.run_key(run_id, keys.PENDING, self._prefix))
+            pipe.zcount(keys.run_key(run_id, keys.BUDGET_LIVE, self._prefix), f"({now_us}", "+inf")
             pipe.hmget(keys.run_key(run_id, keys.BUDGET, self._prefix), "spent", "cap")
-        spent = cap = 0
-        for got in pipe.execute():
-            spent += int(text(got[0] or b"0"))
-            cap += int(text(got[1] or b"0"))
-        return len(runs), spent, cap
+        got = pipe.execute()
+        rows = zip(got[0::3], got[1::3], got[2::3], strict=True)
+        return [budget for pending, live, budget in rows if int(pending) or int(live)]

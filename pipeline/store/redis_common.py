@@ -56,7 +56,7 @@ from pipeline.store.urls import DEFAULT_SENTINEL_PORT as DEFAULT_SENTINEL_PORT
 from pipeline.store.urls import MASTER_ENV as MASTER_ENV
 from pipeline.store.urls import SENTINEL_PASSWORD_ENV as SENTINEL_PASSWORD_ENV
 from pipeline.store.urls import SENTINEL_SCHEME as SENTINEL_SCHEME
-from pipeline.store.urls import SETTINGS, check_url, check_urls, host_part
+from pipeline.store.urls import SETTINGS, cannot_reach, check_url, check_urls, host_part
 from pipeline.store.urls import STORE_URL_ENV as STORE_URL_ENV
 from pipeline.store.urls import ClusterURL as ClusterURL
 from pipeline.store.urls import SentinelURL as SentinelURL
@@ -297,7 +297,7 @@ def store_client_from_url(
         if not is_unavailable(exc):
             raise ConfigError(f"{setting}: {exc}", key=setting) from None
         raise StoreUnavailableError(
-            f"the Redis Cluster store at {parsed.redacted()} is unavailable: {exc}",
+            cannot_reach("the Redis Cluster", parsed.redacted(), exc),
             hint=f"is the cluster up (cluster_state:ok)? check {setting}",
         ) from exc
 
@@ -379,8 +379,9 @@ def _unavailable(client: StoreClient, exc: BaseException) -> StoreUnavailableErr
             "(a failover takes the Sentinels' down-after-milliseconds plus a few seconds)"
         )
     else:
-        hint = f"is Redis running at {url}? set {setting}"
-    return StoreUnavailableError(f"the Redis store at {url} is unavailable: {exc}", hint=hint)
+        hint = f"start Redis there, or point {setting} at a running one"
+    what = "the Redis Cluster" if isinstance(client, redis.cluster.RedisCluster) else "Redis"
+    return StoreUnavailableError(cannot_reach(what, url, exc), hint=hint)
 
 
 @contextmanager

@@ -48,6 +48,13 @@ def redact_url(value: str) -> str:
     return "://".join(parts)
 
 
+def cannot_reach(what: str, url: str, reason: object) -> str:
+    """``cannot reach <what> at <url>: <reason>``, on one line: the one wording of every
+    unreachable-service message (a command's, the stores', the client's), the URL's password
+    shown as ``***``. What to do follows as the error's hint, `` (hint: …)``."""
+    return f"cannot reach {what} at {redact_url(url)}: {' '.join(str(reason).split())}"
+
+
 def _server(u: SplitResult) -> str | None:
     """What is wrong with a ``scheme://host:port/db`` URL (a Redis server), or None (no host is
     redis-py's localhost)."""
@@ -436,3 +443,52 @@ def check_urls(env: Mapping[str, str] | None = None) -> None:
         value = env.get(setting.env)
         if value is not None:
             check_url(setting.env, value, env)
+
+
+# --- look-alikes of the URL settings --------------------------------------------------------------
+
+LOOKALIKE_PREFIXES = ("REDIS", "CELERY")
+"""Variables with these prefixes are compared with the URL settings: a typo of one (``REDIS_ULR``)
+would otherwise leave the default, ``redis://127.0.0.1:6379/0``, in force without a word."""
+LOOKALIKE_CUTOFF = 0.75
+"""How alike (difflib's ratio) a name must be to a URL setting to be taken for its misspelling:
+``REDIS_ULR``, ``REDIS_URI``, ``CELERY_BROKER`` are; ``REDIS_HOST``, ``REDIS_PASSWORD`` or KEDA's
+``REDIS_ADDRESS`` (other tools' settings, which may share the environment) are not."""
+CELERY_OWN_SETTINGS = frozenset(
+    {
+        "CELERY_BROKER_READ_URL", "CELERY_BROKER_WRITE_URL", "CELERY_CONFIG_MODULE",
+        "CELERY_LOADER", "CELERY_CUSTOM_WORKER_POOL", "CELERY_LOG_FILE", "CELERY_LOG_LEVEL",
+        "CELERY_LOG_REDIRECT", "CELERY_LOG_REDIRECT_LEVEL", "CELERY_RDB_HOST", "CELERY_RDB_PORT",
+        "CELERY_SKIP_CHECKS", "CELERY_TRACE_APP", "CELERY_BENCH", "CELERY_BENCH_EVERY",
+    }
+)  # fmt: skip
+"""Variables Celery itself reads: never taken for a misspelling."""
+_said: set[str] = set()
+
+
+def unread_lookalikes(env: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per variable in ``env`` (default ``os.environ``) that nothing reads but that
+    looks like a misspelling of a URL setting: ``REDIS_ULR is set but not read; did you mean
+    REDIS_URL?``. A warning, never an error: the variable may be another tool's. ``CRITIQUE_*``
+    names are the configuration check's (an unknown one is an error there)."""
+    env = os.environ if env is None else env
+    settings = [s.env for s in URL_SETTINGS]
+    known = {*settings, *CELERY_OWN_SETTINGS}
+    out = []
+    for name in sorted(env):
+        if name in known or not name.upper().startswith(LOOKALIKE_PREFIXES):
+            continue
+        from pipeline.config import did_you_mean  # only when there is a name to compare
+
+        guess = did_you_mean(name, settings, cutoff=LOOKALIKE_CUTOFF)
+        if guess:
+            out.append(f"{name} is set but not read; {guess.strip()}")
+    return out
+
+
+def new_lookalike_warnings(env: Mapping[str, str] | None = None) -> list[str]:
+    """:func:`unread_lookalikes` less those this process already returned: said once per
+    process, whichever of the CLI and the client comes first."""
+    fresh = [w for w in unread_lookalikes(env) if w not in _said]
+    _said.update(fresh)
+    return fresh

@@ -1,7 +1,10 @@
 """The fleet counters in the store (pipeline.store.metrics): buffered increments land in one
-flush, the histogram reads back cumulative, and each key sits in its own cluster slot."""
+flush, the histogram reads back cumulative, each key sits in its own cluster slot, and the budget
+gauges count the runs with a pass in flight."""
 
 from __future__ import annotations
+
+import time
 
 import redis
 from redis.crc import key_slot
@@ -50,3 +53,52 @@ def test_each_metrics_key_has_its_own_slot() -> None:
     """The two metrics keys hash to different slots (never in one script with run keys)."""
     slots = {key_slot(keys.shared_key(k, PREFIX).encode()) for k in keys.METRICS_KEYS}
     assert len(slots) == len(keys.METRICS_KEYS)
+
+
+def test_active_runs_are_the_runs_with_a_pass_in_flight_not_a_recent_submit(
+    redis_client: redis.Redis,
+) -> None:
+    """critique_budget_active_runs counts a run while it has a pending pass or a live repair
+    lease, and stops counting it the moment its last pass settles (the sweeper's index keeps
+    such a run a stall time longer); spent and cap sum over the counted runs only."""
+    from pipeline.store.pending import RedisPendingIndex
+    from pipeline.store.redis import RedisBudgetLedger
+
+    pending = RedisPendingIndex(redis_client, prefix=PREFIX)
+    budget = RedisBudgetLedger(redis_client, prefix=PREFIX)
+    metrics = FleetMetrics(redis_client, prefix=PREFIX)
+    now = time.time()
+    for run_id in ("busy", "settled", "leasing"):
+        pending.add(run_id, f"1:w1:{run_id}", now)
+    assert budget.reserve("busy", "busy-l1", 100, 1000, ttl_s=600)
+    budget.commit("busy", "busy-l1", 40)
+    assert budget.reserve("settled", "settled-l1", 100, 500, ttl_s=600)
+    budget.commit("settled", "settled-l1", 70)
+    pending.drop("settled", "1:w1:settled")  # its result landed: nothing in flight
+    pending.drop("leasing", "1:w1:leasing")
+    assert budget.reserve("leasing", "leasing-l1", 10, 300, ttl_s=600)  # a repair holds tokens
+    assert {r for r, _ in pending.runs()} == {"busy", "settled", "leasing"}  # all still indexed
+
+    assert metrics.active_budgets() == (2, 40, 1300)
+    budget.refund("leasing", "leasing-l1")
+    assert metrics.active_budgets() == (1, 40, 1000)
+    pending.drop("busy", "1:w1:busy")
+    assert metrics.active_budgets() == (0, 0, 0)
+
+
+def test_active_runs_read_past_the_newest_batch_of_settled_runs(redis_client: redis.Redis) -> None:
+    """An in-flight run behind more settled runs than one batch of the index is still found,
+    and ``limit`` caps the runs counted."""
+    from pipeline.store import metrics as m
+    from pipeline.store.pending import RedisPendingIndex
+
+    pending = RedisPendingIndex(redis_client, prefix=PREFIX)
+    now = time.time()
+    pending.add("old-busy", "1:w1:a", now - 10)
+    pending.add("old-busy-2", "1:w1:b", now - 9)
+    for i in range(m.ACTIVE_BATCH + 5):
+        pending.add(f"settled-{i}", "1:w1:x", now + i / 1000)
+        pending.drop(f"settled-{i}", "1:w1:x")
+    metrics = FleetMetrics(redis_client, prefix=PREFIX)
+    assert metrics.active_budgets() == (2, 0, 0)
+    assert metrics.active_budgets(limit=1) == (1, 0, 0)

@@ -1,16 +1,19 @@
 """What the test suites share, so no suite imports another suite's test module.
 
-This package: waiting on a condition, the compiled-scanner requirement, a recording budget
-ledger, reading a run's step records. Its modules: ``workers`` (the worker harness behind the
-``start_worker`` and ``worker`` fixtures of tests/conftest.py), ``revisers`` (callables a
-worker loads from its configuration), ``submissions`` and ``entry`` (builders), ``rawcelery``
-(hand-built broker messages), ``servers`` and ``sentinel`` (Redis processes the fault tests
-kill), ``flower``, ``faults``, ``hostile``, ``provider_keys``, ``probes`` and ``providers``.
+This package: waiting on a condition, stopping a process, the compiled-scanner requirement, a
+recording budget ledger, reading a run's step records. Its modules: ``workers`` (the worker
+harness behind the ``start_worker`` and ``worker`` fixtures of tests/conftest.py), ``revisers``
+(callables a worker loads from its configuration), ``submissions`` and ``entry`` (builders),
+``rawcelery`` (hand-built broker messages), ``servers`` and ``sentinel`` (Redis processes the
+fault tests kill), ``flower``, ``faults``, ``hostile``, ``provider_keys``, ``probes`` and
+``providers``.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -50,6 +53,18 @@ def wait_until(
             pytest.fail(f"timed out after {timeout:g} s waiting for {name}", pytrace=False)
         time.sleep(delay)
         delay = min(delay * 2, interval)
+
+
+def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, wait_s: float = 60) -> int:
+    """Send ``sig`` to ``proc`` if it still runs, wait ``wait_s`` for it to end (else kill it)
+    and return its exit code: the end of every test that started a worker command."""
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait(timeout=10)
 
 
 def require_fastscan() -> None:

@@ -61,12 +61,13 @@ def test_the_guard_maps_each_error_to_its_exit_code_with_one_stderr_line(
 def test_the_guard_maps_an_unreachable_redis_to_3_with_the_one_hint(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """redis-py's ConnectionError is exit 3: the store's URL, the error and REDIS_HINT."""
+    """redis-py's ConnectionError is exit 3: the store's URL, the error and REDIS_HINT, on the
+    one line every error gets (`… (hint: …)`)."""
     refused = redis.exceptions.ConnectionError("Connection refused")
     assert service_guard("status", lambda: _raises(refused)) == EXIT_UNAVAILABLE
     err = capsys.readouterr().err
-    assert "critique status: cannot reach Redis at " in err
-    assert err.rstrip().endswith(REDIS_HINT)
+    assert err.startswith("critique status: cannot reach Redis at ") and err.count("\n") == 1
+    assert err.rstrip().endswith(f": Connection refused (hint: {REDIS_HINT})")
 
 
 def test_the_guard_returns_the_body_code_and_lets_interrupts_and_broken_pipes_through() -> None:
@@ -154,13 +155,14 @@ def test_the_cli_reports_a_bad_number_before_the_command_runs(
 
 
 def test_check_redis_names_the_url_and_gives_the_one_hint() -> None:
-    """Nothing at the URL: exit 3, `cannot reach <what> at <url>: …` and REDIS_HINT."""
+    """Nothing at the URL: exit 3, `cannot reach <what> at <url>: … (hint: REDIS_HINT)`, one
+    line."""
     with pytest.raises(CommandError) as info:
         check_redis([(DEAD, "the broker")])
     assert info.value.code == EXIT_UNAVAILABLE
     text = str(info.value)
     assert text.startswith(f"cannot reach the broker at {DEAD}: ")
-    assert text.endswith(f"\n{REDIS_HINT}")
+    assert text.endswith(f" (hint: {REDIS_HINT})") and "\n" not in text
 
 
 def test_check_redis_skips_other_broker_transports() -> None:

@@ -27,12 +27,16 @@ def test_processes_n_builds_n_celery_nodes_with_distinct_names(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """--processes 3: three `celery worker` lines, identical but for the node name
-    (critique-<i>@%h), each with the same threads and the options after --."""
+    (critique-<i>@%h) and Celery's --quiet on all but the first (one banner, not three), each
+    with the same threads and the options after --."""
     argvs = _dry_run(capsys, "--processes", "3", "-c", "8", "--", "--without-mingle")
     assert len(argvs) == 3
     assert [_option(a, "-n") for a in argvs] == ["critique-1@%h", "critique-2@%h", "critique-3@%h"]
+    assert [("--quiet" in a[: a.index("worker")]) for a in argvs] == [False, True, True]
     for argv in argvs:
-        assert argv[1:6] == ["-m", "celery", "-A", "workers.app", "worker"]
+        assert [a for a in argv if a != "--quiet"][1:6] == [
+            "-m", "celery", "-A", "workers.app", "worker"
+        ]  # fmt: skip
         assert _option(argv, "-c") == "8" and _option(argv, "-P") == "threads"
         assert argv[-1] == "--without-mingle"
 
@@ -59,7 +63,8 @@ def test_auto_is_two_processes_per_cpu_for_an_llm_threads_worker_else_one(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """By default a threads (or gevent) worker that consumes an LLM queue runs two processes
-    per usable CPU; a critique.cpu-only worker, and a prefork or solo one, runs one process."""
+    per usable CPU (on a host of more than two); a critique.cpu-only worker, and a prefork or
+    solo one, runs one process."""
     monkeypatch.setattr(worker, "available_cpus", lambda: 4)
     monkeypatch.delenv(worker.PROCESSES_ENV, raising=False)
     assert worker.PROCESSES_PER_CPU == 2
@@ -69,6 +74,20 @@ def test_auto_is_two_processes_per_cpu_for_an_llm_threads_worker_else_one(
     assert len(_dry_run(capsys, "-Q", "critique.cpu")) == 1
     assert len(_dry_run(capsys, "-P", "prefork")) == 1
     assert len(_dry_run(capsys, "-P", "solo", "-Q", "critique.llm")) == 1
+
+
+@pytest.mark.parametrize(("cpus", "nodes"), [(1, 1), (2, 2), (3, 6)])
+def test_auto_on_a_small_host_is_one_process_per_cpu(
+    cpus: int, nodes: int, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A laptop's default `critique worker` (2 CPUs) starts 2 nodes (~0.5 GB), not 4; a 1-CPU
+    pod one; from 3 CPUs on, two per CPU again. Every node serves every queue."""
+    monkeypatch.setattr(worker, "available_cpus", lambda: cpus)
+    monkeypatch.delenv(worker.PROCESSES_ENV, raising=False)
+    monkeypatch.delenv("CRITIQUE_QUEUES", raising=False)
+    argvs = _dry_run(capsys)
+    assert len(argvs) == nodes
+    assert {_option(a, "-Q") for a in argvs} == {"critique.cpu,critique.llm,critique.llm.critic"}
 
 
 def test_processes_from_the_environment_and_the_option_wins(

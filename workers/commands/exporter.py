@@ -50,8 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host",
         default=DEFAULT_HOST,
-        help=f"address to bind (default {DEFAULT_HOST}; 0.0.0.0 for every interface, e.g. in a "
-        "container whose network is private)",
+        help=f"address to bind (default {DEFAULT_HOST}: this host only, since the metrics have "
+        "no password; --host 0.0.0.0 opens every interface on purpose, e.g. in a container "
+        "whose network is private)",
     )
     parser.add_argument(
         "--timeout",
@@ -215,7 +216,9 @@ class FleetCollector:
             value=cap,
         )
         yield GaugeMetricFamily(
-            "critique_budget_active_runs", "Runs with passes in flight.", value=runs
+            "critique_budget_active_runs",
+            "Runs with a pass in flight now (pending, or holding a repair-budget lease).",
+            value=runs,
         )
         yield CounterMetricFamily(
             "critique_cache_hits", "Critiques answered from the critique cache.",
