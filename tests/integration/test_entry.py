@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,12 +23,16 @@ from tests.support import wait_until
 from tests.support.entry import (
     MANAGER_KEY,
     NODE,
+    NODE_EXAMPLE,
+    SUBMIT_JS,
     WORKER_KEY,
-    docs_js,
+    docs_node_block,
     hand_built,
+    node_env,
     pass_results,
     refusal,
     run_docs_js,
+    run_node,
 )
 from tests.support.rawcelery import QUEUE, entry_body, push, sign, task_meta
 from tests.support.submissions import CONFIG, make_sub
@@ -156,12 +161,13 @@ def _altered(body: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
 class TestTheDocsJavaScriptExample:
-    def test_its_signature_is_the_python_one(self, tmp_path: Path) -> None:
+    """docs/examples/node/submit.js, the manager docs/entry.md shows, run with ``node``."""
+
+    def test_its_signature_is_the_python_one(self) -> None:
         """docs/entry.md's signEntry gives the signature pipeline.signing computes, for a body
         with non-ASCII text, nesting, decimals, null and booleans."""
         from pipeline import signing
 
-        js = docs_js(tmp_path)
         body = {
             "v": 1,
             "submission": {
@@ -173,36 +179,116 @@ class TestTheDocsJavaScriptExample:
             "task_id": "id-1",
         }
         script = "const m = require(process.argv[1]); const b = JSON.parse(process.argv[2]);"
-        script += "console.log(m.signEntry(b, process.argv[3]).sig)"
+        script += "console.log(m.signEntry(b, process.argv[3]).sig, m.keyId(process.argv[3]))"
         out = subprocess.run(
-            [str(NODE), "-e", script, str(js), json.dumps(body), MANAGER_KEY],
+            [str(NODE), "-e", script, str(SUBMIT_JS), json.dumps(body), MANAGER_KEY],
             capture_output=True, text=True, check=True,
         )  # fmt: skip
-        assert out.stdout.strip() == signing.signature(body, MANAGER_KEY.encode())
+        assert out.stdout.split() == [
+            signing.signature(body, MANAGER_KEY.encode()),
+            signing.key_id(MANAGER_KEY.encode()),
+        ]
 
     def test_it_submits_and_prints_the_verdict(self, split: redis.Redis, tmp_path: Path) -> None:
         """Run as documented against a worker with split keys: it pushes a signed entry
         message and prints the accepted verdict it read from the result backend."""
         run_id = f"node-{uuid.uuid4().hex[:8]}"
-        conn = split.connection_pool.connection_kwargs
-        out = run_docs_js(tmp_path, run_id, split, REDIS_DB=str(conn.get("db", 0)))
+        out = run_docs_js(tmp_path, run_id, split)
         assert out.returncode == 0, out.stderr
         verdict = json.loads(out.stdout)
         assert (verdict["run_id"], verdict["status"]) == (run_id, "accepted")
 
-    def test_an_unsigned_run_prints_the_refusal(self, split: redis.Redis, tmp_path: Path) -> None:
-        """Without the managers' key the example exits 1 printing the one-line reason."""
-        js = docs_js(tmp_path)
+    def test_the_shipped_sample_prints_the_verdict_the_doc_shows(self, split: redis.Redis) -> None:
+        """`node submit.js submission.json` (config {}, REDIS_URL) on the TODO report prints
+        exactly the line docs/entry.md shows, exit 0: a checked verdict that is not accepted."""
+        out = run_node(["submission.json"], node_env(split, CRITIQUE_ENTRY_SECRET=MANAGER_KEY))
+        assert (out.returncode, out.stderr) == (0, ""), out.stderr
+        verdict = json.loads(out.stdout)
+        assert verdict["status"] not in ("accepted", "accepted_with_warnings", "unchecked")
+        assert verdict["best_score"] is not None
+        assert out.stdout == docs_node_block("text")
+
+    def test_enabled_false_prints_unchecked_with_no_score(
+        self, split: redis.Redis, tmp_path: Path
+    ) -> None:
+        """A config.json of {"enabled": false} gets what docs/entry.md says: unchecked,
+        stop_reason disabled, best_score null, checked false, never accepted."""
+        sample = json.loads((NODE_EXAMPLE / "submission.json").read_text(encoding="utf-8"))
+        run_id = f"node-off-{uuid.uuid4().hex[:8]}"
+        (tmp_path / "sub.json").write_text(json.dumps({**sample, "run_id": run_id}))
+        (tmp_path / "off.json").write_text('{"enabled": false}')
+        env = node_env(split, CRITIQUE_ENTRY_SECRET=MANAGER_KEY)
+        out = run_node([str(tmp_path / "sub.json"), str(tmp_path / "off.json")], env)
+        assert out.returncode == 0, out.stderr
+        verdict = json.loads(out.stdout)
+        got = (verdict["status"], verdict["stop_reason"], verdict["best_score"], verdict["checked"])
+        assert got == ("unchecked", "disabled", None, False)
+
+    @pytest.mark.parametrize(
+        ("key", "says"),
+        [
+            (None, "CRITIQUE_ENTRY_SECRET is not set: nothing was sent"),
+            (WORKER_KEY, "CRITIQUE_ENTRY_SECRET is not a key the workers accept"),
+        ],
+        ids=["no-key", "another-key"],
+    )
+    def test_a_key_the_workers_would_refuse_stops_at_the_door(
+        self, split: redis.Redis, tmp_path: Path, key: str | None, says: str
+    ) -> None:
+        """With no managers' key, or another key, the fleet's posture stops it before it
+        pushes: exit 2, one line naming CRITIQUE_ENTRY_SECRET, no message and no pass."""
+        run_id = f"door-{uuid.uuid4().hex[:8]}"
+        (tmp_path / "sub.json").write_text(json.dumps(hand_built(run_id)))
+        metas = len(list(split.scan_iter("celery-task-meta-*")))
+        extra = {} if key is None else {"CRITIQUE_ENTRY_SECRET": key}
+        out = run_node([str(tmp_path / "sub.json")], node_env(split, **extra))
+        assert out.returncode == 2, out.stderr
+        assert says in out.stderr and out.stderr.count("\n") == 1, out.stderr
+        assert split.llen(QUEUE) == 0
+        time.sleep(1.0)  # what a pushed message would have written by now
+        assert len(list(split.scan_iter("celery-task-meta-*"))) == metas
+        assert pass_results(split, run_id) == {}
+
+    def test_an_unsigned_message_to_a_fleet_without_a_posture_prints_the_refusal(
+        self, split: redis.Redis, tmp_path: Path
+    ) -> None:
+        """Where no posture is published (an older fleet: here, another key prefix) it pushes
+        unsigned, and exits 1 printing the worker's one-line refusal."""
         (tmp_path / "sub.json").write_text(json.dumps(hand_built(f"node-{uuid.uuid4().hex[:8]}")))
-        conn = split.connection_pool.connection_kwargs
-        env = {k: v for k, v in os.environ.items() if "SECRET" not in k}
-        env.update(REDIS_HOST=str(conn["host"]), REDIS_PORT=str(conn["port"]))
-        env["REDIS_DB"] = str(conn.get("db", 0))
-        out = subprocess.run(
-            [str(NODE), str(js), str(tmp_path / "sub.json")],
-            capture_output=True, text=True, env=env, timeout=90,
-        )  # fmt: skip
+        out = run_node([str(tmp_path / "sub.json")], node_env(split, CRITIQUE_KEY_PREFIX="none"))
         assert out.returncode == 1
         assert out.stderr.strip() == (
             "refused: ForgedMessageError: unsigned message: it carries no 'sig' field"
         )
+
+    @pytest.mark.parametrize(
+        ("env", "says"),
+        [
+            ({"REDIS_HOST": "127.0.0.1", "REDIS_PORT": "6379"}, "are not read: set REDIS_URL"),
+            ({"REDIS_URL": "localhost:6379"}, "REDIS_URL='localhost:6379' has no scheme"),
+            ({"REDIS_URL": "redis://h:1/x"}, "has a path 'x' where the database number goes"),
+            ({"REDIS_URL": "redis://h:1/0?db=3"}, "has options"),
+            ({"REDIS_URL": "rediss://u:pw-secret@h:1/0"}, "REDIS_URL='rediss://u:***@h:1/0'"),
+        ],
+        ids=["redis-host", "no-scheme", "bad-db", "query", "tls"],
+    )
+    def test_a_redis_url_it_cannot_use_is_exit_2_naming_it(
+        self, env: dict[str, str], says: str
+    ) -> None:
+        """REDIS_URL it cannot use (or REDIS_HOST/REDIS_PORT instead of it) is one line, exit
+        2, before anything is sent, with the password never shown."""
+        base = {k: v for k, v in os.environ.items() if k[:6] != "REDIS_"}
+        out = run_node(["submission.json"], {**base, **env})
+        assert out.returncode == 2, out.stderr
+        assert says in out.stderr and out.stderr.count("\n") == 1, out.stderr
+        assert "pw-secret" not in out.stderr
+
+    def test_an_unreachable_redis_is_exit_3_naming_it(self) -> None:
+        """Nothing listening at REDIS_URL: one line naming the Redis, exit 3."""
+        from workers.embedded import free_port
+
+        url = f"redis://127.0.0.1:{free_port()}/0"
+        out = run_node(["submission.json"], {**os.environ, "REDIS_URL": url})
+        assert out.returncode == 3, out.stderr
+        assert out.stderr.startswith(f"Redis at {url}: ECONNREFUSED"), out.stderr
+        assert out.stderr.count("\n") == 1
