@@ -232,6 +232,11 @@ class OutputContractConfig(_Block):
     extra: tuple[ExtraCheck, ...] = ()
 
 
+REPAIRER_NAMES = ("auto", "llm", "deterministic", "worker")
+"""The named repair strategies (policy: a submission may pick one); anything else is a
+``package.module:function`` (worker-only code)."""
+
+
 class CritiqueConfig(_Block):
     """``orchestration.delegation_loop.critique`` plus the output contract
     (docs/configuration.md)."""
@@ -248,7 +253,9 @@ class CritiqueConfig(_Block):
     defect_categories: tuple[str, ...] = DEFAULT_DEFECT_CATEGORIES
     critic: Literal["auto", "llm", "heuristic", "rubric", "command"] = "auto"
     repairer: str = "auto"
-    """``auto`` | ``llm`` | ``deterministic`` | ``package.module:function``."""
+    """``auto`` | ``llm`` | ``deterministic`` | ``worker`` | ``package.module:function``.
+    ``worker``: the service repairs nothing itself; a due repair ends the pass ``worker_repair``
+    and the manager re-runs its worker (docs/client.md, "The worker repairs")."""
     rubric: RubricConfig = Field(default_factory=RubricConfig)
     command: tuple[str, ...] = ()
     """argv of a test/lint command for code outputs (command critic)."""
@@ -273,13 +280,13 @@ class CritiqueConfig(_Block):
     @field_validator("repairer")
     @classmethod
     def _repairer(cls, v: str) -> str:
-        if v in ("auto", "llm", "deterministic"):
+        if v in REPAIRER_NAMES:
             return v
         module, sep, attr = v.partition(":")
         if sep and module and attr:
             return v
         raise ValueError(
-            f"repairer {v!r} is not allowed; use 'auto', 'llm', 'deterministic' or "
+            f"repairer {v!r} is not allowed; use 'auto', 'llm', 'deterministic', 'worker' or "
             "'package.module:function'"
         )
 
@@ -512,7 +519,7 @@ WORKER_ONLY: tuple[WorkerOnly, ...] = (
     WorkerOnly(
         "repairer",
         "a module:function repairer is code the worker imports and calls",
-        policy_values=frozenset({"auto", "llm", "deterministic"}),
+        policy_values=frozenset(REPAIRER_NAMES),
     ),
     # The models the operator allows (and pays for): a submission cannot widen its allowance.
     WorkerOnly("allowed_models", "the models the operator allows"),

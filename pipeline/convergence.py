@@ -62,6 +62,7 @@ STOP_VERDICT: dict[StopReason, Verdict] = {
     "repair_budget_exhausted": "budget",
     "escalate_band": "escalated",
     "needs_model": "escalated",
+    "worker_repair": "continue",
 }
 """The round verdict that each stop reason is reported as."""
 
@@ -80,6 +81,8 @@ STOP_TEXT: dict[StopReason, str] = {
     "escalate_band": "the score is in the escalate band (< 0.3): no repair",
     "needs_model": "the deterministic reviser can fix none of the remaining defects without "
     "inventing content: a model or a person must act",
+    "worker_repair": "a repair is due and the worker makes it (repairer: worker): the manager "
+    "re-runs it and submits the output with repair_of",
 }
 """One line per stop reason, for traces and the CLI."""
 

@@ -58,7 +58,11 @@ StopReason = Literal[
     "repair_budget_exhausted",
     "escalate_band",
     "needs_model",
+    "worker_repair",
 ]
+"""Why a pass stopped. ``worker_repair`` (status ``escalated``): a repair is due and the
+configuration says the worker repairs (``repairer: worker``): the manager re-runs its worker and
+submits the new output with ``repair_of`` (:attr:`CritiqueResult.repair_request`)."""
 Verdict = Literal[
     "continue",
     "target",
@@ -251,6 +255,13 @@ class Submission(Frozen):
     required_fields: tuple[str, ...] = ()
     model: str | None = None
     deliverable_expected: bool | None = None
+    repair_of: str | None = None
+    """The pass whose ``worker_repair`` verdict this output answers (its worker re-run with the
+    defects): the service re-critiques it as that pass's next repair attempt (keep-best,
+    fixpoint, attempt cap and the run's repair budget carry on). None: a fresh output."""
+    repair_tokens: int = Field(0, ge=0, le=10**9, strict=True)
+    """With ``repair_of``: the tokens the worker's re-run spent as its provider reported them,
+    charged to the run's repair budget with the re-critique's (0: not reported)."""
 
     @field_validator("run_id")
     @classmethod
@@ -261,6 +272,11 @@ class Submission(Frozen):
     @classmethod
     def _worker_id(cls, v: str) -> str:
         return check_identifier(v, "worker_id")
+
+    @field_validator("repair_of")
+    @classmethod
+    def _repair_of(cls, v: str | None) -> str | None:
+        return v if v is None else check_identifier(v, "repair_of")
 
     @field_validator("task", "subtask_signature", "model")
     @classmethod
@@ -542,6 +558,8 @@ NEXT_STEP: dict[str, str] = {
     "budget": "the round cap (rubric.max_rounds) was reached: send it back to its worker",
     "repair_budget_exhausted": "the run's repair budget is spent: raise budget.total_tokens, or "
     "send it back to its worker with these defects",
+    "worker_repair": "re-run its worker with these defects, then submit the new output with "
+    "repair_of set to this pass (client.submit_repair): the service re-critiques it",
 }
 """What the manager should do with an ``escalated`` or ``failed`` output, by stop reason."""
 
@@ -566,6 +584,22 @@ def defect_line(defect: Defect) -> str:
     """``missing_data at findings: required field 'findings' is missing``: one line."""
     where = f" at {defect.location}" if defect.location else ""
     return " ".join(f"{defect.category}{where}: {defect.description}".split())
+
+
+class RepairRequest(Frozen):
+    """A ``worker_repair`` verdict's request: re-run the worker, then submit its output with
+    ``repair_of`` = :attr:`of_pass` (docs/client.md, "The worker repairs")."""
+
+    of_pass: str
+    """The pass to name in the repaired submission's ``repair_of``."""
+    attempt: int = Field(ge=1)
+    """The repair attempt the re-run is (1 for the first)."""
+    reserved_tokens: int = Field(0, ge=0)
+    """Tokens the run's repair budget holds for the re-run and its re-critique (0: no budget
+    configured, or nothing is sized); held until the repaired output arrives, the request is
+    released (client.release_repair), or the hold's TTL passes."""
+    expires_s: float = Field(gt=0)
+    """How long the service keeps the pass's state for the repaired output, from the verdict."""
 
 
 class CritiqueResult(Frozen):
@@ -598,6 +632,8 @@ class CritiqueResult(Frozen):
     """The pass (one submit of this submission; docs/client.md, 'Passes') this result belongs to."""
     notes: tuple[str, ...] = ()
     """Things the user should know (e.g. no total budget configured; fallback critic used)."""
+    repair_request: RepairRequest | None = None
+    """Set exactly when ``stop_reason`` is ``worker_repair``: what the manager's re-run answers."""
 
     @property
     def checked(self) -> bool:

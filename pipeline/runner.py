@@ -67,9 +67,10 @@ from pipeline.critics.base import (
 )
 from pipeline.critics.base import resolve_for as resolve_for  # re-exported: workers.tasks
 from pipeline.critics.heuristic import HeuristicCritic
+from pipeline.critics.worker import WorkerReviser
 from pipeline.critique_cache import CacheUse, critique_cache_key, critique_through_cache
 from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
-from pipeline.errors import TransientError
+from pipeline.errors import SubmissionError, TransientError
 from pipeline.files import FileReader, inline_bytes
 from pipeline.injection import apply_injections, submission_injections
 from pipeline.llm import token_allowance
@@ -82,6 +83,7 @@ from pipeline.models import (
     Frozen,
     GateEvent,
     RepairAttempt,
+    RepairRequest,
     RoundTrace,
     Status,
     StopReason,
@@ -169,6 +171,12 @@ class StageContext:
     (a worker: half its soft time limit); None: ``budget.wait_s`` alone."""
     sleep: Callable[[float], None] = field(default=time.sleep)
     """How :func:`run_submission` waits between budget asks (tests pass a fake clock's)."""
+    park: Callable[[LoopState, float], None] = field(default=lambda state, ttl_s: None)
+    """Keeps a pass's state, for ``ttl_s`` seconds, for the repaired output its worker will
+    send (``repairer: worker``, :func:`repair_stage`); a worker stores it in Redis, signed. The
+    default (in-process runs, where no manager answers) keeps nothing."""
+    parked: Callable[[str], LoopState | None] = field(default=lambda pass_id: None)
+    """The state :attr:`park` kept for a pass (by pass id) of this context's run, or None."""
     cancelled: Callable[[], bool] = field(default=lambda: False)  # never, in-process
     """True once the pass this context runs was cancelled (``critique cancel``): consulted
     before each critic or repair call that spends tokens, which then raises
@@ -231,6 +239,11 @@ class LoopState(Frozen):
     notes: tuple[str, ...] = ()
     status: Status | None = None
     stop_reason: StopReason | None = None
+    chain: str = ""
+    """The first pass of a worker-repair chain this pass continues (``repair_of``), else "":
+    pattern records are keyed by it, so a repair's re-critique does not count a pattern twice."""
+    repair_request: RepairRequest | None = None
+    """Set when the pass ends ``worker_repair``: what the worker's re-run answers."""
 
 
 Stage = Callable[[LoopState, StageContext], LoopState]
@@ -309,7 +322,8 @@ def pass_key(state: LoopState) -> str:
     once per pass, so a repair round finding it again does not count it again, while a
     resubmission (a new pass) does."""
     sub = state.submission
-    return ":".join(p for p in (sub.worker_id, str(sub.iteration), state.pass_id) if p)
+    pass_id = state.chain or state.pass_id
+    return ":".join(p for p in (sub.worker_id, str(sub.iteration), pass_id) if p)
 
 
 def _passthrough(state: LoopState) -> LoopState:
@@ -338,10 +352,14 @@ def l0_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """Layer-0 contract checks (token-free); with critique disabled, the pass-through.
 
     The first Layer-0 stage of a pass (no repair yet) admits the submission first
-    (:func:`admit`), so nothing over ``max_output_bytes`` is processed, whoever sent it.
+    (:func:`admit`), so nothing over ``max_output_bytes`` is processed, whoever sent it. A
+    submission with ``repair_of`` then resumes the pass it answers (:func:`resume_worker_repair`):
+    its output is checked as that pass's next repair.
     """
     if state.attempt == 0:
         admit(state.submission, ctx.config, ctx.read_file)
+        if state.submission.repair_of and state.round == 0:
+            state = resume_worker_repair(state, ctx)
     if not ctx.config.enabled:
         return _passthrough(state)
     began = ctx.clock()
@@ -976,6 +994,8 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
         raise ValueError("repair_stage needs a critiqued state (envelope is missing)")
     sub = state.submission
     began = ctx.clock()
+    if isinstance(resolve_for(ctx.reviser, sub), WorkerReviser):
+        return _hand_to_worker(state, ctx)
     order = state.repair_order
     pitfalls = order.pitfalls if order is not None else _pitfalls(ctx, sub, ctx.reviser)
     try:
@@ -1005,11 +1025,29 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
         if state.lease_id is not None and not isinstance(exc, TransientError):
             ctx.budget.refund(sub.run_id, state.lease_id)
         raise
+    next_state = _repaired(state, result)
+    _emit(
+        ctx,
+        state,
+        "stage",
+        "repair",
+        attempt=state.attempt + 1,
+        reviser=ctx.reviser.name,
+        suggestions_applied=result.suggestions_applied,
+        tokens=result.usage.tokens,
+        elapsed_ms=round((ctx.clock() - began) * 1000.0, 3),
+    )
+    return next_state
+
+
+def _repaired(state: LoopState, result: RevisionResult) -> LoopState:
+    """The state after a repair (by a reviser, or by the worker: :func:`resume_worker_repair`):
+    ``result.output`` is the current output, about to go back through Layer-0."""
     current_text = text_of(state.output)
     notes = state.notes
     if result.note:
         notes = _add_note(notes, f"repair {state.attempt + 1}: {result.note}")
-    next_state = state.model_copy(
+    return state.model_copy(
         update={
             "notes": notes,
             "output": result.output,
@@ -1024,18 +1062,86 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
             "next": "l0",
         }
     )
+
+
+def _hand_to_worker(state: LoopState, ctx: StageContext) -> LoopState:
+    """``repairer: worker``: park the state for the worker's repaired output and end the pass
+    ``worker_repair`` (status ``escalated``, with the :class:`RepairRequest`). The budget
+    reservation the decide stage made stays held for the re-run and its re-critique (it is
+    committed when the repaired output is critiqued, refunded on release or cancel, and comes
+    back after ``lease_ttl_s`` if no answer comes, as the parked state expires)."""
+    try:
+        check_cancelled(ctx, state)
+        ctx.park(state, ctx.lease_ttl_s)
+    except BaseException as exc:
+        if state.lease_id is not None and not isinstance(exc, TransientError):
+            ctx.budget.refund(state.submission.run_id, state.lease_id)
+        raise
+    request = RepairRequest(
+        of_pass=state.pass_id,
+        attempt=state.attempt + 1,
+        reserved_tokens=state.lease_tokens if state.lease_id is not None else 0,
+        expires_s=ctx.lease_ttl_s,
+    )
     _emit(
         ctx,
         state,
         "stage",
         "repair",
-        attempt=state.attempt + 1,
-        reviser=ctx.reviser.name,
-        suggestions_applied=result.suggestions_applied,
-        tokens=result.usage.tokens,
-        elapsed_ms=round((ctx.clock() - began) * 1000.0, 3),
+        attempt=request.attempt,
+        reviser="worker",
+        handed_to_worker=True,
+        reserved=request.reserved_tokens,
     )
-    return next_state
+    return state.model_copy(
+        update={
+            "next": "done",
+            "status": "escalated",
+            "stop_reason": "worker_repair",
+            "repair_request": request,
+            "repair_order": None,
+        }
+    )
+
+
+def resume_worker_repair(state: LoopState, ctx: StageContext) -> LoopState:
+    """A submission with ``repair_of``: the parked state of the pass it answers, carried on as
+    if the service's reviser had returned the submission's output (:func:`_repaired`), under
+    this pass's id; the worker's reported ``repair_tokens`` are the repair's usage, charged with
+    the re-critique under the reservation the parked pass holds. The parked pass must be of the
+    same run, iteration and worker and be waiting for a repair, else :class:`SubmissionError`."""
+    sub = state.submission
+    of = sub.repair_of or ""
+    parked = ctx.parked(of)
+    theirs = parked.submission if parked is not None else None
+    if (
+        parked is None
+        or theirs is None
+        or parked.next != "repair"
+        or (theirs.run_id, theirs.iteration, theirs.worker_id)
+        != (sub.run_id, sub.iteration, sub.worker_id)
+    ):
+        raise SubmissionError(
+            f"repair_of {of!r}: no repair of worker {sub.worker_id!r} (iteration "
+            f"{sub.iteration}) is waiting under that pass in run {sub.run_id!r}: it expired, "
+            "was released or cancelled, was answered with another worker's output, or that "
+            "pass never asked for one; submit the output without repair_of to critique it afresh"
+        )
+    reported = sub.repair_tokens
+    note = (
+        f"made by the worker; it reported {reported} tokens"
+        if reported
+        else "made by the worker; it reported no tokens (only the re-critique is charged)"
+    )
+    revision = RevisionResult(
+        output=sub.output,
+        usage=Usage(tokens_in=reported, calls=1 if reported else 0),
+        note=note,
+    )
+    carried = parked.model_copy(
+        update={"submission": sub, "pass_id": state.pass_id, "chain": parked.chain or of}
+    )
+    return _repaired(carried, revision)
 
 
 def _done(state: LoopState, ctx: StageContext) -> LoopState:
@@ -1085,6 +1191,7 @@ def finish(state: LoopState) -> CritiqueResult:
             budget_charged=state.budget_charged,
             pass_id=state.pass_id,
             notes=state.notes,
+            repair_request=state.repair_request,
         )
     )
 

@@ -31,6 +31,7 @@ from pipeline.config import CritiqueConfig
 from pipeline.critics.base import Critic, Planner, Reviser, RevisionResult
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
+from pipeline.critics.worker import WorkerReviser
 from pipeline.errors import ExtensionLoadError
 from pipeline.files import FileReader, inline_bytes
 from pipeline.llm import Completer
@@ -324,13 +325,16 @@ def pick_critic(
 
 def pick_reviser(config: CritiqueConfig, complete: Completer | None = None) -> Reviser:
     """The reviser ``config.repairer`` names: ``auto`` pairs with the critic (the LLM reviser for
-    LLM-critiqued submissions, else the deterministic one), ``llm``, ``deterministic``, or a
-    configured ``package.module:function``."""
+    LLM-critiqued submissions, else the deterministic one), ``llm``, ``deterministic``,
+    ``worker`` (the manager's worker repairs: :mod:`pipeline.critics.worker`), or a configured
+    ``package.module:function``."""
     deterministic: Reviser = (
         DeterministicReviser() if config.critic == "rubric" else HeuristicReviser()
     )
     if config.repairer == "deterministic":
         return deterministic
+    if config.repairer == "worker":
+        return WorkerReviser()
     if config.repairer in ("auto", "llm"):
         from pipeline.critics.llm import LLMReviser
 

@@ -48,6 +48,10 @@ class CancelReport:
     by: str
     cancelled: tuple[str, ...] = ()
     finished: tuple[str, ...] = ()
+    released: tuple[str, ...] = ()
+    """Finished passes that were waiting for their worker's repair (``worker_repair``): their
+    parked state is dropped and their budget hold refunded, so a repaired output sent later
+    is refused."""
 
     def as_json(self) -> dict[str, Any]:
         """The report as ``critique cancel --json`` prints it."""
@@ -56,11 +60,13 @@ class CancelReport:
             "by": self.by,
             "cancelled": [_pass_json(m) for m in self.cancelled],
             "already_finished": [_pass_json(m) for m in self.finished],
+            "released_worker_repairs": [_pass_json(m) for m in self.released],
         }
 
     def __str__(self) -> str:
         head = f"cancelled {len(self.cancelled)} in run {self.run_id} (by {self.by})"
-        return f"{head}, already finished {len(self.finished)}"
+        tail = f", {len(self.released)} waiting worker repair(s) released" if self.released else ""
+        return f"{head}, already finished {len(self.finished)}{tail}"
 
 
 def _pass_json(pass_field: str) -> dict[str, Any]:
@@ -102,7 +108,9 @@ def cancel_pass(
     """Cancel one pass (a handle's), unless it has finished: then it is reported as such."""
     field = pass_member(iteration, worker_id, pass_id)
     if runtime.stores().runs.pass_outcome(run_id, iteration, worker_id, pass_id) is not None:
-        return CancelReport(run_id, by, finished=(field,))
+        return CancelReport(
+            run_id, by, finished=(field,), released=_release_waiting(run_id, [field])
+        )
     return _cancel(run_id, [field], [], by)
 
 
@@ -159,7 +167,8 @@ def _cancel(run_id: str, open_: list[str], finished: list[str], by: str) -> Canc
     if done:
         _release(run_id, done)
     cancelled = tuple(pass_member(r.iteration, r.worker_id, r.pass_id) for r in done)
-    return CancelReport(run_id, by, cancelled, (*finished, *raced))
+    ended = (*finished, *raced)
+    return CancelReport(run_id, by, cancelled, ended, _release_waiting(run_id, ended))
 
 
 def _event(result: CritiqueResult, by: str) -> dict[str, Any]:
@@ -172,6 +181,30 @@ def _event(result: CritiqueResult, by: str) -> dict[str, Any]:
         "pass_id": result.pass_id,
         "by": by,
     }
+
+
+def release_worker_repair(result: CritiqueResult) -> bool:
+    """Drop a ``worker_repair`` pass's parked state and refund its budget hold (the manager
+    will not send the repaired output, or the run was cancelled); True when it was waiting."""
+    if result.stop_reason != "worker_repair" or not result.pass_id:
+        return False
+    stores = runtime.stores()
+    waiting = stores.runs.unpark(result.run_id, result.pass_id)
+    prefix = pass_lease_prefix(result.worker_id, result.iteration, result.pass_id) + ":"
+    stores.budget.refund_passes(result.run_id, [prefix])
+    return waiting
+
+
+def _release_waiting(run_id: str, fields: Sequence[str]) -> tuple[str, ...]:
+    """Release every pass of ``fields`` (finished ones) that waits for its worker's repair."""
+    runs = runtime.stores().runs
+    released = []
+    for field in fields:
+        iteration, worker_id, pass_id = parse_member(field) or (0, "", "")
+        result = runs.pass_result(run_id, iteration, worker_id, pass_id) if pass_id else None
+        if result is not None and release_worker_repair(result):
+            released.append(field)
+    return tuple(released)
 
 
 def _release(run_id: str, done: list[CritiqueResult]) -> None:

@@ -125,6 +125,48 @@ class CritiqueClient:
         """Enqueue one submission's chain; returns at once."""
         return self.submit_many([submission])[0]
 
+    def submit_repair(
+        self,
+        result: CritiqueResult,
+        submission: Submission | Mapping[str, Any],
+        *,
+        tokens: int = 0,
+    ) -> Handle:
+        """Submit a worker's re-run output for a ``worker_repair`` verdict (``repairer:
+        worker``; docs/client.md, "The worker repairs"): ``submission`` is the original one
+        with the re-run's output, ``tokens`` what the re-run spent as its provider reported it.
+        The service checks it as that pass's next repair attempt (re-critique, keep-best, the
+        fixpoint test, the attempt cap, the run's repair budget) and ``wait`` on the handle
+        answers with the verdict, another ``worker_repair`` included. ``ValueError`` when
+        ``result`` asked for no repair or is another submission's."""
+        request = result.repair_request
+        if request is None:
+            raise ValueError(
+                f"{result.worker_id}: the verdict is {result.status} ({result.stop_reason}), "
+                "not worker_repair: it asked for no repair"
+            )
+        sub = Submission.model_validate(submission)
+        if (sub.run_id, sub.iteration, sub.worker_id) != (
+            result.run_id,
+            result.iteration,
+            result.worker_id,
+        ):
+            raise ValueError(
+                f"the repaired submission is {sub.run_id}/{sub.iteration}/{sub.worker_id}, the "
+                f"verdict {result.run_id}/{result.iteration}/{result.worker_id}: they must match"
+            )
+        return self.submit(
+            sub.model_copy(update={"repair_of": request.of_pass, "repair_tokens": int(tokens)})
+        )
+
+    def release_repair(self, result: CritiqueResult) -> bool:
+        """Say a ``worker_repair`` verdict will not be answered (the manager keeps the output,
+        or drops it): the service forgets the pass's kept state and refunds the run's budget
+        hold for the re-run at once, instead of after ``repair_request.expires_s``. True when
+        it was still waiting."""
+        self.check_fleet()
+        return cancelling.release_worker_repair(result)
+
     def submit_many(self, submissions: Sequence[Submission | Mapping[str, Any]]) -> list[Handle]:
         """Enqueue many submissions; one bad one enqueues none.
 

@@ -485,6 +485,10 @@ class StageTask(StageProtocol, ReplacingStage):
             cancelled=lambda: runs.pass_finished(
                 sub.run_id, sub.iteration, sub.worker_id, job.pass_id
             ),
+            park=lambda state, ttl_s: runs.park(
+                sub.run_id, state.pass_id, state.model_dump_json(), ttl_s
+            ),
+            parked=lambda pass_id: _parked_state(runs.parked(sub.run_id, pass_id)),
         )
         began = time.monotonic()
         new = STAGES[job.stage](job.passed, ctx)
@@ -603,6 +607,17 @@ class StageTask(StageProtocol, ReplacingStage):
         # The re-sent message carries the rest of the chain: this run sends nothing after it.
         _send_nothing_after(self)
         return {"waiting_for_budget_s": round(wait.retry_s, 3), "reason": wait.reason}
+
+
+def _parked_state(doc: dict[str, Any] | None) -> LoopState | None:
+    """A parked pass's state as the runner resumes it (None: none, or not a valid state)."""
+    if doc is None:
+        return None
+    try:
+        return LoopState.model_validate(doc)
+    except ValueError:
+        log.warning("a parked pass state does not validate: ignored")
+        return None
 
 
 def _pass_id(task: Task, msg: dict[str, Any], state: LoopState) -> str:

@@ -90,6 +90,9 @@ RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was 
 SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
 FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
 OWNER = "owner"  # string: the identity whose key opened the run (pipeline.signing.entry_identity)
+PARKED = (
+    "parked"  # string ``…:parked:<pass id>``: a pass's state kept for its worker's repair (TTL)
+)
 
 RUN_KEY_SUFFIXES: tuple[str, ...] = (
     PATTERNS_FREQ,

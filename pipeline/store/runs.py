@@ -66,6 +66,7 @@ RESULT_KIND = "result"
 FAILURE_KIND = "failure"
 """The record kind a failure (of a pass or a completion-gate request) is signed as."""
 COMPLETION_KIND = "completion"
+PARKED_KIND = "parked"  # a pass's state kept for its worker's repaired output (repairer: worker)
 """The record kind a completion-gate decision is signed as."""
 COMPLETE_GATE = "complete_gate"
 """What a completion-gate request's step id and failure member start with."""
@@ -847,6 +848,38 @@ class RedisRunStore:
         return out
 
     # -- signed records -------------------------------------------------------------------------
+    def park(self, run_id: str, pass_id: str, state_json: str, ttl_s: float) -> None:
+        """Keep a pass's state (the runner's ``LoopState`` as JSON, signed and packed) for
+        ``ttl_s`` seconds: the worker's repaired output (``repair_of``) resumes it."""
+        raw = pack_record(self._seal(PARKED_KIND, state_json), binary=self._binary)
+        key = self._key(run_id, f"{keys.PARKED}:{pass_id}")
+        self._r.set(key, raw, px=max(1, int(ttl_s * 1000)))
+
+    def parked(self, run_id: str, pass_id: str) -> dict[str, Any] | None:
+        """The state :meth:`park` kept for ``pass_id`` of ``run_id`` (a JSON object), if it is
+        there, verifies, and is that pass's; else None."""
+        raw = self._r.get(self._key(run_id, f"{keys.PARKED}:{pass_id}"))
+        if raw is None:
+            return None
+        where = (run_id, keys.PARKED, pass_id)
+        unpacked = unpack(raw)
+        doc = None if unpacked is None else self._unseal(PARKED_KIND, unpacked, where)
+        if doc is None:
+            return None
+        sub = doc.get("submission")
+        if (
+            doc.get("pass_id") != pass_id
+            or not isinstance(sub, dict)
+            or sub.get("run_id") != run_id
+        ):
+            self._note(where, "a parked state filed under another run or pass")
+            return None
+        return doc
+
+    def unpark(self, run_id: str, pass_id: str) -> bool:
+        """Forget a parked state (released or cancelled); True when there was one."""
+        return bool(self._r.delete(self._key(run_id, f"{keys.PARKED}:{pass_id}")))
+
     def _seal(self, kind: str, raw: str) -> str:
         """``raw`` (a JSON object) as stored: unchanged without secrets, else with its ``sig``."""
         secrets = self._secrets()

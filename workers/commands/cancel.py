@@ -57,9 +57,14 @@ def run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(report.as_json()))
         elif not report.cancelled:
+            released = (
+                f"; {len(report.released)} waiting worker repair(s) released"
+                if report.released
+                else ""
+            )
             print(
                 f"cancel: nothing left to cancel in run {args.run_id} "
-                f"({len(report.finished)} already finished)"
+                f"({len(report.finished)} already finished{released})"
             )
         else:
             print(report)
