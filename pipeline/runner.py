@@ -499,9 +499,13 @@ def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple
     lease = state.lease_id
     if lease is None:
         return 0, state.notes
-    charged = ctx.budget.commit(state.submission.run_id, lease, spent)
+    # A worker's re-run (repairer: worker) spent what it reported where no reservation bounds
+    # it: charged in full, never an overrun that would stop the run's other repairs.
+    by_worker = isinstance(resolve_for(ctx.reviser, state.submission), WorkerReviser)
+    outside = min(state.pending_repair_tokens, spent) if by_worker else 0
+    charged = ctx.budget.commit(state.submission.run_id, lease, spent, outside=outside)
     notes = state.notes
-    if charged > state.lease_tokens:
+    if charged - outside > state.lease_tokens:
         notes = _add_note(
             notes,
             f"repair {state.attempt}: providers reported {charged} tokens, more than the "

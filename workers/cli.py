@@ -40,6 +40,7 @@ COMMANDS: dict[str, str] = {
     "cancel": "cancel",
     "ab": "ab",
     "exporter": "exporter",
+    "awp": "awp",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3

@@ -34,10 +34,11 @@ from pipeline import signing
 from pipeline.config import check_submission_model
 from pipeline.errors import CritiqueError, StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
-from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Submission
+from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Pattern, Submission
 from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import admit, start
 from pipeline.store import keys
+from pipeline.store.base import BudgetSnapshot
 from pipeline.store.runs import Failure, member, pass_member
 from workers import cancelling, runtime
 from workers.cancelling import CancelReport
@@ -540,6 +541,16 @@ class CritiqueClient:
     def pitfalls(self, run_id: str, limit: int = 10) -> str:
         """The Known Pitfalls text for the workers the manager dispatches next."""
         return render_pitfalls(runtime.stores().patterns.top(run_id, limit))
+
+    def patterns(self, run_id: str, limit: int = 10) -> list[Pattern]:
+        """The run's pattern memory as records (most frequent first): what
+        :meth:`pitfalls` renders."""
+        return runtime.stores().patterns.top(run_id, limit)
+
+    def budget(self, run_id: str) -> BudgetSnapshot:
+        """The run's repair budget now: tokens charged (``spent``), held by repairs in flight or
+        waiting for a worker's repair (``held``, ``holders``), and charged past reservations."""
+        return runtime.stores().budget.snapshot(run_id)
 
     def lessons(
         self, limit: int = 50, min_runs: int = 2, *, run_id: str | None = None

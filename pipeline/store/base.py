@@ -182,8 +182,10 @@ class BudgetLedger(Protocol):
         never a later state: spent + held + queued + tokens > cap, or an overrun, holds in it)."""
         ...
 
-    def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
-        """Charge ``actual_tokens`` once and release the hold; returns the charge."""
+    def commit(self, run_id: str, lease_id: str, actual_tokens: int, *, outside: int = 0) -> int:
+        """Charge ``actual_tokens`` once and release the hold; returns the charge. ``outside``
+        of them were spent where the service could not bound them (a manager's worker re-run,
+        as it reported): charged, but never counted as an overrun of the reservation."""
         ...
 
     def refund(self, run_id: str, lease_id: str) -> None:

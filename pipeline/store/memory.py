@@ -279,7 +279,7 @@ class MemoryBudgetLedger:
             run.waiting.pop(lease_id, None)
             return BudgetAnswer("refused", snap, waited)
 
-    def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
+    def commit(self, run_id: str, lease_id: str, actual_tokens: int, *, outside: int = 0) -> int:
         with self._lock:
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
@@ -291,7 +291,7 @@ class MemoryBudgetLedger:
             lease.state = "committed"
             lease.charge = charge
             run.spent += charge
-            run.overrun += max(0, charge - lease.tokens)
+            run.overrun += max(0, charge - min(max(int(outside), 0), charge) - lease.tokens)
             return charge
 
     def refund(self, run_id: str, lease_id: str) -> None:

@@ -384,7 +384,8 @@ class RedisPatternStore:
 #             ARGV[8] wait (µs), ARGV[9] waiter grace (µs) →
 #             [verdict (0 granted, 1 wait, 2 refused), spent, held, holders, overrun, queued,
 #              waiters, waited (µs)] (all 0 but the verdict for a live or committed lease)
-#   commit:   ARGV[4] lease id, ARGV[5] actual tokens → the charge (the first one, when repeated)
+#   commit:   ARGV[4] lease id, ARGV[5] actual tokens, ARGV[6] of them spent outside the service
+#             (a worker's re-run: never an overrun) → the charge (the first one, when repeated)
 #   refund:   ARGV[4] lease id → 0
 #   release:  ARGV[4..] lease-id prefixes (one per cancelled pass) → how many live or waiting
 #             leases under them were refunded (a cancel: nothing of those passes stays held)
@@ -492,11 +493,12 @@ elseif op == 'commit' then
   if state == 1 then return charge end
   if state == 3 then return 0 end
   local actual = math.max(tonumber(ARGV[5]), 0)
+  local inside = actual - math.min(math.max(tonumber(ARGV[6] or '0'), 0), actual)
   redis.call('HSET', KEYS[2], lease, record(tokens, expires, 1, actual))
   redis.call('ZREM', KEYS[3], lease)
   redis.call('HINCRBY', KEYS[1], 'spent', string.format('%.0f', actual))
-  if actual > tokens then
-    redis.call('HINCRBY', KEYS[1], 'overrun', string.format('%.0f', actual - tokens))
+  if inside > tokens then
+    redis.call('HINCRBY', KEYS[1], 'overrun', string.format('%.0f', inside - tokens))
   end
   touch()
   return actual
@@ -637,10 +639,10 @@ class RedisBudgetLedger:
         )
         return BudgetAnswer(_VERDICTS[verdict], snap, waited_us / 1_000_000)
 
-    def commit(self, run_id: str, lease_id: str, actual_tokens: int) -> int:
+    def commit(self, run_id: str, lease_id: str, actual_tokens: int, *, outside: int = 0) -> int:
         """Charge ``actual_tokens`` and release the hold; a repeat returns the first charge;
-        0 for an unknown lease."""
-        return int(self._call(run_id, "commit", lease_id, int(actual_tokens)))
+        0 for an unknown lease. ``outside`` of them (a worker's re-run) is never an overrun."""
+        return int(self._call(run_id, "commit", lease_id, int(actual_tokens), int(outside)))
 
     def refund(self, run_id: str, lease_id: str) -> None:
         """Release a live lease's hold without charging anything (later calls do nothing)."""

@@ -302,6 +302,18 @@ def test_an_over_report_is_charged_in_full_and_closes_the_budget(ledger: BudgetL
     assert ledger.reserve("run2", "c:1", 1, CAP, 30) is True  # per run
 
 
+def test_tokens_spent_outside_are_charged_but_never_an_overrun(ledger: BudgetLedger) -> None:
+    """A commit whose excess was spent outside the service (a worker's re-run, as reported)
+    charges it all without an overrun, so the run's next reservation is still granted; only
+    the part inside the service counts against the reservation."""
+    assert ledger.reserve("run1", "w:1", 30, CAP, 30) is True
+    assert ledger.commit("run1", "w:1", 80, outside=60) == 80
+    assert ledger.snapshot("run1") == BudgetSnapshot(spent=80)
+    assert ledger.reserve("run1", "w:2", 10, CAP, 30) is True
+    assert ledger.commit("run1", "w:2", 50, outside=5) == 50  # 45 inside: 35 over
+    assert ledger.snapshot("run1").overrun == 35
+
+
 def test_a_committed_lease_is_granted_again_without_holding(ledger: BudgetLedger) -> None:
     """A re-run reserve after its commit gets the same (settled) lease back: True, and nothing
     is held or charged anew."""

@@ -152,6 +152,34 @@ def test_the_budget_holds_the_re_run_and_charges_what_the_worker_reported() -> N
     assert second.repair_usage.tokens == 321
 
 
+def test_a_re_run_that_reports_more_than_was_held_does_not_close_the_budget() -> None:
+    """The worker's reported tokens are charged in full, but a re-run the service could not
+    bound is no overrun: the run's next output still gets its worker repair."""
+    parking = Parking()
+    ledger = MemoryBudgetLedger()
+    cfg = CritiqueConfig(critic="heuristic", repairer="worker", budget={"total_tokens": 100_000})
+    ctx = dataclasses.replace(
+        make_context(cfg, patterns=MemoryPatternStore(), budget=ledger),
+        park=parking.park,
+        parked=parking.parked,
+    )
+    first = run_submission(_sub(MISSING), ctx, pass_id="p1")
+    assert first.repair_request is not None
+    big = first.repair_request.reserved_tokens + 5_000
+    second = _repair(ctx, first, FIXED, "p2", tokens=big)
+    assert second.budget_charged == big
+    assert ledger.snapshot("r1").overrun == 0
+    other = Submission(
+        run_id="r1",
+        worker_id="w2",
+        task=TASK,
+        output=MISSING,
+        required_fields=("summary", "findings"),
+    )
+    assert run_submission(other, ctx, pass_id="p3").stop_reason == "worker_repair"
+    assert not any("more than the" in n for n in second.notes)
+
+
 def test_a_repair_of_with_nothing_waiting_is_refused_in_one_line() -> None:
     """repair_of naming a pass that parked nothing (expired, released, never asked) fails with
     a SubmissionError that says what to do."""
