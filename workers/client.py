@@ -291,7 +291,7 @@ class CritiqueClient:
                 got = runs.failure(h.run_id, pass_member(h.iteration, h.worker_id, pass_id))
         if isinstance(got, Failure):
             return SubmissionError(
-                f"submission {h.worker_id} of run {h.run_id} {_failure_text(got)}"
+                f"submission {h.worker_id} of run {h.run_id} {failure_text(got)}"
             )
         return got
 
@@ -499,7 +499,7 @@ class CritiqueClient:
         while True:
             got = runs.completion_outcome(run_id, request_id)
             if isinstance(got, Failure):
-                raise SubmissionError(f"completion gate of run {run_id} {_failure_text(got)}")
+                raise SubmissionError(f"completion gate of run {run_id} {failure_text(got)}")
             if got is not None:
                 return CompletionDecision.model_validate(got)
             if time.monotonic() >= deadline:
@@ -619,7 +619,7 @@ class _Progress:
             recovery.redrive_if_stalled(ctx, h.run_id, self.member, seen)
 
 
-def _failure_text(failure: Failure) -> str:
+def failure_text(failure: Failure) -> str:
     """A recorded failure in one line, as :func:`_failure_reason` words an exception: "was
     refused by the worker: …" for a refusal, else "failed: <Error>: …"."""
     line = " ".join(failure.reason.split())[:500] or failure.error

@@ -653,13 +653,30 @@ class RedisRunStore:
             if failure:
                 pipe.hget(self._key(run_id, keys.FAILURES), field)
             got = pipe.execute()
-        if got[0] is not None:
-            result = self._result(got[0], run_id, keys.PASS_RESULTS, field, pass_id)
+        return self.decode_outcome(run_id, pass_id, field, got[0], got[1] if failure else None)
+
+    def decode_outcome(
+        self,
+        run_id: str,
+        pass_id: str,
+        field: str,
+        raw_result: bytes | str | None,
+        raw_failure: bytes | str | None,
+    ) -> CritiqueResult | Failure | None:
+        """What a pass ended in, from its raw ``results:pass`` and ``failures`` fields (read by
+        anyone, e.g. an asyncio client): the result if it verifies, else the failure, else None.
+        No I/O."""
+        if raw_result is not None:
+            result = self._result(raw_result, run_id, keys.PASS_RESULTS, field, pass_id)
             if result is not None:
                 return result
-        if failure and got[1] is not None:
-            return self._failure(got[1], run_id, field)
+        if raw_failure is not None:
+            return self._failure(raw_failure, run_id, field)
         return None
+
+    def key(self, run_id: str, suffix: str) -> str:
+        """The key of one of a run's records (``keys.PASS_RESULTS``, ``keys.FAILURES``…)."""
+        return self._key(run_id, suffix)
 
     def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:
         """The run's results (of one iteration when given), ordered by iteration and worker;
