@@ -49,9 +49,19 @@ class Parking:
         return self.states.get(pass_id)
 
 
-def _ctx(parking: Parking, **config: Any) -> StageContext:
+def _ctx(
+    parking: Parking,
+    *,
+    budget: MemoryBudgetLedger | None = None,
+    total_tokens: int | None = None,
+    **config: Any,
+) -> StageContext:
+    """A heuristic-critic context whose repairs are the worker's, parking in ``parking``."""
+    if total_tokens is not None:
+        config["budget"] = {"total_tokens": total_tokens}
     cfg = CritiqueConfig(critic="heuristic", repairer="worker", **config)
-    ctx = make_context(cfg, patterns=MemoryPatternStore(), budget=MemoryBudgetLedger())
+    ledger = budget if budget is not None else MemoryBudgetLedger()
+    ctx = make_context(cfg, patterns=MemoryPatternStore(), budget=ledger)
     return dataclasses.replace(ctx, park=parking.park, parked=parking.parked)
 
 
@@ -133,14 +143,8 @@ def test_the_attempt_cap_is_the_services() -> None:
 def test_the_budget_holds_the_re_run_and_charges_what_the_worker_reported() -> None:
     """With a repair budget, the hand-back holds a reservation for the re-run; the repaired
     output commits it with the worker's reported tokens (a heuristic re-critique spends none)."""
-    parking = Parking()
     ledger = MemoryBudgetLedger()
-    cfg = CritiqueConfig(critic="heuristic", repairer="worker", budget={"total_tokens": 100_000})
-    ctx = dataclasses.replace(
-        make_context(cfg, patterns=MemoryPatternStore(), budget=ledger),
-        park=parking.park,
-        parked=parking.parked,
-    )
+    ctx = _ctx(Parking(), budget=ledger, total_tokens=100_000)
     first = run_submission(_sub(MISSING), ctx, pass_id="p1")
     assert first.repair_request is not None and first.repair_request.reserved_tokens > 0
     held = ledger.snapshot("r1")
@@ -155,14 +159,8 @@ def test_the_budget_holds_the_re_run_and_charges_what_the_worker_reported() -> N
 def test_a_re_run_that_reports_more_than_was_held_does_not_close_the_budget() -> None:
     """The worker's reported tokens are charged in full, but a re-run the service could not
     bound is no overrun: the run's next output still gets its worker repair."""
-    parking = Parking()
     ledger = MemoryBudgetLedger()
-    cfg = CritiqueConfig(critic="heuristic", repairer="worker", budget={"total_tokens": 100_000})
-    ctx = dataclasses.replace(
-        make_context(cfg, patterns=MemoryPatternStore(), budget=ledger),
-        park=parking.park,
-        parked=parking.parked,
-    )
+    ctx = _ctx(Parking(), budget=ledger, total_tokens=100_000)
     first = run_submission(_sub(MISSING), ctx, pass_id="p1")
     assert first.repair_request is not None
     big = first.repair_request.reserved_tokens + 5_000
