@@ -367,12 +367,12 @@ def test_a_recorded_failure_reads_like_the_error_it_records() -> None:
     """The client words a worker's failure record as it words the exception: a refusal as
     'was refused by the worker: …', anything else with its error type, in one line."""
     from pipeline.store.runs import Failure
-    from workers.client import _failure_text
+    from workers.client import failure_text
 
     refused = Failure("l0", "RefusedOverrideError", "may not set\n'llm.api_base'", True)
-    assert _failure_text(refused) == "was refused by the worker: may not set 'llm.api_base'"
+    assert failure_text(refused) == "was refused by the worker: may not set 'llm.api_base'"
     crashed = Failure("critic", "LLMPermanentError", "401 Incorrect API key", False)
-    assert _failure_text(crashed) == "failed: LLMPermanentError: 401 Incorrect API key"
+    assert failure_text(crashed) == "failed: LLMPermanentError: 401 Incorrect API key"
 
 
 def test_secret_read_at_call_time_and_rotation_in_the_codec(
