@@ -141,6 +141,11 @@ class AsyncCritiqueClient:
         (:meth:`CritiqueClient.submit_repair`)."""
         return await asyncio.to_thread(self.sync.submit_repair, result, submission, tokens=tokens)
 
+    async def release_repair(self, result: CritiqueResult) -> bool:
+        """A ``worker_repair`` request its worker will not answer: refund its hold
+        (:meth:`CritiqueClient.release_repair`)."""
+        return await asyncio.to_thread(self.sync.release_repair, result)
+
     async def cancel(self, target: Handle | str, **kwargs: Any) -> CancelReport:
         """Cancel a handle's pass or a run's unfinished passes (:meth:`CritiqueClient.cancel`)."""
         return await asyncio.to_thread(self.sync.cancel, target, **kwargs)

@@ -41,6 +41,7 @@ COMMANDS: dict[str, str] = {
     "ab": "ab",
     "exporter": "exporter",
     "awp": "awp",
+    "mcp": "mcp",
 }
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3

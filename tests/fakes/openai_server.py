@@ -170,6 +170,66 @@ def broken_body(
     return _item(match, raw_body=body)
 
 
+def tool_calls(
+    calls: list[tuple[str, dict[str, Any]]],
+    n: int,
+    *,
+    model: str = "manager-model",
+    prompt_tokens: int = 40,
+    completion_tokens: int = 10,
+) -> ScriptItem:
+    """A 200 whose assistant message calls tools, ``(name, arguments)`` each (the ``n``-th
+    call of the script: it makes the call ids unique), as an agent framework's model would."""
+    body = {
+        "id": f"chatcmpl-{model}-{n}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": f"call_{name}_{n}_{i}",
+                            "type": "function",
+                            "function": {"name": name, "arguments": json.dumps(arguments)},
+                        }
+                        for i, (name, arguments) in enumerate(calls)
+                    ],
+                },
+                "finish_reason": "tool_calls",
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
+    return {"raw_body": json.dumps(body)}
+
+
+def critic_verdict(score: float, *defects: str, category: str = "hallucinated") -> str:
+    """A critic reply in the critic prompt's JSON shape: each defect critical, at ``summary``,
+    with a prescription to remove it."""
+    found = [
+        {"category": category, "severity": "critical", "location": "summary", "description": d}
+        for d in defects
+    ]
+    return json.dumps(
+        {
+            "score": score,
+            "defects": found,
+            "prescriptions": [f"Remove it: {d}" for d in defects],
+            "reusable_patterns": [],
+            "summary": f"score {score}",
+        }
+    )
+
+
 def validate_item(item: Any) -> ScriptItem:
     """Check one script item; raises ValueError naming the problem."""
     if not isinstance(item, Mapping):

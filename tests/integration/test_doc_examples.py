@@ -7,9 +7,6 @@ Blocks marked illustrative in the doc, each saying why, are the only ones not ru
 
 from __future__ import annotations
 
-import contextlib
-import io
-import itertools
 import os
 import re
 import subprocess
@@ -19,36 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.docs import FENCE, example_pairs, run_python
 from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
-
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
-
-
-def blocks(doc: str) -> list[tuple[str, str]]:
-    """Every fenced block of ``doc``: (language, body)."""
-    text = (ROOT / doc).read_text(encoding="utf-8")
-    return [(m.group(1), m.group(2)) for m in FENCE.finditer(text)]
-
-
-def example_pairs(doc: str) -> list[tuple[str, str]]:
-    """Each ``python`` block that is followed by a ``text`` block: (code, expected output)."""
-    found = blocks(doc)
-    return [
-        (code, shown)
-        for (lang, code), (next_lang, shown) in itertools.pairwise(found)
-        if lang == "python" and next_lang == "text"
-    ]
-
-
-def run_python(code: str, name: str) -> str:
-    """``code`` executed as a script would be, its stdout returned."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        exec(compile(code, name, "exec"), {"__name__": "__main__"})
-    return out.getvalue()
-
 
 SECRET = "docs-examples-secret-0123456789"
 """The ``CRITIQUE_SECRET`` the docs' worker and commands share, as every deploy sets one."""

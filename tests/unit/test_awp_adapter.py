@@ -18,7 +18,6 @@ from workers.adapters import verdicts
 from workers.adapters.awp import (
     awp_envelope,
     clean_output,
-    identifier,
     refused_envelope,
     service_config,
     workflow_total_tokens,
@@ -101,13 +100,6 @@ def test_awps_critique_block_becomes_the_managers_policy() -> None:
     assert doc["budget"] == {"total_tokens": 2_000_000}
     assert "model" not in doc and "mode" not in doc
     assert "budget" not in service_config(cfg, None)
-
-
-def test_ids_are_made_safe_for_the_fleet() -> None:
-    """AWP run and worker ids with other characters become fleet identifiers."""
-    assert identifier("awp-2026-12-06_00:00:39 x", "r") == "awp-2026-12-06_00-00-39-x"
-    assert identifier("../..", "fallback") == "fallback"
-    assert len(identifier("w" * 300, "w")) == 128
 
 
 def test_awps_internal_keys_are_not_submitted() -> None:

@@ -28,7 +28,6 @@ models); set ``CRITIQUE_MODEL`` on the workers instead.
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,7 +46,6 @@ log = logging.getLogger(__name__)
 
 WAIT_S = 900.0
 """How long one iteration's critiques (or one re-run's re-critique) may take on the fleet."""
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 def install() -> None:
@@ -59,13 +57,6 @@ def install() -> None:
 def uninstall() -> None:
     """Give AWP's runner its own engine back."""
     _runner_module.CritiqueEngine = CritiqueEngine
-
-
-def identifier(value: str, fallback: str) -> str:
-    """``value`` as a run or worker id the fleet accepts (letters, digits, ``._-``, ≤ 128)."""
-    cleaned = _UNSAFE.sub("-", value).strip(".-_")[:128].strip(".-_")
-    cleaned = re.sub(r"\.{2,}", ".", cleaned)
-    return cleaned or fallback
 
 
 def workflow_total_tokens(workflow_dir: Path, critique_config: Any) -> int | None:
@@ -208,7 +199,7 @@ class FleetCritiqueEngine(CritiqueEngine):  # type: ignore[misc]  # awp ships no
             max_parallel_workers=max_parallel_workers,
             metric_writer=metric_writer,
         )
-        self.fleet_run_id = identifier(f"awp-{run_id}", "awp-run")
+        self.fleet_run_id = verdicts.identifier(f"awp-{run_id}", "awp-run")
         total = workflow_total_tokens(Path(workflow_dir), config)
         self.repairer = workflow_repairer(Path(workflow_dir))
         self.fleet_config = service_config(config, total, self.repairer)
@@ -449,7 +440,7 @@ class FleetCritiqueEngine(CritiqueEngine):  # type: ignore[misc]  # awp ships no
         return Submission(
             run_id=self.fleet_run_id,
             iteration=max(1, int(iteration)),
-            worker_id=identifier(wid, "worker"),
+            worker_id=verdicts.identifier(wid, "worker"),
             subtask_signature=instructions[:200],
             task=instructions or task,
             output=clean_output(dr.get("result", {})),
