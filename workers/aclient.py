@@ -12,7 +12,9 @@ Submitting, cancelling and the pitfalls are the sync client's calls (validation,
 signing, the fleet's posture, the publish), run in the loop's default executor: each is one
 short call, not a wait. Errors are the sync client's: ``SubmissionError`` for a pass a worker
 recorded as failed, :class:`~workers.client.CritiqueTimeout` at the deadline,
-``StoreUnavailableError`` (one line) when Redis cannot be reached.
+``StoreUnavailableError`` (one line, saying for how long) when Redis stays away past a wait's
+timeout: an outage shorter than that (a Sentinel failover, a restart) is ridden out
+(:mod:`workers.riding`), as the sync client does.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from pipeline.store import keys
 from pipeline.store.redis_common import is_unavailable
 from pipeline.store.runs import Failure, pass_member
 from pipeline.store.urls import cannot_reach
-from workers import runtime
+from workers import riding, runtime
 from workers.cancelling import CancelReport
 from workers.client import CritiqueClient, CritiqueTimeout, Handle, failure_text
 
@@ -101,6 +103,7 @@ class AsyncCritiqueClient:
         self._redis: Any = None
         self._waiting: dict[Handle, list[asyncio.Future[Outcome]]] = {}
         self._poller: asyncio.Task[None] | None = None
+        self._outage = riding.Outage()
 
     async def __aenter__(self) -> AsyncCritiqueClient:
         return self
@@ -169,6 +172,10 @@ class AsyncCritiqueClient:
         try:
             got = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
+            if self._outage.since is not None:  # the store is away: say so, not "no result"
+                raise self._outage.error(
+                    f"retried until the wait's timeout of {timeout:g} s"
+                ) from None
             raise CritiqueTimeout(
                 f"no result for {handle.worker_id} of run {handle.run_id} after {timeout} s "
                 "(is a worker consuming critique.cpu and critique.llm?)"
@@ -207,18 +214,29 @@ class AsyncCritiqueClient:
             del self._waiting[handle]
 
     async def _poll(self) -> None:
-        """Resolve waited passes until none is waited for: one round reads every waited pass."""
+        """Resolve waited passes until none is waited for: one round reads every waited pass.
+        A store outage is ridden out (:mod:`workers.riding`): each wait's own timeout bounds
+        it; past ``CRITIQUE_OUTAGE_S`` every pending wait gets the outage's error."""
         delay = FAST_POLL_S
         while self._waiting:
             try:
                 found = await self._round()
+                self._outage.ok()
             except StoreUnavailableError as exc:
-                for futures in list(self._waiting.values()):
-                    for f in futures:
-                        if not f.done():
-                            f.set_exception(exc)
-                self._waiting.clear()
-                return
+                pause = self._outage.failed(exc)
+                if self._outage.down_s >= riding.outage_s():
+                    error = self._outage.error(
+                        f"retried {riding.OUTAGE_ENV}={riding.outage_s():g} s"
+                    )
+                    for futures in list(self._waiting.values()):
+                        for f in futures:
+                            if not f.done():
+                                f.set_exception(error)
+                    self._waiting.clear()
+                    self._outage.ok()
+                    return
+                await asyncio.sleep(pause)
+                continue
             delay = FAST_POLL_S if found else min(SLOW_POLL_S, delay * 1.5)
             await asyncio.sleep(delay)
 

@@ -40,7 +40,7 @@ from pipeline.runner import admit, start
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.runs import Failure, member, pass_member
-from workers import cancelling, runtime
+from workers import cancelling, riding, runtime
 from workers.cancelling import CancelReport
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
 
@@ -266,7 +266,10 @@ class CritiqueClient:
     # -- reading --------------------------------------------------------------------------------
     def result(self, handle: Handle) -> CritiqueResult | None:
         """The result of the handle's pass if it is there, else None (a handle without a pass
-        id: the submission's latest pass's)."""
+        id: the submission's latest pass's). Rides out a store outage (:mod:`workers.riding`)."""
+        return riding.ride(lambda: self._result(handle))
+
+    def _result(self, handle: Handle) -> CritiqueResult | None:
         runs = runtime.stores().runs
         if handle.pass_id:
             return runs.pass_result(
@@ -277,7 +280,11 @@ class CritiqueClient:
     def outcome(self, handle: Handle) -> CritiqueResult | SubmissionError | None:
         """The handle's pass's result, else the :class:`SubmissionError` for the failure a
         worker recorded for that pass (a handle without a pass id: the latest pass), else None.
-        Celery's state for the task id is not consulted: a broker writer can forge it."""
+        Celery's state for the task id is not consulted: a broker writer can forge it. Rides
+        out a store outage (:mod:`workers.riding`)."""
+        return riding.ride(lambda: self._outcome(handle))
+
+    def _outcome(self, handle: Handle) -> CritiqueResult | SubmissionError | None:
         runs = runtime.stores().runs
         h = handle
         if h.pass_id:
@@ -308,17 +315,32 @@ class CritiqueClient:
         Raises :class:`SubmissionError` when a worker recorded that the pass failed (refused
         by the worker, a stage that raised); only such a record counts, never the state of the
         chain's task id in Celery's result backend.
+
+        A store outage (a Sentinel failover, a Redis restart) is ridden out within ``timeout``
+        (:mod:`workers.riding`): ``StoreUnavailableError``, saying for how long the store was
+        away, only when it outlasts the timeout (or ``CRITIQUE_OUTAGE_S`` with no timeout).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.01
         progress = _Progress(self, handle, stall_after_s())
+        outage = riding.Outage()
         while True:
-            got = self.outcome(handle)
+            try:
+                got = self._outcome(handle)
+                if got is None:
+                    progress.check()
+                outage.ok()
+            except StoreUnavailableError as exc:
+                pause = outage.failed(exc)
+                left = _left(deadline, outage)
+                if left <= 0:
+                    raise outage.error(_why_stopped(timeout)) from exc
+                time.sleep(min(pause, left))
+                continue
             if isinstance(got, SubmissionError):
                 raise got
             if got is not None:
                 return got
-            progress.check()
             if deadline is not None and time.monotonic() >= deadline:
                 raise CritiqueTimeout(
                     f"no result for {handle.worker_id} of run {handle.run_id} after {timeout} s "
@@ -395,14 +417,24 @@ class CritiqueClient:
         stall_s = stall_after_s()
         left = {i: (h, _Progress(self, h, stall_s)) for i, h in enumerate(handles)}
         delay = 0.01
+        outage = riding.Outage()
         while left:
-            for i, (h, progress) in list(left.items()):
-                got = self.outcome(h)
-                if got is not None:
-                    del left[i]
-                    yield h, got
-                    continue
-                progress.check()
+            try:
+                for i, (h, progress) in list(left.items()):
+                    got = self._outcome(h)
+                    outage.ok()
+                    if got is not None:
+                        del left[i]
+                        yield h, got
+                        continue
+                    progress.check()
+            except StoreUnavailableError as exc:  # ridden out: the round starts again
+                pause = outage.failed(exc)
+                remaining = _left(deadline, outage)
+                if remaining <= 0:
+                    raise outage.error(_why_stopped(timeout)) from exc
+                time.sleep(min(pause, remaining))
+                continue
             if not left:
                 return
             if on_poll is not None:
@@ -420,7 +452,7 @@ class CritiqueClient:
         """Every stored result of the run (or of one iteration). Once Redis holds no
         submission and no result of the run (its keys expired), the run's archive answers
         (``$CRITIQUE_ARCHIVE_DIR``; ``ArchiveError`` when it is there but cannot be trusted)."""
-        got = runtime.stores().runs.results(run_id, iteration)
+        got = riding.ride(lambda: runtime.stores().runs.results(run_id, iteration))
         if got:
             return got
         from workers.archiving import results_if_expired
@@ -436,8 +468,8 @@ class CritiqueClient:
         return manager_summary(
             run_id,
             iteration,
-            stores.runs.results(run_id, iteration),
-            stores.patterns.top(run_id, 50),
+            riding.ride(lambda: stores.runs.results(run_id, iteration)),
+            riding.ride(lambda: stores.patterns.top(run_id, 50)),
         )
 
     # -- gates ----------------------------------------------------------------------------------
@@ -540,17 +572,17 @@ class CritiqueClient:
 
     def pitfalls(self, run_id: str, limit: int = 10) -> str:
         """The Known Pitfalls text for the workers the manager dispatches next."""
-        return render_pitfalls(runtime.stores().patterns.top(run_id, limit))
+        return render_pitfalls(self.patterns(run_id, limit))
 
     def patterns(self, run_id: str, limit: int = 10) -> list[Pattern]:
         """The run's pattern memory as records (most frequent first): what
         :meth:`pitfalls` renders."""
-        return runtime.stores().patterns.top(run_id, limit)
+        return riding.ride(lambda: runtime.stores().patterns.top(run_id, limit))
 
     def budget(self, run_id: str) -> BudgetSnapshot:
         """The run's repair budget now: tokens charged (``spent``), held by repairs in flight or
         waiting for a worker's repair (``held``, ``holders``), and charged past reservations."""
-        return runtime.stores().budget.snapshot(run_id)
+        return riding.ride(lambda: runtime.stores().budget.snapshot(run_id))
 
     def lessons(
         self, limit: int = 50, min_runs: int = 2, *, run_id: str | None = None
@@ -559,18 +591,38 @@ class CritiqueClient:
         patterns that run taught, none without a run id; with ``fleet``, the patterns that
         recurred in at least ``min_runs`` runs (kept without the run TTL), most first, counted
         and never naming a run (:meth:`pipeline.store.base.PatternStore.lessons`)."""
-        return runtime.stores().patterns.lessons(limit, min_runs, run_id=run_id)
+        return riding.ride(
+            lambda: runtime.stores().patterns.lessons(limit, min_runs, run_id=run_id)
+        )
 
     def trace(
         self, run_id: str, *, follow: bool = False, block_ms: int = 1000
     ) -> Iterator[dict[str, Any]]:
-        """The run's trace events, oldest first; with ``follow`` keep waiting for new ones."""
+        """The run's trace events, oldest first; with ``follow`` keep waiting for new ones. Both
+        ride out a store outage (:mod:`workers.riding`): a followed trace goes on after the
+        last event it yielded, none twice."""
         sink = runtime.stores().trace
         if not follow:
-            yield from sink.read(run_id)
+            yield from riding.ride(lambda: sink.read(run_id))
             return
-        for _entry_id, event in sink.iterate(run_id, block_ms=block_ms):
+        for _entry_id, event in riding.ride_iter(
+            lambda after: sink.iterate(run_id, block_ms=block_ms, last_id=after)
+        ):
             yield event
+
+
+def _left(deadline: float | None, outage: riding.Outage) -> float:
+    """Seconds a wait may still ride out the outage: to its deadline, or with none what is left
+    of ``CRITIQUE_OUTAGE_S``."""
+    if deadline is not None:
+        return deadline - time.monotonic()
+    return riding.outage_s() - outage.down_s
+
+
+def _why_stopped(timeout: float | None) -> str:
+    if timeout is None:
+        return f"retried {riding.OUTAGE_ENV}={riding.outage_s():g} s"
+    return f"retried until the wait's timeout of {timeout:g} s"
 
 
 def stall_after_s() -> float:

@@ -4,6 +4,7 @@ processes. Nothing is mocked; submissions need no LLM (the heuristic critic)."""
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -243,3 +244,56 @@ def test_a_lost_connections_channel_fails_with_a_connection_error(
         channel.connection.client = None  # its transport detached, the channel still open
     with pytest.raises(RedisTransport.connection_errors):
         channel.qos.ack("a-delivery-tag")
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_the_managers_reads_ride_through_a_redis_restart(
+    redis_server: RedisServer, fault_env: dict[str, str], start_worker: WorkerStarter
+) -> None:
+    """Redis SIGKILLed under a finished run and restarted 3 s later (AOF): ``critique status``
+    started while it is down says at once that it is retrying, then prints the whole run and
+    exits 0; ``CritiqueClient.wait`` and ``results`` called while it is down return the stored
+    verdicts once it is back instead of raising."""
+    import subprocess
+    import sys
+    import threading
+
+    from workers.client import CritiqueClient
+
+    worker = start_worker("threads0", fault_env, pool="threads", concurrency=4)
+    run_id = f"ride-{uuid.uuid4().hex[:8]}"
+    subs = fault_submissions(run_id, 20)
+    client = CritiqueClient(CONFIG)
+    handles = client.submit_many(subs)
+    assert len(wait_for_results(run_id, 20, 60)) == 20
+    worker.stop()
+
+    redis_server.kill()
+    status = subprocess.Popen(
+        [sys.executable, "-m", "workers.cli", "status", run_id, "--json"],
+        env=fault_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    got: dict[str, Any] = {}
+
+    def read() -> None:
+        got["wait"] = client.wait(handles[-1], timeout=60)
+        got["results"] = client.results(run_id)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    time.sleep(3)
+    redis_server.start()
+    back = time.monotonic()
+    out, err = status.communicate(timeout=60)
+    reader.join(60)
+    took = time.monotonic() - back
+    assert status.returncode == 0, err
+    assert "cannot reach Redis" in err and "retrying" in err
+    assert json.loads(out)["finished"] == 20
+    assert got["wait"].worker_id == subs[-1].worker_id and len(got["results"]) == 20
+    assert took < 10, f"the reads answered {took:.1f} s after Redis was back"
+    print(f"reads through a 3 s Redis outage: answered {took:.1f} s after the restart")

@@ -26,12 +26,12 @@ from pipeline.models import CritiqueResult, Submission
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis_common import FailoverConnection, celery_url
 from tests.support import wait_until
-from tests.support.faults import DEDUPE_SKIP, event_key
+from tests.support.faults import DEDUPE_SKIP, Waiters, event_key
 from tests.support.sentinel import MASTER, RedisNode, SentinelSetup, SentinelWorker, control_app
 from tests.support.submissions import CONFIG, KINDS, make_sub, reference
 from tests.support.workers import WorkerProcess, WorkerStarter
 
-N = 300
+N = 2000
 AGAIN = 40
 """The second wave, sent after the failover: each worker process must run some of it."""
 SLA_S = 240.0
@@ -86,7 +86,7 @@ def _totals(url: str, workers: list[WorkerProcess]) -> dict[str, int]:
 @pytest.mark.faults
 @pytest.mark.timeout(330)
 @pytest.mark.parametrize("how", ["kill", "demote"])
-def test_300_submissions_through_a_sentinel_failover(
+def test_2000_submissions_and_their_waits_through_a_sentinel_failover(
     sentinels: SentinelSetup,
     sentinel_env: dict[str, str],
     start_worker: WorkerStarter,
@@ -100,7 +100,9 @@ def test_300_submissions_through_a_sentinel_failover(
     consume again (each runs tasks of a second wave sent after it), and every submission ends
     with its reference result within 4 minutes of its submit: one ``result`` event each, no
     trace event twice, no pattern counted twice (``kill``: the counts exact), nothing left
-    pending. What
+    pending. A manager waiting on every handle meanwhile, one by one with ``CritiqueClient.wait``
+    and all at once with ``AsyncCritiqueClient``, gets every verdict and no error: its waits
+    ride through the failover and end within 10 s of the last result being stored. What
     the failover lost (asynchronous replication: the last writes before the kill; with
     ``demote``, what the old master took before the clients saw the switch) is re-driven by the
     sweeper."""
@@ -131,19 +133,22 @@ def test_300_submissions_through_a_sentinel_failover(
     began = time.monotonic()
     workers: list[WorkerProcess] = []
     try:
+        run_id = f"sentinel-{how}-{uuid.uuid4().hex[:8]}"
+        subs: list[Submission] = [
+            make_sub(run_id, f"w{i:04d}", 1, KINDS[i % len(KINDS)]) for i in range(N)
+        ]
+        # All queued before a worker starts: the workers would otherwise finish a run this
+        # size while it is still being submitted, before the failover.
+        submitted = time.monotonic()
+        handles = CritiqueClient(CONFIG).submit_many(subs)
+        submit_s = time.monotonic() - submitted
+        waiters = Waiters(handles, SLA_S).start()
         for name, pool_kind, conc in (("threads0", "threads", 4), ("prefork1", "prefork", 2)):
             w = start_worker(
                 name, sentinel_env, process=SentinelWorker, pool=pool_kind, concurrency=conc
             )
             workers.append(w)
         pids = [w.proc.pid for w in workers if w.proc is not None]
-        run_id = f"sentinel-{how}-{uuid.uuid4().hex[:8]}"
-        subs: list[Submission] = [
-            make_sub(run_id, f"w{i:03d}", 1, KINDS[i % len(KINDS)]) for i in range(N)
-        ]
-        submitted = time.monotonic()
-        CritiqueClient(CONFIG).submit_many(subs)
-        submit_s = time.monotonic() - submitted
 
         got: dict[str, CritiqueResult] = {}
         while len(got) < N // 10 and time.monotonic() - submitted < 90:
@@ -180,8 +185,21 @@ def test_300_submissions_through_a_sentinel_failover(
                 if len(got) >= N and settled:
                     break
             time.sleep(0.1)
-        done_s = time.monotonic() - submitted
+        all_stored = time.monotonic()
+        done_s = all_stored - submitted
         assert sentinels.master_port() == sentinels.replica.port, "the replica was not promoted"
+        waiters.join(SLA_S)
+        assert not waiters.errors, (len(waiters.errors), waiters.errors[:5])
+        for kind, verdicts in (("sync", waiters.sync), ("async", waiters.asynchronous)):
+            assert len(verdicts) == N, f"{kind}: {len(verdicts)} of {N} waits returned"
+            differ = [w for w, r in verdicts.items() if r.status != got[f"1:{w}"].status]
+            assert not differ, (kind, differ[:5])
+        assert waiters.sync_done is not None and waiters.async_done is not None
+        sync_late_s = waiters.sync_done - all_stored
+        async_late_s = waiters.async_done - all_stored
+        assert sync_late_s <= 10 and async_late_s <= 10, (sync_late_s, async_late_s)
+        if how == "kill":  # the killed master's clients saw it go: the waits rode an outage
+            assert waiters.outages, "no wait met the failover: nothing was ridden out"
 
         assert len(got) == N, f"{N - len(got)} submissions have no result after {done_s:.0f} s"
         assert done_s <= SLA_S
@@ -250,7 +268,9 @@ def test_300_submissions_through_a_sentinel_failover(
             f"promoted {promoted_s if promoted_s is None else round(promoted_s, 1)} s and the "
             f"first result {first_s if first_s is None else round(first_s, 1)} s after the "
             f"failover began; all results {done_s:.1f} s after the submit; "
-            f"{len(resumes)} re-driven; {lost_counts} pattern counts lost; "
+            f"{len(resumes)} re-driven; {lost_counts} pattern counts lost; the sync waits done "
+            f"{sync_late_s:+.1f} s and the async ones {async_late_s:+.1f} s after the last "
+            f"result was stored, riding {len(waiters.outages)} outage(s); "
             f"test {time.monotonic() - began:.1f} s"
         )
     finally:

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis.asyncio
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from pipeline.errors import StoreUnavailableError, SubmissionError
 from pipeline.models import Submission
@@ -118,13 +121,23 @@ def test_a_wait_times_out_with_the_sync_clients_error(env: dict[str, str]) -> No
     asyncio.run(main())
 
 
-def test_an_unreachable_redis_is_one_store_unavailable_error(env: dict[str, str]) -> None:
-    """Every waiter gets StoreUnavailableError naming what could not be reached."""
+def test_an_unreachable_redis_is_ridden_out_then_one_store_unavailable_error(
+    env: dict[str, str],
+) -> None:
+    """A Redis that stays away is retried until the wait's timeout, then the waiter gets one
+    StoreUnavailableError naming what could not be reached and for how long."""
 
     async def main() -> None:
         async with AsyncCritiqueClient(CONFIG) as client:
-            client._redis = redis.asyncio.Redis(port=free_port(), socket_connect_timeout=1)
-            with pytest.raises(StoreUnavailableError, match=r"cannot reach Redis at "):
-                await client.wait(Handle("ac-none", 1, "w", "", "p1"), timeout=10)
+            client._redis = redis.asyncio.Redis(  # no retries of redis-py's own: fail fast
+                port=free_port(), socket_connect_timeout=1, retry=Retry(NoBackoff(), 0)
+            )
+            began = time.monotonic()
+            with pytest.raises(StoreUnavailableError) as caught:
+                await client.wait(Handle("ac-none", 1, "w", "", "p1"), timeout=1.5)
+            assert time.monotonic() - began >= 1.5
+            text = str(caught.value)
+            assert "cannot reach Redis at " in text and "unreachable for 1." in text
+            assert "timeout of 1.5 s" in text
 
     asyncio.run(main())

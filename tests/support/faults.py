@@ -3,6 +3,9 @@ is missing, and the checks of a run against the broker-free reference."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -13,6 +16,7 @@ from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex
 from tests.support.submissions import CONFIG, KINDS, make_sub, reference
 from tests.support.workers import WorkerProcess
+from workers.client import Handle
 
 
 def run_results(run_id: str) -> dict[str, CritiqueResult] | None:
@@ -133,3 +137,75 @@ def event_key(e: dict[str, Any]) -> tuple[Any, ...]:
         e.get("violating_path"),
         e.get("note"),
     )
+
+
+class _Notices(logging.Handler):
+    def __init__(self, into: list[str]) -> None:
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(f"{threading.current_thread().name}: {record.getMessage()}")
+
+
+class Waiters:
+    """A manager waiting on every handle through whatever the test does to Redis: one by one
+    with ``CritiqueClient.wait`` (a thread), and all at once with ``AsyncCritiqueClient`` (an
+    event loop in another thread). Records each verdict by worker id, each error in words, and
+    when each kind of wait had returned for every handle."""
+
+    def __init__(self, handles: list[Handle], timeout: float) -> None:
+        self.handles = handles
+        self.timeout = timeout
+        self.sync: dict[str, CritiqueResult] = {}
+        self.asynchronous: dict[str, CritiqueResult] = {}
+        self.errors: list[str] = []
+        self.sync_done: float | None = None
+        self.async_done: float | None = None
+        self.outages: list[str] = []
+        """The "retrying" notices the waits logged (workers.riding): the outages they rode."""
+        self._notices = _Notices(self.outages)
+        self._threads = [
+            threading.Thread(target=self._sync, name="sync-waits", daemon=True),
+            threading.Thread(target=self._async, name="async-waits", daemon=True),
+        ]
+
+    def start(self) -> Waiters:
+        logging.getLogger("workers.riding").addHandler(self._notices)
+        for t in self._threads:
+            t.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        logging.getLogger("workers.riding").removeHandler(self._notices)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        assert not alive, f"still waiting after {timeout} s: {alive}"
+
+    def _sync(self) -> None:
+        from workers.client import CritiqueClient
+
+        client = CritiqueClient(CONFIG)
+        for h in self.handles:
+            try:
+                self.sync[h.worker_id] = client.wait(h, timeout=self.timeout)
+            except Exception as exc:  # every kind is a finding: recorded, not raised
+                self.errors.append(f"sync wait {h.worker_id}: {type(exc).__name__}: {exc}")
+        self.sync_done = time.monotonic()
+
+    def _async(self) -> None:
+        from workers.aclient import AsyncCritiqueClient
+
+        async def main() -> list[Any]:
+            async with AsyncCritiqueClient(CONFIG) as client:
+                waits = (client.wait(h, timeout=self.timeout) for h in self.handles)
+                return list(await asyncio.gather(*waits, return_exceptions=True))
+
+        for h, got in zip(self.handles, asyncio.run(main()), strict=True):
+            if isinstance(got, CritiqueResult):
+                self.asynchronous[h.worker_id] = got
+            else:
+                self.errors.append(f"async wait {h.worker_id}: {type(got).__name__}: {got}")
+        self.async_done = time.monotonic()

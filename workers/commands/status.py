@@ -40,12 +40,14 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from pipeline.gates import not_counted_text
 from pipeline.models import CritiqueResult, score_text
+from workers import riding
 from workers.cli import EXIT_FAILED, EXIT_OK
 from workers.commands._common import (
     add_iteration_argument,
@@ -250,7 +252,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        snap = load_snapshot(args.run_id, args.iteration, archive=True)
+        snap = riding.ride(
+            lambda: load_snapshot(args.run_id, args.iteration, archive=True),
+            notice=lambda line: print(f"critique status: {line}", file=sys.stderr, flush=True),
+        )
         doc = snapshot_doc(snap, args.iteration)
         if args.json:
             print(json_line(doc))

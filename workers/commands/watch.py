@@ -27,7 +27,9 @@ import time
 from collections import Counter
 from typing import Any
 
+from pipeline.errors import StoreUnavailableError
 from pipeline.models import UNCHECKED_LINE, UNSCORED
+from workers import riding
 from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from workers.commands._common import above, add_json_argument, add_run_argument, service_guard
 from workers.commands._progress import Progress
@@ -273,19 +275,39 @@ def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = 
     sink = runtime.stores().trace
     deadline = None if timeout is None else time.monotonic() + timeout
     last_id = "0-0"
+    outage = riding.Outage(notice=lambda line: print(f"critique watch: {line}", file=sys.stderr))
     try:
         while True:
-            for entry_id, event in sink.iterate(run_id, block_ms, last_id, idle_limit=1):
-                last_id = entry_id
-                w.show(event)
-                if event.get("type") == "refused":
-                    w.next_check = 0.0  # its chain has failed: look now
-                if event.get("type") == "result" and w.done(caught_up=False):
-                    return w.end(True)
-                w.check()
-                if deadline is not None and time.monotonic() >= deadline:
-                    break
-            if w.done(caught_up=True):
+            try:
+                for entry_id, event in sink.iterate(run_id, block_ms, last_id, idle_limit=1):
+                    outage.ok()
+                    last_id = entry_id
+                    w.show(event)
+                    if event.get("type") == "refused":
+                        w.next_check = 0.0  # its chain has failed: look now
+                    if event.get("type") == "result" and w.done(caught_up=False):
+                        return w.end(True)
+                    w.check()
+                    if deadline is not None and time.monotonic() >= deadline:
+                        break
+                finished = w.done(caught_up=True)
+                outage.ok()
+            except StoreUnavailableError as exc:  # a failover, a restart: go on after last_id
+                pause = outage.failed(exc)
+                left = (
+                    riding.outage_s() - outage.down_s
+                    if deadline is None
+                    else deadline - time.monotonic()
+                )
+                if left <= 0:
+                    raise outage.error(
+                        "retried until the watch's timeout"
+                        if deadline
+                        else (f"retried {riding.OUTAGE_ENV}={riding.outage_s():g} s")
+                    ) from exc
+                time.sleep(min(pause, left))
+                continue
+            if finished:
                 return w.end(True)
             if deadline is not None and time.monotonic() >= deadline:
                 return w.end(False)
