@@ -118,10 +118,12 @@ def test_the_kept_output_is_found_among_the_chains_candidates() -> None:
 
 
 def test_feedback_is_the_why_and_the_prescriptions_and_empty_for_a_pass() -> None:
-    """What a worker sent back is told: the deciding defects, the next step, the fixes."""
+    """What a worker sent back is told: the deciding defects and the fixes, not the manager's
+    next step (resubmitting is the manager's business, not the worker model's)."""
     text = verdicts.feedback(_result("escalated", "needs_model"))
     assert "missing_data at findings: no findings" in text
     assert "fix: add the findings" in text
+    assert "next:" not in text and "submit_repair" not in text
     assert verdicts.feedback(_result("accepted", "accepted")) == ""
 
 

@@ -56,11 +56,13 @@ def defect_records(result: CritiqueResult) -> list[dict[str, str]]:
 
 
 def feedback(result: CritiqueResult) -> str:
-    """What to tell the worker sent back: the verdict line's reasons (the deciding defects
-    and the next step), then the critic's prescriptions; "" for a passing output."""
+    """What to tell the worker sent back: the verdict line's reasons (the deciding defects;
+    not its ``next:`` step, which is the manager's), then the critic's prescriptions; "" for a
+    passing output."""
     if passes(result):
         return ""
-    lines = list(result.why()) or [defect_line(d) for d in result.envelope.actionable]
+    lines = [line for line in result.why() if not line.startswith("next: ")]
+    lines = lines or [defect_line(d) for d in result.envelope.actionable]
     lines += [f"fix: {p}" for p in result.envelope.prescriptions]
     return "\n".join(lines)
 
