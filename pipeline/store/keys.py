@@ -75,6 +75,7 @@ TRACE_EVENT_FIELD = "event"  # the field of each trace stream entry holding its 
 TRACE_SIG_FIELD = "sig"  # with CRITIQUE_SECRET: the event's tag (pipeline.signing.trace_mac)
 TRACE_MAXLEN = 100_000  # approximate cap on a run's trace stream (XADD MAXLEN ~)
 TRACE_CAPPED = "trace:capped"  # hash: kind -> how many capped events (unverified refusals) came
+TRACE_OPS = "trace:ops"  # sorted set: ids of the latest appends (a re-sent append adds nothing)
 SUBMITTED = "submitted"  # hash: "<iteration>:<worker_id>" -> JSON {task_id, signature, sid, at}
 MESSAGES = "messages"  # hash: "<iteration>:<worker>:<sid>" -> a live pass's first message (JSON)
 RESULTS = "results"  # hash: "<iteration>:<worker_id>" -> a result stored without a pass
@@ -118,6 +119,7 @@ RUN_KEY_SUFFIXES: tuple[str, ...] = (
     FAILURES,
     OWNER,
     TRACE_CAPPED,
+    TRACE_OPS,
 )  # every run key suffix, for scans, reports and tests
 
 # --- shared (not per-run) keys ---------------------------------------------------------------

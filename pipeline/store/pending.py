@@ -46,8 +46,13 @@ DRAINED_KEEP = 1000
 # score the caller judged stalled), now, max claims, TTL (ms). Returns -1 when the pass made
 # progress since (score > seen) or is no longer pending; 0 when it was claimed max times
 # already (it is dropped from the index: the caller gives up on it); else the claim count.
+# A claim's score is its ``now``: the same call again (redis-py re-sends a command whose reply
+# was lost) finds that score and answers the count it took, taking none.
 _CLAIM = """
 local s = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if s and tonumber(s) == tonumber(ARGV[3]) and tonumber(ARGV[3]) > tonumber(ARGV[2]) then
+  return tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '1')
+end
 if (not s) or tonumber(s) > tonumber(ARGV[2]) then return -1 end
 local n = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
 redis.call('PEXPIRE', KEYS[2], ARGV[5])

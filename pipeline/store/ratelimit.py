@@ -15,6 +15,7 @@ TATs advance atomically, else nothing changes and the reply says how long to wai
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +25,16 @@ from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, store_errors
 
 _GCRA = """
--- KEYS[1]: the model's hash (fields rpm, tpm: TAT in ms)
+-- KEYS[1]: the model's hash (fields rpm, tpm: TAT in ms; ops: the ids of the latest grants)
 -- ARGV: now_ms (or "" for Redis TIME), then per limit (rpm, tpm): interval_ms_per_unit,
---       depth_ms, cost; an interval of 0 means "no such limit".
--- Reply: {allowed (1/0), wait_ms as a string}
+--       depth_ms, cost; an interval of 0 means "no such limit"; ARGV[8]: this call's id.
+-- Reply: {allowed (1/0), wait_ms as a string}. A call whose id is among the latest grants was
+-- granted already (redis-py re-sent it after losing the reply): granted again, nothing taken.
+local op = " " .. ARGV[8] .. " "
+local ops = redis.call("HGET", KEYS[1], "ops") or " "
+if string.find(ops, op, 1, true) then
+  return {1, "0"}
+end
 local now
 if ARGV[1] == "" then
   local t = redis.call("TIME")
@@ -64,11 +71,21 @@ end
 for field, tat in pairs(new) do
   redis.call("HSET", KEYS[1], field, string.format("%.3f", tat))
 end
-if ttl > 0 then
-  redis.call("PEXPIRE", KEYS[1], math.ceil(ttl) + 1000)
+ops = ops .. ARGV[8] .. " "
+if #ops > OPS_KEPT_CHARS then
+  ops = " " .. string.sub(ops, string.find(ops, " ", #ops - OPS_KEPT_CHARS + 1, true) + 1)
 end
+redis.call("HSET", KEYS[1], "ops", ops)
+-- kept while a re-send may come (redis-py backs off up to 10 s), or while a TAT is ahead
+redis.call("PEXPIRE", KEYS[1], math.max(math.ceil(ttl) + 1000, 30000))
 return {1, "0"}
 """
+
+
+_OPS_KEPT = 512
+"""Grant ids each model's bucket remembers (16 hex characters each): a re-sent call is
+recognised while fewer than this many grants came after it (seconds, at any real rate)."""
+_GCRA = _GCRA.replace("OPS_KEPT_CHARS", str(_OPS_KEPT * 17))
 
 
 class RedisRateLimiter:
@@ -103,6 +120,7 @@ class RedisRateLimiter:
                 args += [0, 0, 0]
             else:
                 args += [60_000.0 / per_minute, limit.burst_s * 1000.0, cost]
+        args.append(uuid.uuid4().hex[:16])  # this call's id: a re-send takes no second slot
         with store_errors(self._client):
             allowed, wait_ms = self._script(keys=[self.key(model)], args=args)
         if int(allowed):

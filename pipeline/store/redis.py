@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -691,6 +692,31 @@ past it."""
 _SIG_FIELD = keys.TRACE_SIG_FIELD
 
 
+# KEYS[1] the run's trace stream, KEYS[2] its ids of recent appends. ARGV: this append's id,
+# the stream's MAXLEN (~), the run TTL (ms), how long an id is remembered (ms), then per event
+# its packed body and its tag ("" without secrets). Appends the events once: the same id again
+# (redis-py re-sent the call after losing its reply) appends nothing and answers 0.
+_EMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if redis.call('ZADD', KEYS[2], 'NX', now, ARGV[1]) == 0 then return 0 end
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - tonumber(ARGV[4]))
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+for i = 5, #ARGV, 2 do
+  if ARGV[i + 1] == '' then
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'EVENT_FIELD', ARGV[i])
+  else
+    redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', 'EVENT_FIELD', ARGV[i],
+      'SIG_FIELD', ARGV[i + 1])
+  end
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return 1
+""".replace("EVENT_FIELD", _EVENT_FIELD).replace("SIG_FIELD", _SIG_FIELD)
+EMIT_OPS_KEPT_MS = 60_000
+"""How long an append's id is remembered: longer than redis-py's re-sends of one call take."""
+
+
 class RedisTraceSink:
     """The run's single trace channel: one Redis stream per run, one JSON event per entry,
     stored packed (:func:`pipeline.store.packing.pack_event`: about a third of its JSON).
@@ -716,6 +742,7 @@ class RedisTraceSink:
         self._maxlen = maxlen
         self._binary = not decodes_responses(client)
         self._secrets = secrets or (lambda: ())
+        self._emit = client.register_script(_EMIT)
 
     def _key(self, run_id: str) -> str:
         return keys.run_key(run_id, keys.TRACE, self._prefix)
@@ -725,21 +752,22 @@ class RedisTraceSink:
         self.emit_encoded(run_id, (encode_event(event),))
 
     def emit_encoded(self, run_id: str, payloads: Sequence[str]) -> None:
-        """Append already encoded events (:func:`encode_event`) in one round trip."""
+        """Append already encoded events (:func:`encode_event`) in one round trip, once: the
+        call carries an id (``_EMIT``), so redis-py re-sending it after a lost reply appends
+        nothing twice."""
         if not payloads:
             return
-        key = self._key(run_id)
         secrets = self._secrets()
+        args: list[Any] = [uuid.uuid4().hex[:16], self._maxlen, self._ttl_ms, EMIT_OPS_KEPT_MS]
+        for payload in payloads:
+            args.append(pack_event(payload, binary=self._binary))
+            if secrets:
+                args.append(signing.trace_mac(run_id, payload.encode("utf-8"), secrets[0]))
+            else:
+                args.append("")
+        run_keys = [self._key(run_id), keys.run_key(run_id, keys.TRACE_OPS, self._prefix)]
         with store_errors(self._client):
-            pipe = self._client.pipeline(transaction=True)
-            for payload in payloads:
-                fields: dict[Any, Any] = {_EVENT_FIELD: pack_event(payload, binary=self._binary)}
-                if secrets:
-                    mac = signing.trace_mac(run_id, payload.encode("utf-8"), secrets[0])
-                    fields[_SIG_FIELD] = mac
-                pipe.xadd(key, fields, maxlen=self._maxlen, approximate=True)
-            pipe.pexpire(key, self._ttl_ms)
-            pipe.execute()
+            self._emit(keys=run_keys, args=args)
 
     def emit_capped(self, run_id: str, event: Mapping[str, Any], kind: str, cap: int) -> int:
         """Append ``event`` unless the run already holds ``cap`` events of ``kind``; returns how
