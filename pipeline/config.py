@@ -74,6 +74,8 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_LIVE_TTL_S",  # expiry of a live pass's step records and first message
         "CRITIQUE_STEPS_GRACE_S",  # how long a finished pass's step records stay (default 0)
         "CRITIQUE_LEASE_TTL_S",  # how long a dead repair's budget reservation is held
+        "CRITIQUE_LEASE_DEAD_S",  # seconds without a beat before a lease's holder counts as dead
+        "CRITIQUE_LEASE_BEAT_S",  # seconds between the beats of a process's budget leases
         "CRITIQUE_INLINE_LIMIT",  # largest stage state carried inline in a broker message
         "CRITIQUE_VISIBILITY_TIMEOUT_S",  # Celery: redelivery of unacked messages
         "CRITIQUE_RESTORE_INTERVAL_S",  # Celery: how often workers sweep for unacked messages
@@ -86,6 +88,8 @@ ENV_NON_FIELDS: frozenset[str] = frozenset(
         "CRITIQUE_SWEEP_S",  # workers: seconds between sweeps, probes and holder reports
         "CRITIQUE_STALL_MAX_RESUMES",  # re-drives of one stalled chain before giving up on it
         "CRITIQUE_OUTAGE_S",  # Celery: how long publishes and backend writes ride out an outage
+        "CRITIQUE_STORE_REPLICAS",  # store: replicas a result/count/charge must reach (WAIT)
+        "CRITIQUE_STORE_REPLICA_WAIT_MS",  # store: how long one such write waits for them
         "CRITIQUE_STORE_URL",  # the store's Redis, when not REDIS_URL (may be a Redis Cluster)
         "CRITIQUE_AMQP_QUEUE_TYPE",  # Celery on RabbitMQ: quorum (default) or classic queues
         "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis

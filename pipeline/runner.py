@@ -96,6 +96,7 @@ from pipeline.repair_sizing import order_repair
 from pipeline.result_bounds import NOTE_CHARS, bound_result
 from pipeline.result_bounds import RESULT_EXTRA_BYTES as RESULT_EXTRA_BYTES  # re-exported
 from pipeline.store.base import (
+    BudgetAnswer,
     BudgetLedger,
     BudgetSnapshot,
     CritiqueCache,
@@ -419,6 +420,14 @@ def critic_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """
     sub = state.submission
     began = ctx.clock()
+    held = hold_lease(ctx, state, wait=False)
+    if held is not None and not held.granted:
+        # Its lease came back (its holder died after the repair) and does not fit again: the
+        # repair's tokens are spent all the same, so the re-critique runs and the commit
+        # charges the real figure (the ledger never under-counts).
+        state = state.model_copy(
+            update={"notes": _add_note(state.notes, _lost_lease_note(state.attempt, "re-critique"))}
+        )
     allowance = (
         max(0, state.lease_tokens - state.pending_repair_tokens)
         if state.lease_id is not None
@@ -715,6 +724,41 @@ def budget_wait_s(ctx: StageContext) -> float:
     return max(0.0, wait)
 
 
+def hold_lease(ctx: StageContext, state: LoopState, *, wait: bool) -> BudgetAnswer | None:
+    """The stage about to spend under the state's lease (the repair, its re-critique) asks for
+    it again as it starts: a live lease becomes this process's from here on (it beats it:
+    :mod:`pipeline.store.leases`); one that came back meanwhile, because its holder died (this
+    is a redelivery of a killed worker's task, or the stage before died after handing on), is
+    reserved afresh against the cap. With ``wait``, a reservation blocked only by held tokens
+    raises :class:`BudgetWait` as the decide stage's does. None: no lease to hold, or a ledger
+    that records no holders (the broker-free runner: one process, leases end at their TTL)."""
+    cap = ctx.config.repair_token_cap
+    if state.lease_id is None or cap is None or ctx.budget.holder is None:
+        return None
+    sub = state.submission
+    wait_s = budget_wait_s(ctx) if wait else 0.0
+    tokens = state.lease_tokens
+    answer = ctx.budget.ask(sub.run_id, state.lease_id, tokens, cap, ctx.lease_ttl_s, wait_s)
+    if answer.verdict == "wait":
+        b = answer.budget
+        left = max(0.0, wait_s - answer.waited_s)
+        raise BudgetWait(
+            min(left, BUDGET_POLL_S * random.uniform(0.5, 1.0)) + 0.01,
+            f"repair budget: the lease of repair {state.attempt + 1} came back when its holder "
+            f"died; its {tokens} tokens wait for held ones to settle (cap {cap}, spent "
+            f"{b.spent}, held {b.held} by {b.holders}, queued {b.queued}); waited "
+            f"{answer.waited_s:.1f} of {wait_s:g} s",
+        )
+    return answer
+
+
+def _lost_lease_note(attempt: int, what: str) -> str:
+    return (
+        f"repair {attempt}: its budget lease came back when the worker holding it died, and "
+        f"the budget could not hold it again for the {what}"
+    )
+
+
 @dataclass
 class _Gathered:
     """What :func:`decide_stage` looked up for :func:`~pipeline.convergence.decide_round`, and
@@ -998,6 +1042,9 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
         raise ValueError("repair_stage needs a critiqued state (envelope is missing)")
     sub = state.submission
     began = ctx.clock()
+    held = hold_lease(ctx, state, wait=True)
+    if held is not None and not held.granted:
+        return _lease_refused(state, ctx, held)
     if isinstance(resolve_for(ctx.reviser, sub), WorkerReviser):
         return _hand_to_worker(state, ctx)
     order = state.repair_order
@@ -1044,6 +1091,40 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
     return next_state
 
 
+def _lease_refused(state: LoopState, ctx: StageContext, answer: BudgetAnswer) -> LoopState:
+    """The repair's lease came back (its holder died) and the budget refused it again: the loop
+    stops ``repair_budget_exhausted`` here, as the decide stage would have, keeping the best
+    output so far; nothing was spent on the repair."""
+    cap = ctx.config.repair_token_cap or 0
+    refusal = refusal_text(
+        state.lease_tokens, cap, answer.budget, answer.waited_s, budget_wait_s(ctx)
+    )
+    repaired = state.attempt > 0 and (state.best_acceptable or state.best_target)
+    _emit(
+        ctx,
+        state,
+        "stage",
+        "repair",
+        attempt=state.attempt + 1,
+        reviser=ctx.reviser.name,
+        refused=refusal,
+    )
+    return state.model_copy(
+        update={
+            "notes": _add_note(
+                state.notes, f"{_lost_lease_note(state.attempt + 1, 'repair')}: {refusal}"
+            ),
+            "lease_id": None,
+            "lease_tokens": 0,
+            "repair_allowance": 0,
+            "repair_order": None,
+            "next": "done",
+            "status": "repaired" if repaired else "escalated",
+            "stop_reason": "repair_budget_exhausted",
+        }
+    )
+
+
 def _repaired(state: LoopState, result: RevisionResult) -> LoopState:
     """The state after a repair (by a reviser, or by the worker: :func:`resume_worker_repair`):
     ``result.output`` is the current output, about to go back through Layer-0."""
@@ -1077,6 +1158,9 @@ def _hand_to_worker(state: LoopState, ctx: StageContext) -> LoopState:
     try:
         check_cancelled(ctx, state)
         ctx.park(state, ctx.lease_ttl_s)
+        if state.lease_id is not None:
+            # No worker process holds it while the manager's worker repairs: its TTL only.
+            ctx.budget.park(state.submission.run_id, state.lease_id)
     except BaseException as exc:
         if state.lease_id is not None and not isinstance(exc, TransientError):
             ctx.budget.refund(state.submission.run_id, state.lease_id)

@@ -357,11 +357,14 @@ class RedisStores:
         self, client: StoreClient, *, secrets: Callable[[], Sequence[bytes]] | None = None
     ) -> None:
         from pipeline.store.blobs import RedisBlobStore
+        from pipeline.store.leases import process_holder
         from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
         from pipeline.store.runs import RedisRunStore
 
         self.patterns = RedisPatternStore(client)
-        self.budget = RedisBudgetLedger(client)
+        # The leases this process is granted are its own, beaten from its own thread, so they
+        # come back soon after it dies (pipeline.store.leases).
+        self.budget = RedisBudgetLedger(client, holder=process_holder())
         self.trace = RedisTraceSink(client, secrets=secrets)
         self.blobs = RedisBlobStore(client)
         self.runs = RedisRunStore(client, secrets=secrets)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
+from pipeline.store.leases import Beat, LeaseHolder
 
 
 def encode_event(event: Mapping[str, Any]) -> str:
@@ -160,7 +161,21 @@ class BudgetLedger(Protocol):
       while it keeps asking (:data:`WAITER_GRACE_S`). It is ``refused`` when spent + its tokens
       pass the cap, when the run overran, or when it still does not fit once the wait ran out.
       A waiting lease holds nothing and cannot be committed (commit charges 0).
+    - Holders (:mod:`pipeline.store.leases`; a ledger made with a ``holder``): a lease granted
+      is recorded as the asking holder's, and a live lease asked for again by another holder
+      becomes that one's (the stage that spends under it holds it). A held lease stops holding
+      at its TTL or, sooner, ``dead_s`` after its holder's last grant, hand-over or ``beat``,
+      whichever comes first: a dead holder's tokens come back, for every reader at once, as an
+      expired lease's do. ``beat`` moves the deadline of a holder's own live leases on, and
+      never revives one past it (its tokens may be another repair's by then); ``park`` makes a
+      live lease no process's (only its TTL ends it). A ledger without a holder records none,
+      and its leases end at their TTL only.
     """
+
+    @property
+    def holder(self) -> LeaseHolder | None:
+        """Who holds the leases this ledger grants (None: no one; only TTLs end them)."""
+        ...
 
     def ask(
         self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float, wait_s: float = 0.0
@@ -190,6 +205,15 @@ class BudgetLedger(Protocol):
 
     def refund(self, run_id: str, lease_id: str) -> None:
         """Release the lease's hold without charging anything."""
+        ...
+
+    def beat(self, run_id: str, lease_ids: Sequence[str]) -> dict[str, Beat]:
+        """Keep this ledger's holder's live leases among ``lease_ids`` alive for another
+        ``dead_s``: what each was found to be (kept, gone, or lapsed: never revived)."""
+        ...
+
+    def park(self, run_id: str, lease_id: str) -> bool:
+        """Make a live lease no process's (only its TTL ends it); False when it is not live."""
         ...
 
     def spent(self, run_id: str) -> int:

@@ -67,8 +67,9 @@ PATTERNS_SEEN = "patterns:seen"  # set: critique keys already recorded (exactly-
 PATTERNS_COUNTED = "patterns:counted"  # set: "<pass key>|<sha1 of pattern key>" counted per pass
 PATTERNS_SEQ = "patterns:seq"  # string: the last first-recorded order handed out in the run
 BUDGET = "budget"  # hash: "spent" -> repair tokens charged; "overrun" -> charged past reservations
-BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:state:charge" (every lease)
-BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> expiry (µs); expired ones reclaimed
+BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:state:charge[:holder]"
+BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> when it stops holding (µs): its TTL,
+# or sooner its holder's liveness deadline (pipeline.store.leases); past ones reclaimed
 BUDGET_WAITING = "budget:waiting"  # sorted set: waiting lease id -> last ask + grace (µs)
 TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
 TRACE_EVENT_FIELD = "event"  # the field of each trace stream entry holding its event
@@ -145,6 +146,8 @@ METRICS_COUNTERS = "metrics:{counters}"  # hash: fleet counters (pipeline.store.
 METRICS_DURATIONS = "metrics:{durations}"  # hash: "<stage>:b<i>" / "<stage>:sum": stage histogram
 METRICS_KEYS = (METRICS_COUNTERS, METRICS_DURATIONS)  # each its own {tag}: its own cluster slot
 PROBE_DRAINED = "drained"  # sorted set ``<prefix>:probe:{<queue>}:drained``: probe sent -> ran
+AMQP_CENSUS = "amqp:census"  # ``<prefix>:amqp:census:{<vhost digest>}:reports`` (hash: worker ->
+# JSON consumer report) and ``…:quiet`` (sorted set: census time -> quiet queues), RabbitMQ only
 ENTRY_CLAIM = "entry"  # string ``<prefix>:entry:<sha256 of a task id>``: JSON {run_id, iteration,
 # worker_id, pass_id} of the entry message that first ran under that id, fleet-wide (run TTL)
 DEADLETTER = "deadletter"  # list: broker messages refused at a worker's door (workers.door),

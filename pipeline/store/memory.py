@@ -29,6 +29,7 @@ from pipeline.store.base import (
 from pipeline.store.blobs import BlobMissingError, blob_ref, parse_ref, verified
 from pipeline.store.keys import lessons_scope, pattern_key
 from pipeline.store.keys import lessons_ttl_s as lessons_ttl
+from pipeline.store.leases import Beat, LeaseHolder
 
 
 @dataclass
@@ -199,6 +200,10 @@ class _Lease:
     """``live`` | ``committed`` | ``refunded`` | ``waiting`` (``expires`` is then when it
     began to wait)."""
     charge: int = 0
+    holder: str = ""
+    """The process that holds it ("" none: only its TTL ends it)."""
+    until: float = 0.0
+    """When a live lease stops holding: its TTL, or sooner its holder's liveness deadline."""
 
 
 @dataclass
@@ -212,16 +217,37 @@ class _Run:
 
 class MemoryBudgetLedger:
     """The budget semaphore in memory, with the same lease rules as the Redis one
-    (:class:`~pipeline.store.base.BudgetLedger`)."""
+    (:class:`~pipeline.store.base.BudgetLedger`), holders and liveness included (``holder``:
+    :class:`~pipeline.store.leases.LeaseHolder`; :meth:`with_holder` is another process on the
+    same budget)."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, *, holder: LeaseHolder | None = None
+    ) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._runs: dict[str, _Run] = {}
+        self._holder = holder
+
+    @property
+    def holder(self) -> LeaseHolder | None:
+        """Who holds the leases this ledger grants (None: no one; only TTLs apply)."""
+        return self._holder
+
+    def with_holder(self, holder: LeaseHolder | None) -> MemoryBudgetLedger:
+        """This ledger's budget (the same runs, lock and clock) for another holder."""
+        other = MemoryBudgetLedger(self._clock, holder=holder)
+        other._lock, other._runs = self._lock, self._runs
+        return other
+
+    def _until(self, expires: float, now: float) -> float:
+        if self._holder is None:
+            return expires
+        return min(expires, now + self._holder.dead_s)
 
     @staticmethod
     def _live(run: _Run, now: float) -> list[_Lease]:
-        return [le for le in run.leases.values() if le.state == "live" and le.expires > now]
+        return [le for le in run.leases.values() if le.state == "live" and le.until > now]
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
         return self.ask(run_id, lease_id, tokens, cap, ttl_s).granted
@@ -245,7 +271,11 @@ class MemoryBudgetLedger:
             if lease is not None:
                 if lease.state == "committed":
                     return BudgetAnswer("granted", BudgetSnapshot())  # settled: nothing anew
-                if lease.state == "live" and lease.expires > now:
+                if lease.state == "live" and lease.until > now:
+                    if self._holder is not None:  # whoever asks for a live lease holds it
+                        lease.holder = self._holder.id
+                        lease.until = self._until(lease.expires, now)
+                        self._holder.hold(self, run_id, lease_id)
                     return BudgetAnswer("granted", BudgetSnapshot())
                 if lease.state == "waiting":
                     since = lease.expires
@@ -268,12 +298,20 @@ class MemoryBudgetLedger:
                 waiters=len(ahead),
             )
             waited = now - since
+            holder = self._holder.id if self._holder is not None else ""
             if run.overrun == 0 and run.spent + held + queued + tokens <= cap:
-                run.leases[lease_id] = _Lease(tokens=tokens, expires=now + ttl_s)
+                expires = now + ttl_s
+                run.leases[lease_id] = _Lease(
+                    tokens=tokens, expires=expires, holder=holder, until=self._until(expires, now)
+                )
                 run.waiting.pop(lease_id, None)
+                if self._holder is not None:
+                    self._holder.hold(self, run_id, lease_id)
                 return BudgetAnswer("granted", snap, waited)
             if run.overrun == 0 and run.spent + tokens <= cap and waited < wait_s:
-                run.leases[lease_id] = _Lease(tokens=tokens, expires=since, state="waiting")
+                run.leases[lease_id] = _Lease(
+                    tokens=tokens, expires=since, state="waiting", holder=holder
+                )
                 run.waiting[lease_id] = now + WAITER_GRACE_S
                 return BudgetAnswer("wait", snap, waited)
             run.waiting.pop(lease_id, None)
@@ -292,7 +330,9 @@ class MemoryBudgetLedger:
             lease.charge = charge
             run.spent += charge
             run.overrun += max(0, charge - min(max(int(outside), 0), charge) - lease.tokens)
-            return charge
+        if self._holder is not None:
+            self._holder.drop(self, run_id, lease_id)
+        return charge
 
     def refund(self, run_id: str, lease_id: str) -> None:
         with self._lock:
@@ -300,6 +340,40 @@ class MemoryBudgetLedger:
             lease = run.leases.get(lease_id)
             if lease is not None and lease.state == "live":
                 lease.state = "refunded"
+        if self._holder is not None:
+            self._holder.drop(self, run_id, lease_id)
+
+    def beat(self, run_id: str, lease_ids: Sequence[str]) -> dict[str, Beat]:
+        """As :meth:`RedisBudgetLedger.beat`: move this holder's live leases' deadlines on."""
+        if self._holder is None:
+            return dict.fromkeys(lease_ids, "gone")
+        out: dict[str, Beat] = {}
+        with self._lock:
+            now = self._clock()
+            run = self._runs.get(run_id, _Run())
+            for lease_id in lease_ids:
+                lease = run.leases.get(lease_id)
+                if lease is None or lease.state != "live" or lease.holder != self._holder.id:
+                    out[lease_id] = "gone"
+                elif lease.until > now:
+                    lease.until = self._until(lease.expires, now)
+                    out[lease_id] = "kept"
+                else:
+                    out[lease_id] = "lapsed"
+        return out
+
+    def park(self, run_id: str, lease_id: str) -> bool:
+        """As :meth:`RedisBudgetLedger.park`: a live lease held by no process (TTL only)."""
+        with self._lock:
+            now = self._clock()
+            lease = self._runs.get(run_id, _Run()).leases.get(lease_id)
+            parked = lease is not None and lease.state == "live" and lease.until > now
+            if lease is not None and parked:
+                lease.holder = ""
+                lease.until = lease.expires
+        if self._holder is not None:
+            self._holder.drop(self, run_id, lease_id)
+        return parked
 
     def spent(self, run_id: str) -> int:
         with self._lock:
@@ -324,7 +398,18 @@ class MemoryBudgetLedger:
             return {
                 lid: le.tokens
                 for lid, le in run.leases.items()
-                if le.state == "live" and le.expires > now
+                if le.state == "live" and le.until > now
+            }
+
+    def holders(self, run_id: str) -> dict[str, str]:
+        """Live leases and the holder of each (as :meth:`RedisBudgetLedger.holders`)."""
+        with self._lock:
+            run = self._runs.get(run_id, _Run())
+            now = self._clock()
+            return {
+                lid: le.holder
+                for lid, le in run.leases.items()
+                if le.state == "live" and le.until > now
             }
 
 

@@ -33,11 +33,13 @@ from pipeline.store.base import (
     run_lesson,
 )
 from pipeline.store.keys import pattern_key
+from pipeline.store.leases import Beat, LeaseHolder
 from pipeline.store.packing import pack_event, unpack
 from pipeline.store.redis_common import (
     StoreClient,
     connection_kwargs,
     decodes_responses,
+    replicated,
     resolve_prefix,
     resolve_ttl_ms,
     store_errors,
@@ -298,7 +300,7 @@ class RedisPatternStore:
             keys.PATTERNS_SEQ,
         )
         with store_errors(self._client):
-            got = self._record(keys=script_keys, args=args)
+            got = replicated(self._client, self._record, script_keys, args)
             if not isinstance(got, list):
                 return False
             new = {text(k) for k in got[1:]}
@@ -379,26 +381,39 @@ class RedisPatternStore:
 
 # One script for the whole lease protocol (the rules: pipeline.store.base.BudgetLedger).
 # KEYS: budget hash, leases hash, live sorted set, waiting sorted set.
-# ARGV[1] = op ("reserve" | "commit" | "refund" | "holds" | "snapshot"), ARGV[2] = run TTL (ms),
+# ARGV[1] = op ("reserve" | "commit" | "refund" | "release" | "beat" | "park" | "holds" |
+# "snapshot"), ARGV[2] = run TTL (ms),
 # ARGV[3] = now in µs, or "" to use the server's TIME (the default: one clock for every host).
 #   reserve:  ARGV[4] lease id, ARGV[5] tokens, ARGV[6] cap, ARGV[7] lease TTL (µs),
-#             ARGV[8] wait (µs), ARGV[9] waiter grace (µs) →
+#             ARGV[8] wait (µs), ARGV[9] waiter grace (µs), ARGV[10] holder ("" none),
+#             ARGV[11] the holder's liveness window (µs; 0 none) →
 #             [verdict (0 granted, 1 wait, 2 refused), spent, held, holders, overrun, queued,
-#              waiters, waited (µs)] (all 0 but the verdict for a live or committed lease)
+#              waiters, waited (µs)] (all 0 but the verdict for a live or committed lease; a
+#             live lease asked for by a holder is handed over to it)
 #   commit:   ARGV[4] lease id, ARGV[5] actual tokens, ARGV[6] of them spent outside the service
 #             (a worker's re-run: never an overrun) → the charge (the first one, when repeated)
 #   refund:   ARGV[4] lease id → 0
 #   release:  ARGV[4..] lease-id prefixes (one per cancelled pass) → how many live or waiting
 #             leases under them were refunded (a cancel: nothing of those passes stays held)
-#   holds:    → [lease id, tokens, expiry (µs), now (µs)]* of live, unexpired leases
+#   beat:     ARGV[4] holder, ARGV[5] liveness window (µs), ARGV[6..] lease ids → per lease,
+#             1 kept (still this holder's and live: its deadline moved on), 0 gone (settled,
+#             handed over, unknown), 2 lapsed (this holder's, but its deadline or TTL passed:
+#             never revived)
+#   park:     ARGV[4] lease id → 1 when the live lease is now held by no process (only its TTL
+#             ends it: a repair handed to the manager's worker), else 0
+#   holds:    → [lease id, tokens, deadline (µs), now (µs), holder]* of live leases
 #   snapshot: → [spent, held, holders, overrun]
-# A lease record is "tokens:expires_us:state:charge" (state 0 live, 1 committed, 2 refunded,
-# 3 waiting: then expires_us is when it began to wait); records stay until the run expires, so
-# a repeated reserve, commit or refund of a lease id is answered from its record. The budget
-# hash holds "spent" and "overrun" (tokens charged past their reservations; above 0 it refuses
-# every new reservation of the run), and "cap" (the cap the last reservation asked against,
-# read by the exporter: pipeline.store.metrics). The waiting set scores each waiting lease with
-# the time it stops counting as queued (its last ask + the grace): older waiters are served first.
+# A lease record is "tokens:expires_us:state:charge[:holder]" (state 0 live, 1 committed,
+# 2 refunded, 3 waiting: then expires_us is when it began to wait; holder: the process that
+# holds it, pipeline.store.leases); records stay until the run expires, so a repeated reserve,
+# commit or refund of a lease id is answered from its record. The live set scores each live
+# lease with the moment it stops holding: its TTL, or sooner its holder's liveness deadline
+# (now + the window at each grant, hand-over and beat), so a dead holder's lease is released
+# for every reader at once. The budget hash holds "spent" and "overrun" (tokens charged past
+# their reservations; above 0 it refuses every new reservation of the run), and "cap" (the cap
+# the last reservation asked against, read by the exporter: pipeline.store.metrics). The
+# waiting set scores each waiting lease with the time it stops counting as queued (its last
+# ask + the grace): older waiters are served first.
 _BUDGET = """
 local op = ARGV[1]
 local function now_us()
@@ -407,12 +422,24 @@ local function now_us()
   return tonumber(t[1]) * 1000000 + tonumber(t[2])
 end
 local function parse(rec)
-  local tokens, expires, state, charge = string.match(rec, '^(%d+):(%-?%d+):(%d):?(%d*)$')
+  local tokens, expires, state, charge, holder =
+    string.match(rec, '^(%d+):(%-?%d+):(%d):?(%d*):?(.*)$')
   if charge == nil or charge == '' then charge = '0' end
-  return tonumber(tokens), tonumber(expires), tonumber(state), tonumber(charge)
+  return tonumber(tokens), tonumber(expires), tonumber(state), tonumber(charge), holder or ''
 end
-local function record(tokens, expires, state, charge)
-  return string.format('%.0f:%.0f:%d:%.0f', tokens, expires, state, charge)
+local function record(tokens, expires, state, charge, holder)
+  local rec = string.format('%.0f:%.0f:%d:%.0f', tokens, expires, state, charge)
+  if holder ~= nil and holder ~= '' then rec = rec .. ':' .. holder end
+  return rec
+end
+local function deadline(expires, holder, now, live)
+  if holder ~= '' and live > 0 then return math.min(expires, now + live) end
+  return expires
+end
+local function live_until(lease)
+  local score = redis.call('ZSCORE', KEYS[3], lease)
+  if score then return tonumber(score) end
+  return nil
 end
 local function touch()
   for i = 1, 4 do redis.call('PEXPIRE', KEYS[i], ARGV[2]) end
@@ -434,16 +461,28 @@ if op == 'reserve' then
   local lease, tokens, cap = ARGV[4], tonumber(ARGV[5]), tonumber(ARGV[6])
   redis.call('HSET', KEYS[1], 'cap', ARGV[6])  -- the run's cap, for the fleet metrics
   local wait, grace = tonumber(ARGV[8]), tonumber(ARGV[9])
+  local holder, live = ARGV[10] or '', tonumber(ARGV[11] or '0')
   local now = now_us()
   local since = now
   local rec = redis.call('HGET', KEYS[2], lease)
   if rec then
-    local _, expires, state = parse(rec)
+    local rtokens, expires, state, charge = parse(rec)
     if state == 1 then return {0, 0, 0, 0, 0, 0, 0, 0} end
-    if state == 0 and expires > now then return {0, 0, 0, 0, 0, 0, 0, 0} end
+    if state == 0 then
+      local untl = live_until(lease)
+      if untl and untl > now then
+        if holder ~= '' then
+          -- Whoever asks for a live lease holds it from now (the stage that spends under it).
+          redis.call('HSET', KEYS[2], lease, record(rtokens, expires, 0, charge, holder))
+          redis.call('ZADD', KEYS[3], string.format('%.0f', deadline(expires, holder, now, live)),
+                     lease)
+        end
+        return {0, 0, 0, 0, 0, 0, 0, 0}
+      end
+    end
     if state == 3 then since = expires end
-    -- Refunded, or expired unsettled (its holder died; the work was redelivered): reserve
-    -- afresh below, against the cap, as if the lease were new.
+    -- Refunded, or past its TTL or its holder's deadline unsettled (its holder died; the work
+    -- was redelivered): reserve afresh below, against the cap, as if the lease were new.
   end
   local nowf = string.format('%.0f', now)
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', nowf)
@@ -470,15 +509,15 @@ if op == 'reserve' then
   end
   if overrun == 0 and spent + held + queued + tokens <= cap then
     local expires = now + tonumber(ARGV[7])
-    redis.call('HSET', KEYS[2], lease, record(tokens, expires, 0, 0))
-    redis.call('ZADD', KEYS[3], string.format('%.0f', expires), lease)
+    redis.call('HSET', KEYS[2], lease, record(tokens, expires, 0, 0, holder))
+    redis.call('ZADD', KEYS[3], string.format('%.0f', deadline(expires, holder, now, live)), lease)
     redis.call('ZREM', KEYS[4], lease)
     redis.call('HSETNX', KEYS[1], 'spent', '0')
     touch()
     return answer(0)
   end
   if overrun == 0 and spent + tokens <= cap and now - since < wait then
-    redis.call('HSET', KEYS[2], lease, record(tokens, since, 3, 0))
+    redis.call('HSET', KEYS[2], lease, record(tokens, since, 3, 0, holder))
     redis.call('ZADD', KEYS[4], string.format('%.0f', now + grace), lease)
     redis.call('HSETNX', KEYS[1], 'spent', '0')
     touch()
@@ -490,12 +529,12 @@ elseif op == 'commit' then
   local lease = ARGV[4]
   local rec = redis.call('HGET', KEYS[2], lease)
   if not rec then return 0 end
-  local tokens, expires, state, charge = parse(rec)
+  local tokens, expires, state, charge, holder = parse(rec)
   if state == 1 then return charge end
   if state == 3 then return 0 end
   local actual = math.max(tonumber(ARGV[5]), 0)
   local inside = actual - math.min(math.max(tonumber(ARGV[6] or '0'), 0), actual)
-  redis.call('HSET', KEYS[2], lease, record(tokens, expires, 1, actual))
+  redis.call('HSET', KEYS[2], lease, record(tokens, expires, 1, actual, holder))
   redis.call('ZREM', KEYS[3], lease)
   redis.call('HINCRBY', KEYS[1], 'spent', string.format('%.0f', actual))
   if inside > tokens then
@@ -507,9 +546,9 @@ elseif op == 'refund' then
   local lease = ARGV[4]
   local rec = redis.call('HGET', KEYS[2], lease)
   if rec then
-    local tokens, expires, state = parse(rec)
+    local tokens, expires, state, _, holder = parse(rec)
     if state == 0 then
-      redis.call('HSET', KEYS[2], lease, record(tokens, expires, 2, 0))
+      redis.call('HSET', KEYS[2], lease, record(tokens, expires, 2, 0, holder))
       redis.call('ZREM', KEYS[3], lease)
       touch()
     end
@@ -523,9 +562,9 @@ elseif op == 'release' then
         if string.sub(lease, 1, #ARGV[p]) == ARGV[p] then
           local rec = redis.call('HGET', KEYS[2], lease)
           if rec then
-            local tokens, expires, state = parse(rec)
+            local tokens, expires, state, _, holder = parse(rec)
             if state == 0 or state == 3 then
-              redis.call('HSET', KEYS[2], lease, record(tokens, expires, 2, 0))
+              redis.call('HSET', KEYS[2], lease, record(tokens, expires, 2, 0, holder))
               n = n + 1
             end
           end
@@ -537,16 +576,54 @@ elseif op == 'release' then
   end
   if n > 0 then touch() end
   return n
+elseif op == 'beat' then
+  local holder, live = ARGV[4], tonumber(ARGV[5])
+  local now = now_us()
+  local out = {}
+  for i = 6, #ARGV do
+    local lease, code = ARGV[i], 0
+    local rec = redis.call('HGET', KEYS[2], lease)
+    if rec then
+      local _, expires, state, _, rholder = parse(rec)
+      if state == 0 and rholder == holder and holder ~= '' then
+        local untl = live_until(lease)
+        if untl and untl > now then
+          redis.call('ZADD', KEYS[3], string.format('%.0f', deadline(expires, holder, now, live)),
+                     lease)
+          code = 1
+        else
+          code = 2  -- its deadline passed before this beat: released, never revived
+        end
+      end
+    end
+    out[#out + 1] = code
+  end
+  return out
+elseif op == 'park' then
+  local lease = ARGV[4]
+  local now = now_us()
+  local rec = redis.call('HGET', KEYS[2], lease)
+  if not rec then return 0 end
+  local tokens, expires, state, charge = parse(rec)
+  local untl = live_until(lease)
+  if state ~= 0 or not untl or untl <= now then return 0 end
+  redis.call('HSET', KEYS[2], lease, record(tokens, expires, 0, charge, ''))
+  redis.call('ZADD', KEYS[3], string.format('%.0f', expires), lease)
+  touch()
+  return 1
 elseif op == 'holds' then
   local now = now_us()
   local out = {}
-  local live = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. string.format('%.0f', now), '+inf')
-  for _, lease in ipairs(live) do
-    local tokens, expires = parse(redis.call('HGET', KEYS[2], lease))
+  local live = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. string.format('%.0f', now), '+inf',
+                          'WITHSCORES')
+  for i = 1, #live, 2 do
+    local lease = live[i]
+    local tokens, _, _, _, holder = parse(redis.call('HGET', KEYS[2], lease))
     out[#out + 1] = lease
     out[#out + 1] = string.format('%.0f', tokens)
-    out[#out + 1] = string.format('%.0f', expires)
+    out[#out + 1] = string.format('%.0f', tonumber(live[i + 1]))
     out[#out + 1] = string.format('%.0f', now)
+    out[#out + 1] = holder
   end
   return out
 elseif op == 'snapshot' then
@@ -559,6 +636,7 @@ return redis.error_reply('unknown budget op ' .. tostring(op))
 
 
 _VERDICTS: tuple[Verdict, ...] = ("granted", "wait", "refused")
+_BEATS: tuple[Beat, ...] = ("gone", "kept", "lapsed")
 
 
 class RedisBudgetLedger:
@@ -571,6 +649,11 @@ class RedisBudgetLedger:
     the real figure when the lease exists and is not yet committed, even after it expired or
     was refunded: the tokens were really spent, so the ledger says so. Keep lease TTLs above
     the task time limit so that only dead holders expire.
+
+    With a ``holder`` (:class:`~pipeline.store.leases.LeaseHolder`) every lease this ledger
+    grants, or is asked for while live, is recorded as that holder's and lives only while the
+    holder beats it (:mod:`pipeline.store.leases`); without one, leases carry no holder and
+    only their TTL ends them.
     """
 
     def __init__(
@@ -579,12 +662,32 @@ class RedisBudgetLedger:
         prefix: str | None = None,
         ttl_s: float | None = None,
         clock: Callable[[], float] | None = None,
+        *,
+        holder: LeaseHolder | None = None,
     ) -> None:
         self._client = client
         self._prefix = resolve_prefix(prefix)
+        self._ttl_s = ttl_s
         self._ttl_ms = resolve_ttl_ms(ttl_s)
         self._clock = clock
+        self._holder = holder
         self._script = client.register_script(_BUDGET)
+
+    @property
+    def holder(self) -> LeaseHolder | None:
+        """Who holds the leases this ledger grants (None: no one; only TTLs apply)."""
+        return self._holder
+
+    def with_holder(self, holder: LeaseHolder | None) -> RedisBudgetLedger:
+        """This ledger (same client, keys and clock) for another holder: a second process."""
+        return RedisBudgetLedger(
+            self._client, self._prefix, self._ttl_s, self._clock, holder=holder
+        )
+
+    def _live_args(self) -> tuple[str, int]:
+        if self._holder is None:
+            return "", 0
+        return self._holder.id, int(self._holder.dead_s * 1_000_000)
 
     def _call(self, run_id: str, op: str, *args: str | int) -> Any:
         script_keys = [
@@ -592,8 +695,11 @@ class RedisBudgetLedger:
             for s in (keys.BUDGET, keys.BUDGET_LEASES, keys.BUDGET_LIVE, keys.BUDGET_WAITING)
         ]
         now = "" if self._clock is None else str(int(self._clock() * 1_000_000))
+        args_ = [op, self._ttl_ms, now, *args]
         with store_errors(self._client):
-            return self._script(keys=script_keys, args=[op, self._ttl_ms, now, *args])
+            if op == "commit":  # a charge: on the replicas CRITIQUE_STORE_REPLICAS asks for
+                return replicated(self._client, self._script, script_keys, args_)
+            return self._script(keys=script_keys, args=args_)
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
         """Hold ``tokens`` against ``cap`` (spent + live holds + queued + tokens ≤ cap, no
@@ -626,10 +732,13 @@ class RedisBudgetLedger:
             int(ttl_s * 1_000_000),
             int(max(0.0, wait_s) * 1_000_000),
             int(WAITER_GRACE_S * 1_000_000),
+            *self._live_args(),
         )
         verdict, spent, held, holders, overrun, queued, waiters, waited_us = (
             int(x) for x in answer
         )
+        if verdict == 0 and self._holder is not None:
+            self._holder.hold(self, run_id, lease_id)
         snap = BudgetSnapshot(
             spent=spent,
             held=held,
@@ -643,11 +752,36 @@ class RedisBudgetLedger:
     def commit(self, run_id: str, lease_id: str, actual_tokens: int, *, outside: int = 0) -> int:
         """Charge ``actual_tokens`` and release the hold; a repeat returns the first charge;
         0 for an unknown lease. ``outside`` of them (a worker's re-run) is never an overrun."""
-        return int(self._call(run_id, "commit", lease_id, int(actual_tokens), int(outside)))
+        charged = int(self._call(run_id, "commit", lease_id, int(actual_tokens), int(outside)))
+        if self._holder is not None:
+            self._holder.drop(self, run_id, lease_id)
+        return charged
 
     def refund(self, run_id: str, lease_id: str) -> None:
         """Release a live lease's hold without charging anything (later calls do nothing)."""
         self._call(run_id, "refund", lease_id)
+        if self._holder is not None:
+            self._holder.drop(self, run_id, lease_id)
+
+    def beat(self, run_id: str, lease_ids: Sequence[str]) -> dict[str, Beat]:
+        """Keep this ledger's holder's live leases among ``lease_ids`` alive for another
+        liveness window; what each one was found to be (:data:`~pipeline.store.leases.Beat`).
+        A lease past its deadline is never revived. Without a holder: every one is "gone"."""
+        if not lease_ids:
+            return {}
+        if self._holder is None:
+            return dict.fromkeys(lease_ids, "gone")
+        holder, live_us = self._live_args()
+        codes = self._call(run_id, "beat", holder, live_us, *lease_ids)
+        return {lease: _BEATS[int(code)] for lease, code in zip(lease_ids, codes, strict=True)}
+
+    def park(self, run_id: str, lease_id: str) -> bool:
+        """Hand a live lease to no process: it stays held until its TTL (a repair handed to the
+        manager's worker, which no worker process beats for). False when it is not live."""
+        parked = bool(int(self._call(run_id, "park", lease_id)))
+        if self._holder is not None:
+            self._holder.drop(self, run_id, lease_id)
+        return parked
 
     def refund_passes(self, run_id: str, prefixes: Sequence[str]) -> int:
         """Refund every live or waiting lease whose id starts with one of ``prefixes`` (each
@@ -675,7 +809,13 @@ class RedisBudgetLedger:
     def holds(self, run_id: str) -> dict[str, int]:
         """Live (uncommitted, unexpired) leases and the tokens each holds — for tests and status."""
         flat = self._call(run_id, "holds")
-        return {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 4)}
+        return {text(flat[i]): int(flat[i + 1]) for i in range(0, len(flat), 5)}
+
+    def holders(self, run_id: str) -> dict[str, str]:
+        """Live leases and the holder of each ("" for one no process holds) — for tests and
+        status."""
+        flat = self._call(run_id, "holds")
+        return {text(flat[i]): text(flat[i + 4]) for i in range(0, len(flat), 5)}
 
 
 # --- trace stream ----------------------------------------------------------------------------

@@ -419,3 +419,56 @@ def resolve_ttl_ms(ttl_s: float | None) -> int:
 def resolve_prefix(prefix: str | None) -> str:
     """A checked key prefix: ``prefix`` if given, else ``$CRITIQUE_KEY_PREFIX`` or ``critique``."""
     return keys.key_prefix() if prefix is None else keys.check_prefix(prefix)
+
+
+# -- acknowledged writes on a replica ------------------------------------------------------------
+REPLICAS_ENV = "CRITIQUE_STORE_REPLICAS"
+"""How many replicas must hold a result, a pattern count or a budget charge before the worker
+moves on (``WAIT``): 0 (the default) waits for none."""
+REPLICA_WAIT_ENV = "CRITIQUE_STORE_REPLICA_WAIT_MS"
+"""How long one write waits for them (default 2000 ms) before it counts as not written."""
+DEFAULT_REPLICA_WAIT_MS = 2000
+
+
+def replicas_required(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    """``(replicas, wait_ms)`` from :data:`REPLICAS_ENV` and :data:`REPLICA_WAIT_ENV`; a value
+    that is not a whole number ≥ 0 (≥ 1 for the wait) is a ``ConfigError`` naming it."""
+    env = os.environ if env is None else env
+    out = []
+    for name, default, least in (
+        (REPLICAS_ENV, 0, 0),
+        (REPLICA_WAIT_ENV, DEFAULT_REPLICA_WAIT_MS, 1),
+    ):
+        raw = (env.get(name) or "").strip()
+        try:
+            value = int(raw) if raw else default
+        except ValueError:
+            value = -1
+        if value < least:
+            raise ConfigError(f"{name}={raw!r}: give a whole number ≥ {least}", key=name)
+        out.append(value)
+    return out[0], out[1]
+
+
+def replicated(client: StoreClient, script: Any, keys: list[str], args: list[Any]) -> Any:
+    """Run a registered store script and, when :data:`REPLICAS_ENV` asks for replicas, ``WAIT``
+    for them on the same connection (one pipeline, not a transaction) before answering: a write
+    a failover could drop (the master crashed, or was demoted, before its replicas had it) is a
+    ``StoreUnavailableError`` instead of an acknowledged write, so the task retries it (every
+    such script is idempotent) on whichever master holds the data then. A Redis Cluster store
+    relies on its own replicas (``WAIT`` has no key to route by): the script runs alone."""
+    wanted, wait_ms = replicas_required()
+    if wanted <= 0 or isinstance(client, redis.cluster.RedisCluster):
+        return script(keys=keys, args=args)
+    pipe = client.pipeline(transaction=False)
+    script(keys=keys, args=args, client=pipe)
+    pipe.execute_command("WAIT", wanted, wait_ms)  # type: ignore[no-untyped-call]
+    got, acked = pipe.execute()
+    if int(acked) < wanted:
+        raise StoreUnavailableError(
+            f"a write reached {int(acked)} of the {wanted} replica(s) {REPLICAS_ENV} asks for "
+            f"within {wait_ms} ms (a failover under way, or a replica down)",
+            hint=f"the task retries it; check the replicas (INFO replication), or lower "
+            f"{REPLICAS_ENV}",
+        )
+    return got

@@ -53,6 +53,7 @@ from pipeline.store.packing import pack_event, pack_record, unpack
 from pipeline.store.redis_common import (
     StoreClient,
     decodes_responses,
+    replicated,
     resolve_prefix,
     resolve_ttl_ms,
     store_errors,
@@ -549,9 +550,11 @@ class RedisRunStore:
             self._key(result.run_id, s) for s in (keys.MESSAGES, keys.SUSPECTS, keys.RESUMES)
         )
         with store_errors(self._r):
-            got = self._put_result(
-                keys=script_keys,
-                args=[
+            got = replicated(  # on the replicas CRITIQUE_STORE_REPLICAS asks for
+                self._r,
+                self._put_result,
+                script_keys,
+                [
                     field,
                     pass_field,
                     pass_id,

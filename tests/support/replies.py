@@ -15,19 +15,25 @@ from workers.embedded import free_port
 
 class ReplyLoser:
     """``127.0.0.1:<port>`` → ``upstream``; after :meth:`lose_next_reply`, the next reply from
-    Redis is dropped and both sides of that connection are closed."""
+    Redis is dropped and both sides of that connection are closed; after :meth:`hold`, nothing
+    from Redis gets through (a replica linked through it lags: what the master sends it is gone)
+    while the connections stay open."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream_port = upstream_port
         self.port = free_port()
         self.lost = 0
         self._armed = threading.Event()
+        self._holding = threading.Event()
         self._server = socket.create_server(("127.0.0.1", self.port))
         self._stop = threading.Event()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def lose_next_reply(self) -> None:
         self._armed.set()
+
+    def hold(self) -> None:
+        self._holding.set()
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
@@ -43,7 +49,11 @@ class ReplyLoser:
                 client, _ = self._server.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:  # the upstream is down (killed by the test): refuse this one
+                client.close()
+                continue
             threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
 
@@ -54,6 +64,8 @@ class ReplyLoser:
                     self._armed.clear()
                     self.lost += 1
                     break  # the reply is dropped: cut both sides
+                if replies and self._holding.is_set():
+                    continue  # never delivered
                 dst.sendall(data)
         except OSError:
             pass
