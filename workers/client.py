@@ -325,13 +325,14 @@ class CritiqueClient:
         progress = _Progress(self, handle, stall_after_s())
         outage = riding.Outage()
         while True:
+            began = time.monotonic()
             try:
                 got = self._outcome(handle)
                 if got is None:
                     progress.check()
                 outage.ok()
             except StoreUnavailableError as exc:
-                pause = outage.failed(exc)
+                pause = outage.failed(exc, began)
                 left = _left(deadline, outage)
                 if left <= 0:
                     raise outage.error(_why_stopped(timeout)) from exc

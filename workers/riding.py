@@ -17,6 +17,7 @@ BrokerUnavailableError` is one): a refused, malformed or unverifiable record is 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import time
@@ -64,11 +65,12 @@ class Outage:
         self.episodes = 0
         """How many separate outages this loop rode through (each counted when it began)."""
 
-    def failed(self, exc: StoreUnavailableError) -> float:
-        """Record a failed read; returns how long to back off before the next one (jittered,
-        so many waiting clients do not all knock at once when the new master answers)."""
+    def failed(self, exc: StoreUnavailableError, began: float | None = None) -> float:
+        """Record a failed read (``began``: when that read started, the outage's start when it
+        is the first); returns how long to back off before the next one (jittered, so many
+        waiting clients do not all knock at once when the new master answers)."""
         if self.since is None:
-            self.since = self._clock()
+            self.since = self._clock() if began is None else began
             self.episodes += 1
             self._delay = FIRST_DELAY_S
             self._notice(f"{exc.message}; retrying (a failover or a restart is ridden out)")
@@ -92,8 +94,9 @@ class Outage:
         been away, and ``why`` the read stopped retrying."""
         last = self.last
         message = last.message if last is not None else "the store could not be reached"
+        tenths = math.floor(self.down_s * 10) / 10  # 2.0 for 2.004: the same words each time
         return StoreUnavailableError(
-            f"{message}; unreachable for {self.down_s:.1f} s ({why})",
+            f"{message}; unreachable for {tenths:.1f} s ({why})",
             hint=last.hint if last is not None else None,
         )
 
@@ -114,10 +117,11 @@ def ride(
     limit = time.monotonic() + outage_s() if deadline is None else deadline
     outage = Outage(notice=notice)
     while True:
+        began = time.monotonic()
         try:
             return read()
         except StoreUnavailableError as exc:
-            pause = outage.failed(exc)
+            pause = outage.failed(exc, began)
             left = limit - time.monotonic()
             if left <= 0:
                 why = "until the read's deadline" if deadline else f"{OUTAGE_ENV}={outage_s():g} s"

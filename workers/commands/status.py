@@ -254,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
     def body() -> int:
         snap = riding.ride(
             lambda: load_snapshot(args.run_id, args.iteration, archive=True),
-            notice=lambda line: print(f"critique status: {line}", file=sys.stderr, flush=True),
+            notice=lambda line: print(
+                f"critique status: warning: {line}", file=sys.stderr, flush=True
+            ),
         )
         doc = snapshot_doc(snap, args.iteration)
         if args.json:

@@ -275,7 +275,9 @@ def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = 
     sink = runtime.stores().trace
     deadline = None if timeout is None else time.monotonic() + timeout
     last_id = "0-0"
-    outage = riding.Outage(notice=lambda line: print(f"critique watch: {line}", file=sys.stderr))
+    outage = riding.Outage(
+        notice=lambda line: print(f"critique watch: warning: {line}", file=sys.stderr)
+    )
     try:
         while True:
             try:
