@@ -1,6 +1,7 @@
 """The proof that a chain is lost and the orphan rule (``workers.recovery``): the pure rules on
-their own, then the broker view they read, on a private Redis through kombu's own transport;
-and the threads pool that no longer leaves a request held forever."""
+their own, then the broker view they read, on a private Redis through kombu's own transport
+(and what the RabbitMQ census keeps in the store); and the threads pool that no longer leaves a
+request held forever."""
 
 from __future__ import annotations
 
@@ -166,6 +167,38 @@ def test_workers_report_what_they_hold_and_gone_ones_are_forgotten(
     assert set(r.hkeys("unacked.critique.holders")) == {b"w1"}
     broker.withdraw("w1")
     assert broker.reports(now) == {}
+
+
+def test_the_census_store_keeps_reports_and_quiet_queues_per_vhost(
+    redis_server: RedisServer,
+) -> None:
+    """RabbitMQ's census in the store (``CensusStore``): reports round-trip (a stopped one too),
+    a report ten minutes old and a malformed one are deleted when read, each census's quiet
+    queues are found again by its exact time (none for a time never recorded), another vhost's
+    reports are apart, and every key shares one hash tag (one cluster slot)."""
+    from workers.recovery import CensusStore, ConsumerReport
+    from workers.recovery.census import broker_id
+
+    r = redis.Redis.from_url(redis_server.url(0))
+    store = CensusStore(r, broker_id("/critique"))
+    now = time.time()
+    rep = ConsumerReport(now, 5.0, now - 9.0, now - 8.0, frozenset({Q}), frozenset({"sid1"}))
+    gone = ConsumerReport(now, 5.0, now - 9.0, None, frozenset({Q}), stopped=True)
+    store.report("w1", rep)
+    store.report("w2", gone)
+    store.report("old", ConsumerReport(now - 700.0, 5.0, now - 800.0, None))
+    key = next(k.decode() for k in r.keys("*reports"))
+    r.hset(key, "junk", "not json")
+    assert store.reports(now) == {"w1": rep, "w2": gone}
+    assert set(r.hkeys(key)) == {b"w1", b"w2"}
+    assert CensusStore(r, broker_id("/other")).reports(now) == {}
+    store.record_quiet(now, [Q, "critique.llm"])
+    store.record_quiet(now + 0.5, [])
+    assert store.quiet_at(now) == {Q, "critique.llm"}
+    assert store.quiet_at(now + 0.5) == frozenset()
+    assert store.quiet_at(now + 0.25) == frozenset()
+    tags = {k.decode().split("{")[1].split("}")[0] for k in r.keys("critique:amqp:*")}
+    assert tags == {broker_id("/critique")}
 
 
 def test_an_orphan_is_restored_on_the_second_tick_that_finds_it(channel: Any) -> None:

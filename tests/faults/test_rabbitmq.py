@@ -1,7 +1,9 @@
 """RabbitMQ as the broker with the store on a private Redis (the split deployment): the
 pipeline's queues are quorum queues, consumers come back within seconds when the broker drops
-their connections, and a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a
-pause of seconds.
+their connections, a whole-broker restart (``rabbitmqctl stop_app`` / ``start_app``) is a
+pause of seconds, and a chain whose message is gone from its queue is proved lost by the
+census (``workers.recovery.census``) and re-driven within seconds, while a backlog or a chain
+a worker holds never is.
 Against the RabbitMQ on 127.0.0.1:5672 (guest/guest), managed with ``rabbitmqctl``; skipped
 only where no RabbitMQ answers there. Each test uses a vhost of its own, made and deleted by the
 test, and touches no other, except the broker restart, which stops the whole broker for 5 s
@@ -20,9 +22,11 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from pipeline.store.pending import RedisPendingIndex
 from tests.support.faults import (
     check_run,
     fault_submissions,
@@ -30,7 +34,7 @@ from tests.support.faults import (
     wait_for_results,
 )
 from tests.support.servers import forget_app_connections
-from tests.support.submissions import CONFIG, reference
+from tests.support.submissions import CONFIG, make_sub, reference
 from tests.support.workers import WorkerStarter
 
 RECONNECT_SLA_S = 60.0
@@ -281,11 +285,11 @@ def test_a_consumer_the_broker_cancels_consumes_again_within_seconds(
 def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
     amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
 ) -> None:
-    """On RabbitMQ the sweeper has no ``unacked`` hash to prove a loss with: a chain whose
-    message was purged from its queue (nobody waiting) is re-driven by the stall rule once its
-    last progress is older than the stall time (5 s here) and its queue was drained past it:
-    one ``resume`` event by the sweeper, reason ``stalled``, and the reference result; the
-    sweeper thread keeps running through it (no Redis broker to read)."""
+    """The stall rule is the backstop on RabbitMQ too: a chain whose message was purged from its
+    queue (nobody waiting) and whose last progress is already older than the stall time (5 s
+    here) when a worker starts is the stall rule's, not the proof's: it is re-driven once its
+    queue was drained past it: one ``resume`` event by the sweeper, reason ``stalled``, and the
+    reference result; the sweeper thread keeps running through it (no Redis broker to read)."""
     from workers.client import CritiqueClient
 
     vhost = _vhost_of(amqp_url)
@@ -301,8 +305,10 @@ def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
     sub = fault_submissions(run_id, 1)[0]
     client = CritiqueClient(CONFIG)
     handle = client.submit(sub)
+    submitted = time.monotonic()
     purged = _ctl("purge_queue", "-p", vhost, "critique.cpu")
     assert purged.returncode == 0, purged.stderr
+    time.sleep(max(0.0, 5.0 - (time.monotonic() - submitted)))  # stalled before the worker
     worker.start(timeout=60)
     started = time.monotonic()
     while (result := client.result(handle)) is None and time.monotonic() - started < 60:
@@ -315,6 +321,216 @@ def test_a_chain_lost_on_rabbitmq_is_redriven_by_the_stall_rule(
     log = worker.log.read_text(errors="replace") if worker.log else ""
     assert "stall sweeper:" not in log  # no error in its ticks
     print(f"purged message: re-driven, result {time.monotonic() - started:.1f} s after start")
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(60)
+def test_the_census_counts_ready_messages_and_consumers_without_touching_them(
+    amqp_url: str,
+) -> None:
+    """``AmqpBroker.counts``: a passive ``queue.declare`` per queue gives its ready messages
+    (not those unacknowledged on a consumer) and its consumers; a queue that does not exist is
+    left out and the queues after it are still counted; nothing is consumed or reordered."""
+    import amqp
+    from kombu import Connection
+
+    from workers.app import app
+    from workers.recovery import QueueCount, open_amqp
+
+    broker = open_amqp(app)
+    assert broker is not None and broker.vhost == _vhost_of(amqp_url)
+    with Connection(amqp_url) as conn:
+        channel = conn.channel()
+        channel.queue_declare(
+            "census-q", durable=True, auto_delete=False, arguments={"x-queue-type": "quorum"}
+        )
+        for body in (b"1", b"2", b"3"):
+            channel.basic_publish(amqp.Message(body), exchange="", routing_key="census-q")
+        consumer = conn.channel()
+        consumer.basic_qos(0, 1, False)
+        got: list[Any] = []
+        consumer.basic_consume("census-q", callback=got.append)
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            with contextlib.suppress(socket.timeout):
+                conn.drain_events(timeout=1)
+        assert len(got) == 1
+        counted = broker.counts(["no-such-queue", "census-q"])
+        assert counted == {"census-q": QueueCount(ready=2, consumers=1)}
+        consumer.close()  # RabbitMQ requeues what it held (a quorum queue: within moments)
+        want = {"census-q": QueueCount(ready=3, consumers=0)}
+        deadline = time.monotonic() + 10
+        while (counted := broker.counts(["census-q"])) != want and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert counted == want
+        first = channel.basic_get("census-q", no_ack=True)
+        assert first is not None and first.body == b"1"
+    broker.close()
+
+
+LOST_SLA_S = 30.0
+"""The issue's bound: a message deleted from a quorum queue is re-driven within this."""
+
+
+def _delete_the_message_of(amqp_url: str, queue: str, pass_id: str) -> None:
+    """Take the stage message of ``pass_id`` off ``queue`` and acknowledge it (``basic.get`` +
+    ``basic.ack``, as a consumer that lost it would); any other message taken on the way (a
+    sweeper's probe) goes back when the channel closes."""
+    import json
+
+    from kombu import Connection
+
+    with Connection(amqp_url) as conn:
+        channel = conn.channel()
+        for _ in range(50):
+            message = channel.basic_get(queue=queue, no_ack=False)
+            assert message is not None, f"no message of pass {pass_id} in {queue}"
+            args = json.loads(message.body)[0]
+            if args and isinstance(args[0], dict) and args[0].get("sid") == pass_id:
+                channel.basic_ack(message.delivery_tag)
+                channel.close()
+                return
+        raise AssertionError(f"no message of pass {pass_id} among the first 50 of {queue}")
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("lost", "sweep_s"), [("first", "0.5"), ("next", "5")])
+def test_a_message_deleted_from_a_quorum_queue_is_redriven_within_seconds(
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter, lost: str, sweep_s: str
+) -> None:
+    """A chain whose message was deleted from its quorum queue (taken with ``basic.get`` and
+    acknowledged; ``first``: the submission's first message; ``next``: l0 ran and recorded its
+    step, its successor is gone), nobody calling ``wait``, is proved lost by the census of the
+    queues (nothing ready, every consumer accounted for, no worker holding it) and re-driven
+    from its last step within 30 s of a worker running; the stall time is its 600 s, so only the
+    proof acts (``next`` with the default sweep interval, 5 s): one ``resume`` event by the
+    sweeper, reason ``lost``, and the reference result."""
+    from workers import runtime, tasks
+    from workers.client import CritiqueClient
+
+    env = {**fault_env, "CELERY_BROKER_URL": amqp_url, "CRITIQUE_SWEEP_S": sweep_s}
+    assert env["CRITIQUE_STALL_S"] == "600"
+    worker = start_worker("lost", env)
+    worker.stop()
+    run_id = f"rabbit-lost-{uuid.uuid4().hex[:8]}"
+    sub = make_sub(run_id, "w1", 1, "missing")
+    client = CritiqueClient(CONFIG)
+    handle = client.submit(sub)
+    assert handle.pass_id
+    _delete_the_message_of(amqp_url, "critique.cpu", handle.pass_id)
+    if lost == "next":
+        first = (runtime.stores().runs.submission(run_id, 1, "w1") or {})["message"]
+        tasks._stage(tasks.l0, first, "l0")  # the stage alone: its task would go on
+    worker.start(timeout=60)
+    started = time.monotonic()
+
+    deadline = started + LOST_SLA_S + 15
+    while (result := client.result(handle)) is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+    took = time.monotonic() - started
+    assert result is not None, "the sweeper did not re-drive the lost chain"
+    assert took <= LOST_SLA_S, f"re-driven and finished {took:.1f} s after the worker started"
+    want = reference([sub], CONFIG)[0]["1:w1"]
+    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
+    resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
+    stage, step = ("l0", None) if lost == "first" else ("critic", "l0")
+    assert [
+        (e["by"], e["reason"], e["stage"], (e["after_step"] or ":").rsplit(":", 1)[1] or None)
+        for e in resumes
+    ] == [("sweeper", "lost", stage, step)]
+    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
+    log = worker.log.read_text(errors="replace") if worker.log else ""
+    assert "stall sweeper:" not in log  # no error in its ticks
+    print(
+        f"deleted {lost} message from a quorum queue (sweep {sweep_s} s): result {took:.1f} s "
+        "after the worker started"
+    )
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(240)
+def test_a_backlog_on_a_quorum_queue_is_not_taken_for_a_lost_chain(
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
+) -> None:
+    """300 submissions wait in the quorum queue with no worker running, long enough for every
+    one to be old enough to judge; then one slow worker (one thread, repairs that pause 150 ms
+    and go through ``critique.llm``, sweeping every 0.5 s: a census a sweep) drains them one at
+    a time, holding a prefetched message of each queue while it runs another: a pass is either
+    ready in a queue (never quiet then) or in the worker's hands (in its reports), so none is
+    re-driven and every one ends once with its reference result. The census ran all along (the
+    worker's report is stored)."""
+    from workers import runtime
+    from workers.client import CritiqueClient
+    from workers.recovery import LOST_GRACE_S, LOST_MARGIN_S, CensusStore
+    from workers.recovery.census import broker_id
+
+    env = {
+        **fault_env,
+        "CELERY_BROKER_URL": amqp_url,
+        "CRITIQUE_REPAIRER": "tests.support.revisers:slow_revise",
+        "SLOW_REVISE_S": "0.15",
+    }
+    assert env["CRITIQUE_STALL_S"] == "600" and env["CRITIQUE_SWEEP_S"] == "0.5"
+    worker = start_worker("backlog", env, pool="threads", concurrency=1)
+    worker.stop()
+    run_id = f"rabbit-backlog-{uuid.uuid4().hex[:8]}"
+    subs = fault_submissions(run_id, 300)
+    CritiqueClient(CONFIG).submit_many(subs)
+    time.sleep(LOST_MARGIN_S + LOST_GRACE_S + 1)
+    worker.start(timeout=60)
+    assert worker.proc is not None
+    pid = worker.proc.pid
+    started = time.monotonic()
+    results = wait_for_results(run_id, len(subs), 180)
+    took = time.monotonic() - started
+    assert check_run(run_id, subs, results, [worker], [pid], transport="amqp://") == []
+    reports = CensusStore(runtime.client(), broker_id(_vhost_of(amqp_url))).reports(time.time())
+    assert any(r.queues and r.since is not None for r in reports.values()), reports
+    log = worker.log.read_text(errors="replace") if worker.log else ""
+    assert "stall sweeper:" not in log
+    print(f"backlog of {len(subs)} on one thread: drained in {took:.1f} s, none re-driven")
+
+
+@pytest.mark.faults
+@pytest.mark.timeout(120)
+def test_a_chain_a_live_worker_holds_for_many_censuses_is_not_taken_for_lost(
+    amqp_url: str, fault_env: dict[str, str], start_worker: WorkerStarter
+) -> None:
+    """A repair that takes 6 s (a census every 0.5 s meanwhile, nothing ready in its queue):
+    the worker running it names its pass in every report, so the pass is never re-driven and
+    ends once with its reference result."""
+    from workers import runtime
+    from workers.client import CritiqueClient
+    from workers.recovery import CensusStore
+    from workers.recovery.census import broker_id
+
+    env = {
+        **fault_env,
+        "CELERY_BROKER_URL": amqp_url,
+        "CRITIQUE_REPAIRER": "tests.support.revisers:slow_revise",
+        "SLOW_REVISE_S": "6",
+    }
+    worker = start_worker("held", env, concurrency=2)
+    assert worker.proc is not None
+    run_id = f"rabbit-held-{uuid.uuid4().hex[:8]}"
+    sub = make_sub(run_id, "w1", 1, "looping")  # repaired, by the slow reviser
+    client = CritiqueClient(CONFIG)
+    handle = client.submit(sub)
+    store = CensusStore(runtime.client(), broker_id(_vhost_of(amqp_url)))
+    named = 0
+    deadline = time.monotonic() + 60
+    while (result := client.result(handle)) is None and time.monotonic() < deadline:
+        reports = store.reports(time.time()).values()
+        named += any(handle.pass_id in r.pass_ids for r in reports)
+        time.sleep(0.5)
+    assert result is not None
+    want = reference([sub], CONFIG)[0]["1:w1"]
+    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
+    assert named >= 6, f"the holder named the pass in {named} reads only"
+    pid = worker.proc.pid
+    assert check_run(run_id, [sub], {"1:w1": result}, [worker], [pid], transport="amqp://") == []
+    print(f"a 6 s repair on RabbitMQ: its holder named the pass in {named} reads, not re-driven")
 
 
 RESTART_SLA_S = 120.0

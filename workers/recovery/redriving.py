@@ -1,8 +1,8 @@
 """Re-driving a pass: sending the rest of its chain again, from its last recorded step.
 
-A pass's chain can stop moving in two ways, and each has its rule here:
+A pass's chain can stop moving in two ways (lost, stalled), and each has its rule here:
 
-- **Lost** (Redis broker only). kombu's Redis transport pops a message (``BRPOP``) and only
+- **Lost** (Redis broker). kombu's Redis transport pops a message (``BRPOP``) and only
   then writes it to its ``unacked`` hash, so a Redis restart between the two leaves the message
   nowhere. With late acknowledgement every message a worker holds (reserved, scheduled or
   running) stays in ``unacked`` until its task ends, and a stage sends its next message before
@@ -10,17 +10,22 @@ A pass's chain can stop moving in two ways, and each has its rule here:
   :data:`~workers.recovery.base.LOST_GRACE_S` apart (:func:`judge`), whose queue was drained
   past the first look in between (:func:`drained_for_proof`), has no message anywhere: it is
   re-driven at once (:func:`redrive_if_lost`, ``reason: lost``).
-- **Stalled** (any broker; the only rule on RabbitMQ). No step of the pass was recorded for the
+- **Lost** (RabbitMQ broker). RabbitMQ counts each queue's ready messages and consumers, and
+  every worker reports the passes it holds: a pass no live worker holds on two censuses, whose
+  queue had nothing ready and no consumer unaccounted for at the first, while every consumer
+  stayed connected across it, has no message anywhere (:mod:`workers.recovery.census`,
+  :func:`redrive_if_lost_on_census`, ``reason: lost``).
+- **Stalled** (any broker; the backstop). No step of the pass was recorded for the
   stall time, and the queue of its next stage was drained past its last progress long enough
   ago that its message, had there been one, would have run (:func:`is_stalled`,
   :func:`redrive_if_stalled`, ``reason: stalled``). Queue drains are measured by the sweeper's
   probes (:class:`DrainView`), so a long queue never reads as a stall.
 
-Both read each pass's last progress from the pending index (:mod:`pipeline.store.pending`),
+All read each pass's last progress from the pending index (:mod:`pipeline.store.pending`),
 where a pass is registered before its chain is sent and whose score every first record of a
 step moves to now.
 
-Both claim the pass atomically before publishing (two sweepers, or a sweeper and a waiting
+All claim the pass atomically before publishing (two sweepers, or a sweeper and a waiting
 client, never both re-drive it) and give up after :func:`~workers.recovery.base.max_resumes`
 re-drives with a ``stalled`` trace event. :func:`redrive` is the unconditional re-drive that
 ``CritiqueClient.resume`` calls. Re-driving is always safe: every stage replays its recorded
@@ -448,4 +453,36 @@ def redrive_if_lost(
         return None
     if float(doc.get("at") or 0.0) >= since:
         return None  # its first message may have been sent after the suspicion: not proven
+    return _claim_and_publish(ctx, run_id, member, last_progress, plan, "lost")
+
+
+# --- the proof that a pass is lost (RabbitMQ broker) -------------------------------------------
+
+
+def redrive_if_lost_on_census(
+    ctx: RedriveContext,
+    run_id: str,
+    member: str,
+    last_progress: float,
+    *,
+    since: float,
+    quiet: frozenset[str],
+) -> str | None:
+    """Re-drive a pass the census rule confirmed (:func:`~workers.recovery.census.judge_census`
+    said ``confirm``; a suspect since the census of ``since``, whose quiet queues were
+    ``quiet``) once its next stage's queue is one of them: then no message of it was in that
+    queue at ``since`` nor in any worker's hands since. Claimed atomically, like
+    :func:`redrive_if_lost`; returns the stage it resumed at. The pass's queue is remembered in
+    ``ctx.queues`` either way (the sweeper suspects it afresh when its queue was not quiet)."""
+    known = ctx.queues.get(run_id, member, last_progress)
+    if known is not None and known not in quiet:
+        return None
+    examined = _examine(ctx, run_id, member, last_progress)
+    if examined is None:
+        return None
+    plan, doc = examined
+    if plan.queue not in quiet:
+        return None
+    if float(doc.get("at") or 0.0) >= since:
+        return None  # its first message may have been sent after the census: not proven
     return _claim_and_publish(ctx, run_id, member, last_progress, plan, "lost")

@@ -6,32 +6,38 @@ Every ``CRITIQUE_SWEEP_S`` seconds (default 5) the :class:`SweeperThread` of eac
    broker's ``unacked`` hash, and restores to the head of their queue the unacknowledged
    messages that no live worker reported on two ticks in a row (:func:`orphans`): their holder
    was killed or lost its connection, and kombu would bring them back only after the
-   visibility timeout (1 h);
+   visibility timeout (1 h). On RabbitMQ it reports, in the store, the pass ids of the messages
+   it holds and since when its consumer has held them steadily (:func:`held_pass_ids`,
+   :class:`~workers.recovery.census.ConsumerReport`); RabbitMQ requeues a lost consumer's
+   messages itself, so there is nothing to restore;
 2. sends a probe (``critique.probe``, a no-op task, one outstanding per queue fleet-wide) to
    each of its queues that is due one (:func:`send_probes`): when a probe runs, its queue has
    been drained past the time it was sent, which is how a long queue is told from a lost or
    stalled chain;
 3. if it takes the fleet-wide sweep lock, sweeps (:func:`sweep`): every pending pass that is
    proved lost or is stalled is re-driven (:mod:`workers.recovery.redriving`), and runs with no
-   pending pass left are forgotten;
+   pending pass left are forgotten. On RabbitMQ the proof reads a census first
+   (:func:`take_census`: the reports, then each queue's ready and consumer counts);
 4. archives the runs that are due (``workers.archiving``, under a fleet-wide lock of its own);
 5. publishes this worker's posture, the keys it requires (:func:`publish_posture`), so a client
    without them is refused before it sends anything.
 
 ``CRITIQUE_SWEEP_S=0`` turns the restore and steps 2 to 4 off; the reports and the posture
-stay, so other workers never take this worker's messages for orphans. On RabbitMQ there is no
-``unacked`` to read: no reports, no restore, no proof; probes and the stall rule still run. The
-thread is started by the :class:`Sweeper` worker bootstep (registered in ``workers.app``).
+stay, so other workers never take this worker's messages for orphans (nor, on RabbitMQ, leave
+a consumer unaccounted for). The thread is started by the :class:`Sweeper` worker bootstep
+(registered in ``workers.app``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from celery import bootsteps, shared_task
@@ -53,14 +59,30 @@ from workers.recovery.base import (
     stores_on,
     sweep_interval_s,
 )
+from workers.recovery.census import (
+    Census,
+    CensusLook,
+    CensusStore,
+    ConsumerReport,
+    broker_id,
+    judge_census,
+)
 from workers.recovery.redriving import (
     QueueCache,
     RedriveContext,
     judge,
     redrive_if_lost,
+    redrive_if_lost_on_census,
     redrive_if_stalled,
 )
-from workers.recovery.transport import HeldReport, RedisBroker, open_broker
+from workers.recovery.transport import (
+    CONSUMING,
+    AmqpBroker,
+    HeldReport,
+    RedisBroker,
+    open_amqp,
+    open_broker,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,32 +90,40 @@ log = logging.getLogger(__name__)
 # --- one sweep -----------------------------------------------------------------------------------
 
 
-def sweep(ctx: RedriveContext, broker: RedisBroker | None = None) -> list[tuple[str, str, str]]:
+def sweep(
+    ctx: RedriveContext, broker: RedisBroker | None = None, look: CensusLook | None = None
+) -> list[tuple[str, str, str]]:
     """One sweep over every run with pending passes: re-drive the lost and the stalled ones and
     forget runs with none left. With ``broker`` (a Redis broker) a pass is proved lost within
     seconds (:func:`~workers.recovery.redriving.judge`,
-    :func:`~workers.recovery.redriving.redrive_if_lost`); without, only the stall time applies. A
-    pass is examined in full (its steps read) at most :data:`SWEEP_BATCH` times per sweep; one
-    whose queue ``ctx.queues`` knows costs no Redis read. Returns what was re-driven as
-    ``(run_id, member, stage)``."""
+    :func:`~workers.recovery.redriving.redrive_if_lost`), and so it is with ``look`` (a census
+    of a RabbitMQ broker: :func:`~workers.recovery.census.judge_census`,
+    :func:`~workers.recovery.redriving.redrive_if_lost_on_census`); without either, only the
+    stall time applies. A pass is examined in full (its steps read) at most
+    :data:`SWEEP_BATCH` times per sweep; one whose queue ``ctx.queues`` knows costs no Redis
+    read. Returns what was re-driven as ``(run_id, member, stage)``."""
     s = ctx.stores
     snap: Snapshot | None = None
     examined = 0
     done: list[tuple[str, str, str]] = []
-    oldest = ctx.now - (LOST_MARGIN_S if broker is not None else ctx.stall_s)
+    proving = broker is not None or look is not None
+    oldest = ctx.now - (LOST_MARGIN_S if proving else ctx.stall_s)
     for run_id, run_seen in s.pending.runs():
         stale = s.pending.stale(run_id, oldest, 100_000)
         if not stale:
             if ctx.now - run_seen >= ctx.stall_s and s.pending.count(run_id) == 0:
                 s.pending.prune_run(run_id, run_seen)
-            if broker is not None:
+            if proving:
                 s.pending.clear_suspects(run_id)
             continue
         lost: list[tuple[str, float, float]] = []
         if broker is not None:
             if snap is None:
                 snap = broker.snapshot()
-            lost = _suspects(ctx, run_id, stale, snap)
+            lost = _suspects(ctx, run_id, stale, snap.after, functools.partial(judge, snap=snap))
+        elif look is not None:
+            by_census = functools.partial(judge_census, census=look.census)
+            lost = _suspects(ctx, run_id, stale, look.census.at, by_census)
         work: list[tuple[str, float, float | None]] = [
             (m, seen, None) for m, seen in stale if ctx.now - seen >= ctx.stall_s
         ]
@@ -103,7 +133,7 @@ def sweep(ctx: RedriveContext, broker: RedisBroker | None = None) -> list[tuple[
                 if examined >= SWEEP_BATCH:
                     continue  # the next sweep gets to it
                 examined += 1
-            stage = _redrive_one(ctx, run_id, member, seen, since, snap)
+            stage = _redrive_one(ctx, run_id, member, seen, since, snap, look)
             if stage is not None:
                 done.append((run_id, member, stage))
     return done
@@ -116,13 +146,17 @@ def _redrive_one(
     seen: float,
     since: float | None,
     snap: Snapshot | None,
+    look: CensusLook | None = None,
 ) -> str | None:
     """Re-drive one pass by the stall rule (``since`` None) or the lost proof (a suspect since
-    ``since``, judged on ``snap``). A permanent error drops the pass from the index; any other
-    (the store is unavailable) ends the sweep, which the next tick retries."""
+    ``since``, judged on ``snap`` or on ``look``'s census). A permanent error drops the pass
+    from the index; any other (the store is unavailable) ends the sweep, which the next tick
+    retries."""
     try:
         if since is None:
             return redrive_if_stalled(ctx, run_id, member, seen)
+        if look is not None:
+            return _redrive_on_census(ctx, run_id, member, seen, since, look)
         assert snap is not None
         return redrive_if_lost(ctx, run_id, member, seen, since=since, snap=snap)
     except CritiqueError as exc:
@@ -134,10 +168,15 @@ def _redrive_one(
 
 
 def _suspects(
-    ctx: RedriveContext, run_id: str, stale: list[tuple[str, float]], snap: Snapshot
+    ctx: RedriveContext,
+    run_id: str,
+    stale: list[tuple[str, float]],
+    at: float,
+    judge_one: Callable[[str, float, tuple[float, float] | None], str],
 ) -> list[tuple[str, float, float]]:
-    """Judge the run's passes younger than the stall time on ``snap`` (:func:`judge`), update
-    its suspects, and return the ones to confirm: ``(member, last progress, suspected at)``."""
+    """Judge the run's passes younger than the stall time (``judge_one``: :func:`judge` on a
+    snapshot, or :func:`judge_census` on a census, either made at ``at``), update its suspects,
+    and return the ones to confirm: ``(member, last progress, suspected at)``."""
     prior = ctx.stores.pending.suspects(run_id)
     add: dict[str, tuple[float, float]] = {}
     keep: set[str] = set()
@@ -146,9 +185,9 @@ def _suspects(
         if ctx.now - seen >= ctx.stall_s:
             continue  # the stall rule's
         was = prior.get(member)
-        verdict = judge(member, seen, was, snap)
+        verdict = judge_one(member, seen, was)
         if verdict == "suspect":
-            add[member] = (seen, snap.after)
+            add[member] = (seen, at)
         elif verdict in ("wait", "confirm"):
             keep.add(member)
             if verdict == "confirm" and was is not None:
@@ -156,6 +195,37 @@ def _suspects(
     drop = [m for m in prior if m not in keep and m not in add]
     ctx.stores.pending.update_suspects(run_id, add, drop)
     return confirm
+
+
+def _redrive_on_census(
+    ctx: RedriveContext, run_id: str, member: str, seen: float, since: float, look: CensusLook
+) -> str | None:
+    """Re-drive a pass the census rule confirmed, if its queue was quiet at its suspicion
+    (:func:`redrive_if_lost_on_census`). One that was suspected while its own queue was busy is
+    suspected afresh at this census if its queue is quiet now (the census rule holds at any
+    census), else forgotten: its suspicion never moves past a busy queue otherwise."""
+    quiet = look.quiet_at(since)
+    stage = redrive_if_lost_on_census(ctx, run_id, member, seen, since=since, quiet=quiet)
+    queue = ctx.queues.get(run_id, member, seen)
+    if stage is None and queue is not None and queue not in quiet:
+        census = look.census
+        if queue in census.quiet():
+            ctx.stores.pending.update_suspects(run_id, {member: (seen, census.at)}, [])
+        else:
+            ctx.stores.pending.update_suspects(run_id, {}, [member])
+    return stage
+
+
+def take_census(store: CensusStore, amqp: AmqpBroker, queues: Iterable[str]) -> CensusLook:
+    """A census (:class:`~workers.recovery.census.Census`): the workers' reports first, then
+    each queue's counts; its quiet queues are remembered for the confirmations to come."""
+    reports = store.reports(time.time())
+    at = time.time()
+    census = Census(reports, amqp.counts(queues), at)
+    quiet = census.quiet()
+    if quiet:
+        store.record_quiet(at, quiet)
+    return CensusLook(census, store)
 
 
 # --- dead holders (Redis broker) ---------------------------------------------------------------
@@ -183,6 +253,25 @@ def held_tags() -> frozenset[str]:
     """Delivery tags of the messages this worker process holds: reserved (prefetched),
     scheduled (an ETA or countdown) and running, from Celery's worker state. Celery adds a
     request there as soon as its message arrives, right after kombu wrote it to ``unacked``."""
+    tags = (getattr(getattr(r, "message", None), "delivery_tag", None) for r in _held_requests())
+    return frozenset(str(t) for t in tags if t)
+
+
+def held_pass_ids() -> frozenset[str]:
+    """The pass ids (``sid``) of the stage messages this worker process holds (reserved,
+    scheduled, running: :func:`held_tags`' requests); what a worker on RabbitMQ reports."""
+    out: set[str] = set()
+    for request in _held_requests():
+        args = getattr(request, "args", None)
+        first = args[0] if isinstance(args, list | tuple) and args else None
+        sid = first.get("sid") if isinstance(first, dict) else None
+        if isinstance(sid, str) and sid:
+            out.add(sid)
+    return frozenset(out)
+
+
+def _held_requests() -> list[Any]:
+    """Every request of Celery's worker state: reserved, scheduled, running."""
     from celery.worker import state
 
     for _ in range(10):
@@ -198,8 +287,7 @@ def held_tags() -> frozenset[str]:
             continue
     else:
         raise RuntimeError("the worker's request sets kept changing while being read")
-    tags = (getattr(getattr(r, "message", None), "delivery_tag", None) for r in requests)
-    return frozenset(str(t) for t in tags if t)
+    return requests
 
 
 # --- queue-drain probes ----------------------------------------------------------------------
@@ -294,6 +382,13 @@ class SweeperThread(threading.Thread):
         self._broker: RedisBroker | None = None
         self._no_redis_broker = False
         self._orphans: dict[str, float] = {}
+        self._amqp: AmqpBroker | None = None
+        self._no_amqp = False
+        self._census: CensusStore | None = None
+        self._census_client: StoreClient | None = None
+        self._first_report = time.time()  # before its consumer starts (see ConsumerReport)
+        self._report_lock = threading.Lock()
+        self._ended = False
 
     def run(self) -> None:
         # The store (CRITIQUE_STORE_URL, else REDIS_URL): a sentinel:// one follows the current
@@ -325,6 +420,8 @@ class SweeperThread(threading.Thread):
         with contextlib.suppress(Exception):
             if self._broker is not None:
                 self._broker.withdraw(self.token)
+            else:  # still connected, maybe: "stopped" only once it is not (see stopped)
+                self.report_census(time.time())
         with contextlib.suppress(Exception):
             if fleet is not None:
                 fleet.withdraw(self.worker)  # a stopped worker requires nothing any more
@@ -369,27 +466,98 @@ class SweeperThread(threading.Thread):
         broker, self._broker = self._broker, None
         if broker is not None:
             broker.close()
+        if self._amqp is not None:
+            self._amqp.close()
+
+    def amqp(self) -> tuple[AmqpBroker, CensusStore] | None:
+        """This thread's view of a RabbitMQ broker and the store of its census (opened on first
+        use, the store over a client of its own), None when the broker is not RabbitMQ."""
+        if self._amqp is None and not self._no_amqp:
+            from workers.app import app
+
+            self._amqp = open_amqp(app)
+            self._no_amqp = self._amqp is None
+        if self._amqp is None:
+            return None
+        if self._census is None:
+            self._census_client = store_client_from_url(
+                runtime.store_url(),
+                setting=runtime.store_setting(),
+                socket_connect_timeout=5,
+                socket_timeout=30,
+            )
+            self._census = CensusStore(self._census_client, broker_id(self._amqp.vhost))
+            CONSUMING.on_end(self.stopped)
+        return self._amqp, self._census
+
+    def stopped(self) -> None:
+        """This worker's consumer connection is closed for good (RabbitMQ requeued what it still
+        held): report it stopped, so that it no longer counts for any census after now, and
+        report nothing after that. Called by the worker's consumer as it shuts down
+        (:meth:`ConsumerState.ended`); a worker that dies without it is known gone once its
+        reports stop for their liveness window."""
+        with self._report_lock:
+            self._ended = True
+            if self._census is not None:
+                self._census.report(self.token, self.consumer_report(time.time(), stopped=True))
+
+    def report_census(self, now: float) -> None:
+        """Report what this worker holds to the census store (RabbitMQ), unless it stopped."""
+        amqp = self.amqp()
+        if amqp is None:
+            return
+        with self._report_lock:
+            if not self._ended:
+                amqp[1].report(self.token, self.consumer_report(now))
+
+    def consumer_report(self, now: float, *, stopped: bool = False) -> ConsumerReport:
+        """What this worker holds at ``now`` (read before its consumer's ``since``: a requeue
+        or a lost connection in between shows as a later ``since``)."""
+        held = frozenset() if stopped else held_pass_ids()
+        since = None if stopped else CONSUMING.since
+        return ConsumerReport(
+            now, self.interval_s, self._first_report, since, frozenset(self.queues), held, stopped
+        )
 
     def report(self) -> None:
         """Report the messages this worker holds now."""
         broker = self.broker()
         if broker is not None:
             broker.report(self.token, time.time(), self.interval_s, held_tags())
+            return
+        self.report_census(time.time())
 
     def tick(self, stores: RecoveryStores) -> None:
         now = time.time()
         broker = self.broker()
+        amqp = None if broker is not None else self.amqp()
         if broker is not None:
             broker.report(self.token, now, self.interval_s, held_tags())
             if self.sweeping and not self._stop_event.is_set():
                 self.restore_orphans(broker, time.time())
+        elif amqp is not None:
+            self.report_census(now)
         if not self.sweeping or self._stop_event.is_set():
             return
+        locked = stores.pending.try_lock(self.token, self.interval_s)
+        # The census before this tick's probes: a probe not yet taken is a ready message.
+        look = self.census(*amqp) if locked and amqp is not None else None
         send_probes(stores, self.queues, now, self.interval_s)
-        if stores.pending.try_lock(self.token, self.interval_s):
+        if locked:
             ctx = RedriveContext.start(by="sweeper", stores=stores, now=now, queues=self._queues)
-            sweep(ctx, broker)
+            sweep(ctx, broker, look)
         self.archive(now)
+
+    def census(self, amqp: AmqpBroker, store: CensusStore) -> CensusLook | None:
+        """A census of the pipeline's queues (:func:`take_census`), or None when the broker
+        cannot be read now (this sweep then re-drives by the stall rule only)."""
+        try:
+            return take_census(store, amqp, keys.QUEUES)
+        except StoreUnavailableError:
+            raise
+        except Exception as exc:
+            log.debug("no census of the RabbitMQ queues this sweep: %s", exc)
+            return None
 
     def archive(self, now: float) -> None:
         """Archive the runs that are due (:func:`workers.archiving.archive_due_runs`, which

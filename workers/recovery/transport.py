@@ -15,6 +15,11 @@ evidence :mod:`workers.recovery.redriving` proves a pass lost with), the message
 says it holds (:class:`HeldReport`, kept beside ``unacked``), and kombu's own restore of one
 message to the head of its queue. :func:`open_broker` answers None on a broker that is not Redis
 (RabbitMQ has no ``unacked`` hash, and redelivers a lost consumer's messages itself).
+
+**On RabbitMQ** :class:`AmqpBroker` reads each queue's ready messages and consumers (what the
+census of :mod:`workers.recovery.census` counts), and :data:`CONSUMING` is since when this
+worker's consumer has held its messages steadily: :class:`Consumer` sets it when it starts
+consuming, clears it when its connection goes, and moves it whenever it requeues a message.
 """
 
 from __future__ import annotations
@@ -23,8 +28,11 @@ import base64
 import contextlib
 import functools
 import json
+import logging
+import threading
 import time
 import warnings
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from queue import Empty
 from typing import Any
@@ -42,6 +50,9 @@ from pipeline.store import keys
 from pipeline.store.redis_common import FailoverConnection, FailoverSSLConnection, text
 from workers import door
 from workers.recovery.base import LOST_GRACE_S, Snapshot
+from workers.recovery.census import QueueCount
+
+log = logging.getLogger(__name__)
 
 
 @worker_ready.connect
@@ -382,10 +393,163 @@ class Consumer(celery_consumer.Consumer):  # type: ignore[misc]  # celery is unt
         """Celery's task-message handler behind the door (:func:`workers.door.guard_consumer`):
         on any broker, a message that is not a well-formed message of a task this worker runs,
         or whose handling raises, is acknowledged and moved aside instead of ending the worker
-        (Celery's own unknown-task path also stored a ``FAILURE`` under the message's id)."""
+        (Celery's own unknown-task path also stored a ``FAILURE`` under the message's id).
+
+        Celery asks for the handler once per connection, right before it starts consuming: on
+        RabbitMQ that is when this worker's consumer starts holding messages steadily
+        (:data:`CONSUMING`), and every message it receives has its requeue watched."""
         handle = super().create_task_handler(*args, **kwargs)
         passthrough = tuple(self.connection_errors or ()) + tuple(self.channel_errors or ())
-        return door.guard_consumer(handle, passthrough)
+        guarded = door.guard_consumer(handle, passthrough)
+        driver = getattr(getattr(self.connection, "transport", None), "driver_type", None)
+        if driver != "amqp":
+            return guarded
+        CONSUMING.connected()
+
+        def on_task_received(message: Any) -> Any:
+            _watch_requeues(message)
+            return guarded(message)
+
+        return on_task_received
+
+    def on_close(self) -> None:
+        """The consumer's connection is gone, or the consumer stops (Celery forgets what it had
+        reserved, which RabbitMQ requeues once the connection closes): this worker holds
+        nothing steadily until it consumes again."""
+        CONSUMING.closed()
+        super().on_close()
+
+    def shutdown(self) -> None:
+        """The worker's last step: Celery closes the consumer's connection here (RabbitMQ then
+        requeues whatever it still held); only now may this worker say it stopped for good
+        (:meth:`ConsumerState.ended`)."""
+        try:
+            super().shutdown()
+        finally:
+            CONSUMING.ended()
+
+
+class ConsumerState:
+    """Since when this worker process's RabbitMQ consumer has held its messages steadily: the
+    later of its last start and its last requeue; None while it is not consuming. A consumer
+    that is steady since a time held, from then on, every message delivered to it until it
+    acknowledged or rejected it (RabbitMQ moves a consumer's messages only when its channel
+    closes, or when the consumer requeues one). The lost-chain proof on RabbitMQ reads it from
+    the worker's reports (:mod:`workers.recovery.census`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._on_end: list[Callable[[], None]] = []
+
+    @property
+    def since(self) -> float | None:
+        return self._since
+
+    def connected(self) -> None:
+        """The consumer starts consuming (a new connection)."""
+        with self._lock:
+            self._since = time.time()
+
+    def closed(self) -> None:
+        """The consumer's connection is gone."""
+        with self._lock:
+            self._since = None
+
+    def requeued(self) -> None:
+        """A message goes back to its queue (stamped before it does)."""
+        with self._lock:
+            if self._since is not None:
+                self._since = time.time()
+
+    def on_end(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the consumer's connection is closed for good."""
+        self._on_end.append(callback)
+
+    def ended(self) -> None:
+        """The consumer's connection is closed for good (the worker stops): it holds nothing
+        any more; the callbacks say so (a failing one is logged, the others still run)."""
+        self.closed()
+        for callback in list(self._on_end):
+            try:
+                callback()
+            except Exception as exc:
+                log.warning("could not report that this worker's consumer ended: %s", exc)
+
+
+CONSUMING = ConsumerState()
+"""This worker process's consumer (its main process consumes; pool children never do)."""
+
+
+def _watch_requeues(message: Any) -> None:
+    """Stamp :data:`CONSUMING` before ``message`` goes back to its queue: Celery requeues a
+    message by ``reject(requeue=True)`` (a pool child lost, a time limit) or ``requeue()``."""
+    original_reject, original_requeue = message.reject, message.requeue
+
+    def watched_reject(requeue: bool = False) -> Any:
+        if requeue:
+            CONSUMING.requeued()
+        return original_reject(requeue=requeue)
+
+    def watched_requeue() -> Any:
+        CONSUMING.requeued()
+        return original_requeue()
+
+    message.reject = watched_reject
+    message.requeue = watched_requeue
+
+
+class AmqpBroker:
+    """What the lost-chain proof reads from a RabbitMQ broker: each queue's ready messages and
+    consumers (``queue.declare`` with ``passive``: it creates nothing, and a queue that does
+    not exist is left out), over a connection of its own without heartbeats (it is used once a
+    sweep at most; an error closes it, and the next use opens another)."""
+
+    def __init__(self, app: Any, vhost: str) -> None:
+        self._app = app
+        self.vhost = vhost
+        self._conn: Any = None
+
+    def counts(self, queues: Iterable[str]) -> dict[str, QueueCount]:
+        """Ready messages and consumers of each of ``queues`` that exists."""
+        import amqp
+
+        out: dict[str, QueueCount] = {}
+        try:
+            if self._conn is None:
+                self._conn = self._app.connection_for_write()
+                self._conn.connect()
+            channel = self._conn.channel()
+            for queue in queues:
+                try:
+                    ok = channel.queue_declare(queue=queue, passive=True)
+                except amqp.exceptions.NotFound:
+                    channel = self._conn.channel()  # RabbitMQ closed the channel
+                    continue
+                out[queue] = QueueCount(int(ok.message_count), int(ok.consumer_count))
+            with contextlib.suppress(Exception):
+                channel.close()
+        except Exception:
+            self.close()
+            raise
+        return out
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.release()
+
+
+def open_amqp(app: Any) -> AmqpBroker | None:
+    """An :class:`AmqpBroker` of ``app``'s broker, or None when the broker is not RabbitMQ."""
+    conn = app.connection_for_write()
+    try:
+        if conn.transport.driver_type != "amqp":
+            return None
+        return AmqpBroker(app, str(conn.virtual_host or "/"))
+    finally:
+        conn.release()
 
 
 # --- the threads pool ------------------------------------------------------------------------
