@@ -149,6 +149,11 @@ class BudgetConfig(_Block):
     waits for them, instead of being refused (most held tokens come back at commit); a worker waits
     at most half its soft time limit. 0: refuse at once. A submission may lower it, never raise
     it."""
+    size_from_usage: bool = True
+    """When a repair round's full reservation would pass the cap, size it from what the run's
+    committed repairs really used (their largest growth and re-critique reply, with a margin)
+    and make its calls within that smaller reservation, instead of refusing it
+    (docs/pipeline.md, "The repair budget"). False: refuse, as the full bound says."""
 
 
 class RateLimit(_Block):

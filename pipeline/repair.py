@@ -4,7 +4,8 @@ docs/pipeline.md, "The repair budget").
 The round's decision itself (accept / repair / stop) is :func:`pipeline.convergence.decide_round`,
 which uses the thresholds here. ``build_repair_prompt`` is the exact text an LLM repairer is sent
 (targeted: only critical and warning defects, and the instruction to change nothing else);
-``repair_reply_tokens`` is the ``max_tokens`` of a repair call. A repair round is ordered once,
+``repair_reply_tokens`` is the ``max_tokens`` of a repair call (lower in a round sized from what
+the run's repairs used: :func:`tight_output_tokens`). A repair round is ordered once,
 in the decide stage, as a :class:`RepairOrder`: the Known Pitfalls the reviser gets, the
 prompt rendered once (for a reviser that sends it to a model), and the :class:`RepairBound`
 the round reserves in the repair-budget semaphore — the repair call's counted prompt plus its
@@ -53,6 +54,11 @@ critic that cannot size its own call (see :func:`estimated_critique_tokens`)."""
 SIZE_MIN_GROWTH_TOKENS = 256
 """Layer-0 never rejects a repair that grew by 1 KiB or less (``SIZE_DELTA_MIN_GROWTH``), about
 this many tokens: a short output may get a section added."""
+TIGHT_MARGIN = 1.25
+"""A round sized from what this run's repairs used (:func:`tight_output_tokens`,
+:func:`tight_reply_tokens`) leaves room for 25 % more than the most they used…"""
+TIGHT_SLACK_TOKENS = 16
+"""… plus this many tokens (rounding, the size line of the re-critique's prompt)."""
 
 
 class RepairBound(Frozen):
@@ -83,6 +89,12 @@ class RepairOrder(Frozen):
     it to a model (None: the reviser renders nothing, or the round was not sized)."""
     bound: RepairBound = Field(default_factory=RepairBound)
     """What the round may spend (all zero when it was not sized: no budget cap)."""
+    reply_tokens: int | None = Field(None, ge=1)
+    """The repair call's ``max_tokens`` when the round was sized from what this run's repairs
+    used (``bound.output_tokens``); None: the reviser's own (:func:`repair_reply_tokens`)."""
+    full_bound: RepairBound | None = None
+    """The round's full bound when :attr:`bound` is the tighter one sized from what this run's
+    repairs used (the full one would pass the cap); None: :attr:`bound` is the full bound."""
 
 
 def is_acceptable(score: float, envelope: CritiqueEnvelope, l0_failed: bool) -> bool:
@@ -195,6 +207,45 @@ def repair_reply_tokens(output: str | dict[str, Any], max_tokens: int) -> int:
     Layer-0 still accepts (:func:`grown_output_tokens`), never more than the configured
     ``llm.max_tokens``."""
     return max(1, min(max_tokens, grown_output_tokens(output)))
+
+
+def repair_growth(before: str | dict[str, Any], after: str | dict[str, Any], written: int) -> int:
+    """The growth one repair showed, in thousandths (what its commit brings to the run's
+    :class:`~pipeline.store.base.RepairUsage`): the repaired output's tokens, the larger of what
+    the provider reported the repair call wrote (``written``, its completion tokens) and the
+    estimate of the output as the re-critique shows it, per token of the output it repaired.
+    0 when no model wrote it (``written`` 0: a token-free fallback's output says nothing about
+    what the model writes)."""
+    if written <= 0:
+        return 0
+    base = max(1, estimate_tokens(text_of(before)))
+    grown = max(written, estimate_tokens(text_of(after)))
+    return math.ceil(1000 * grown / base)
+
+
+def tight_output_tokens(output: str | dict[str, Any], growth: int, full: int) -> int | None:
+    """The repaired output's bound in a round sized from what this run's repairs used: the
+    repair call's ``max_tokens``, and the size the re-critique's part counts the repaired output
+    at. ``output``'s tokens grown by ``growth`` (thousandths: the largest growth the run's
+    committed repairs showed, :func:`repair_growth`) with :data:`TIGHT_MARGIN`, plus
+    :data:`TIGHT_SLACK_TOKENS`; never above ``full`` (the full bound's, the size Layer-0 still
+    accepts). None without history (``growth`` 0)."""
+    if growth <= 0:
+        return None
+    tokens = max(1, estimate_tokens(text_of(output)))
+    grown = math.ceil(tokens * growth * TIGHT_MARGIN / 1000) + TIGHT_SLACK_TOKENS
+    return max(1, min(full, grown))
+
+
+def tight_reply_tokens(reply: int, full: int | None = None) -> int | None:
+    """The re-critique reply's bound in a round sized from what this run's repairs used: the
+    longest re-critique reply the run's committed rounds saw (``reply``, completion tokens) with
+    :data:`TIGHT_MARGIN`, plus :data:`TIGHT_SLACK_TOKENS`; never above ``full`` (the critic's
+    own, ``llm.recritique_max_tokens``, when given). None without history (``reply`` 0)."""
+    if reply <= 0:
+        return None
+    bound = math.ceil(reply * TIGHT_MARGIN) + TIGHT_SLACK_TOKENS
+    return max(1, bound if full is None else min(full, bound))
 
 
 def estimated_repair_tokens(prompt: str, output: str | dict[str, Any]) -> int:

@@ -91,7 +91,7 @@ from pipeline.models import (
     Usage,
 )
 from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
-from pipeline.repair import RepairBound, RepairOrder, is_acceptable
+from pipeline.repair import RepairBound, RepairOrder, is_acceptable, repair_growth
 from pipeline.repair_sizing import order_repair
 from pipeline.result_bounds import NOTE_CHARS, bound_result
 from pipeline.result_bounds import RESULT_EXTRA_BYTES as RESULT_EXTRA_BYTES  # re-exported
@@ -101,6 +101,7 @@ from pipeline.store.base import (
     BudgetSnapshot,
     CritiqueCache,
     PatternStore,
+    RepairUsage,
     TraceSink,
 )
 from pipeline.tokens import text_of
@@ -235,6 +236,10 @@ class LoopState(Frozen):
     bound it was sized at); None outside a repair round, or in a state sent by an older
     worker (the repair stage then reads the pitfalls itself)."""
     pending_repair_tokens: int = Field(0, ge=0)
+    repair_growth: int = Field(0, ge=0)
+    """The growth the repair in flight showed, in thousandths
+    (:func:`~pipeline.repair.repair_growth`; 0: no model wrote it), brought to the run's
+    :class:`~pipeline.store.base.RepairUsage` by its commit."""
     budget_charged: int = Field(0, ge=0)
     """Tokens this pass's committed repairs charged to the run's budget so far."""
     notes: tuple[str, ...] = ()
@@ -498,12 +503,17 @@ def checked_envelope(
     return bound_envelope(apply_injections(envelope, hits))
 
 
-def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple[str, ...]]:
+def _commit(
+    state: LoopState, ctx: StageContext, spent: int, reply: int = 0
+) -> tuple[int, tuple[str, ...]]:
     """Commit the open lease with the round's real spend; returns (charge, notes).
 
     The ledger charges the real figure even past the reservation (never under-counted); when a
     provider reported more than was reserved, the note says so, and the run's budget grants no
     further repairs (the reservation's ``max_tokens`` should have made an overrun impossible).
+    The commit brings the round's figures to the run's :class:`RepairUsage` (what a later round
+    may be sized from): the repair's growth and the re-critique's ``reply`` (the tokens its
+    critic reported writing).
     """
     lease = state.lease_id
     if lease is None:
@@ -512,7 +522,8 @@ def _commit(state: LoopState, ctx: StageContext, spent: int) -> tuple[int, tuple
     # it: charged in full, never an overrun that would stop the run's other repairs.
     by_worker = isinstance(resolve_for(ctx.reviser, state.submission), WorkerReviser)
     outside = min(state.pending_repair_tokens, spent) if by_worker else 0
-    charged = ctx.budget.commit(state.submission.run_id, lease, spent, outside=outside)
+    usage = RepairUsage(growth=state.repair_growth, reply=max(0, reply))
+    charged = ctx.budget.commit(state.submission.run_id, lease, spent, outside=outside, usage=usage)
     notes = state.notes
     if charged - outside > state.lease_tokens:
         notes = _add_note(
@@ -535,7 +546,9 @@ def _record_critique(
     sub = state.submission
     round_no = state.round + 1
     repairing = state.attempt > 0
-    charged, notes = _commit(state, ctx, state.pending_repair_tokens + envelope.usage.tokens)
+    charged, notes = _commit(
+        state, ctx, state.pending_repair_tokens + envelope.usage.tokens, envelope.usage.tokens_out
+    )
     if cache == "hit":
         notes = _add_note(
             notes,
@@ -564,6 +577,7 @@ def _record_critique(
             "lease_tokens": 0,
             "repair_allowance": 0,
             "pending_repair_tokens": 0,
+            "repair_growth": 0,
             "budget_charged": state.budget_charged + charged,
             "notes": notes,
             "next": "decide",
@@ -643,10 +657,16 @@ MAX_NEEDS_MODEL_LINES = 20
 
 
 def next_repair_order(
-    ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope, *, sized: bool = True
+    ctx: StageContext,
+    state: LoopState,
+    envelope: CritiqueEnvelope,
+    *,
+    sized: bool = True,
+    usage: RepairUsage | None = None,
 ) -> RepairOrder:
     """The state's next repair round, ordered and (with ``sized``) sized once by the reviser
-    and critic that serve its submission (:func:`pipeline.repair_sizing.order_repair`)."""
+    and critic that serve its submission (:func:`pipeline.repair_sizing.order_repair`); with
+    ``usage``, sized from what the run's committed repairs used when that is smaller."""
     sub = state.submission
     return order_repair(
         sub,
@@ -658,6 +678,7 @@ def next_repair_order(
         critic=ctx.critic,
         pitfalls=lambda reader: _pitfalls(ctx, sub, reader),
         sized=sized,
+        usage=usage,
     )
 
 
@@ -667,10 +688,27 @@ def repair_bound(ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope
 
 
 def refusal_text(
-    tokens: int, cap: int, snap: BudgetSnapshot, waited_s: float = 0.0, wait_s: float = 0.0
+    tokens: int,
+    cap: int,
+    snap: BudgetSnapshot,
+    waited_s: float = 0.0,
+    wait_s: float = 0.0,
+    full: int | None = None,
 ) -> str:
     """Why the budget refused a repair: what it asked for, the cap, what is spent, held and
-    queued, and why that is final (past the cap, closed by an overrun, or the wait ran out)."""
+    queued, and why that is final (past the cap, closed by an overrun, or the wait ran out).
+    ``full``: the round's full bound, when what was asked (``tokens``) is the tighter one sized
+    from what the run's repairs used."""
+    return _refusal_why(tokens, cap, snap, waited_s, wait_s) + (
+        f" (asked: the round sized from what this run's repairs used; its full bound {full})"
+        if full is not None
+        else ""
+    )
+
+
+def _refusal_why(
+    tokens: int, cap: int, snap: BudgetSnapshot, waited_s: float, wait_s: float
+) -> str:
     text = (
         f"repair budget refused {tokens} tokens: cap {cap}, spent {snap.spent}, "
         f"held {snap.held} by {snap.holders} repairs in flight"
@@ -769,6 +807,9 @@ class _Gathered:
     order: RepairOrder | None = None
     waited_s: float = 0.0
     """How long the granted reservation waited for held tokens to settle."""
+    full: int | None = None
+    """The round's full bound when the granted reservation is the tighter one sized from what
+    the run's repairs used."""
 
 
 def _answer(
@@ -800,11 +841,11 @@ def _answer(
         gathered.order = next_repair_order(ctx, state, envelope, sized=False)
         return facts.model_copy(update={"budget": "granted"})
     order = next_repair_order(ctx, state, envelope)
-    total = order.bound.total
-    if total > 0:  # a token-free round (reviser and critic) reserves nothing
+    if order.bound.total > 0:  # a token-free round (reviser and critic) reserves nothing
         lease = lease_for(ctx, state)
         wait = budget_wait_s(ctx)
-        answer = ctx.budget.ask(sub.run_id, lease, total, cap, ctx.lease_ttl_s, wait)
+        order, answer = _reserve_round(ctx, state, envelope, order, lease, cap, wait)
+        total = order.bound.total
         if answer.verdict == "wait":
             b = answer.budget
             left = max(0.0, wait - answer.waited_s)
@@ -815,12 +856,62 @@ def _answer(
                 f"{answer.waited_s:.1f} of {wait:g} s",
             )
         if not answer.granted:
-            refusal = refusal_text(total, cap, answer.budget, answer.waited_s, wait)
+            full = order.full_bound.total if order.full_bound is not None else None
+            refusal = refusal_text(total, cap, answer.budget, answer.waited_s, wait, full)
             return facts.model_copy(update={"budget": "refused", "refusal": refusal})
         gathered.lease_id = lease
         gathered.waited_s = answer.waited_s
+        if order.full_bound is not None:
+            gathered.full = order.full_bound.total
+            gathered.notes = _add_note(
+                gathered.notes,
+                f"repair {state.attempt + 1}: reserved {total} tokens, sized from what this "
+                f"run's repairs used (its full bound, {gathered.full}, would pass the cap): the "
+                f"repair call may write {order.reply_tokens} tokens",
+            )
     gathered.order = order
     return facts.model_copy(update={"budget": "granted"})
+
+
+def _reserve_round(
+    ctx: StageContext,
+    state: LoopState,
+    envelope: CritiqueEnvelope,
+    order: RepairOrder,
+    lease: str,
+    cap: int,
+    wait: float,
+) -> tuple[RepairOrder, BudgetAnswer]:
+    """Ask the budget for the round ``order`` sized; returns the order asked for and the answer.
+
+    The full bound is asked for unless it can no longer be granted: when spent + it passes the
+    cap (spent only grows; tokens merely held make it wait, as ever) and the run has committed
+    repairs, the round is sized from what they used (``budget.size_from_usage``:
+    :func:`next_repair_order` with the run's :class:`RepairUsage`) and that smaller bound is
+    asked for instead, its calls then made within it. One read of the run's usage comes first;
+    a full ask refused because spent grew meanwhile is followed by the tight one."""
+    sub = state.submission
+    full = order.bound.total
+
+    def ask(tokens: int) -> BudgetAnswer:
+        return ctx.budget.ask(sub.run_id, lease, tokens, cap, ctx.lease_ttl_s, wait)
+
+    if not ctx.config.budget.size_from_usage:
+        return order, ask(full)
+    usage = ctx.budget.usage(sub.run_id)
+    tried = False
+    if usage.rounds > 0 and usage.spent + full > cap:
+        tried = True
+        tight = next_repair_order(ctx, state, envelope, usage=usage)
+        if tight.full_bound is not None:
+            return tight, ask(tight.bound.total)
+    answer = ask(full)
+    past_cap = answer.budget.overrun == 0 and answer.budget.spent + full > cap
+    if answer.verdict == "refused" and past_cap and usage.rounds > 0 and not tried:
+        tight = next_repair_order(ctx, state, envelope, usage=usage)
+        if tight.full_bound is not None:
+            return tight, ask(tight.bound.total)
+    return order, answer
 
 
 @dataclass(frozen=True)
@@ -957,6 +1048,7 @@ def _trace_round(
         stop_reason=decision.stop_reason,
         reason=decision.reason,
         **({"budget_wait_s": round(waited, 3)} if waited > 0 else {}),
+        **({"budget_full": gathered.full} if gathered.full is not None else {}),
     )
 
 
@@ -1067,6 +1159,7 @@ def repair_stage(state: LoopState, ctx: StageContext) -> LoopState:
                     pitfalls=pitfalls,
                     attempts=state.attempts,
                     prompt=order.prompt,
+                    max_tokens=order.reply_tokens,
                 )
             else:
                 result = ctx.reviser.revise(
@@ -1096,8 +1189,10 @@ def _lease_refused(state: LoopState, ctx: StageContext, answer: BudgetAnswer) ->
     stops ``repair_budget_exhausted`` here, as the decide stage would have, keeping the best
     output so far; nothing was spent on the repair."""
     cap = ctx.config.repair_token_cap or 0
+    order = state.repair_order
+    full = order.full_bound.total if order is not None and order.full_bound is not None else None
     refusal = refusal_text(
-        state.lease_tokens, cap, answer.budget, answer.waited_s, budget_wait_s(ctx)
+        state.lease_tokens, cap, answer.budget, answer.waited_s, budget_wait_s(ctx), full
     )
     repaired = state.attempt > 0 and (state.best_acceptable or state.best_target)
     _emit(
@@ -1142,6 +1237,7 @@ def _repaired(state: LoopState, result: RevisionResult) -> LoopState:
             "usage": state.usage + result.usage,
             "repair_usage": state.repair_usage + result.usage,
             "pending_repair_tokens": result.usage.tokens,
+            "repair_growth": repair_growth(state.output, result.output, result.usage.tokens_out),
             "suggestions_applied": result.suggestions_applied,
             "repair_order": None,
             "next": "l0",

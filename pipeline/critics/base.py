@@ -171,9 +171,11 @@ class PromptedReviser(Protocol):
         pitfalls: str = "",
         attempts: Sequence[RepairAttempt] = (),
         prompt: str | None = None,
+        max_tokens: int | None = None,
     ) -> tuple[int, int]:
         """``(tokens, output_tokens)``: the repair call's counted prompt plus its
-        ``max_tokens``, and the repaired output's size bound."""
+        ``max_tokens``, and the repaired output's size bound. ``max_tokens``: a lower bound
+        for the call's reply than its own (a round sized from what the run's repairs used)."""
         ...
 
     def revise(
@@ -185,8 +187,10 @@ class PromptedReviser(Protocol):
         pitfalls: str = "",
         attempts: Sequence[RepairAttempt] = (),
         prompt: str | None = None,
+        max_tokens: int | None = None,
     ) -> RevisionResult:
-        """Repair with ``prompt`` (rendered by the caller) when given."""
+        """Repair with ``prompt`` (rendered by the caller) when given, the call's reply bound
+        lowered to ``max_tokens`` when given (as :meth:`repair_bound` sized it)."""
         ...
 
 
@@ -202,8 +206,12 @@ class SizedCritic(Protocol):
         output_tokens: int,
         pitfalls: str = "",
         round: int = 1,
+        reply_tokens: int | None = None,
     ) -> int:
-        """Tokens one critique of ``output`` grown to ``output_tokens`` may spend."""
+        """Tokens one critique of ``output`` grown to ``output_tokens`` may spend; with
+        ``reply_tokens``, its reply counted at that many tokens when that is less than its own
+        bound (a round sized from what the run's repairs used: the call is then made within
+        what the reservation leaves, :func:`pipeline.llm.complete_within`)."""
         ...
 
 

@@ -182,11 +182,14 @@ class LLMCritic:
         output_tokens: int,
         pitfalls: str = "",
         round: int = 1,
+        reply_tokens: int | None = None,
     ) -> int:
         """Tokens one critique call of a repaired ``output`` may spend: the prompt,
         counted with an empty output of the same kind, plus the output at ``output_tokens``
         (at most what the prompt shows of it, ``llm.max_output_chars``), plus the reply's
-        ``max_tokens`` (:meth:`reply_tokens`: a re-critique's short envelope bound). 0 when no
+        ``max_tokens`` (:meth:`reply_tokens`: a re-critique's short envelope bound; the lower
+        ``reply_tokens`` when given: a round sized from what the run's repairs used, whose
+        call :func:`~pipeline.llm.complete_within` makes within what is left). 0 when no
         model resolves (the heuristic answers, token-free). A re-ask is not reserved: it is
         made only within what the first call left."""
         model = self._config.critic_model(submission.model)
@@ -204,6 +207,8 @@ class LLMCritic:
         reply = self.reply_tokens(round)
         request = LLMRequest(model=model, messages=messages, max_tokens=reply)
         shown = min(output_tokens, -(-self._config.llm.max_output_chars // CHARS_PER_TOKEN) + 16)
+        if reply_tokens is not None:
+            reply = max(1, min(reply, reply_tokens))
         return count_prompt_tokens(request, self._complete) + shown + reply
 
     def _parse(self, text: str, submission: Submission, model: str) -> CritiqueEnvelope:
@@ -288,10 +293,15 @@ class LLMReviser:
         pitfalls: str = "",
         attempts: Sequence[RepairAttempt] = (),
         prompt: str | None = None,
+        max_tokens: int | None = None,
     ) -> RevisionResult:
         """One repair call; the reply is the complete repaired output. ``prompt``: the repair
-        prompt when the runner already rendered it (to size the round), so it is built once."""
-        request = self.request(submission, output, envelope, pitfalls, attempts, prompt=prompt)
+        prompt when the runner already rendered it (to size the round), so it is built once;
+        ``max_tokens``: the reply's bound the round was sized with, when lower than the
+        call's own (:meth:`request`)."""
+        request = self.request(
+            submission, output, envelope, pitfalls, attempts, prompt=prompt, max_tokens=max_tokens
+        )
         if request is None:
             return self._fall_back(
                 submission,
@@ -352,12 +362,18 @@ class LLMReviser:
         attempts: Sequence[RepairAttempt] = (),
         *,
         prompt: str | None = None,
+        max_tokens: int | None = None,
     ) -> LLMRequest | None:
         """The repair call :meth:`revise` makes (None without a repair model): the repair
-        prompt, and ``max_tokens`` sized to the output (:func:`repair_reply_tokens`)."""
+        prompt, and ``max_tokens`` sized to the output (:func:`repair_reply_tokens`), or the
+        lower ``max_tokens`` given (a round sized from what the run's repairs used,
+        :func:`~pipeline.repair.tight_output_tokens`)."""
         model = submission.model or self._config.model
         if not model:
             return None
+        reply = repair_reply_tokens(output, self._config.llm.max_tokens)
+        if max_tokens is not None:
+            reply = max(1, min(reply, max_tokens))
         is_dict = isinstance(output, dict)
         system = REPAIR_SYSTEM + (" Reply with one JSON object." if is_dict else "")
         return LLMRequest(
@@ -372,7 +388,7 @@ class LLMReviser:
                 ),
             ),
             json_mode=is_dict,
-            max_tokens=repair_reply_tokens(output, self._config.llm.max_tokens),
+            max_tokens=reply,
             purpose="repair",
         )
 
@@ -385,11 +401,15 @@ class LLMReviser:
         pitfalls: str = "",
         attempts: Sequence[RepairAttempt] = (),
         prompt: str | None = None,
+        max_tokens: int | None = None,
     ) -> tuple[int, int]:
-        """``(tokens, output_tokens)`` of the repair call :meth:`revise` would make: its counted
-        prompt plus its ``max_tokens``, and the repaired output's bound (that ``max_tokens``).
-        ``(0, …)`` without a repair model: the token-free fallback answers."""
-        request = self.request(submission, output, envelope, pitfalls, attempts, prompt=prompt)
+        """``(tokens, output_tokens)`` of the repair call :meth:`revise` would make (with
+        ``max_tokens``, when given): its counted prompt plus its ``max_tokens``, and the
+        repaired output's bound (that ``max_tokens``). ``(0, …)`` without a repair model: the
+        token-free fallback answers."""
+        request = self.request(
+            submission, output, envelope, pitfalls, attempts, prompt=prompt, max_tokens=max_tokens
+        )
         if request is None or request.max_tokens is None:
             return 0, grown_output_tokens(output)
         counted = count_prompt_tokens(request, self._complete)
@@ -447,6 +467,7 @@ class PairedCritic:
         output_tokens: int,
         pitfalls: str = "",
         round: int = 1,
+        reply_tokens: int | None = None,
     ) -> int:
         """The primary critic's bound: the adjudication call runs only within what the primary
         call left of the reservation (and is skipped, noted, when that is too little)."""
@@ -454,7 +475,12 @@ class PairedCritic:
             return 0
         return int(
             self._primary.critique_bound(
-                submission, output, output_tokens=output_tokens, pitfalls=pitfalls, round=round
+                submission,
+                output,
+                output_tokens=output_tokens,
+                pitfalls=pitfalls,
+                round=round,
+                reply_tokens=reply_tokens,
             )
         )
 

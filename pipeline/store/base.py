@@ -111,6 +111,27 @@ class BudgetSnapshot:
     """How many reservations ask for them."""
 
 
+@dataclass(frozen=True)
+class RepairUsage:
+    """What a run's committed repair rounds really used, as their commits recorded it: the
+    history a round is sized from when its full bound would pass the cap (docs/pipeline.md,
+    "The repair budget"; :func:`pipeline.repair.tight_output_tokens`). Each commit brings its
+    round's figures once; the run keeps the largest of each."""
+
+    rounds: int = 0
+    """Committed rounds that brought figures (0: no history yet)."""
+    growth: int = 0
+    """The largest growth a model's repair showed, in thousandths: the repaired output's tokens
+    (the larger of what the provider reported it wrote and the output's own estimate) per
+    token of the output it repaired. 0: no model-written repair committed yet."""
+    reply: int = 0
+    """The longest re-critique reply (completion tokens, as the provider reported them); 0:
+    none yet."""
+    spent: int = 0
+    """The run's spent tokens, read in the same step (:meth:`BudgetLedger.usage`); 0 in one
+    round's figures (what :meth:`BudgetLedger.commit` is given)."""
+
+
 WAITER_GRACE_S = 10.0
 """A waiting reservation keeps its place in the queue this long after its last ask; one that
 stops asking (its task died, or gave up) then no longer holds back younger ones."""
@@ -152,6 +173,8 @@ class BudgetLedger(Protocol):
       overrun grows by the excess, which closes the budget to new reservations): a provider's
       reported usage is never under-counted. A repeated commit charges nothing more and returns
       the first charge. An unknown lease charges nothing (0).
+    - ``commit`` with a round's ``usage`` keeps the run's largest growth and re-critique reply
+      (:class:`RepairUsage`), once per lease, with the charge; ``usage`` reads them back.
     - ``refund`` of a live lease releases its hold; of anything else it does nothing.
     - ``ask`` with a wait (the budget waits rather than refuses while tokens are only held): a
       reservation that fits ``cap − spent`` but not ``cap − spent − held − queued``
@@ -197,10 +220,21 @@ class BudgetLedger(Protocol):
         never a later state: spent + held + queued + tokens > cap, or an overrun, holds in it)."""
         ...
 
-    def commit(self, run_id: str, lease_id: str, actual_tokens: int, *, outside: int = 0) -> int:
+    def commit(
+        self,
+        run_id: str,
+        lease_id: str,
+        actual_tokens: int,
+        *,
+        outside: int = 0,
+        usage: RepairUsage | None = None,
+    ) -> int:
         """Charge ``actual_tokens`` once and release the hold; returns the charge. ``outside``
         of them were spent where the service could not bound them (a manager's worker re-run,
-        as it reported): charged, but never counted as an overrun of the reservation."""
+        as it reported): charged, but never counted as an overrun of the reservation.
+        ``usage``: the round's figures (its growth, its re-critique's reply), kept into the
+        run's :class:`RepairUsage` by their largest, in the same atomic step as the charge (so
+        a repeated commit brings nothing twice)."""
         ...
 
     def refund(self, run_id: str, lease_id: str) -> None:
@@ -222,6 +256,11 @@ class BudgetLedger(Protocol):
 
     def snapshot(self, run_id: str) -> BudgetSnapshot:
         """Spent, held (and by how many leases) and overrun, as of now."""
+        ...
+
+    def usage(self, run_id: str) -> RepairUsage:
+        """What the run's committed repair rounds really used, with its spent tokens (one
+        read)."""
         ...
 
 

@@ -66,7 +66,8 @@ PATTERNS_DETAIL = "patterns:detail"  # hash: pattern key -> JSON details (catego
 PATTERNS_SEEN = "patterns:seen"  # set: critique keys already recorded (exactly-once recording)
 PATTERNS_COUNTED = "patterns:counted"  # set: "<pass key>|<sha1 of pattern key>" counted per pass
 PATTERNS_SEQ = "patterns:seq"  # string: the last first-recorded order handed out in the run
-BUDGET = "budget"  # hash: "spent" -> repair tokens charged; "overrun" -> charged past reservations
+BUDGET = "budget"  # hash: "spent" -> repair tokens charged; "overrun" -> charged past reservations;
+# "rounds", "growth", "reply" -> what committed repair rounds used (pipeline.store.base.RepairUsage)
 BUDGET_LEASES = "budget:leases"  # hash: lease id -> "tokens:expires_us:state:charge[:holder]"
 BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> when it stops holding (µs): its TTL,
 # or sooner its holder's liveness deadline (pipeline.store.leases); past ones reclaimed

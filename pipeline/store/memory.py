@@ -23,6 +23,7 @@ from pipeline.store.base import (
     WAITER_GRACE_S,
     BudgetAnswer,
     BudgetSnapshot,
+    RepairUsage,
     encode_event,
     run_lesson,
 )
@@ -213,6 +214,8 @@ class _Run:
     leases: dict[str, _Lease] = field(default_factory=dict)
     waiting: dict[str, float] = field(default_factory=dict)
     """Waiting lease id -> when it stops counting as queued (its last ask + the grace)."""
+    usage: RepairUsage = field(default_factory=RepairUsage)
+    """What the run's committed rounds used (``spent`` left 0 here: :attr:`spent` is it)."""
 
 
 class MemoryBudgetLedger:
@@ -317,7 +320,15 @@ class MemoryBudgetLedger:
             run.waiting.pop(lease_id, None)
             return BudgetAnswer("refused", snap, waited)
 
-    def commit(self, run_id: str, lease_id: str, actual_tokens: int, *, outside: int = 0) -> int:
+    def commit(
+        self,
+        run_id: str,
+        lease_id: str,
+        actual_tokens: int,
+        *,
+        outside: int = 0,
+        usage: RepairUsage | None = None,
+    ) -> int:
         with self._lock:
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
@@ -330,6 +341,13 @@ class MemoryBudgetLedger:
             lease.charge = charge
             run.spent += charge
             run.overrun += max(0, charge - min(max(int(outside), 0), charge) - lease.tokens)
+            if usage is not None and (usage.growth > 0 or usage.reply > 0):
+                seen = run.usage
+                run.usage = RepairUsage(
+                    rounds=seen.rounds + 1,
+                    growth=max(seen.growth, usage.growth),
+                    reply=max(seen.reply, usage.reply),
+                )
         if self._holder is not None:
             self._holder.drop(self, run_id, lease_id)
         return charge
@@ -388,6 +406,16 @@ class MemoryBudgetLedger:
                 held=sum(le.tokens for le in live),
                 holders=len(live),
                 overrun=run.overrun,
+            )
+
+    def usage(self, run_id: str) -> RepairUsage:
+        with self._lock:
+            run = self._runs.get(run_id, _Run())
+            return RepairUsage(
+                rounds=run.usage.rounds,
+                growth=run.usage.growth,
+                reply=run.usage.reply,
+                spent=run.spent,
             )
 
     def holds(self, run_id: str) -> dict[str, int]:

@@ -28,6 +28,7 @@ from pipeline.store.base import (
     WAITER_GRACE_S,
     BudgetAnswer,
     BudgetSnapshot,
+    RepairUsage,
     Verdict,
     encode_event,
     run_lesson,
@@ -391,7 +392,9 @@ class RedisPatternStore:
 #              waiters, waited (µs)] (all 0 but the verdict for a live or committed lease; a
 #             live lease asked for by a holder is handed over to it)
 #   commit:   ARGV[4] lease id, ARGV[5] actual tokens, ARGV[6] of them spent outside the service
-#             (a worker's re-run: never an overrun) → the charge (the first one, when repeated)
+#             (a worker's re-run: never an overrun), ARGV[7] the round's growth (thousandths),
+#             ARGV[8] its re-critique's reply (tokens) → the charge (the first one, when
+#             repeated); the first commit keeps the largest growth and reply in the budget hash
 #   refund:   ARGV[4] lease id → 0
 #   release:  ARGV[4..] lease-id prefixes (one per cancelled pass) → how many live or waiting
 #             leases under them were refunded (a cancel: nothing of those passes stays held)
@@ -410,8 +413,10 @@ class RedisPatternStore:
 # lease with the moment it stops holding: its TTL, or sooner its holder's liveness deadline
 # (now + the window at each grant, hand-over and beat), so a dead holder's lease is released
 # for every reader at once. The budget hash holds "spent" and "overrun" (tokens charged past
-# their reservations; above 0 it refuses every new reservation of the run), and "cap" (the cap
-# the last reservation asked against, read by the exporter: pipeline.store.metrics). The
+# their reservations; above 0 it refuses every new reservation of the run), "cap" (the cap
+# the last reservation asked against, read by the exporter: pipeline.store.metrics), and what
+# the committed rounds used ("rounds" that brought figures, the largest "growth" and "reply":
+# pipeline.store.base.RepairUsage, read back with HMGET by RedisBudgetLedger.usage). The
 # waiting set scores each waiting lease with the time it stops counting as queued (its last
 # ask + the grace): older waiters are served first.
 _BUDGET = """
@@ -539,6 +544,16 @@ elseif op == 'commit' then
   redis.call('HINCRBY', KEYS[1], 'spent', string.format('%.0f', actual))
   if inside > tokens then
     redis.call('HINCRBY', KEYS[1], 'overrun', string.format('%.0f', inside - tokens))
+  end
+  local grow, reply = tonumber(ARGV[7] or '0') or 0, tonumber(ARGV[8] or '0') or 0
+  if grow > 0 or reply > 0 then
+    redis.call('HINCRBY', KEYS[1], 'rounds', 1)
+    if grow > number('growth') then
+      redis.call('HSET', KEYS[1], 'growth', string.format('%.0f', grow))
+    end
+    if reply > number('reply') then
+      redis.call('HSET', KEYS[1], 'reply', string.format('%.0f', reply))
+    end
   end
   touch()
   return actual
@@ -749,10 +764,30 @@ class RedisBudgetLedger:
         )
         return BudgetAnswer(_VERDICTS[verdict], snap, waited_us / 1_000_000)
 
-    def commit(self, run_id: str, lease_id: str, actual_tokens: int, *, outside: int = 0) -> int:
+    def commit(
+        self,
+        run_id: str,
+        lease_id: str,
+        actual_tokens: int,
+        *,
+        outside: int = 0,
+        usage: RepairUsage | None = None,
+    ) -> int:
         """Charge ``actual_tokens`` and release the hold; a repeat returns the first charge;
-        0 for an unknown lease. ``outside`` of them (a worker's re-run) is never an overrun."""
-        charged = int(self._call(run_id, "commit", lease_id, int(actual_tokens), int(outside)))
+        0 for an unknown lease. ``outside`` of them (a worker's re-run) is never an overrun.
+        ``usage``: the round's growth and reply, kept by their largest with the first charge."""
+        seen = usage if usage is not None else RepairUsage()
+        charged = int(
+            self._call(
+                run_id,
+                "commit",
+                lease_id,
+                int(actual_tokens),
+                int(outside),
+                max(0, int(seen.growth)),
+                max(0, int(seen.reply)),
+            )
+        )
         if self._holder is not None:
             self._holder.drop(self, run_id, lease_id)
         return charged
@@ -798,6 +833,21 @@ class RedisBudgetLedger:
         with store_errors(self._client):
             value = self._client.hget(key, "spent")
         return 0 if value is None else int(value)
+
+    def usage(self, run_id: str) -> RepairUsage:
+        """What the run's committed rounds used, and its spent tokens: one HMGET of the budget
+        hash (a single key: one read, the run's slot)."""
+        key = keys.run_key(run_id, keys.BUDGET, self._prefix)
+        with store_errors(self._client):
+            spent, rounds, growth, reply = self._client.hmget(
+                key, "spent", "rounds", "growth", "reply"
+            )
+        return RepairUsage(
+            rounds=int(rounds or 0),
+            growth=int(growth or 0),
+            reply=int(reply or 0),
+            spent=int(spent or 0),
+        )
 
     def snapshot(self, run_id: str) -> BudgetSnapshot:
         """Spent, held (by how many live leases) and overrun, in one atomic read."""

@@ -4,8 +4,9 @@ real Redis, litellm's real HTTP client and the fake OpenAI-compatible server scr
 Reservations are the counted prompt plus the call's ``max_tokens`` (repair call and re-critique),
 the calls are made with that ``max_tokens``, the unused part comes back at commit: so the cap
 bounds what the provider reports. A reservation that only held tokens block waits for them
-(the task goes back to the broker and asks again), so a binding budget refuses only
-near its end, and demand past the cap still spends nearly all of it."""
+(the task goes back to the broker and asks again), and one whose full bound would pass the cap
+is sized from what the run's repairs really used, so a binding budget refuses only near its
+end, and demand past the cap still spends nearly all of it."""
 
 from __future__ import annotations
 
@@ -192,8 +193,9 @@ def _refusals(run_id: str) -> list[dict[str, int]]:
 
 def _real(r: dict[str, Any]) -> bool:
     """A refusal that had to be: spent + asked past the cap; or, after the wait ran out,
-    spent + held + queued + asked still past it."""
-    if r["why"] == "spent + asked would pass the cap":
+    spent + held + queued + asked still past it. (What was asked may be the round sized from
+    what the run's repairs used: the reason then says so after the why, with the full bound.)"""
+    if r["why"].startswith("spent + asked would pass the cap"):
         return bool(r["spent"] + r["asked"] > r["cap"])
     return bool(r["why"].startswith("waited")) and (
         r["spent"] + r["held"] + r["queued"] + r["asked"] > r["cap"]
@@ -274,14 +276,22 @@ def test_the_cap_holds_when_the_provider_writes_all_it_may(
     print(f"\nprovider writing all it may: cap {cap}, spent {spent} ({spent / cap:.1%})")
 
 
-def test_demand_at_twice_the_cap_spends_at_least_85_percent_of_it(
+def test_demand_at_twice_the_cap_spends_at_least_90_percent_of_it(
     worker: WorkerProcess, fake: FakeOpenAIServer
 ) -> None:
-    """20 outputs that each need one LLM repair, all submitted at once, with a cap of half
-    what they would spend (the fake provider reports accurate usage): repairs blocked only by
-    held tokens wait for them instead of being refused, so the run ends with at least 85 % of
-    the cap spent, never over it; the ledger equals what the provider reported; every refusal
-    names spent, held and asked, and had to be."""
+    """21 outputs that each need one LLM repair, all submitted at once, with a cap of 10¼
+    repairs (demand 2.05× the cap; the fake provider reports accurate usage, and writes what it
+    writes whatever ``max_tokens`` says). Repairs blocked only by held tokens wait for them; the
+    last one the cap can pay for, whose full bound (1.36 repairs) would pass the cap, is sized
+    from what the run's repairs used (about 1.07 repairs) and funded: the run ends with at least
+    90 % of the cap spent (the ideal: 10 of 10¼ = 97.6 %), never over it; the ledger equals what
+    the provider reported; nothing was reported over a reservation; every refusal names spent,
+    held and asked, and had to be.
+
+    Why 10¼ and not 10: with a cap of exactly 10 repairs, what is left for the tenth is one
+    repair give or take a few tokens of difference between outputs, and no reservation that
+    covers a repair (with any margin) fits it reliably: whether the run ends at 90.0 % or a
+    hair under would be decided by that noise, not by the sizing."""
     from workers.client import CritiqueClient
 
     Provider(one_repair=True).install(fake)
@@ -292,28 +302,33 @@ def test_demand_at_twice_the_cap_spends_at_least_85_percent_of_it(
     assert alone.status == "repaired" and per_repair > 0
     Provider(one_repair=True).install(fake)  # forget the probe's requests
 
-    cap = 10 * per_repair  # 20 repairs: demand at twice the cap
+    cap = 10 * per_repair + per_repair // 4  # 21 repairs: demand 2.05x the cap
     run_id = f"twice-{uuid.uuid4().hex[:8]}"
     client = CritiqueClient(_config(cap))
     results = client.wait_many(
-        client.submit_many([_sub(run_id, i) for i in range(20)]), timeout=150
+        client.submit_many([_sub(run_id, i) for i in range(21)]), timeout=150
     )
     spent = _check_ledger(run_id, fake, results)
     refusals = _refusals(run_id)
     repaired = sum(1 for r in results if r.attempts)
     ideal = (cap // per_repair) * per_repair
-    waits = [e["budget_wait_s"] for e in client.trace(run_id) if e.get("budget_wait_s") is not None]
+    events = list(client.trace(run_id))
+    waits = [e["budget_wait_s"] for e in events if e.get("budget_wait_s") is not None]
+    tight = [e["budget_full"] for e in events if e.get("budget_full") is not None]
     print(
         f"\ndemand at twice the cap: cap {cap}, spent {spent} ({spent / cap:.1%}; ideal "
-        f"{ideal / cap:.1%}), {repaired} repaired, {len(refusals)} refused, {len(waits)} "
-        f"waited (longest {max(waits, default=0):.1f} s)"
+        f"{ideal / cap:.1%}), {repaired} repaired ({len(tight)} sized from the run's "
+        f"repairs), {len(refusals)} refused, {len(waits)} waited (longest "
+        f"{max(waits, default=0):.1f} s)"
     )
-    assert 0.85 * cap <= spent <= cap
-    assert repaired + len(refusals) == 20
+    assert 0.90 * cap <= spent <= cap
+    assert repaired + len(refusals) == 21
     firsts = [b for b in fake.requests_with(CRITIC) if "Critique round: 1" in user_text(b)]
-    assert len(firsts) == 20  # a task that waited replayed its critique, never re-ran it
+    assert len(firsts) == 21  # a task that waited replayed its critique, never re-ran it
     assert refusals and all(_real(r) for r in refusals), refusals
     assert waits, "no repair had to wait: the budget was never contended"
+    assert tight, "no round was sized from what the run's repairs used"
+    assert not any("more than the" in n for r in results for n in r.notes)
 
 
 def test_a_provider_reporting_more_than_it_may_is_charged_in_full_and_stops_repairs(

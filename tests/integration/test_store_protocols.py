@@ -23,6 +23,7 @@ from pipeline.store.base import (
     BudgetLedger,
     BudgetSnapshot,
     PatternStore,
+    RepairUsage,
     TraceSink,
 )
 from pipeline.store.blobs import BlobCorruptError, BlobMissingError, RedisBlobStore, blob_ref
@@ -312,6 +313,26 @@ def test_tokens_spent_outside_are_charged_but_never_an_overrun(ledger: BudgetLed
     assert ledger.reserve("run1", "w:2", 10, CAP, 30) is True
     assert ledger.commit("run1", "w:2", 50, outside=5) == 50  # 45 inside: 35 over
     assert ledger.snapshot("run1").overrun == 35
+
+
+def test_commits_keep_the_largest_usage_once_per_lease(ledger: BudgetLedger) -> None:
+    """Each first commit brings its round's growth and re-critique reply to the run's usage,
+    which keeps the largest of each and counts the rounds; a repeated commit, a commit of a
+    waiting or unknown lease, and a round with no figures bring nothing; ``usage`` reads them
+    back with the run's spent tokens; runs are separate."""
+    assert ledger.usage("run1") == RepairUsage()
+    ledger.reserve("run1", "a:1", 30, CAP, 30)
+    ledger.reserve("run1", "b:1", 30, CAP, 30)
+    ledger.reserve("run1", "c:1", 10, CAP, 30)
+    assert ledger.commit("run1", "a:1", 20, usage=RepairUsage(growth=1500, reply=40)) == 20
+    assert ledger.usage("run1") == RepairUsage(rounds=1, growth=1500, reply=40, spent=20)
+    assert ledger.commit("run1", "a:1", 20, usage=RepairUsage(growth=9000, reply=900)) == 20
+    assert ledger.commit("run1", "b:1", 25, usage=RepairUsage(growth=1200, reply=70)) == 25
+    assert ledger.commit("run1", "c:1", 5, usage=RepairUsage()) == 5
+    assert ledger.commit("run1", "zz:1", 5, usage=RepairUsage(growth=9000, reply=900)) == 0
+    assert ledger.usage("run1") == RepairUsage(rounds=2, growth=1500, reply=70, spent=50)
+    assert ledger.snapshot("run1") == BudgetSnapshot(spent=50)
+    assert ledger.usage("run2") == RepairUsage()
 
 
 def test_a_committed_lease_is_granted_again_without_holding(ledger: BudgetLedger) -> None:

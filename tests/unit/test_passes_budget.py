@@ -302,6 +302,98 @@ def test_token_free_repairs_reserve_and_charge_nothing() -> None:
     assert ctx.budget.snapshot("run-1") == BudgetSnapshot()
 
 
+# --- rounds sized from what the run's repairs used -----------------------------------------
+
+
+def _sized_ctx(provider: Provider, *, size_from_usage: bool = True, **extra: Any) -> Any:
+    """A binding budget (cap 10 000) for 30 submissions of two repairs each."""
+    ctx = llm_context(provider, 100_000, repair_budget_fraction=0.1, **extra)
+    budget = ctx.config.budget.model_copy(update={"size_from_usage": size_from_usage})
+    return dataclasses.replace(ctx, config=ctx.config.model_copy(update={"budget": budget}))
+
+
+def _run_many(ctx: Any, n: int = 30) -> list[Any]:
+    return [run_submission(budget_sub(f"w{i:02d}"), ctx, pass_id=f"p{i}") for i in range(n)]
+
+
+def test_a_round_whose_full_bound_would_pass_the_cap_is_sized_from_the_runs_repairs() -> None:
+    """Once spent + a round's full bound would pass the cap, a run with committed repairs
+    reserves the round sized from what they used, and its repair call goes out with the
+    smaller max_tokens: the run funds more of its cap, never passes it, the ledger still
+    equals what the provider reported, and the result and the trace say so."""
+    provider = Provider()
+    ctx = _sized_ctx(provider)
+    results = _run_many(ctx)
+    spent = ctx.budget.spent("run-1")
+    assert spent == provider.spent_on_repairs() == sum(r.budget_charged for r in results)
+    assert spent <= 10_000
+    usage = ctx.budget.usage("run-1")
+    assert usage.rounds > 0 and usage.growth > 1000 and usage.reply > 0
+    events = ctx.trace.read("run-1")
+    tight = [e for e in events if e["type"] == "round" and e.get("budget_full")]
+    assert tight, "no round was sized from the run's repairs"
+    notes = [n for r in results for n in r.notes if "sized from what this run's repairs" in n]
+    assert len(notes) == len(tight)
+    written = [int(m.group(1)) for n in notes if (m := re.search(r"may write (\d+) tokens", n))]
+    repair_calls = [r.max_tokens for r in provider.requests if r.purpose == "repair"]
+    assert written and all(w in repair_calls for w in written)
+    assert min(repair_calls) == min(written) < repair_reply_tokens(budget_sub().output, 300)
+    assert ctx.budget.snapshot("run-1").overrun == 0
+    assert not any("more than the" in n for r in results for n in r.notes)
+    # The same run without it: refused at the full bound, less of the cap funded.
+    plain = _sized_ctx(Provider(), size_from_usage=False)
+    _run_many(plain)
+    assert not any(e.get("budget_full") for e in plain.trace.read("run-1"))
+    assert plain.budget.spent("run-1") < spent
+
+
+def test_a_tight_refusal_names_what_was_asked_and_the_full_bound() -> None:
+    """A round refused even at the bound sized from the run's repairs: the reason names that
+    ask (spent + it passes the cap: a real refusal) and the full bound it replaced."""
+    provider = Provider()
+    ctx = _sized_ctx(provider)
+    _run_many(ctx)
+    reasons = [
+        e["reason"]
+        for e in ctx.trace.read("run-1")
+        if e["type"] == "round" and e.get("stop_reason") == "repair_budget_exhausted"
+    ]
+    tight = [
+        m
+        for reason in reasons
+        if (
+            m := re.fullmatch(
+                r"repair budget refused (\d+) tokens: cap 10000, spent (\d+), held 0 by 0 "
+                r"repairs in flight; spent \+ asked would pass the cap \(asked: the round sized "
+                r"from what this run's repairs used; its full bound (\d+)\)",
+                reason,
+            )
+        )
+    ]
+    assert tight, reasons
+    for m in tight:
+        asked, spent, full = (int(g) for g in m.groups())
+        assert spent + asked > 10_000 and asked < full
+
+
+def test_without_history_or_room_to_gain_the_full_bound_is_refused() -> None:
+    """The run's first repair has no history: a cap below its full bound refuses it, naming
+    the full bound only. A provider that writes every token it may leaves nothing to gain:
+    every refusal is at the full bound."""
+    ctx = _sized_ctx(Provider())
+    budget = ctx.config.budget.model_copy(update={"total_tokens": 1_000})
+    ctx = dataclasses.replace(ctx, config=ctx.config.model_copy(update={"budget": budget}))
+    result = run_submission(budget_sub(), ctx, pass_id="p")
+    assert result.stop_reason == "repair_budget_exhausted"
+    [reason] = [e["reason"] for e in _round_events(ctx) if e.get("reason")]
+    assert reason.endswith("spent + asked would pass the cap"), reason
+    filled = _sized_ctx(Provider(fill=True))
+    _run_many(filled)
+    events = filled.trace.read("run-1")
+    assert not any(e.get("budget_full") for e in events)
+    assert not any("its full bound" in str(e.get("reason")) for e in events)
+
+
 # --- waiting for held tokens ------------------------------------------------------------------
 
 
