@@ -110,3 +110,16 @@ def test_each_event_loop_gets_its_own_client_and_a_given_one_is_always_used() ->
         return verdicts.LoopClients({}, given).get()
 
     assert asyncio.run(take_given()) is given
+
+
+def test_kept_verdicts_hold_the_latest_and_drop_the_oldest() -> None:
+    """A verdict kept again moves to the newest; past the limit the oldest goes; a verdict
+    without a result is never checked."""
+    kept = verdicts.KeptVerdicts(2)
+    kept.keep("a", verdicts.Verdict("accepted", "ok", _result("x")))
+    kept.keep("b", verdicts.Verdict("unchecked", "fleet down"))
+    kept.keep("a", verdicts.Verdict("repaired", "ok", _result("y")))
+    kept.keep("c", verdicts.Verdict("accepted", "ok", _result("z")))
+    assert list(kept) == ["a", "c"]
+    assert kept["a"].status == "repaired" and kept["a"].checked
+    assert not verdicts.Verdict("unchecked", "fleet down").checked

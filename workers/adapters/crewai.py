@@ -38,7 +38,6 @@ import dataclasses
 import json
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -47,7 +46,7 @@ from crewai.context import get_current_task_id
 from pipeline.errors import CritiqueError
 from pipeline.models import CritiqueResult, Submission
 from workers.adapters import verdicts
-from workers.adapters.verdicts import Mode
+from workers.adapters.verdicts import KeptVerdicts, Mode, Verdict
 from workers.client import CritiqueClient, CritiqueTimeout
 
 log = logging.getLogger(__name__)
@@ -70,21 +69,6 @@ class CritiqueRejected(Exception):
         super().__init__(reason)
         self.reason = reason
         self.result = result
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """What the fleet said about one task execution's output: its result, or ``unchecked``
-    (passed on without a verdict, ``fail_open``; or rejected without one) and why."""
-
-    status: str
-    reason: str
-    result: CritiqueResult | None = None
-
-    @property
-    def checked(self) -> bool:
-        """False for an output nobody checked: never treat it as reviewed."""
-        return self.result is not None and self.result.checked
 
 
 @dataclasses.dataclass
@@ -172,7 +156,7 @@ class CritiqueGuardrail:
         self.timeout = timeout
         self.fail_open = fail_open
         self.client = client if client is not None else CritiqueClient(self.config)
-        self.verdicts: OrderedDict[str, Verdict] = OrderedDict()
+        self.verdicts = KeptVerdicts(KEPT_TASKS)
         """The verdict of each task execution this guardrail saw, by the task's id
         (``str(task.id)``), the latest :data:`KEPT_TASKS`."""
         self._chains: dict[str, _Chain] = {}
@@ -318,10 +302,7 @@ class CritiqueGuardrail:
     def _end(self, key: str, verdict: Verdict) -> None:
         with self._lock:
             self._chains.pop(key, None)
-            self.verdicts[key] = verdict
-            self.verdicts.move_to_end(key)
-            while len(self.verdicts) > KEPT_TASKS:
-                self.verdicts.popitem(last=False)
+            self.verdicts.keep(key, verdict)
 
     @staticmethod
     def _per_output(value: PerOutput | None, output: Any, default: str) -> str:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -46,7 +45,7 @@ from pipeline.errors import CritiqueError
 from pipeline.models import CritiqueResult, Submission
 from workers.aclient import AsyncCritiqueClient
 from workers.adapters import verdicts
-from workers.adapters.verdicts import Mode
+from workers.adapters.verdicts import KeptVerdicts, Mode, Verdict
 from workers.client import CritiqueTimeout
 
 log = logging.getLogger(__name__)
@@ -71,21 +70,6 @@ class CritiqueRejected(UnexpectedModelBehavior):  # type: ignore[misc, unused-ig
         super().__init__(reason)
         self.reason = reason
         self.result = result
-
-
-@dataclasses.dataclass(frozen=True)
-class Verdict:
-    """What the fleet said about one agent run's output: its result, or ``unchecked`` (passed
-    on without a verdict, ``fail_open``) and why."""
-
-    status: str
-    reason: str
-    result: CritiqueResult | None = None
-
-    @property
-    def checked(self) -> bool:
-        """False for an output nobody checked: never treat it as reviewed."""
-        return self.result is not None and self.result.checked
 
 
 @dataclasses.dataclass
@@ -139,7 +123,7 @@ class CritiqueValidator:
         self.mode: Mode = mode
         self.timeout = timeout
         self.fail_open = fail_open
-        self.verdicts: OrderedDict[str, Verdict] = OrderedDict()
+        self.verdicts = KeptVerdicts(KEPT_RUNS)
         """The verdict of each agent run this validator saw, by the run's id
         (``AgentRunResult.run_id``), the latest :data:`KEPT_RUNS`."""
         self._clients = verdicts.LoopClients(self.config, client)
@@ -257,10 +241,7 @@ class CritiqueValidator:
 
     def _end(self, key: str, verdict: Verdict) -> None:
         self._chains.pop(key, None)
-        self.verdicts[key] = verdict
-        self.verdicts.move_to_end(key)
-        while len(self.verdicts) > KEPT_RUNS:
-            self.verdicts.popitem(last=False)
+        self.verdicts.keep(key, verdict)
 
     @staticmethod
     def _per_run(value: PerRun | None, ctx: RunContext[Any], default: str) -> str:

@@ -12,8 +12,10 @@ one asyncio client per event loop (:class:`LoopClients`).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -29,6 +31,36 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 PASSING = frozenset({"accepted", "accepted_with_warnings", "repaired"})
 """Statuses whose output a manager may use as it is."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """What the fleet said about one output a framework hook saw: its result, or ``unchecked``
+    (passed on without a verdict, ``fail_open``; or rejected without one) and why."""
+
+    status: str
+    reason: str
+    result: CritiqueResult | None = None
+
+    @property
+    def checked(self) -> bool:
+        """False for an output nobody checked: never treat it as reviewed."""
+        return self.result is not None and self.result.checked
+
+
+class KeptVerdicts(OrderedDict[str, Verdict]):
+    """The latest verdicts by key (an agent run's id, a task execution's), at most ``limit``:
+    the oldest go first."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key: str, verdict: Verdict) -> None:
+        self[key] = verdict
+        self.move_to_end(key)
+        while len(self) > self.limit:
+            self.popitem(last=False)
 
 
 def passes(result: CritiqueResult) -> bool:
