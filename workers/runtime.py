@@ -137,9 +137,11 @@ def client() -> StoreClient:
     """The process's client of the store (:func:`store_url`; bytes replies; safe to share
     between threads). With a ``sentinel://`` URL, a client of the current master (asked of the
     Sentinels on every reconnect, so a failover is a reconnect); with a ``redis+cluster://``
-    one, a Redis Cluster client (it follows slot moves and failovers); with the same timeouts,
-    health checks and redis-py's default retry (which may send a command, an ``EVALSHA`` too,
-    again: every store script is idempotent, keyed by pass). ``ConfigError`` when
+    one, a Redis Cluster client (it follows slot moves and failovers); with the same timeouts
+    and health checks. A cluster client keeps redis-py's default retry, which may send a
+    command, an ``EVALSHA`` too, again after a lost reply (a plain or Sentinel client built from
+    a URL does not re-send): every store script is idempotent, keyed by pass, lease or the id
+    of its call (tests/integration/test_resend_idempotent.py). ``ConfigError`` when
     ``CRITIQUE_REDIS_MASTER`` is missing or the URL is malformed; ``StoreUnavailableError``
     when a cluster cannot be reached (nothing is cached: the next call tries again)."""
     return store_client_from_url(
