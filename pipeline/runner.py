@@ -752,6 +752,18 @@ class BudgetWait(Exception):
         self.retry_s = retry_s
         self.reason = reason
 
+    @classmethod
+    def of(cls, answer: BudgetAnswer, cap: int, wait_s: float, what: str) -> BudgetWait:
+        """The wait a ``wait`` answer asks for (jittered, within what is left of ``wait_s``),
+        its reason ``what`` then the budget's figures."""
+        b = answer.budget
+        left = max(0.0, wait_s - answer.waited_s)
+        return cls(
+            min(left, BUDGET_POLL_S * random.uniform(0.5, 1.0)) + 0.01,
+            f"repair budget: {what} (cap {cap}, spent {b.spent}, held {b.held} by {b.holders}, "
+            f"queued {b.queued}); waited {answer.waited_s:.1f} of {wait_s:g} s",
+        )
+
 
 def budget_wait_s(ctx: StageContext) -> float:
     """How long a repair waits for held budget tokens: ``budget.wait_s``, at most
@@ -778,14 +790,12 @@ def hold_lease(ctx: StageContext, state: LoopState, *, wait: bool) -> BudgetAnsw
     tokens = state.lease_tokens
     answer = ctx.budget.ask(sub.run_id, state.lease_id, tokens, cap, ctx.lease_ttl_s, wait_s)
     if answer.verdict == "wait":
-        b = answer.budget
-        left = max(0.0, wait_s - answer.waited_s)
-        raise BudgetWait(
-            min(left, BUDGET_POLL_S * random.uniform(0.5, 1.0)) + 0.01,
-            f"repair budget: the lease of repair {state.attempt + 1} came back when its holder "
-            f"died; its {tokens} tokens wait for held ones to settle (cap {cap}, spent "
-            f"{b.spent}, held {b.held} by {b.holders}, queued {b.queued}); waited "
-            f"{answer.waited_s:.1f} of {wait_s:g} s",
+        raise BudgetWait.of(
+            answer,
+            cap,
+            wait_s,
+            f"the lease of repair {state.attempt + 1} came back when its holder died; its "
+            f"{tokens} tokens wait for held ones to settle",
         )
     return answer
 
@@ -847,14 +857,7 @@ def _answer(
         order, answer = _reserve_round(ctx, state, envelope, order, lease, cap, wait)
         total = order.bound.total
         if answer.verdict == "wait":
-            b = answer.budget
-            left = max(0.0, wait - answer.waited_s)
-            raise BudgetWait(
-                min(left, BUDGET_POLL_S * random.uniform(0.5, 1.0)) + 0.01,
-                f"repair budget: {total} tokens wait for held ones to settle (cap {cap}, spent "
-                f"{b.spent}, held {b.held} by {b.holders}, queued {b.queued}); waited "
-                f"{answer.waited_s:.1f} of {wait:g} s",
-            )
+            raise BudgetWait.of(answer, cap, wait, f"{total} tokens wait for held ones to settle")
         if not answer.granted:
             full = order.full_bound.total if order.full_bound is not None else None
             refusal = refusal_text(total, cap, answer.budget, answer.waited_s, wait, full)
