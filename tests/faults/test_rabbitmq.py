@@ -26,10 +26,10 @@ from typing import Any
 
 import pytest
 
-from pipeline.store.pending import RedisPendingIndex
 from tests.support.faults import (
     check_run,
     fault_submissions,
+    redriven_once_after_a_loss,
     run_results,
     wait_for_results,
 )
@@ -406,7 +406,6 @@ def test_a_message_deleted_from_a_quorum_queue_is_redriven_within_seconds(
     from its last step within 30 s of a worker running; the stall time is its 600 s, so only the
     proof acts (``next`` with the default sweep interval, 5 s): one ``resume`` event by the
     sweeper, reason ``lost``, and the reference result."""
-    from workers import runtime, tasks
     from workers.client import CritiqueClient
 
     env = {**fault_env, "CELERY_BROKER_URL": amqp_url, "CRITIQUE_SWEEP_S": sweep_s}
@@ -419,27 +418,7 @@ def test_a_message_deleted_from_a_quorum_queue_is_redriven_within_seconds(
     handle = client.submit(sub)
     assert handle.pass_id
     _delete_the_message_of(amqp_url, "critique.cpu", handle.pass_id)
-    if lost == "next":
-        first = (runtime.stores().runs.submission(run_id, 1, "w1") or {})["message"]
-        tasks._stage(tasks.l0, first, "l0")  # the stage alone: its task would go on
-    worker.start(timeout=60)
-    started = time.monotonic()
-
-    deadline = started + LOST_SLA_S + 15
-    while (result := client.result(handle)) is None and time.monotonic() < deadline:
-        time.sleep(0.25)
-    took = time.monotonic() - started
-    assert result is not None, "the sweeper did not re-drive the lost chain"
-    assert took <= LOST_SLA_S, f"re-driven and finished {took:.1f} s after the worker started"
-    want = reference([sub], CONFIG)[0]["1:w1"]
-    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
-    resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
-    stage, step = ("l0", None) if lost == "first" else ("critic", "l0")
-    assert [
-        (e["by"], e["reason"], e["stage"], (e["after_step"] or ":").rsplit(":", 1)[1] or None)
-        for e in resumes
-    ] == [("sweeper", "lost", stage, step)]
-    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
+    took = redriven_once_after_a_loss(worker, handle, sub, lost, LOST_SLA_S)
     log = worker.log.read_text(errors="replace") if worker.log else ""
     assert "stall sweeper:" not in log  # no error in its ticks
     print(

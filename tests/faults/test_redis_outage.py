@@ -15,14 +15,14 @@ import pytest
 import redis
 
 from pipeline.store import keys
-from pipeline.store.pending import RedisPendingIndex
 from tests.support.faults import (
     check_run,
     fault_submissions,
+    redriven_once_after_a_loss,
     wait_for_results,
 )
 from tests.support.servers import RedisServer
-from tests.support.submissions import CONFIG, make_sub, reference
+from tests.support.submissions import CONFIG, make_sub
 from tests.support.workers import WorkerStarter
 
 RECOVERY_SLA_S = 60.0
@@ -162,7 +162,6 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
     within 30 s of a worker running (the stall time is 600 s; ``next`` with the default sweep
     interval, 5 s, as an operator's workers run): one ``resume`` event by the sweeper, reason
     ``lost``, and the reference result."""
-    from workers import runtime, tasks
     from workers.client import CritiqueClient
 
     worker = start_worker("lost", {**fault_env, "CRITIQUE_SWEEP_S": sweep_s})
@@ -173,27 +172,7 @@ def test_a_message_deleted_from_its_queue_is_redriven_within_seconds(
     handle = client.submit(sub)
     broker = redis.Redis.from_url(fault_env["REDIS_URL"])
     assert broker.lrem(keys.QUEUE_CPU, 0, broker.lindex(keys.QUEUE_CPU, 0) or b"") == 1
-    if lost == "next":
-        first = (runtime.stores().runs.submission(run_id, 1, "w1") or {})["message"]
-        tasks._stage(tasks.l0, first, "l0")  # the stage alone: its task would go on
-    worker.start(timeout=60)
-    started = time.monotonic()
-
-    deadline = started + LOST_SLA_S + 15
-    while (result := client.result(handle)) is None and time.monotonic() < deadline:
-        time.sleep(0.25)
-    took = time.monotonic() - started
-    assert result is not None, "the sweeper did not re-drive the lost chain"
-    assert took <= LOST_SLA_S, f"re-driven and finished {took:.1f} s after the worker started"
-    want = reference([sub], CONFIG)[0]["1:w1"]
-    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
-    resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
-    stage, step = ("l0", None) if lost == "first" else ("critic", "l0")
-    assert [
-        (e["by"], e["reason"], e["stage"], (e["after_step"] or ":").rsplit(":", 1)[1] or None)
-        for e in resumes
-    ] == [("sweeper", "lost", stage, step)]
-    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
+    took = redriven_once_after_a_loss(worker, handle, sub, lost, LOST_SLA_S)
     print(f"deleted {lost} message: result {took:.1f} s after the worker started")
 
 

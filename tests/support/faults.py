@@ -209,3 +209,43 @@ class Waiters:
             else:
                 self.errors.append(f"async wait {h.worker_id}: {type(got).__name__}: {got}")
         self.async_done = time.monotonic()
+
+
+def redriven_once_after_a_loss(
+    worker: WorkerProcess,
+    handle: Handle,
+    sub: Submission,
+    lost: str,
+    sla_s: float,
+) -> float:
+    """The check both brokers' lost-message tests share, once the pass's message is gone
+    (``first``: the submit's own; ``next``: the one its l0 stage sent, the stage run here
+    alone): start ``worker``, wait for the result, and check it is the reference one, reached
+    by one sweeper re-drive (reason ``lost``) from the stage after the last recorded step, with
+    nothing left pending, within ``sla_s`` of the worker's start. Returns those seconds."""
+    from workers import runtime, tasks
+    from workers.client import CritiqueClient
+
+    run_id = sub.run_id
+    if lost == "next":
+        first = (runtime.stores().runs.submission(run_id, 1, sub.worker_id) or {})["message"]
+        tasks._stage(tasks.l0, first, "l0")  # the stage alone: its task would go on
+    worker.start(timeout=60)
+    started = time.monotonic()
+    client = CritiqueClient(CONFIG)
+    deadline = started + sla_s + 15
+    while (result := client.result(handle)) is None and time.monotonic() < deadline:
+        time.sleep(0.25)
+    took = time.monotonic() - started
+    assert result is not None, "the sweeper did not re-drive the lost chain"
+    assert took <= sla_s, f"re-driven and finished {took:.1f} s after the worker started"
+    want = reference([sub], CONFIG)[0][f"1:{sub.worker_id}"]
+    assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
+    resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
+    stage, step = ("l0", None) if lost == "first" else ("critic", "l0")
+    assert [
+        (e["by"], e["reason"], e["stage"], (e["after_step"] or ":").rsplit(":", 1)[1] or None)
+        for e in resumes
+    ] == [("sweeper", "lost", stage, step)]
+    assert RedisPendingIndex(runtime.client()).count(run_id) == 0
+    return took
