@@ -39,12 +39,21 @@ from tests.fakes.openai_server import (
     CRITIC,
     REPAIR,
     FakeOpenAIServer,
-    critic_verdict,
-    reply,
     tool_calls,
     user_text,
 )
 from tests.support import stop_process, wait_until
+from tests.support.mcp_world import (
+    CRITIC_MODEL,
+    DEFECT,
+    FIXED,
+    MARK,
+    POLICY,
+    STDIO,
+    TASK,
+    WORKER_MODEL,
+    Critic,
+)
 from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, llm_env
 from workers.adapters.mcp_server import HandleRef, Submitted, Verdict, verdict_of
 from workers.embedded import free_port
@@ -54,31 +63,15 @@ pytestmark = pytest.mark.integration
 set_tracing_disabled(True)  # the SDK uploads traces to OpenAI unless told not to
 
 SECRET = "7a" * 32
-CRITIC_MODEL = "openai/critic-model"
-WORKER_MODEL = "openai/worker-model"
 MANAGER = "You are the delegation manager"
 """The agent's instructions (its system message): the fake answers the agent's model by it."""
 SUBMIT_THIS = "Submit this for critique:"
 """The agent's prompt: this, then the submit tool's arguments as JSON."""
-TASK = "Summarise the Q3 sales report as JSON with a summary and the key findings."
-MARK = "grew 40% in every region"
-"""The defective output's unsupported claim: the fake critic flags an output holding it."""
-FIXED = {"summary": "Sales rose 4% in Q3 overall.", "findings": "The north grew fastest."}
-DEFECT = "the 40% growth in every region is not in the report"
-POLICY = {"critic": "llm", "model": CRITIC_MODEL, "budget": {"total_tokens": 100_000}}
 REFUSED_FIELD = "llm.api_base"
-STDIO = "import sys; from workers.commands import mcp; sys.exit(mcp.main(sys.argv[1:]))"
 WORKER = WorkerSpec("mcp-agents", concurrency=4)
 
 
 # -- the fleet's LLM (critic, repairer) and the agent's scripted model, one fake server ---------
-def critic(request: dict[str, Any]) -> dict[str, Any]:
-    """Flags an output holding :data:`MARK`; accepts the rest."""
-    if MARK in user_text(request):
-        return reply(critic_verdict(0.3, DEFECT), prompt_tokens=100, completion_tokens=10)
-    return reply(critic_verdict(0.95), prompt_tokens=100, completion_tokens=10)
-
-
 def _text(content: Any) -> str:
     """A chat message's content as text (a string, or content parts)."""
     if isinstance(content, list):
@@ -118,7 +111,7 @@ def manager(body: dict[str, Any]) -> str | dict[str, Any]:
 @pytest.fixture(scope="module")
 def fake() -> Iterator[FakeOpenAIServer]:
     with FakeOpenAIServer() as server:
-        server.on(CRITIC, critic)
+        server.on(CRITIC, Critic())
         server.on(REPAIR, json.dumps(FIXED))
         server.on(MANAGER, manager)
         yield server

@@ -28,12 +28,22 @@ from tests.fakes.openai_server import (
     CRITIC,
     REPAIR,
     FakeOpenAIServer,
-    critic_verdict,
-    reply,
     user_text,
 )
 from tests.support import stop_process, wait_until
 from tests.support.docs import example_pairs
+from tests.support.mcp_world import (
+    CRITIC_MODEL,
+    CRITIC_TOKENS,
+    DEFECT,
+    FIXED,
+    MARK,
+    POLICY,
+    STDIO,
+    TASK,
+    WORKER_MODEL,
+    Critic,
+)
 from tests.support.workers import ROOT, WorkerProcess, WorkerSpec, client_on, llm_env
 from workers.adapters.mcp_server import build_server
 from workers.embedded import free_port
@@ -41,40 +51,9 @@ from workers.embedded import free_port
 pytestmark = pytest.mark.integration
 
 SECRET = "5e" * 32
-CRITIC_MODEL = "openai/critic-model"
-WORKER_MODEL = "openai/worker-model"
-TASK = "Summarise the Q3 sales report as JSON with a summary and the key findings."
-MARK = "grew 40% in every region"
-"""The defective output's unsupported claim: the fake critic flags the output holding it."""
 GOOD = {"summary": "Sales rose 4% in Q3.", "findings": "The north grew fastest."}
 BAD = {"summary": f"Sales {MARK}.", "findings": "The north grew fastest."}
-FIXED = {"summary": "Sales rose 4% in Q3 overall.", "findings": "The north grew fastest."}
-DEFECT = "the 40% growth in every region is not in the report"
-CRITIC_TOKENS = (100, 10)
-"""Usage the fake critic reports for every reply (prompt, completion)."""
-POLICY = {"critic": "llm", "model": CRITIC_MODEL, "budget": {"total_tokens": 100_000}}
-STDIO = "import sys; from workers.commands import mcp; sys.exit(mcp.main(sys.argv[1:]))"
 WORKER = WorkerSpec("mcp", concurrency=4)
-
-
-class Critic:
-    """The fake critic: flags an output holding :data:`MARK`, accepts the rest; the first
-    flagged one answers after ``delay_s`` (so a poll right after submit sees it pending)."""
-
-    def __init__(self) -> None:
-        self.delay_s = 0.0
-
-    def __call__(self, request: dict[str, Any]) -> dict[str, Any]:
-        prompt, completion = CRITIC_TOKENS
-        if MARK in user_text(request):
-            delay, self.delay_s = self.delay_s, 0.0
-            return reply(
-                critic_verdict(0.3, DEFECT),
-                prompt_tokens=prompt,
-                completion_tokens=completion,
-                delay_s=delay or None,
-            )
-        return reply(critic_verdict(0.95), prompt_tokens=prompt, completion_tokens=completion)
 
 
 @pytest.fixture(scope="module")
