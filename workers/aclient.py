@@ -173,9 +173,7 @@ class AsyncCritiqueClient:
             got = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
             if self._outage.since is not None:  # the store is away: say so, not "no result"
-                raise self._outage.error(
-                    f"retried until the wait's timeout of {timeout:g} s"
-                ) from None
+                raise self._outage.error(riding.gave_up("wait", timeout)) from None
             raise CritiqueTimeout(
                 f"no result for {handle.worker_id} of run {handle.run_id} after {timeout} s "
                 "(is a worker consuming critique.cpu and critique.llm?)"
@@ -224,10 +222,8 @@ class AsyncCritiqueClient:
                 self._outage.ok()
             except StoreUnavailableError as exc:
                 pause = self._outage.failed(exc)
-                if self._outage.down_s >= riding.outage_s():
-                    error = self._outage.error(
-                        f"retried {riding.OUTAGE_ENV}={riding.outage_s():g} s"
-                    )
+                if self._outage.left(None) <= 0:
+                    error = self._outage.error(riding.gave_up("wait", None))
                     for futures in list(self._waiting.values()):
                         for f in futures:
                             if not f.done():

@@ -333,9 +333,9 @@ class CritiqueClient:
                 outage.ok()
             except StoreUnavailableError as exc:
                 pause = outage.failed(exc, began)
-                left = _left(deadline, outage)
+                left = outage.left(deadline)
                 if left <= 0:
-                    raise outage.error(_why_stopped(timeout)) from exc
+                    raise outage.error(riding.gave_up("wait", timeout)) from exc
                 time.sleep(min(pause, left))
                 continue
             if isinstance(got, SubmissionError):
@@ -431,9 +431,9 @@ class CritiqueClient:
                     progress.check()
             except StoreUnavailableError as exc:  # ridden out: the round starts again
                 pause = outage.failed(exc)
-                remaining = _left(deadline, outage)
+                remaining = outage.left(deadline)
                 if remaining <= 0:
-                    raise outage.error(_why_stopped(timeout)) from exc
+                    raise outage.error(riding.gave_up("wait", timeout)) from exc
                 time.sleep(min(pause, remaining))
                 continue
             if not left:
@@ -610,20 +610,6 @@ class CritiqueClient:
             lambda after: sink.iterate(run_id, block_ms=block_ms, last_id=after)
         ):
             yield event
-
-
-def _left(deadline: float | None, outage: riding.Outage) -> float:
-    """Seconds a wait may still ride out the outage: to its deadline, or with none what is left
-    of ``CRITIQUE_OUTAGE_S``."""
-    if deadline is not None:
-        return deadline - time.monotonic()
-    return riding.outage_s() - outage.down_s
-
-
-def _why_stopped(timeout: float | None) -> str:
-    if timeout is None:
-        return f"retried {riding.OUTAGE_ENV}={riding.outage_s():g} s"
-    return f"retried until the wait's timeout of {timeout:g} s"
 
 
 def stall_after_s() -> float:

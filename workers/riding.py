@@ -89,6 +89,13 @@ class Outage:
         """Seconds since the first failed read of the current outage (0 when none)."""
         return 0.0 if self.since is None else self._clock() - self.since
 
+    def left(self, deadline: float | None) -> float:
+        """Seconds a read loop may still ride this outage out: to its ``deadline`` (monotonic),
+        or with none what is left of :func:`outage_s`."""
+        if deadline is not None:
+            return deadline - self._clock()
+        return outage_s() - self.down_s
+
     def error(self, why: str) -> StoreUnavailableError:
         """The outage as the one error the caller sees: the store's own line, how long it has
         been away, and ``why`` the read stopped retrying."""
@@ -99,6 +106,13 @@ class Outage:
             f"{message}; unreachable for {tenths:.1f} s ({why})",
             hint=last.hint if last is not None else None,
         )
+
+
+def gave_up(what: str, timeout: float | None) -> str:
+    """Why a read loop stopped retrying: ``what``'s own ``timeout``, or ``CRITIQUE_OUTAGE_S``."""
+    if timeout is None:
+        return f"retried {OUTAGE_ENV}={outage_s():g} s"
+    return f"retried until the {what}'s timeout of {timeout:g} s"
 
 
 def _log_notice(line: str) -> None:
@@ -124,8 +138,8 @@ def ride(
             pause = outage.failed(exc, began)
             left = limit - time.monotonic()
             if left <= 0:
-                why = "until the read's deadline" if deadline else f"{OUTAGE_ENV}={outage_s():g} s"
-                raise outage.error(f"retried {why}") from exc
+                why = "retried until the read's deadline" if deadline else gave_up("read", None)
+                raise outage.error(why) from exc
             time.sleep(min(pause, left))
 
 
@@ -148,6 +162,6 @@ def ride_iter(
             if time.monotonic() - began > STREAM_UP_S:  # it followed the stream a while: was up
                 outage.ok()
             pause = outage.failed(exc)
-            if outage.down_s >= outage_s():
-                raise outage.error(f"retried {OUTAGE_ENV}={outage_s():g} s") from exc
+            if outage.left(None) <= 0:
+                raise outage.error(gave_up("read", None)) from exc
             time.sleep(pause)

@@ -296,17 +296,9 @@ def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = 
                 outage.ok()
             except StoreUnavailableError as exc:  # a failover, a restart: go on after last_id
                 pause = outage.failed(exc)
-                left = (
-                    riding.outage_s() - outage.down_s
-                    if deadline is None
-                    else deadline - time.monotonic()
-                )
+                left = outage.left(deadline)
                 if left <= 0:
-                    raise outage.error(
-                        "retried until the watch's timeout"
-                        if deadline
-                        else (f"retried {riding.OUTAGE_ENV}={riding.outage_s():g} s")
-                    ) from exc
+                    raise outage.error(riding.gave_up("watch", timeout)) from exc
                 time.sleep(min(pause, left))
                 continue
             if finished:
