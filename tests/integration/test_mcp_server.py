@@ -316,3 +316,46 @@ def test_the_docs_example_prints_what_docs_mcp_md_shows(
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     exec(compile(code, "docs/mcp.md", "exec"), {"__name__": "__main__"})
     assert capsys.readouterr().out.splitlines() == shown.splitlines()
+
+
+def test_garbage_bytes_on_stdio_are_skipped_and_the_server_still_answers(
+    env: dict[str, str],
+) -> None:
+    """NUL and invalid UTF-8 bytes, a line that is not JSON and a truncated array, then a
+    well-formed session: `critique mcp` answers `initialize` and `tools/list` with the five
+    tools, writes nothing but JSON-RPC on stdout, nothing on stderr, and exits 0 at EOF. (No
+    Redis is needed: the fleet is reached only by a tool call.)"""
+    init = {
+        "jsonrpc": "2.0",
+        "id": 1,
+        "method": "initialize",
+        "params": {
+            "protocolVersion": "2025-06-18",
+            "capabilities": {},
+            "clientInfo": {"name": "garbage-test", "version": "0"},
+        },
+    }
+    lines = [
+        b"\x00\xff{not json",
+        b"[1,2",
+        json.dumps(init).encode(),
+        b'{"jsonrpc":"2.0","method":"notifications/initialized"}',
+        b'{"jsonrpc":"2.0","id":2,"method":"tools/list"}',
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STDIO],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**env, "REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"},
+        cwd=ROOT,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"\n".join(lines) + b"\n")
+    proc.stdin.flush()
+    replies = [json.loads(proc.stdout.readline()) for _ in range(2)]  # stdin still open
+    out, err = proc.communicate(timeout=60)  # closes stdin: EOF, the server ends
+    assert proc.returncode == 0 and err == b"" and out == b"", (out[-300:], err[-500:])
+    assert [r.get("id") for r in replies] == [1, 2]
+    names = sorted(t["name"] for t in replies[1]["result"]["tools"])
+    assert names == ["pitfalls", "poll", "status", "submit", "wait"]
