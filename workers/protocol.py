@@ -58,6 +58,7 @@ from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
 from pipeline.store.metrics import refusal_reason
+from pipeline.store.redis_common import fenced_writes
 from pipeline.store.runs import PassFinished, completion_member, pass_member
 from workers import routing, runtime
 from workers.app import app
@@ -93,6 +94,12 @@ class CritiqueTask(Task):  # type: ignore[misc]
     """A pipeline task: a failure for good (not a retry) is recorded in the store against the
     pass (or completion-gate request) the task's message was attributed to, if any
     (:func:`_record_failure`)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The task's body, its acknowledged store writes applied again on the current master
+        if a Sentinel failover happened while it ran (:func:`fenced_writes`)."""
+        with fenced_writes():
+            return super().__call__(*args, **kwargs)
 
     def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
         _record_failure(self, exc)

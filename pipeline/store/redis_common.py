@@ -25,6 +25,7 @@ asks the Sentinels for the current master on every (re)connect, so a failover is
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -151,8 +152,61 @@ MASTER_CHECK_S = 1.0
 whether the server it talks to is still the master."""
 
 
+class _Switches:
+    """How many master switches this process's connections have seen (any pool: the store's,
+    the broker's), and the write journal of each thread inside :func:`fenced_writes`."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+        self.local = threading.local()
+
+
+_SWITCHES = _Switches()
+
+
+def master_switches() -> int:
+    """Master switches this process has seen so far (a Sentinel failover, each time one of its
+    connection pools learns that the master moved)."""
+    return _SWITCHES.seen
+
+
 def _note_master(pool: Any, address: tuple[str, int] | None, recheck_in: float) -> None:
-    pool._critique_master = (time.monotonic() + recheck_in, address)
+    known = getattr(pool, "_critique_known", None)
+    if address is not None:
+        if known is not None and known != address:
+            _SWITCHES.seen += 1  # a plain int: under the GIL a lost increment is still > before
+        pool._critique_known = address
+    pool._critique_master = (time.monotonic() + recheck_in, address, _SWITCHES.seen)
+
+
+@contextmanager
+def fenced_writes() -> Iterator[None]:
+    """Run a task's body with its acknowledged writes (each :func:`replicated` call) journaled;
+    if a master switch happened meanwhile (:func:`master_switches`), apply them all again, in
+    order, on the master that holds the data now, before the task ends.
+
+    Why: a switch the process learns of part-way through a task (a ``SENTINEL FAILOVER``, a
+    partition healing) can leave the task's first writes on the old master, acknowledged by a
+    replica that was not the one promoted and that then resyncs, while its later writes and
+    its next message reach the new master: the chain goes on without those counts or charges.
+    Every journaled write is an idempotent script (a pattern record per critique, a charge per
+    lease, a result per pass), so applying one again where it landed already changes nothing.
+    A task that raises journals nothing further: its retry writes everything again."""
+    local = _SWITCHES.local
+    outer = getattr(local, "journal", None)
+    if outer is not None:  # nested: the outermost fence replays
+        yield
+        return
+    began = _SWITCHES.seen
+    journal: list[tuple[Any, Any, list[str], list[Any]]] = []
+    local.journal = journal
+    try:
+        yield
+    finally:
+        local.journal = None
+    if _SWITCHES.seen != began and journal:
+        for client, script, script_keys, args in journal:
+            replicated(client, script, script_keys, args)
 
 
 class FailoverConnection(redis.sentinel.SentinelManagedConnection):
@@ -184,7 +238,8 @@ class FailoverConnection(redis.sentinel.SentinelManagedConnection):
             return False
         seen = getattr(pool, "_critique_master", None)
         began = time.monotonic()
-        if seen is None or began >= seen[0]:
+        # Due, or another pool of this process has seen a switch since this one last asked.
+        if seen is None or began >= seen[0] or seen[2] != _SWITCHES.seen:
             try:
                 host, port = pool.sentinel_manager.discover_master(pool.service_name)
                 address: tuple[str, int] | None = (str(host), int(port))
@@ -457,6 +512,9 @@ def replicated(client: StoreClient, script: Any, keys: list[str], args: list[Any
     ``StoreUnavailableError`` instead of an acknowledged write, so the task retries it (every
     such script is idempotent) on whichever master holds the data then. A Redis Cluster store
     relies on its own replicas (``WAIT`` has no key to route by): the script runs alone."""
+    journal = getattr(_SWITCHES.local, "journal", None)
+    if journal is not None:
+        journal.append((client, script, keys, args))
     wanted, wait_ms = replicas_required()
     if wanted <= 0 or isinstance(client, redis.cluster.RedisCluster):
         return script(keys=keys, args=args)

@@ -214,7 +214,7 @@ def test_a_connection_to_a_replaced_master_is_dropped_before_it_sends() -> None:
         conn.send_packed_command([b"PING\r\n"], check_health=False)  # still the master: sent
         assert peer.recv(16) == b"PING\r\n"
         manager.address = ("127.0.0.1", 2222)  # the Sentinels promoted another server
-        proxy._critique_master = (0.0, proxy._critique_master[1])  # its recheck is due
+        proxy._critique_master = (0.0, *proxy._critique_master[1:])  # its recheck is due
         with pytest.raises(redis.exceptions.ConnectionError, match="no longer the master"):
             conn.send_packed_command([b"SET k v\r\n"], check_health=False)
         assert conn._sock is None  # dropped: the next use connects to the current master
