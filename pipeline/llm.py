@@ -102,6 +102,8 @@ class LLMReply(Frozen):
     """Tokens in/out as the provider reported them, cost from litellm's offline cost map,
     ``calls`` = HTTP attempts made (retries included)."""
     model: str = ""
+    response_id: str = ""
+    """The provider's id of the completion (``chatcmpl-…``), when it sent one."""
     retries: int = Field(0, ge=0)
     """Transient failures retried before this reply."""
 
@@ -529,6 +531,7 @@ class LiteLLMCompleter:
                     calls=attempt,
                 ),
                 model=str(_field(response, "model") or request.model),
+                response_id=str(_field(response, "id") or ""),
                 retries=attempt - 1,
             )
         raise AssertionError("unreachable: the loop returns or raises")  # pragma: no cover

@@ -13,7 +13,14 @@ import sys
 from typing import Any
 
 from celery import Celery, concurrency
-from celery.signals import celeryd_init, worker_init, worker_shutdown, worker_shutting_down
+from celery.signals import (
+    celeryd_init,
+    worker_init,
+    worker_process_init,
+    worker_process_shutdown,
+    worker_shutdown,
+    worker_shutting_down,
+)
 from kombu.utils.objects import cached_property
 
 from pipeline.store import keys
@@ -233,6 +240,36 @@ def _run_only_the_products_tasks(sender: Any = None, **_: Any) -> None:
     from workers import door
 
     door.drop_builtin_tasks(getattr(sender, "app", None) or app)
+
+
+@worker_init.connect
+def _trace_a_worker_without_forks(sender: Any = None, **_: Any) -> None:
+    """Tracing (:mod:`workers.telemetry`, when ``OTEL_*`` asks for it) starts in the process
+    that runs the tasks: here for the threads, solo, gevent and eventlet pools; a prefork pool's
+    children start it after their fork (:func:`_trace_a_pool_process`), never its parent before
+    it forks them (the batch exporter's thread would not survive the fork)."""
+    from celery.concurrency.prefork import TaskPool as Prefork
+
+    pool = concurrency.get_implementation(getattr(sender, "pool_cls", None) or "prefork")
+    if not (isinstance(pool, type) and issubclass(pool, Prefork)):
+        from workers import telemetry
+
+        telemetry.setup()
+
+
+@worker_process_init.connect
+def _trace_a_pool_process(**_: Any) -> None:
+    from workers import telemetry
+
+    telemetry.setup()
+
+
+@worker_process_shutdown.connect
+def _flush_the_traces(**_: Any) -> None:
+    """A prefork child exports the spans it still holds before it exits."""
+    from workers import telemetry
+
+    telemetry.shutdown()
 
 
 _shutdown_by: dict[str, str] = {}

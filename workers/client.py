@@ -40,7 +40,7 @@ from pipeline.runner import admit, start
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.runs import Failure, member, pass_member
-from workers import cancelling, riding, runtime
+from workers import cancelling, riding, runtime, telemetry
 from workers.cancelling import CancelReport
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
 
@@ -120,6 +120,8 @@ class CritiqueClient:
         # worker-only field, a limit above this process's own configuration); see
         # docs/security.md, 'Who may set what'.
         runtime.config_for(self.config)
+        # One trace per submit when the environment asks for tracing (workers.telemetry).
+        telemetry.setup("critique-client")
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, submission: Submission | Mapping[str, Any]) -> Handle:
@@ -233,7 +235,14 @@ class CritiqueClient:
             # earlier pass's, is the one results() shows) and pending from now.
             runtime.stores().runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id)
             register(sub.run_id, sub.iteration, sub.worker_id, pass_id)
-            res = chain.apply_async()
+            with telemetry.span(
+                "critique submit",
+                run_id=sub.run_id,
+                iteration=sub.iteration,
+                worker_id=sub.worker_id,
+                pass_id=pass_id,
+            ):
+                res = chain.apply_async()
             runtime.stores().runs.mark_submitted(
                 sub.run_id,
                 sub.iteration,

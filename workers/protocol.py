@@ -60,7 +60,7 @@ from pipeline.store.memory import BufferedTraceSink
 from pipeline.store.metrics import refusal_reason
 from pipeline.store.redis_common import fenced_writes
 from pipeline.store.runs import PassFinished, completion_member, pass_member
-from workers import routing, runtime
+from workers import routing, runtime, telemetry
 from workers.app import app
 
 log = get_task_logger(__name__)
@@ -498,7 +498,9 @@ class StageTask(StageProtocol, ReplacingStage):
             parked=lambda pass_id: _parked_state(runs.parked(sub.run_id, pass_id)),
         )
         began = time.monotonic()
-        new = STAGES[job.stage](job.passed, ctx)
+        with telemetry.stage_span(job.stage, job.passed, job.pass_id) as traced:
+            new = STAGES[job.stage](job.passed, ctx)
+            traced.ran(job.stage, new, lambda: buffer.read(job.run_id))
         runtime.metrics().observe(job.stage, time.monotonic() - began)
         if job.stage == "repair":
             self.send_event(
@@ -546,6 +548,7 @@ class StageTask(StageProtocol, ReplacingStage):
         chain's next task has another id)."""
         out = dict(json.loads(recorded))
         state, overrides = runtime.decode(out)
+        telemetry.event("critique.replayed", next=state.next, round=state.round)
         return Step(routing.addressed(self, out, state, overrides), state.next, state, overrides)
 
     def end_finished(self, job: StageJob) -> Step:
@@ -673,22 +676,26 @@ def _budget_wait_cap(task: Task) -> float:
 def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, Any]:
     """Store the pass's result and write its ``result`` event, both in one atomic step and
     once per pass (a re-run writes nothing); return a summary (the entry task's result):
-    ``checked`` is false and ``best_score`` null for an ``unchecked`` or ``cancelled`` pass."""
+    ``checked`` is false and ``best_score`` null for an ``unchecked`` or ``cancelled`` pass.
+    Traced as the span ``critique gate``, with the verdict that stands as its
+    ``gen_ai.evaluation.result`` event (:mod:`workers.telemetry`)."""
     pass_id = _pass_id(task, msg, state)
     sub = state.submission
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
     if state.pass_id != pass_id:
         state = state.model_copy(update={"pass_id": pass_id})
     began = time.monotonic()
-    result = finish(state)
-    event = result.trace_event(round=state.round, stage="gate")
-    runs = runtime.stores().runs
-    # The pass leaves the pending index in the same step: it can no longer stall.
-    if runs.put_result(result, pass_id=pass_id, events=[encode_event(event)]):
-        _count_result(result)
-        runtime.metrics().observe("gate", time.monotonic() - began)
-    else:  # the result stored first stands (a cancel's, or another delivery's)
-        result = runs.pass_result(sub.run_id, sub.iteration, sub.worker_id, pass_id) or result
+    with telemetry.stage_span("gate", state, pass_id) as traced:
+        result = finish(state)
+        event = result.trace_event(round=state.round, stage="gate")
+        runs = runtime.stores().runs
+        # The pass leaves the pending index in the same step: it can no longer stall.
+        if runs.put_result(result, pass_id=pass_id, events=[encode_event(event)]):
+            _count_result(result)
+            runtime.metrics().observe("gate", time.monotonic() - began)
+        else:  # the result stored first stands (a cancel's, or another delivery's)
+            result = runs.pass_result(sub.run_id, sub.iteration, sub.worker_id, pass_id) or result
+        traced.verdict(result)
     return pass_summary(result)
 
 

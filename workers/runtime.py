@@ -49,10 +49,12 @@ from pipeline.store.redis_common import store_url as store_url_of
 from pipeline.wiring import (
     RedisStores,
     contract_l0,
+    default_completer,
     make_context,
     rate_limited_completer,
     simhash_fixpoint,
 )
+from workers import telemetry
 
 MESSAGE_VERSION = 1
 INLINE_LIMIT = int(os.environ.get("CRITIQUE_INLINE_LIMIT", str(16 * 1024)))
@@ -268,7 +270,9 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
     """The stage context for a configuration, wired to the Redis stores (one per configuration
     per process: the critic, reviser and Layer-0 suite are built once, by
     :func:`pipeline.wiring.make_context`). :func:`config_for` runs first, so refused overrides
-    never reach ``make_context`` (which imports extension checks and callable repairers)."""
+    never reach ``make_context`` (which imports extension checks and callable repairers). Its
+    model calls are counted in the fleet's GenAI metrics and traced
+    (:class:`workers.telemetry.ObservedCompleter`)."""
     key = json.dumps(overrides or {}, sort_keys=True)
     with _config_lock:
         ctx = _contexts.get(key)
@@ -277,7 +281,11 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
         config = config_for(overrides)
         ctx = make_context(
             config,
-            complete=rate_limited_completer(config, client(), _progress_wait),
+            complete=telemetry.ObservedCompleter(
+                rate_limited_completer(config, client(), _progress_wait)
+                or default_completer(config),
+                _count,
+            ),
             cache=_CountingCache(
                 RedisCritiqueCache(
                     client(), secrets=secrets, on_refused=lambda _: metrics().add("cache_refused")
@@ -296,10 +304,17 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
     return ctx
 
 
+def _count(field: str, n: int) -> None:
+    """Add ``n`` to a fleet counter (:func:`metrics`, as it is now)."""
+    metrics().add(field, n)
+
+
 def _progress_wait(model: str, seconds: float) -> None:
-    """A ``task-progress`` event (Flower shows it) while a call waits for its rate-limit slot."""
+    """A ``task-progress`` event (Flower shows it) while a call waits for its rate-limit slot,
+    and an event ``critique.rate_limit_wait`` on the call's span while tracing."""
     from celery import current_task
 
+    telemetry.event("critique.rate_limit_wait", model=model, wait_s=round(seconds, 3))
     task = current_task
     if task is None or not getattr(task.request, "id", None):
         return

@@ -34,7 +34,7 @@ from pipeline.errors import PermanentError, TransientError
 from pipeline.runner import admit, start
 from pipeline.store import keys
 from pipeline.store.runs import EntryIdTaken, RunOwnedError
-from workers import runtime
+from workers import runtime, telemetry
 from workers.app import app
 from workers.protocol import (
     CompletionGateTask,
@@ -253,37 +253,41 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
         refuse(self, msg, "submit", exc)
         raise
     setattr(self.request, _ENTRY_OF, (sub.run_id, sub.iteration, sub.worker_id))
-    _check_owner(self, sub, signer)
-    config = boundary_config(
-        self, overrides, "submit", sub.run_id, sub.iteration, sub.worker_id, sub.model
-    )
-    admit(sub, config, runtime.file_bytes)
-    runs = runtime.stores().runs
-    try:
-        pass_id, first = runs.claim_entry(
-            sub.run_id, sub.iteration, sub.worker_id, task_id, runtime.new_pass_id()
+    with telemetry.span(
+        "critique submit", run_id=sub.run_id, iteration=sub.iteration, worker_id=sub.worker_id
+    ) as traced:
+        _check_owner(self, sub, signer)
+        config = boundary_config(
+            self, overrides, "submit", sub.run_id, sub.iteration, sub.worker_id, sub.model
         )
-    except EntryIdTaken as exc:
-        record_refusal(self, "submit", exc, sub.run_id, exc.message, verified=True)
-        raise
-    if not first and runs.pass_outcome(sub.run_id, sub.iteration, sub.worker_id, pass_id):
-        log.info("entry task %s delivered again: its pass %s has its outcome", task_id, pass_id)
-        raise Ignore()  # store nothing over the pass's summary
-    first_msg = runtime.encode(
-        start(sub, pass_id), overrides, pass_id=pass_id, task=keys.TASK_L0, task_id=task_id
-    )
-    if first or runs.latest_pass(sub.run_id, sub.iteration, sub.worker_id) is None:
-        runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id)
-        register(sub.run_id, sub.iteration, sub.worker_id, pass_id)
-        runs.mark_submitted(
-            sub.run_id,
-            sub.iteration,
-            sub.worker_id,
-            task_id,
-            sub.subtask_signature,
-            pass_id=pass_id,
-            message=first_msg,
+        admit(sub, config, runtime.file_bytes)
+        runs = runtime.stores().runs
+        try:
+            pass_id, first = runs.claim_entry(
+                sub.run_id, sub.iteration, sub.worker_id, task_id, runtime.new_pass_id()
+            )
+        except EntryIdTaken as exc:
+            record_refusal(self, "submit", exc, sub.run_id, exc.message, verified=True)
+            raise
+        traced.set(pass_id=pass_id)
+        if not first and runs.pass_outcome(sub.run_id, sub.iteration, sub.worker_id, pass_id):
+            log.info("entry task %s delivered again: its pass %s has its outcome", task_id, pass_id)
+            raise Ignore()  # store nothing over the pass's summary
+        first_msg = runtime.encode(
+            start(sub, pass_id), overrides, pass_id=pass_id, task=keys.TASK_L0, task_id=task_id
         )
-    runtime.metrics().observe("submit", time.monotonic() - began)
-    replaced: dict[str, Any] = self.replace(submission_signature(first_msg, config, sub))
-    return replaced
+        if first or runs.latest_pass(sub.run_id, sub.iteration, sub.worker_id) is None:
+            runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+            register(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+            runs.mark_submitted(
+                sub.run_id,
+                sub.iteration,
+                sub.worker_id,
+                task_id,
+                sub.subtask_signature,
+                pass_id=pass_id,
+                message=first_msg,
+            )
+        runtime.metrics().observe("submit", time.monotonic() - began)
+        replaced: dict[str, Any] = self.replace(submission_signature(first_msg, config, sub))
+        return replaced

@@ -50,8 +50,15 @@ def sign(body: dict[str, Any], key: str) -> dict[str, Any]:
     return {**body, "sig": "hmac-sha256:" + mac}
 
 
-def protocol2(task: str, task_id: str, args: list[Any], queue: str = QUEUE) -> str:
-    """The Celery protocol-2 JSON envelope kombu's Redis transport keeps in a queue's list."""
+def protocol2(
+    task: str,
+    task_id: str,
+    args: list[Any],
+    queue: str = QUEUE,
+    headers: dict[str, Any] | None = None,
+) -> str:
+    """The Celery protocol-2 JSON envelope kombu's Redis transport keeps in a queue's list;
+    ``headers`` are more message headers (a manager's ``traceparent``)."""
     payload = json.dumps([args, {}, {"callbacks": None, "errbacks": None, "chain": None}])
     return json.dumps(
         {
@@ -74,6 +81,7 @@ def protocol2(task: str, task_id: str, args: list[Any], queue: str = QUEUE) -> s
                 "timelimit": [None, None],
                 "shadow": None,
                 "ignore_result": False,
+                **(headers or {}),
             },
             "properties": {
                 "correlation_id": task_id,
@@ -88,9 +96,16 @@ def protocol2(task: str, task_id: str, args: list[Any], queue: str = QUEUE) -> s
     )
 
 
-def push(r: redis.Redis, task: str, task_id: str, body: Any, queue: str = QUEUE) -> None:
-    """LPUSH one hand-built task message onto ``queue``."""
-    r.lpush(queue, protocol2(task, task_id, [body], queue))
+def push(
+    r: redis.Redis,
+    task: str,
+    task_id: str,
+    body: Any,
+    queue: str = QUEUE,
+    headers: dict[str, Any] | None = None,
+) -> None:
+    """LPUSH one hand-built task message onto ``queue`` (with more ``headers``)."""
+    r.lpush(queue, protocol2(task, task_id, [body], queue, headers))
 
 
 def task_meta(r: redis.Redis, task_id: str, timeout: float = 60.0) -> dict[str, Any]:

@@ -247,6 +247,36 @@ class FleetCollector:
         for reason in REASONS:
             moved.add_metric([reason], counts.get(f"deadletter:{reason}", 0))
         yield moved
+        yield from _genai(counts)
+
+
+def _genai(counts: dict[str, int]) -> Iterator[Any]:
+    """OpenTelemetry's GenAI client metrics in Prometheus naming (``gen_ai.client.token.usage``
+    → ``gen_ai_client_token_usage``, ``gen_ai.client.operation.duration`` in seconds), from the
+    fleet counters every worker's model calls add (:func:`workers.telemetry.metric_fields`)."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    from workers.telemetry import metric_histograms
+
+    tokens, durations = metric_histograms(counts)
+    usage = HistogramMetricFamily(
+        "gen_ai_client_token_usage",
+        "Tokens per model call as the provider reported them, by token type (GenAI "
+        "gen_ai.client.token.usage, unit {token}).",
+        labels=["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_token_type"],
+    )
+    for (provider, kind), (buckets, total) in tokens.items():
+        usage.add_metric(["chat", provider, kind], buckets, sum_value=total)
+    yield usage
+    duration = HistogramMetricFamily(
+        "gen_ai_client_operation_duration_seconds",
+        "Duration of a model call, retries and rate-limit waits included (GenAI "
+        "gen_ai.client.operation.duration); error_type empty on success.",
+        labels=["gen_ai_operation_name", "gen_ai_provider_name", "error_type"],
+    )
+    for (provider, error), (buckets, total) in durations.items():
+        duration.add_metric(["chat", provider, error], buckets, sum_value=total)
+    yield duration
 
 
 def registry() -> Any:

@@ -47,7 +47,7 @@ from pipeline.runner import LoopState
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex, parse_member
 from pipeline.store.runs import pass_member
-from workers import runtime
+from workers import runtime, telemetry
 from workers.recovery.base import (
     LOST_GRACE_S,
     LOST_MARGIN_S,
@@ -122,8 +122,22 @@ def _publish(
     by: str,
     **extra: Any,
 ) -> str:
-    """Send the plan's chain and write the ``resume`` trace event; returns the stage."""
-    plan.signature.apply_async()
+    """Send the plan's chain (in a span ``critique redrive`` while tracing: the chain's tasks
+    join its trace) and write the ``resume`` trace event; returns the stage."""
+    telemetry.setup()  # a prefork worker's main process, whose sweeper re-drives: after its fork
+    with telemetry.span(
+        "critique redrive",
+        run_id=run_id,
+        iteration=iteration,
+        worker_id=worker_id,
+        pass_id=plan.pass_id,
+        by=by,
+        stage=plan.state.next,
+        round=plan.state.round,
+        after_step=plan.after_step,
+        **extra,
+    ):
+        plan.signature.apply_async()
     fleet = runtime.metrics()
     fleet.add("redrives")
     fleet.flush()

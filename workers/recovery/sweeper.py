@@ -624,11 +624,12 @@ class Sweeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyp
 
     def info(self, w: Any) -> dict[str, Any]:
         """What ``celery inspect stats`` adds for this worker: the sizes of its configuration
-        and stage-context caches (:func:`workers.runtime.cache_sizes`; under ``prefork``, the
-        main process's own, not its children's)."""
-        from workers import runtime
+        and stage-context caches (:func:`workers.runtime.cache_sizes`) and whether it traces
+        (:func:`workers.telemetry.status`); under ``prefork``, the main process's own, not its
+        children's."""
+        from workers import runtime, telemetry
 
-        return {"critique_caches": runtime.cache_sizes()}
+        return {"critique_caches": runtime.cache_sizes(), "critique_tracing": telemetry.status()}
 
     def create(self, w: Any) -> _SweeperService:
         interval = sweep_interval_s()
