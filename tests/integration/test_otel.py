@@ -324,7 +324,7 @@ def test_with_tracing_off_nothing_is_exported_and_no_tracing_module_is_loaded(
             CRITIQUE_LLM__TIMEOUT_S="5",
             **LLM,
         ) as off,
-    ):  # a database of its own: the module's traced workers consume the same queues
+    ):  # a database of its own: the module's traced workers consume the same queues on theirs
         disabled = otel(receiver, OTEL_SDK_DISABLED="true")
         critic = start_worker("off-critic", off, concurrency=1, queues="critique.llm.critic")
         rest = start_worker("off-rest", {**off, **disabled}, queues="critique.cpu,critique.llm")
@@ -332,7 +332,10 @@ def test_with_tracing_off_nothing_is_exported_and_no_tracing_module_is_loaded(
         assert out["results"][0]["status"] == "repaired"
         assert out["tracing"] == {"on": False, "loaded": []}
         for w in (critic, rest):
-            stats = app.control.inspect(destination=[w.nodename], timeout=5).stats() or {}
+            # A connection of its own: the app's pool may still point at the module's database.
+            with app.connection_for_write(off["REDIS_URL"]) as conn:
+                inspect = app.control.inspect(destination=[w.nodename], timeout=5, connection=conn)
+                stats = inspect.stats() or {}
             assert stats[w.nodename]["critique_tracing"] == {"on": False, "loaded": []}
             w.stop()  # a tracing process would export what it holds as it exits
         assert receiver.requests == 0
