@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 from pipeline.store import keys
-from pipeline.store.redis_common import celery_url, sentinel_transport_options
+from pipeline.store.redis_common import celery_url, dead_peer_options, sentinel_transport_options
 
 _redis = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 _time_limit = int(os.environ.get("CRITIQUE_TASK_TIME_LIMIT_S", "600"))
@@ -63,14 +62,11 @@ result_backend = celery_url(
 _visibility = int(os.environ.get("CRITIQUE_VISIBILITY_TIMEOUT_S", str(max(3600, 2 * _time_limit))))
 # TCP keepalive on every broker connection: a peer that vanished without closing it (a host
 # gone, a network cut, a broker restart behind NAT) is found dead by the kernel after 10 s idle
-# + 3 probes 5 s apart, where the defaults took minutes (py-amqp: 60 s + 9 x 10 s; Linux: 2 h).
-# ``socket_keepalive_options`` is the Redis transport's name for it, ``socket_settings``
-# py-amqp's (RabbitMQ); each transport ignores the other's.
-_KEEPALIVE = (
-    {socket.TCP_KEEPIDLE: 10, socket.TCP_KEEPINTVL: 5, socket.TCP_KEEPCNT: 3}
-    if hasattr(socket, "TCP_KEEPIDLE")
-    else {}
-)
+# + 3 probes 5 s apart, where the defaults took minutes (py-amqp: 60 s + 9 x 10 s; Linux: 2 h),
+# and a command it leaves unacknowledged for 10 s (TCP_USER_TIMEOUT: a partition that drops
+# packets) drops the connection too. ``socket_keepalive_options`` is the Redis transport's name
+# for it, ``socket_settings`` py-amqp's (RabbitMQ); each transport ignores the other's.
+_KEEPALIVE = dead_peer_options()
 # A killed worker's unacked messages come back when a live worker sweeps the unacked index:
 # kombu's defaults sweep about every 100 s (interval 10 s × throttle 10) and a sweeper that dies
 # holding the sweep mutex blocks others for 300 s. Sweep every interval; free the mutex sooner.

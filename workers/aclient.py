@@ -53,6 +53,7 @@ def async_store_client(url: str) -> Any:
     import os
 
     from pipeline.store.redis_common import (
+        dead_peer_options,
         is_cluster_url,
         is_sentinel_url,
         parse_cluster_url,
@@ -61,7 +62,12 @@ def async_store_client(url: str) -> Any:
         sentinel_master,
     )
 
-    opts: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 30}
+    opts: dict[str, Any] = {
+        "socket_connect_timeout": 5,
+        "socket_timeout": 30,
+        "socket_keepalive": True,
+        "socket_keepalive_options": dead_peer_options(),
+    }
     setting = runtime.store_setting()
     if is_cluster_url(url):
         from redis.asyncio.cluster import ClusterNode, RedisCluster

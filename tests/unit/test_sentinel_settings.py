@@ -15,6 +15,7 @@ import redis.sentinel
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.store.redis_common import (
+    DEAD_PEER_S,
     FailoverConnection,
     SentinelURL,
     celery_url,
@@ -25,6 +26,7 @@ from pipeline.store.redis_common import (
     parse_sentinel_url,
     redis_url_of,
     sentinel_transport_options,
+    store_client_from_url,
     store_errors,
 )
 
@@ -220,3 +222,37 @@ def test_a_connection_to_a_replaced_master_is_dropped_before_it_sends() -> None:
         assert conn._sock is None  # dropped: the next use connects to the current master
     finally:
         peer.close()
+
+
+def test_sentinel_options_are_json_and_ask_each_sentinel_once() -> None:
+    """The Sentinels' options survive ``celery inspect stats`` (plain JSON: a redis-py Retry
+    object there broke it), a cut-off Sentinel costs one 1 s connect (no retry on the same one),
+    and a Sentinel client built from them makes no retry."""
+    opts = sentinel_transport_options("sentinel://h1:1/0", {"CRITIQUE_REDIS_MASTER": "m"})
+    assert json.loads(json.dumps(opts)) == opts
+    kw = opts["sentinel_kwargs"]
+    assert (kw["socket_connect_timeout"], kw["socket_timeout"], kw["retry"]) == (1.0, 2.0, None)
+    client = client_from_url("sentinel://127.0.0.1:1/0", env={"CRITIQUE_REDIS_MASTER": "m"})
+    [sentinel] = client.connection_pool.sentinel_manager.sentinels
+    conn = sentinel.connection_pool.make_connection()  # not connected
+    assert conn.retry.get_retries() == 0
+    assert conn.socket_connect_timeout == 1.0
+
+
+def test_store_connections_drop_a_silent_peer_within_ten_seconds() -> None:
+    """A store client's connections carry TCP keepalive and ``TCP_USER_TIMEOUT`` of
+    :data:`DEAD_PEER_S`: a partition that swallows packets is a dropped connection in 10 s, not
+    the kernel's 15 minutes of retransmissions; a caller's own options win."""
+    import socket
+
+    kw = store_client_from_url("redis://127.0.0.1:1/0").connection_pool.connection_kwargs
+    assert kw["socket_keepalive"] is True
+    opts = kw["socket_keepalive_options"]
+    assert opts[socket.TCP_USER_TIMEOUT] == DEAD_PEER_S * 1000
+    assert (opts[socket.TCP_KEEPIDLE], opts[socket.TCP_KEEPINTVL], opts[socket.TCP_KEEPCNT]) == (
+        DEAD_PEER_S,
+        5,
+        3,
+    )
+    mine = store_client_from_url("redis://127.0.0.1:1/0", socket_keepalive_options={})
+    assert mine.connection_pool.connection_kwargs["socket_keepalive_options"] == {}
