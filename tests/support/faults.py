@@ -119,6 +119,18 @@ def check_run(
     return resumes
 
 
+def pattern_counts(run_id: str, subs: list[Submission]) -> tuple[dict[Any, int], dict[Any, int]]:
+    """The run's stored pattern counts and the broker-free reference's, by (category, rule)."""
+    from workers import runtime
+
+    stored = runtime.stores().patterns.top(run_id, 1000)
+    _, ref = reference(subs, CONFIG)
+    return (
+        {(p.category, p.prevention_rule): p.frequency for p in stored},
+        {(p.category, p.prevention_rule): p.frequency for p in ref.top(run_id, 1000)},
+    )
+
+
 DEDUPE_SKIP = {"resume", "stalled", "refused"}
 """Trace events that may repeat by design (each re-drive writes one ``resume``)."""
 
