@@ -134,7 +134,7 @@ def test_ctrl_c_leaves_the_submissions_queued_and_says_how_to_follow_them(
             proc.wait(timeout=5)
     out, err = lines.text("out"), lines.text("err")
     assert proc.returncode == 130, err
-    assert f"{run_id}  1  w1  pending" in out and "Traceback" not in err
+    assert f"{run_id}  1  w1  pending" in out and "Traceback" not in err, err
     note = err.strip().splitlines()[-1]
     assert note.startswith("critique submit: interrupted; the 1 pending submission(s) stay queued")
     assert f"`critique watch {run_id}`" in note and f"`critique status {run_id}`" in note

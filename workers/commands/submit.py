@@ -375,12 +375,17 @@ def _submit(args: argparse.Namespace) -> int:
         raise unreachable_redis(store, exc) from None
     except CritiqueError as exc:  # e.g. an output over max_output_bytes: nothing was enqueued
         raise CommandError(one_line(exc)) from None
-    for h in handles:
-        if args.json:
-            _emit({"type": "submitted", **_handle_doc(h)})
-        else:
-            print(f"submitted {h.run_id}  {h.iteration}  {h.worker_id}  task {h.task_id}")
-    sys.stdout.flush()
+    try:
+        for h in handles:
+            if args.json:
+                _emit({"type": "submitted", **_handle_doc(h)})
+            else:
+                print(f"submitted {h.run_id}  {h.iteration}  {h.worker_id}  task {h.task_id}")
+        sys.stdout.flush()
+    except KeyboardInterrupt:  # a reader that saw the first line and pressed Ctrl-C at once
+        if not args.wait:
+            raise
+        return _wait(client, handles, args, since=began, interrupted=True)
     if not args.wait:
         return EXIT_OK
     return _wait(client, handles, args, since=began)
@@ -405,8 +410,11 @@ def refusals_since(run_ids: list[str], since: float) -> tuple[int, str]:
     return count, first
 
 
-def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> int:
-    """Print every answer as it comes, then the tally; returns the exit code."""
+def _wait(
+    client: Any, handles: list[Any], args: Any, *, since: float = 0.0, interrupted: bool = False
+) -> int:
+    """Print every answer as it comes, then the tally; returns the exit code. ``interrupted``:
+    Ctrl-C came before the wait began (the tally of what is pending, at once)."""
     from pipeline.errors import SubmissionError
     from workers.client import CritiqueTimeout
     from workers.commands._progress import Progress
@@ -419,7 +427,7 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
     results: list[Any] = []
     failed: list[tuple[Any, str]] = []
     answered: set[int] = set()
-    timed_out = interrupted = False
+    timed_out = False
     no_worker = _NoWorkerHint(progress)
 
     def count() -> None:
@@ -431,7 +439,9 @@ def _wait(client: Any, handles: list[Any], args: Any, *, since: float = 0.0) -> 
 
     count()
     try:
-        for h, answer in client.as_completed(handles, timeout=args.timeout, on_poll=poll):
+        for h, answer in (
+            [] if interrupted else client.as_completed(handles, timeout=args.timeout, on_poll=poll)
+        ):
             answered.add(id(h))
             if isinstance(answer, SubmissionError):
                 reason = _reason(h, answer)
