@@ -39,7 +39,7 @@ from pipeline.pitfalls import render_pitfalls
 from pipeline.runner import admit, start
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
-from pipeline.store.runs import Failure, member, pass_member
+from pipeline.store.runs import DoneListener, Failure, announces, member, pass_member
 from workers import cancelling, riding, runtime, telemetry
 from workers.cancelling import CancelReport
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
@@ -333,31 +333,45 @@ class CritiqueClient:
         delay = 0.01
         progress = _Progress(self, handle, stall_after_s())
         outage = riding.Outage()
-        while True:
-            began = time.monotonic()
-            try:
-                got = self._outcome(handle)
-                if got is None:
-                    progress.check()
-                outage.ok()
-            except StoreUnavailableError as exc:
-                pause = outage.failed(exc, began)
-                left = outage.left(deadline)
-                if left <= 0:
-                    raise outage.error(riding.gave_up("wait", timeout)) from exc
-                time.sleep(min(pause, left))
-                continue
-            if isinstance(got, SubmissionError):
-                raise got
-            if got is not None:
-                return got
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CritiqueTimeout(
-                    f"no result for {handle.worker_id} of run {handle.run_id} after {timeout} s "
-                    "(is a worker consuming critique.cpu and critique.llm?)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        listener = _Listener(handle.run_id)
+        try:
+            while True:
+                began = time.monotonic()
+                try:
+                    listener.open()  # before the read: a result landing after it wakes us
+                    got = self._outcome(handle)
+                    if got is None:
+                        progress.check()
+                    outage.ok()
+                except StoreUnavailableError as exc:
+                    listener.lost()
+                    pause = outage.failed(exc, began)
+                    left = outage.left(deadline)
+                    if left <= 0:
+                        raise outage.error(riding.gave_up("wait", timeout)) from exc
+                    time.sleep(min(pause, left))
+                    continue
+                if isinstance(got, SubmissionError):
+                    raise got
+                if got is not None:
+                    return got
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise CritiqueTimeout(
+                        f"no result for {handle.worker_id} of run {handle.run_id} after "
+                        f"{timeout} s (is a worker consuming critique.cpu and critique.llm?)"
+                    )
+                if listener.listening:  # woken by its announcement; the poll only a backstop
+                    nap = (
+                        BACKSTOP_POLL_S
+                        if deadline is None
+                        else min(BACKSTOP_POLL_S, max(0.0, deadline - time.monotonic()))
+                    )
+                    listener.sleep(nap, [handle])
+                else:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.25)
+        finally:
+            listener.close()
 
     def resume(self, handle: Handle) -> str:
         """Re-drive a submission from its last recorded step (or from the start).
@@ -426,37 +440,65 @@ class CritiqueClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         stall_s = stall_after_s()
         left = {i: (h, _Progress(self, h, stall_s)) for i, h in enumerate(handles)}
+        where: dict[tuple[str, int, str], list[int]] = {}
+        for i, h in enumerate(handles):
+            where.setdefault((h.run_id, h.iteration, h.worker_id), []).append(i)
         delay = 0.01
         outage = riding.Outage()
-        while left:
-            try:
-                for i, (h, progress) in list(left.items()):
-                    got = self._outcome(h)
-                    outage.ok()
-                    if got is not None:
-                        del left[i]
-                        yield h, got
-                        continue
-                    progress.check()
-            except StoreUnavailableError as exc:  # ridden out: the round starts again
-                pause = outage.failed(exc)
-                remaining = outage.left(deadline)
-                if remaining <= 0:
-                    raise outage.error(riding.gave_up("wait", timeout)) from exc
-                time.sleep(min(pause, remaining))
-                continue
-            if not left:
-                return
-            if on_poll is not None:
-                on_poll()
-            if deadline is not None and time.monotonic() >= deadline:
-                pending = ", ".join(h.worker_id for h, _ in left.values())
-                raise CritiqueTimeout(
-                    f"no result after {timeout} s for: {pending} "
-                    "(is a worker consuming critique.cpu and critique.llm?)"
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, 0.25)
+        listener = _Listener(*dict.fromkeys(h.run_id for h in handles))
+        due: list[int] | None = None  # None: read every pending handle (a full round)
+        round_end = 0.0
+        try:
+            while left:
+                full = due is None
+                try:
+                    listener.open()  # before the reads: what lands after them wakes us
+                    for i in list(left) if due is None else [i for i in due if i in left]:
+                        h, progress = left[i]
+                        got = self._outcome(h)
+                        outage.ok()
+                        if got is not None:
+                            del left[i]
+                            yield h, got
+                            continue
+                        if full:
+                            progress.check()
+                except StoreUnavailableError as exc:  # ridden out: the round starts again
+                    listener.lost()
+                    due = None
+                    pause = outage.failed(exc)
+                    remaining = outage.left(deadline)
+                    if remaining <= 0:
+                        raise outage.error(riding.gave_up("wait", timeout)) from exc
+                    time.sleep(min(pause, remaining))
+                    continue
+                if not left:
+                    return
+                if on_poll is not None:
+                    on_poll()
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    pending = ", ".join(h.worker_id for h, _ in left.values())
+                    raise CritiqueTimeout(
+                        f"no result after {timeout} s for: {pending} "
+                        "(is a worker consuming critique.cpu and critique.llm?)"
+                    )
+                due = None
+                if not listener.listening:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 0.25)
+                    continue
+                # Listening: sleep until an announcement for a pending handle (read just those)
+                # or the next full round (the backstop), whichever comes first.
+                if full:
+                    round_end = now + BACKSTOP_POLL_S
+                if deadline is not None:
+                    round_end = min(round_end, deadline)
+                woke = listener.sleep(round_end - now, [h for h, _ in left.values()])
+                if woke:
+                    due = [i for h in woke for i in where[(h.run_id, h.iteration, h.worker_id)]]
+        finally:
+            listener.close()
 
     def results(self, run_id: str, iteration: int | None = None) -> list[CritiqueResult]:
         """Every stored result of the run (or of one iteration). Once Redis holds no
@@ -628,6 +670,63 @@ def stall_after_s() -> float:
     from workers.recovery import stall_after_s as stall
 
     return stall()
+
+
+BACKSTOP_POLL_S = 0.25
+"""While a wait listens for its pass's announcement, it still reads the store this often: an
+announcement lost to a reconnect costs at most this much."""
+
+
+class _Listener:
+    """A wait's subscription to its runs' ``done`` announcements
+    (:class:`pipeline.store.runs.DoneListener`), opened before the wait's first read and again
+    after an outage once the store answers (a broken one falls back to polling)."""
+
+    def __init__(self, *run_ids: str) -> None:
+        self.run_ids = run_ids
+        self.inner: DoneListener | None = None
+        self.tried = False
+
+    @property
+    def listening(self) -> bool:
+        return self.inner is not None and self.inner.listening
+
+    def open(self) -> None:
+        """Subscribe unless subscribed (or already tried since the last outage)."""
+        if self.tried:
+            return
+        self.tried = True
+        self.inner = runtime.stores().runs.listen(*self.run_ids)
+
+    def lost(self) -> None:
+        """The store failed a read: subscribe again once it answers."""
+        self.close()
+        self.tried = False
+
+    def sleep(self, seconds: float, handles: Sequence[Handle]) -> list[Handle]:
+        """Sleep up to ``seconds``, returning early with the ``handles`` announced meanwhile."""
+        end = time.monotonic() + seconds
+        while self.inner is not None and self.inner.listening:
+            left = end - time.monotonic()
+            if left <= 0:
+                return []
+            got = self.inner.wait(left)
+            mine = [
+                h
+                for h in handles
+                if any(r == h.run_id and announces(m, h.iteration, h.worker_id) for r, m in got)
+            ]
+            if mine:
+                return mine
+        # The subscription broke (a reconnect, a failover): read now, subscribe again next.
+        self.close()
+        self.tried = False
+        return []
+
+    def close(self) -> None:
+        if self.inner is not None:
+            self.inner.close()
+            self.inner = None
 
 
 class _Progress:

@@ -93,6 +93,8 @@ RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was 
 SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
 FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
 OWNER = "owner"  # string: the identity whose key opened the run (pipeline.signing.entry_identity)
+DONE = "done"  # pub/sub channel ``…:done`` (no key): a pass member published as its result or
+# failure lands; a waiting client reads then instead of at its next poll (a hint, never trusted)
 PARKED = (
     "parked"  # string ``…:parked:<pass id>``: a pass's state kept for its worker's repair (TTL)
 )

@@ -37,13 +37,17 @@ stored and read unsigned, as before.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import redis
+import redis.cluster
 
 from pipeline import signing
 from pipeline.errors import ForgedMessageError, SubmissionError
@@ -159,12 +163,13 @@ return false
 # KEYS[1] results:pass, KEYS[2] passes, KEYS[3] pending, KEYS[4] trace, KEYS[5] the pass's
 # step records, KEYS[6] messages, KEYS[7] suspects, KEYS[8] resumes. ARGV: submission field,
 # pass field (= the pending member), pass id, the packed result, TTL (ms), stream maxlen,
-# event field, the steps' grace (ms: 0 deletes them now), then per encoded event its packed
-# form and its tag ('' unsigned; the field 'sig' is keys.TRACE_SIG_FIELD). The first
-# gate of a pass stores its result (and records the pass as the submission's latest when none
-# was: a chain sent without the client), appends its events and releases what only the live
-# chain needed: the pass's step records, its first message and the sweeper's notes on it
-# (returns 1); a repeat writes nothing (returns 0).
+# event field, the steps' grace (ms: 0 deletes them now), the run's ``done`` channel, then per
+# encoded event its packed form and its tag ('' unsigned; the field 'sig' is
+# keys.TRACE_SIG_FIELD). The first gate of a pass stores its result (and records the pass as
+# the submission's latest when none was: a chain sent without the client), appends its events,
+# releases what only the live chain needed: the pass's step records, its first message and the
+# sweeper's notes on it, and announces the pass on the channel (returns 1); a repeat writes
+# nothing (returns 0).
 _PUT_RESULT = """
 if redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[4]) == 0 then
   return 0
@@ -179,7 +184,7 @@ end
 redis.call('HDEL', KEYS[6], ARGV[2])
 redis.call('HDEL', KEYS[7], ARGV[2])
 redis.call('HDEL', KEYS[8], ARGV[2])
-for i = 9, #ARGV, 2 do
+for i = 10, #ARGV, 2 do
   if ARGV[i + 1] == '' then
     redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i])
   else
@@ -189,6 +194,7 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('PEXPIRE', KEYS[4], ARGV[5])
+redis.call('PUBLISH', ARGV[9], ARGV[2])
 return 1
 """
 
@@ -283,6 +289,83 @@ def _entry_claim(raw: Any) -> dict[str, Any] | None:
     return doc if isinstance(doc, dict) else None
 
 
+class DoneListener:
+    """Announcements of finished passes (pub/sub on each run's ``done`` channel): a waiter
+    sleeps in :meth:`wait` and wakes as soon as a result or failure lands, instead of at its
+    next poll. A hint, never a verdict: it says only when to read the store (anyone who can
+    publish can wake a waiter for nothing). At most once: an announcement lost to a reconnect
+    or a failover costs the waiter the poll interval it keeps as a backstop. A Redis Cluster
+    store, or a subscription that fails, listens to nothing (:attr:`listening` false) and
+    :meth:`wait` just sleeps."""
+
+    def __init__(self, client: StoreClient, channels: Mapping[str, str]) -> None:
+        """``channels``: channel name → the run id it announces."""
+        self._runs = dict(channels)
+        self._pubsub: Any = None
+        if isinstance(client, redis.cluster.RedisCluster) or not channels:
+            return
+        pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+        try:
+            pubsub.subscribe(*channels)
+            # Redis confirms each subscription: from here on every announcement reaches it.
+            confirmed, deadline = 0, time.monotonic() + 5.0
+            while confirmed < len(self._runs):
+                if time.monotonic() >= deadline:
+                    raise redis.exceptions.TimeoutError("SUBSCRIBE was not confirmed in 5 s")
+                msg = pubsub.get_message(timeout=deadline - time.monotonic())
+                if msg is not None and msg.get("type") == "subscribe":
+                    confirmed += 1
+        except (redis.exceptions.RedisError, OSError):
+            pubsub.close()
+            return
+        self._pubsub = pubsub
+
+    @property
+    def listening(self) -> bool:
+        """Subscribed and not broken: a wake-up can come before the timeout."""
+        return self._pubsub is not None
+
+    def wait(self, timeout: float) -> set[tuple[str, str]]:
+        """``(run_id, member)`` of each pass announced within ``timeout`` s: returns at the
+        first, with whatever else had come; empty on timeout. A lost subscription stops
+        listening (it sleeps out the timeout); the caller's reads see the outage."""
+        if self._pubsub is None:
+            time.sleep(max(0.0, timeout))
+            return set()
+        got: set[tuple[str, str]] = set()
+        try:
+            msg = self._pubsub.get_message(timeout=max(0.0, timeout))
+            while msg is not None:
+                if msg.get("type") == "message":
+                    run_id = self._runs.get(text(msg["channel"]))
+                    if run_id is not None:
+                        got.add((run_id, text(msg["data"])))
+                msg = self._pubsub.get_message(timeout=0.0)
+        except (redis.exceptions.RedisError, OSError):
+            self.close()
+        return got
+
+    def close(self) -> None:
+        """Unsubscribe and give the connection back (idempotent)."""
+        pubsub, self._pubsub = self._pubsub, None
+        if pubsub is not None:
+            with contextlib.suppress(redis.exceptions.RedisError, OSError):
+                pubsub.close()
+
+    def __enter__(self) -> DoneListener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def announces(member: str, iteration: int, worker_id: str) -> bool:
+    """Whether an announced ``member`` (a pass member, or a submission field for a result
+    written without a pass) is about submission (``iteration``, ``worker_id``)."""
+    field = f"{iteration}:{worker_id}"
+    return member == field or member.startswith(field + ":")
+
+
 class RedisRunStore:
     """Submissions and results of runs."""
 
@@ -317,6 +400,17 @@ class RedisRunStore:
 
     def _key(self, run_id: str, suffix: str) -> str:
         return keys.run_key(run_id, suffix, self._prefix)
+
+    def _announce(self, pipe: Any, run_id: str, field: str) -> None:
+        """Publish ``field`` on the run's ``done`` channel in ``pipe`` (a Redis Cluster pipeline
+        cannot route a keyless command: its waiters poll)."""
+        if not isinstance(self._r, redis.cluster.RedisCluster):
+            pipe.publish(self._key(run_id, keys.DONE), field)
+
+    def listen(self, *run_ids: str) -> DoneListener:
+        """A listener for the finished passes of ``run_ids`` (:class:`DoneListener`),
+        subscribed before this returns: a pass that finishes after it is announced to it."""
+        return DoneListener(self._r, {self._key(r, keys.DONE): r for r in run_ids})
 
     def _packed(self, run_id: str, events: Sequence[str]) -> list[bytes | str]:
         """Encoded trace events as the scripts take them: per event its packed form
@@ -538,6 +632,7 @@ class RedisRunStore:
                     pipe.xadd(trace, fields, maxlen=keys.TRACE_MAXLEN, approximate=True)
                 if events:
                     pipe.pexpire(trace, self._ttl_ms)
+                self._announce(pipe, result.run_id, field)
                 pipe.execute()
             return True
         pass_field = pass_member(result.iteration, result.worker_id, pass_id)
@@ -563,6 +658,7 @@ class RedisRunStore:
                     keys.TRACE_MAXLEN,
                     keys.TRACE_EVENT_FIELD,
                     self._grace_ms,
+                    self._key(result.run_id, keys.DONE),
                     *self._packed(result.run_id, events),
                 ],
             )
@@ -784,6 +880,7 @@ class RedisRunStore:
             pipe.hsetnx(key, field, raw)
             pipe.pexpire(key, self._ttl_ms)
             pipe.zrem(self._key(run_id, keys.PENDING), field)
+            self._announce(pipe, run_id, field)
             got = pipe.execute()
         return bool(got[0])
 
