@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from celery import Task
+from celery.backends.base import BaseKeyValueStoreBackend
 from celery.utils.log import get_task_logger
 
 from pipeline.config import CritiqueConfig, check_submission_model
@@ -587,12 +588,9 @@ class StageTask(StageProtocol, ReplacingStage):
         (:func:`finish_pass`) and, under this task's id (the one the client's signature was
         sent with, kept by every replacement), the summary in Celery's result backend, as the
         gate task stores its own, so any Celery client's ``AsyncResult`` of it returns it."""
-        summary = finish_pass(self, msg, state)
+        summary, first = _finish(self, msg, state)
         if not self.request.is_eager and self.request.id:
-            # store_result: mark_as_done would honour the stage tasks' ignore_result.
-            self.backend.store_result(
-                str(self.request.id), summary, "SUCCESS", request=self.request
-            )
+            store_summary(self.backend, str(self.request.id), summary, self.request, first=first)
         return summary
 
     def wait_for_budget(self, wait: BudgetWait) -> dict[str, Any]:
@@ -679,6 +677,27 @@ def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, 
     ``checked`` is false and ``best_score`` null for an ``unchecked`` or ``cancelled`` pass.
     Traced as the span ``critique gate``, with the verdict that stands as its
     ``gen_ai.evaluation.result`` event (:mod:`workers.telemetry`)."""
+    return _finish(task, msg, state)[0]
+
+
+def store_summary(backend: Any, task_id: str, summary: Any, request: Any, *, first: bool) -> None:
+    """The pass's summary under ``task_id`` in Celery's result backend (``store_result``:
+    ``mark_as_done`` would honour the stage tasks' ``ignore_result``). The first store of the
+    pass's result writes it at once; Celery's ``store_result`` reads the key first (a stored
+    ``SUCCESS`` stands), a round trip only a repeat needs (a redelivery, whose first run may
+    have died between the two writes)."""
+    if not first or not isinstance(backend, BaseKeyValueStoreBackend):
+        backend.store_result(task_id, summary, "SUCCESS", request=request)
+        return
+    meta = backend._get_result_meta(  # Celery's own meta (celery 5.7: constraints.txt)
+        result=summary, state="SUCCESS", traceback=None, request=request
+    )
+    meta["task_id"] = task_id
+    backend.set(backend.get_key_for_task(task_id), backend.encode(meta))
+
+
+def _finish(task: Task, msg: dict[str, Any], state: LoopState) -> tuple[dict[str, Any], bool]:
+    """:func:`finish_pass`, and whether this call stored the pass's result (the first)."""
     pass_id = _pass_id(task, msg, state)
     sub = state.submission
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
@@ -690,13 +709,14 @@ def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, 
         event = result.trace_event(round=state.round, stage="gate")
         runs = runtime.stores().runs
         # The pass leaves the pending index in the same step: it can no longer stall.
-        if runs.put_result(result, pass_id=pass_id, events=[encode_event(event)]):
+        first = runs.put_result(result, pass_id=pass_id, events=[encode_event(event)])
+        if first:
             _count_result(result)
             runtime.metrics().observe("gate", time.monotonic() - began)
         else:  # the result stored first stands (a cancel's, or another delivery's)
             result = runs.pass_result(sub.run_id, sub.iteration, sub.worker_id, pass_id) or result
         traced.verdict(result)
-    return pass_summary(result)
+    return pass_summary(result), first
 
 
 def pass_summary(result: CritiqueResult) -> dict[str, Any]:
