@@ -266,9 +266,11 @@ def _trace_a_pool_process(**_: Any) -> None:
 
 @worker_process_shutdown.connect
 def _flush_the_traces(**_: Any) -> None:
-    """A prefork child exports the spans it still holds before it exits."""
-    from workers import telemetry
+    """A prefork child exports the spans and sends the fleet metrics it still holds before it
+    exits."""
+    from workers import runtime, telemetry
 
+    runtime.metrics().flush()
     telemetry.shutdown()
 
 
@@ -279,6 +281,14 @@ _shutdown_by: dict[str, str] = {}
 @worker_shutting_down.connect
 def _note_the_shutdown_signal(sig: str = "", **_: Any) -> None:
     _shutdown_by.setdefault("sig", str(sig))
+
+
+@worker_shutdown.connect
+def _send_the_last_metrics(**_: Any) -> None:
+    """A threads (or solo) worker sends the fleet metrics its tasks still hold."""
+    from workers import runtime
+
+    runtime.metrics().flush()
 
 
 @worker_shutdown.connect

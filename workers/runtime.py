@@ -158,7 +158,7 @@ def client() -> StoreClient:
 @functools.lru_cache(maxsize=1)
 def metrics() -> FleetMetrics:
     """This process's buffer of fleet-metric increments (:mod:`pipeline.store.metrics`), on
-    :func:`client`; a worker flushes it after every task."""
+    :func:`client`; a worker sends it within ``workers.tasks.METRICS_FLUSH_S`` of a task's end."""
     return FleetMetrics(client())
 
 

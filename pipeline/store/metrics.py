@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import bisect
 import logging
+import math
 import threading
+import time
 import typing
 from collections import Counter
 from typing import Any
@@ -82,6 +84,8 @@ class FleetMetrics:
         self._counts: Counter[str] = Counter()
         self._durations: Counter[str] = Counter()
         self._sums: dict[str, float] = {}
+        self._flushed_at = -math.inf
+        self._timer: threading.Timer | None = None
 
     @property
     def counters_key(self) -> str:
@@ -107,10 +111,34 @@ class FleetMetrics:
             field = f"{stage}:sum"
             self._sums[field] = self._sums.get(field, 0.0) + max(0.0, seconds)
 
+    def flush_soon(self, every_s: float) -> None:
+        """:meth:`flush` now if the last flush is ``every_s`` old, else within ``every_s`` (one
+        timer thread, at most, waits to send what is buffered): a busy process sends its
+        increments a few times a second, not once per task. What a process killed meanwhile
+        held is lost (at most ``every_s`` of increments)."""
+        now = time.monotonic()
+        with self._lock:
+            if not (self._counts or self._durations):
+                return
+            due = now - self._flushed_at >= every_s
+            if not due:
+                if self._timer is None:
+                    self._timer = threading.Timer(every_s, self._flush_later)
+                    self._timer.daemon = True
+                    self._timer.start()
+                return
+        self.flush()
+
+    def _flush_later(self) -> None:
+        with self._lock:
+            self._timer = None
+        self.flush()
+
     def flush(self) -> None:
         """Send what was buffered in one pipelined round trip; on a Redis error keep it for the
         next flush (never raises: metrics never fail a stage)."""
         with self._lock:
+            self._flushed_at = time.monotonic()
             counts, durations, sums = self._counts, self._durations, self._sums
             if not (counts or durations):
                 return

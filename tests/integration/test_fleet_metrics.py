@@ -102,3 +102,25 @@ def test_active_runs_read_past_the_newest_batch_of_settled_runs(redis_client: re
     metrics = FleetMetrics(redis_client, prefix=PREFIX)
     assert metrics.active_budgets() == (2, 0, 0)
     assert metrics.active_budgets(limit=1) == (1, 0, 0)
+
+
+def test_flush_soon_sends_at_most_every_interval_and_the_rest_within_it(
+    redis_client: redis.Redis,
+) -> None:
+    """The first flush_soon sends at once; increments that follow within the interval wait
+    for one timer (no round trip per task) and land within it; nothing is lost."""
+    import time
+
+    metrics = FleetMetrics(redis_client, prefix=PREFIX)
+    metrics.add("outputs:accepted")
+    metrics.flush_soon(0.5)
+    assert metrics.read()[0].get("outputs:accepted") == 1
+    for _ in range(5):
+        metrics.add("outputs:accepted")
+        metrics.flush_soon(0.5)
+    assert metrics.read()[0].get("outputs:accepted") == 1  # buffered: not due yet
+    deadline = time.monotonic() + 3
+    while metrics.read()[0].get("outputs:accepted") != 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics.read()[0].get("outputs:accepted") == 6
+    assert metrics._timer is None  # the one timer ran and is gone
