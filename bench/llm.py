@@ -1,7 +1,8 @@
-"""LLM-bound throughput: `critique worker` (its defaults) against an in-process asyncio peer.
+"""LLM-bound throughput: `critique worker` (its defaults) against a CPU-bound asyncio peer.
 
     python bench/llm.py [--n 600] [--latency-ms 200] [--slow-n 200] [--slow-latency-ms 2000]
-                        [--processes N] [--concurrency N] [--quick] [--redis URL]
+                        [--processes N] [--concurrency N] [--peer-in-flight 256]
+                        [--server-backlog 1024] [--rounds N] [--quick] [--redis URL]
 
 Per row (one fake-server latency), in one run, side by side:
 
@@ -12,15 +13,32 @@ Per row (one fake-server latency), in one run, side by side:
   critical defect in half of them (first critique), each of those gets one LLM repair and an LLM
   re-critique that accepts it; the other half is accepted at once. 2·N calls in all (N/2 × 1 +
   N/2 × 3), checked against what the server counted.
-* **peer**: what a user would write instead, in this process: asyncio, ``litellm.acompletion``
-  with its defaults, at most 64 calls in flight, replaying per output the very requests the
-  pipeline sent (same prompts, same order, same server; a low critic score leads to the repair
-  and the re-critique, as in the pipeline).
+* **peer**: what a user would write instead (bench/peer.py): one fresh process, one asyncio
+  event loop, ``litellm.acompletion`` with its defaults, every output at once (each output's
+  calls in sequence) with at most ``--peer-in-flight`` (256) calls in flight (at the slow
+  latency ``--slow-peer-in-flight``, 64: issue 22's latency-bound comparison), replaying per
+  output the very requests the pipeline sent (same prompts, same order, same server; a low
+  critic score leads to the repair and the re-critique, as in the pipeline). With that many in
+  flight the loop's CPU, not the server's latency, bounds it at 200 ms (64 in flight left its
+  process at ~65 % of a core on this workload).
+
+Per side: "cpu ms/call" is the CPU of the worker's processes (pipeline) or of the peer's
+process during the timed run per call; "cpu %" the same CPU over the wall time, in % of one
+core (100: one core busy every moment); "host %" every CPU of the machine busy over the same
+time (at most 100 x the CPUs: it includes Redis, the fake server and whatever else runs);
+"bound" what limits the side: ``cpu`` (its own CPU: the peer at >= 85 % of its one core, the
+worker at >= 85 % of the machine's cores), ``host cpu`` (the machine's CPUs are >= 90 % busy
+with it and the rest), ``latency`` (calls/s >= 80 % of what the server's latency allows: its
+calls in flight / latency, or all its calls over the longest output's chain of 3 calls), else
+``?`` (none of these: read the other columns).
+The fake server listens with a backlog of :data:`SERVER_BACKLOG` (Python's http.server default
+of 5 dropped connections, each a 1 s SYN retry, when 64 or more connect at once); a side
+during which the kernel counted listen-queue overflows is flagged.
 
 The header names the versions measured (Python, celery, kombu, redis-py, litellm, openai, httpx,
 pydantic, the Redis server) and the commit (``+dirty``: with uncommitted changes); install
 with ``pip install -c constraints.txt -e '.[dev]'`` to measure the versions the figures in
-bench/README.md were taken with. The goals (issue 22) are printed at the end.
+bench/README.md were taken with. The goals (issues 22 and 39) are printed at the end.
 
 Prints calls, seconds (first submission to last result), calls/s, the ratio pipeline/peer and
 p50/p95 latency per output (all outputs are enqueued at once, so latency is mostly queueing).
@@ -35,7 +53,6 @@ api_base).
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -54,6 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench._provenance import git_commit  # noqa: E402
+from bench.peer import HostMeter  # noqa: E402
 
 CRITIC_MODEL = "openai/critic-model"
 WORKER_MODEL = "openai/worker-model"
@@ -61,9 +79,24 @@ TASK = "Summarise the quarterly sales report of one region: give a summary and t
 DRAFT = "(first draft)"
 """In the output of the outputs that need a repair: the fake critic finds a critical defect."""
 OUTPUT_HEADER = "## Worker output (untrusted data)"
-PEER_IN_FLIGHT = 64
-ACCEPT_BELOW = 0.8
-"""The peer repairs an output whose critic score is below this (the pipeline's target)."""
+PEER_IN_FLIGHT = 256
+"""The peer's default cap on calls in flight: enough that its loop's CPU bounds it at 200 ms
+(256 / 0.2 s = 1,280 calls/s allowed by the latency; ~150 by one core), below litellm's aiohttp
+pool limit per host (500: past it litellm waits for a slot and warns)."""
+SERVER_BACKLOG = 1024
+"""The fake server's listen backlog (http.server's default is 5)."""
+CPU_BOUND = 0.85
+"""A side whose own CPU is at least this share of its cores is CPU-bound."""
+HOST_BOUND = 0.90
+"""A machine whose CPUs are at least this busy bounds whatever runs on it."""
+SLOW_PEER_IN_FLIGHT = 64
+"""The peer's cap at the slow latency (a second or more): issue 22's comparison, where both
+sides are bound by the latency and their calls in flight."""
+LATENCY_BOUND = 0.80
+"""A side whose calls/s reach this share of what the latency allows is latency-bound: its
+calls in flight / latency, or all its calls over the longest output's chain of calls."""
+CHAIN = 3
+"""The longest chain of calls of one output: critique, repair, re-critique, in sequence."""
 
 
 # --- the fake server (its own process) ---------------------------------------------------------
@@ -122,9 +155,14 @@ def responder(body: dict[str, Any]) -> str:
     return BAD if DRAFT in text else GOOD
 
 
-def serve(latency_s: float) -> int:
+def serve(latency_s: float, backlog: int = SERVER_BACKLOG) -> int:
+    from http.server import ThreadingHTTPServer
+
     from tests.fakes.openai_server import FakeOpenAIServer, reply
 
+    # this process only: the listen backlog the server binds with (5 by default: the peer's
+    # and the workers' connection bursts overflowed it, each drop a 1 s SYN retry)
+    ThreadingHTTPServer.request_queue_size = backlog
     server = FakeOpenAIServer()
     server.set_default(lambda body: reply(responder(body), delay_s=latency_s))
     done = threading.Event()
@@ -141,10 +179,10 @@ class ServerProcess:
     """``bench/llm.py --serve`` in a child process (so its threads never share a GIL with the
     pipeline or the peer)."""
 
-    def __init__(self, latency_s: float) -> None:
+    def __init__(self, latency_s: float, backlog: int = SERVER_BACKLOG) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), "--serve",
-             "--latency-ms", str(latency_s * 1000.0)],
+             "--latency-ms", str(latency_s * 1000.0), "--server-backlog", str(backlog)],
             cwd=ROOT, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert self.proc.stdout is not None
@@ -275,48 +313,6 @@ def run_pipeline(
 # --- the peer -----------------------------------------------------------------------------------
 
 
-def peer_kwargs(body: dict[str, Any], api_base: str) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {
-        "model": "openai/" + str(body["model"]),
-        "messages": body["messages"],
-        "api_base": api_base,
-        "api_key": "sk-test",
-        "timeout": 60,
-    }
-    for key in ("temperature", "max_tokens", "response_format"):
-        if key in body:
-            kwargs[key] = body[key]
-    return kwargs
-
-
-async def _peer(plans: list[list[dict[str, Any]]], api_base: str) -> tuple[int, list[float]]:
-    import litellm
-
-    gate = asyncio.Semaphore(PEER_IN_FLIGHT)
-    calls = 0
-    t0 = time.perf_counter()
-
-    async def call(body: dict[str, Any]) -> str:
-        nonlocal calls
-        async with gate:
-            resp = await litellm.acompletion(**peer_kwargs(body, api_base))
-        calls += 1
-        return str(resp.choices[0].message.content or "")
-
-    async def one(plan: list[dict[str, Any]]) -> float:
-        # critique; when the score is low: repair, re-critique (the pipeline's requests)
-        text = await call(plan[0])
-        i = 1
-        while i + 1 < len(plan) and float(json.loads(text).get("score", 1.0)) < ACCEPT_BELOW:
-            await call(plan[i])
-            text = await call(plan[i + 1])
-            i += 2
-        return time.perf_counter() - t0
-
-    latencies = await asyncio.gather(*(one(p) for p in plans))
-    return calls, list(latencies)
-
-
 def peer_plans(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """The pipeline's requests grouped per output, in the order it sent them."""
     plans: dict[int, list[dict[str, Any]]] = {}
@@ -328,11 +324,22 @@ def peer_plans(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     return [plans[k] for k in sorted(plans)]
 
 
-def run_peer(records: list[dict[str, Any]], api_base: str) -> tuple[int, float, list[float], float]:
-    plans = peer_plans(records)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    calls, latencies = asyncio.run(_peer(plans, api_base))
-    return calls, time.perf_counter() - t0, latencies, time.process_time() - cpu0
+def run_peer(
+    records: list[dict[str, Any]], api_base: str, in_flight: int, tmp: Path
+) -> dict[str, Any]:
+    """bench/peer.py in a process of its own, on the pipeline's requests."""
+    plans = tmp / "plans.json"
+    plans.write_text(json.dumps(peer_plans(records)), encoding="utf-8")
+    argv = [sys.executable, str(ROOT / "bench" / "peer.py"), "--plans", str(plans),
+            "--api-base", api_base, "--in-flight", str(in_flight)]  # fmt: skip
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"bench/peer.py exited {done.returncode}: {done.stderr[-2000:]}")
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    noise = [line for line in done.stderr.splitlines() if line.strip()]
+    if noise:
+        print(f"  peer stderr ({len(noise)} lines): {noise[0][:160]}")
+    return out
 
 
 def profile(args: argparse.Namespace, pid: int, latency_s: float) -> subprocess.Popen[Any] | None:
@@ -386,6 +393,29 @@ def versions_line(redis_url: str) -> str:
 # --- one row --------------------------------------------------------------------------------------
 
 
+def worker_slots(args: argparse.Namespace) -> int:
+    """Calls the worker can have in flight: its processes x threads (``critique worker``'s own
+    arithmetic for every queue and the threads pool, or what was passed on)."""
+    from workers.commands import worker as cmd
+
+    ns = argparse.Namespace(processes=args.processes, concurrency=args.concurrency, pool="threads")
+    return cmd.processes(ns, list(cmd.KNOWN_QUEUES)) * cmd._concurrency(ns)
+
+
+def bound(row: dict[str, Any], cores: int, cpus: int) -> str:
+    """What limits a side (see the module's docstring): cpu, host cpu, latency or ?."""
+    wall = row["wall"]
+    if row["cpu"] / wall >= CPU_BOUND * cores:
+        return "cpu"
+    if row["host_cpu"] / wall >= HOST_BOUND * cpus:
+        return "host cpu"
+    latency_s = row["latency_ms"] / 1000
+    allowed = min(row["in_flight"] / latency_s, row["calls"] / (CHAIN * latency_s))
+    if row["calls"] / wall >= LATENCY_BOUND * allowed:
+        return "latency"
+    return "?"
+
+
 def run_row(
     args: argparse.Namespace, n: int, latency_s: float, logdir: Path
 ) -> list[dict[str, Any]]:
@@ -395,7 +425,7 @@ def run_row(
     from tests.integration.workers import client_on
     from workers.client import CritiqueClient
 
-    server = ServerProcess(latency_s)
+    server = ServerProcess(latency_s, args.server_backlog)
     try:
         extra = {
             "CRITIQUE_LLM_API_KEY": "sk-test",
@@ -432,9 +462,11 @@ def run_row(
                 before = len(server.completions())
                 run_id = f"bench-llm-{uuid.uuid4().hex[:8]}"
                 spy = profile(args, proc.pid, latency_s)
+                host = HostMeter()
                 cpu0 = tree_cpu_s(proc.pid)
                 wall, latencies, statuses = run_pipeline(client, r, n, run_id)
                 worker_cpu = tree_cpu_s(proc.pid) - cpu0
+                host_cpu, overflows = host.stop()
                 if spy is not None:
                     spy.wait()
                 records = server.completions()[before:]
@@ -446,28 +478,30 @@ def run_row(
                     proc.kill()
                     proc.wait(timeout=10)
         pipeline_calls = len(records)
-        peer_calls, peer_wall, peer_lat, peer_cpu = run_peer(records, server.api_base)
+        cap = args.peer_in_flight if latency_s < 1.0 else args.slow_peer_in_flight
+        peer = run_peer(records, server.api_base, cap, logdir)
     finally:
         server.stop()
+    common = {"latency_ms": latency_s * 1000, "n": n}
     return [
         {
-            "latency_ms": latency_s * 1000,
+            **common,
             "side": "pipeline",
-            "n": n,
             "calls": pipeline_calls,
             "wall": wall,
             "lat": latencies,
             "cpu": worker_cpu,
+            "host_cpu": host_cpu,
+            "overflows": overflows,
+            "in_flight": worker_slots(args),
             "statuses": statuses,
         },
         {
-            "latency_ms": latency_s * 1000,
+            **common,
             "side": "peer",
-            "n": n,
-            "calls": peer_calls,
-            "wall": peer_wall,
-            "lat": peer_lat,
-            "cpu": peer_cpu,
+            **peer,
+            # every output at once: no more in flight than outputs, whatever the cap
+            "in_flight": min(n, peer["in_flight"] or n),
             "statuses": {},
         },
     ]
@@ -481,16 +515,34 @@ def main() -> int:
     ap.add_argument("--slow-latency-ms", type=float, default=2000.0)
     ap.add_argument("--processes", type=int, help="passed on to `critique worker --processes`")
     ap.add_argument("--concurrency", type=int, help="passed on to `critique worker -c`")
+    ap.add_argument(
+        "--peer-in-flight",
+        type=int,
+        default=PEER_IN_FLIGHT,
+        help=f"the peer's cap on calls in flight (0: none; default {PEER_IN_FLIGHT})",
+    )
+    ap.add_argument(
+        "--slow-peer-in-flight",
+        type=int,
+        default=SLOW_PEER_IN_FLIGHT,
+        help=f"the same at the slow latency (default {SLOW_PEER_IN_FLIGHT}: issue 22's peer)",
+    )
     ap.add_argument("--warmup", type=int, default=8, help="warm-up submissions (not counted)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat each row; the median ratio")
     ap.add_argument("--quick", action="store_true", help="--n 120 --slow-n 32 (under a minute)")
     ap.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="flushed before each row")
     ap.add_argument("--profile", help="py-spy the worker into PROFILE-<latency>ms.txt (raw)")
     ap.add_argument("--profile-s", type=int, default=10, help="seconds of py-spy")
+    ap.add_argument(
+        "--server-backlog",
+        type=int,
+        default=SERVER_BACKLOG,
+        help=f"the fake server's listen backlog (default {SERVER_BACKLOG}; http.server's own: 5)",
+    )
     ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        return serve(args.latency_ms / 1000.0)
+        return serve(args.latency_ms / 1000.0, args.server_backlog)
     if args.quick:
         args.n, args.slow_n, args.warmup = 120, 32, 4
 
@@ -501,7 +553,6 @@ def main() -> int:
         embedded = EmbeddedRedis().start()
         args.redis = embedded.url
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm  # noqa: F401 - the peer's import is not part of its timed run
 
     rows_spec = [(args.n, args.latency_ms / 1000.0)] if args.n > 0 else []
     if args.slow_n > 0:
@@ -510,19 +561,25 @@ def main() -> int:
         "critique worker"
         + (f" --processes {args.processes}" if args.processes is not None else "")
         + (f" -c {args.concurrency}" if args.concurrency is not None else "")
-        + " (defaults)"
+        + f" (defaults: {worker_slots(args)} calls in flight)"
     )
-    print(f"pipeline: {worker_desc}; peer: asyncio + litellm.acompletion, "
-          f"{PEER_IN_FLIGHT} in flight; half the outputs need one repair; "
-          f"{os.cpu_count()} CPUs")  # fmt: skip
+    cap = f"at most {args.peer_in_flight}" if args.peer_in_flight > 0 else "no cap on"
+    cap += f" ({args.slow_peer_in_flight} at {args.slow_latency_ms:.0f} ms)"
+    cpus = os.cpu_count() or 1
+    print(f"pipeline: {worker_desc}; peer: bench/peer.py, one process, one asyncio loop, "
+          f"litellm.acompletion, every output at once, {cap} calls in flight; half the outputs "
+          f"need one repair; {cpus} CPUs")  # fmt: skip
     print(versions_line(args.redis))
     header = (
         f"{'latency':>8} {'round':>5} {'side':<9} {'outputs':>7} {'calls':>6} {'wall s':>7} "
-        f"{'calls/s':>8} {'ratio':>6} {'p50 s':>7} {'p95 s':>7} {'cpu ms/call':>11}  statuses"
+        f"{'calls/s':>8} {'ratio':>6} {'p50 s':>7} {'p95 s':>7} {'cpu ms/call':>11} "
+        f"{'cpu %':>6} {'host %':>6} {'bound':<8}  statuses"
     )
     print(header)
     ratios: dict[float, list[float]] = {}
-    cpu_per_call: dict[float, list[float]] = {}
+    cpu_ratios: dict[float, list[float]] = {}
+    cpu_per_call: dict[float, dict[str, list[float]]] = {}
+    peer_bounds: dict[float, list[str]] = {}
     try:
         with tempfile.TemporaryDirectory(prefix="bench-llm-") as tmp:
             for n, latency_s in rows_spec:
@@ -530,45 +587,62 @@ def main() -> int:
                     pipe, peer = run_row(args, n, latency_s, Path(tmp))
                     ratio = (pipe["calls"] / pipe["wall"]) / (peer["calls"] / peer["wall"])
                     ratios.setdefault(latency_s, []).append(ratio)
-                    cpu_ms = pipe["cpu"] * 1000 / max(1, pipe["calls"])
-                    cpu_per_call.setdefault(latency_s, []).append(cpu_ms)
+                    per_call = cpu_per_call.setdefault(latency_s, {"pipeline": [], "peer": []})
                     for row in (pipe, peer):
+                        cores = cpus if row is pipe else 1
+                        cpu_ms = row["cpu"] * 1000 / max(1, row["calls"])
+                        per_call[row["side"]].append(cpu_ms)
                         shown = f"{ratio:6.2f}" if row is pipe else ""
                         print(
                             f"{row['latency_ms']:>6.0f}ms {rnd:>5} {row['side']:<9} "
                             f"{row['n']:>7} {row['calls']:>6} {row['wall']:7.2f} "
                             f"{row['calls'] / row['wall']:8.1f} {shown:>6} "
                             f"{pct(row['lat'], 0.5):7.2f} {pct(row['lat'], 0.95):7.2f} "
-                            f"{row['cpu'] * 1000 / max(1, row['calls']):11.1f}  "
-                            f"{row['statuses'] or ''}",
+                            f"{cpu_ms:11.1f} {100 * row['cpu'] / row['wall']:6.0f} "
+                            f"{100 * row['host_cpu'] / row['wall']:6.0f} "
+                            f"{bound(row, cores, cpus):<8}  {row['statuses'] or ''}",
                             flush=True,
                         )
+                    cpu_ratios.setdefault(latency_s, []).append(
+                        per_call["pipeline"][-1] / per_call["peer"][-1]
+                    )
+                    peer_bounds.setdefault(latency_s, []).append(bound(peer, 1, cpus))
+                    for row in (pipe, peer):
+                        if row["overflows"] > 0:
+                            print(f"  note: {row['overflows']} listen-queue overflows on this "
+                                  f"machine during the {row['side']}'s run")  # fmt: skip
                     if pipe["calls"] != 2 * n or peer["calls"] != pipe["calls"]:
                         print(f"  warning: expected {2 * n} calls on each side")
     finally:
         if embedded is not None:
             embedded.stop()
     for latency_s, rs in ratios.items():
+        ms = latency_s * 1000
+        bounds = "/".join(sorted(set(peer_bounds[latency_s])))
+        goal = f"issue 39: >= {THROUGHPUT_GOAL:.2f}x" if ms < 1000 else "issue 22: >= 0.95x"
         print(
-            f"ratio pipeline/peer at {latency_s * 1000:.0f} ms (median of {len(rs)}): "
-            f"{statistics.median(rs):.2f}x  (goal >= {ratio_goal(latency_s):.2f}x)"
+            f"calls/s pipeline/peer at {ms:.0f} ms (median of {len(rs)}): "
+            f"{statistics.median(rs):.2f}x  (peer bound: {bounds}; {goal})"
         )
-    for latency_s, cpus in cpu_per_call.items():
+    for latency_s, sides in cpu_per_call.items():
+        ms = latency_s * 1000
+        pipe_ms, peer_ms = statistics.median(sides["pipeline"]), statistics.median(sides["peer"])
         print(
-            f"worker cpu per call at {latency_s * 1000:.0f} ms (median of {len(cpus)}): "
-            f"{statistics.median(cpus):.1f} ms  (goal <= {CPU_GOAL_MS:.0f} ms)"
+            f"cpu per call at {ms:.0f} ms (median of {len(sides['pipeline'])}): pipeline "
+            f"{pipe_ms:.1f} ms, peer {peer_ms:.1f} ms: "
+            f"{statistics.median(cpu_ratios[latency_s]):.2f}x  "
+            f"(issue 39: <= {CPU_RATIO_GOAL:.1f}x; issue 22: pipeline <= {CPU_GOAL_MS:.0f} ms)"
         )
     return 0
 
 
 CPU_GOAL_MS = 15.0
 """Issue 22: the worker's CPU per LLM call."""
-
-
-def ratio_goal(latency_s: float) -> float:
-    """Issue 22: >= 0.8x the peer at 200 ms calls, >= 0.95x at 2 s (calls of a second or more:
-    the worker's CPU is no longer the limit)."""
-    return 0.95 if latency_s >= 1.0 else 0.80
+CPU_RATIO_GOAL = 1.5
+"""Issue 39: the worker's CPU per model call at most this times the CPU-bound peer's."""
+THROUGHPUT_GOAL = 1.2
+"""Issue 39: the fleet's calls/s on the machine's cores at least this times the CPU-bound
+peer's (one event loop) at 200 ms."""
 
 
 if __name__ == "__main__":
