@@ -18,6 +18,7 @@ from celery.signals import (
     worker_init,
     worker_process_init,
     worker_process_shutdown,
+    worker_ready,
     worker_shutdown,
     worker_shutting_down,
 )
@@ -262,6 +263,23 @@ def _trace_a_pool_process(**_: Any) -> None:
     from workers import telemetry
 
     telemetry.setup()
+    _freeze_what_is_loaded()
+
+
+@worker_ready.connect
+def _freeze_the_started_worker(**_: Any) -> None:
+    _freeze_what_is_loaded()
+
+
+def _freeze_what_is_loaded() -> None:
+    """Move every object alive once the worker has started (its modules: litellm's alone are
+    hundreds of thousands) out of the cyclic garbage collector's reach (``gc.freeze``): a full
+    collection then walks what the tasks allocate, not the imports. Measured on the LLM-bound
+    bench: the GC's share fell from ~0.8 to ~0.3 ms per model call, its longest pause from
+    ~340 ms to ~4 ms (bench/README.md)."""
+    import gc
+
+    gc.freeze()
 
 
 @worker_process_shutdown.connect

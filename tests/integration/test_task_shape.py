@@ -117,3 +117,12 @@ def test_a_chain_sent_by_an_older_client_still_finishes(worker: WorkerProcess) -
     assert _settled_count(before, expected) == expected
     events = [e for e in client.trace(sub.run_id) if e["type"] == "result"]
     assert len(events) == 1
+
+
+def test_a_started_worker_has_frozen_what_it_loaded(worker: WorkerProcess) -> None:
+    """Once the worker is ready, the objects its start created (its modules) are out of the
+    cyclic GC's reach (gc.freeze): the full collections walk only what tasks allocate."""
+    from workers.app import app
+
+    stats = app.control.inspect(destination=[NODE], timeout=5.0).stats() or {}
+    assert (stats.get(NODE) or {}).get("critique_gc_frozen", 0) > 10_000

@@ -624,12 +624,19 @@ class Sweeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyp
 
     def info(self, w: Any) -> dict[str, Any]:
         """What ``celery inspect stats`` adds for this worker: the sizes of its configuration
-        and stage-context caches (:func:`workers.runtime.cache_sizes`) and whether it traces
-        (:func:`workers.telemetry.status`); under ``prefork``, the main process's own, not its
-        children's."""
+        and stage-context caches (:func:`workers.runtime.cache_sizes`), whether it traces
+        (:func:`workers.telemetry.status`) and how many objects its start left out of the
+        cyclic GC's reach (``gc.freeze``, ``workers.app``); under ``prefork``, the main
+        process's own, not its children's."""
+        import gc
+
         from workers import runtime, telemetry
 
-        return {"critique_caches": runtime.cache_sizes(), "critique_tracing": telemetry.status()}
+        return {
+            "critique_caches": runtime.cache_sizes(),
+            "critique_tracing": telemetry.status(),
+            "critique_gc_frozen": gc.get_freeze_count(),
+        }
 
     def create(self, w: Any) -> _SweeperService:
         interval = sweep_interval_s()
