@@ -338,11 +338,16 @@ class CritiqueClient:
             while True:
                 began = time.monotonic()
                 try:
-                    listener.open()  # before the read: a result landing after it wakes us
                     got = self._outcome(handle)
                     if got is None:
                         progress.check()
                     outage.ok()
+                    listener.answered()
+                    if got is None and listener.due():
+                        # Subscribe, then read again: a result landing after that read is
+                        # announced to us (a verdict already there costs no subscription).
+                        listener.open()
+                        continue
                 except StoreUnavailableError as exc:
                     listener.lost()
                     pause = outage.failed(exc, began)
@@ -457,6 +462,7 @@ class CritiqueClient:
                         h, progress = left[i]
                         got = self._outcome(h)
                         outage.ok()
+                        listener.answered()
                         if got is not None:
                             del left[i]
                             yield h, got
@@ -686,22 +692,34 @@ class _Listener:
         self.run_ids = run_ids
         self.inner: DoneListener | None = None
         self.tried = False
+        self.away = False
 
     @property
     def listening(self) -> bool:
         return self.inner is not None and self.inner.listening
 
     def open(self) -> None:
-        """Subscribe unless subscribed (or already tried since the last outage)."""
-        if self.tried:
+        """Subscribe unless subscribed, or tried already, or the store is away (a subscription
+        attempt per outage round would double what riding it out costs)."""
+        if self.tried or self.away:
             return
         self.tried = True
         self.inner = runtime.stores().runs.listen(*self.run_ids)
 
+    def due(self) -> bool:
+        """Whether :meth:`open` would subscribe now."""
+        return not (self.tried or self.away)
+
     def lost(self) -> None:
-        """The store failed a read: subscribe again once it answers."""
+        """The store failed a read: subscribe again once it answers (:meth:`answered`)."""
         self.close()
-        self.tried = False
+        self.away = True
+
+    def answered(self) -> None:
+        """The store answered a read: after an outage, the next :meth:`open` subscribes."""
+        if self.away:
+            self.away = False
+            self.tried = False
 
     def sleep(self, seconds: float, handles: Sequence[Handle]) -> list[Handle]:
         """Sleep up to ``seconds``, returning early with the ``handles`` announced meanwhile."""

@@ -97,7 +97,7 @@ def test_a_wait_returns_on_the_announcement_not_at_its_next_poll(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With the backstop poll at 30 s, a result stored 0.5 s into the wait is returned within
-    a few seconds after two reads of the store: the announcement woke the wait."""
+    a few seconds after three reads of the store: the announcement woke the wait."""
     from workers import client as client_mod
     from workers import runtime
 
@@ -115,7 +115,8 @@ def test_a_wait_returns_on_the_announcement_not_at_its_next_poll(
     got = client.wait(handle, timeout=20)
     assert got.pass_id == "p1" and got.status == "accepted"
     assert time.monotonic() - began < 10
-    assert len(reads) == 2  # one before the result, one on its announcement: no polling
+    # Before the result: one read, then one once subscribed; then one on its announcement.
+    assert len(reads) == 3
 
 
 def test_a_forged_announcement_wakes_a_wait_but_is_no_verdict(
@@ -191,3 +192,26 @@ def test_as_completed_yields_each_announced_result_without_a_full_round(
     assert sorted((h.run_id, h.worker_id) for h, _ in got) == sorted(
         (h.run_id, h.worker_id) for h in handles
     )
+
+
+def test_a_wait_for_a_verdict_already_stored_reads_once_and_subscribes_to_nothing(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manager waiting on handles in turn meets many that are done: each such wait is one
+    read, no subscription."""
+    from pipeline.store.runs import RedisRunStore
+    from workers import client as client_mod
+    from workers import runtime
+
+    runs = runtime.stores().runs
+    run_id = _run_id()
+    runs.begin_pass(run_id, 1, "w1", "p1")
+    runs.put_result(_result(run_id, "w1", "p1"), pass_id="p1")
+    listens: list[tuple[str, ...]] = []
+    listen = RedisRunStore.listen
+    monkeypatch.setattr(
+        RedisRunStore, "listen", lambda self, *r: listens.append(r) or listen(self, *r)
+    )
+    handle = client_mod.Handle(run_id, 1, "w1", "task-1", "p1")
+    assert client_mod.CritiqueClient(CONFIG).wait(handle, timeout=5).pass_id == "p1"
+    assert listens == []
