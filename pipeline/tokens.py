@@ -9,6 +9,7 @@ budget and ``critique ab`` add up.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -21,11 +22,25 @@ def estimate_tokens(text: str) -> int:
 
 
 def text_of(output: str | dict[str, Any]) -> str:
-    """Canonical text of an output: strings as they are, dicts as indented JSON.
+    """Canonical text of an output: strings as they are, dicts as indented JSON (also
+    ``pipeline.contract.output_text``).
 
-    The same canonical form as ``pipeline.contract.output_text`` (kept here too so critics do not
-    depend on the contract package).
+    A stage asks for the same dict's text many times (Layer-0's checks, the critic's prompt,
+    the sizing of a repair: about ten per output). Indented JSON takes Python's pure-Python
+    encoder (the C one does compact JSON only), and each run leaves reference cycles for the
+    GC: the text is kept per dict, keyed by its compact JSON (C-encoded, so a lookup costs a
+    fraction of an indented encoding), for the last :data:`_TEXTS_KEPT` dicts.
     """
     if isinstance(output, str):
         return output
-    return json.dumps(output, ensure_ascii=False, indent=2)
+    key = json.dumps(output, ensure_ascii=False, sort_keys=False)
+    return _indented(key)
+
+
+_TEXTS_KEPT = 256
+"""Outputs whose indented text :func:`text_of` keeps (a worker's threads' recent ones)."""
+
+
+@functools.lru_cache(maxsize=_TEXTS_KEPT)
+def _indented(compact: str) -> str:
+    return json.dumps(json.loads(compact), ensure_ascii=False, indent=2)

@@ -15,7 +15,6 @@ from a submission) are called with each :class:`ContractInput`.
 from __future__ import annotations
 
 import importlib
-import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -33,6 +32,7 @@ from pipeline.errors import ConfigError, ExtensionLoadError
 from pipeline.files import FileReader, file_text
 from pipeline.files import read_file as read_file_bytes
 from pipeline.models import Submission
+from pipeline.tokens import text_of
 
 __all__ = [
     "BUILTIN_CHECKS",
@@ -235,10 +235,9 @@ def run_contract(suite: ContractSuite, items: Sequence[ContractInput]) -> Contra
 
 
 def output_text(output: str | dict[str, Any]) -> str:
-    """The canonical text of an output: the string itself, or the dict as indented JSON."""
-    if isinstance(output, str):
-        return output
-    return json.dumps(output, ensure_ascii=False, indent=2)
+    """The canonical text of an output: the string itself, or the dict as indented JSON
+    (:func:`pipeline.tokens.text_of`)."""
+    return text_of(output)
 
 
 def check_submission(
