@@ -247,6 +247,16 @@ def start_worker(env: dict[str, str], args: argparse.Namespace, log: Path) -> su
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
+def stop_worker(proc: subprocess.Popen[Any]) -> None:
+    """SIGTERM (the worker's warm shutdown), then SIGKILL if it is not gone in 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def tree_cpu_s(pid: int) -> float:
     """CPU seconds (user + system) of a process and its live descendants; nan without psutil."""
     try:
@@ -471,12 +481,7 @@ def run_row(
                     spy.wait()
                 records = server.completions()[before:]
             finally:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(timeout=10)
+                stop_worker(proc)
         pipeline_calls = len(records)
         cap = args.peer_in_flight if latency_s < 1.0 else args.slow_peer_in_flight
         peer = run_peer(records, server.api_base, cap, logdir)

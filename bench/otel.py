@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -102,12 +101,7 @@ def side(
             settle(lambda: len(receiver.spans))
             cpu = llm.tree_cpu_s(proc.pid) - cpu0
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+            llm.stop_worker(proc)
     return {
         "mode": "on" if traced else "off",
         "calls": len(server.completions()) - calls0,

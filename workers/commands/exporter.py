@@ -259,24 +259,29 @@ def _genai(counts: dict[str, int]) -> Iterator[Any]:
     from workers.telemetry import metric_histograms
 
     tokens, durations = metric_histograms(counts)
-    usage = HistogramMetricFamily(
-        "gen_ai_client_token_usage",
-        "Tokens per model call as the provider reported them, by token type (GenAI "
-        "gen_ai.client.token.usage, unit {token}).",
-        labels=["gen_ai_operation_name", "gen_ai_provider_name", "gen_ai_token_type"],
+    families = (
+        (
+            "gen_ai_client_token_usage",
+            "Tokens per model call as the provider reported them, by token type (GenAI "
+            "gen_ai.client.token.usage, unit {token}).",
+            "gen_ai_token_type",
+            tokens,
+        ),
+        (
+            "gen_ai_client_operation_duration_seconds",
+            "Duration of a model call, retries and rate-limit waits included (GenAI "
+            "gen_ai.client.operation.duration); error_type empty on success.",
+            "error_type",
+            durations,
+        ),
     )
-    for (provider, kind), (buckets, total) in tokens.items():
-        usage.add_metric(["chat", provider, kind], buckets, sum_value=total)
-    yield usage
-    duration = HistogramMetricFamily(
-        "gen_ai_client_operation_duration_seconds",
-        "Duration of a model call, retries and rate-limit waits included (GenAI "
-        "gen_ai.client.operation.duration); error_type empty on success.",
-        labels=["gen_ai_operation_name", "gen_ai_provider_name", "error_type"],
-    )
-    for (provider, error), (buckets, total) in durations.items():
-        duration.add_metric(["chat", provider, error], buckets, sum_value=total)
-    yield duration
+    for name, text, last_label, rows in families:
+        family = HistogramMetricFamily(
+            name, text, labels=["gen_ai_operation_name", "gen_ai_provider_name", last_label]
+        )
+        for (provider, value), (buckets, total) in rows.items():
+            family.add_metric(["chat", provider, value], buckets, sum_value=total)
+        yield family
 
 
 def registry() -> Any:
