@@ -337,11 +337,13 @@ class DoneListener:
             msg = self._pubsub.get_message(timeout=max(0.0, timeout))
             while msg is not None:
                 if msg.get("type") == "message":
-                    run_id = self._runs.get(text(msg["channel"]))
-                    if run_id is not None:
-                        got.add((run_id, text(msg["data"])))
+                    run_id = self._runs.get(_lenient_text(msg["channel"]))
+                    if run_id is not None:  # anyone may publish: bytes that are no member
+                        got.add((run_id, _lenient_text(msg["data"])))  # match no handle
                 msg = self._pubsub.get_message(timeout=0.0)
-        except (redis.exceptions.RedisError, OSError):
+        except (redis.exceptions.RedisError, OSError, UnicodeDecodeError):
+            # UnicodeDecodeError: a decoding client met garbage bytes mid-reply; its
+            # connection's state is unknown, so the wait polls from here.
             self.close()
         return got
 
@@ -357,6 +359,11 @@ class DoneListener:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _lenient_text(value: bytes | str) -> str:
+    """A pub/sub field as ``str``; bytes that are not UTF-8 are replaced, never raised."""
+    return value.decode("utf-8", errors="replace") if isinstance(value, bytes) else value
 
 
 def announces(member: str, iteration: int, worker_id: str) -> bool:

@@ -123,7 +123,7 @@ def test_a_forged_announcement_wakes_a_wait_but_is_no_verdict(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Anyone who can publish can wake a wait: it reads the store, finds nothing and waits on
-    until its timeout."""
+    until its timeout; bytes that are not UTF-8 on the channel do not break it."""
     from workers import client as client_mod
     from workers import runtime
 
@@ -133,8 +133,8 @@ def test_a_forged_announcement_wakes_a_wait_but_is_no_verdict(
     handle = client_mod.Handle(run_id, 1, "w1", "task-1", "p1")
     channel = keys.run_key(run_id, keys.DONE)
     publisher = redis.Redis.from_url(env["REDIS_URL"])
-    for at in (0.3, 0.6, 0.9):
-        _later(at, lambda: publisher.publish(channel, "1:w1:p1"))
+    for at, what in ((0.3, b"1:w1:p1"), (0.6, b"\xff\xfe\x00garbage"), (0.9, b"1:w1:p1")):
+        _later(at, lambda what=what: publisher.publish(channel, what))
     with pytest.raises(client_mod.CritiqueTimeout):
         client_mod.CritiqueClient(CONFIG).wait(handle, timeout=1.5)
     publisher.close()
@@ -215,3 +215,31 @@ def test_a_wait_for_a_verdict_already_stored_reads_once_and_subscribes_to_nothin
     handle = client_mod.Handle(run_id, 1, "w1", "task-1", "p1")
     assert client_mod.CritiqueClient(CONFIG).wait(handle, timeout=5).pass_id == "p1"
     assert listens == []
+
+
+def test_garbage_bytes_on_the_channel_neither_raise_nor_stop_a_wait(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bytes that are no UTF-8 published on the run's channel: the listener returns them as a
+    member that matches no handle, and the wait still gets its result on the announcement."""
+    from workers import client as client_mod
+    from workers import runtime
+
+    monkeypatch.setattr(client_mod, "BACKSTOP_POLL_S", SLOW_BACKSTOP_S)
+    runs = runtime.stores().runs
+    run_id = _run_id()
+    channel = keys.run_key(run_id, keys.DONE)
+    publisher = redis.Redis.from_url(env["REDIS_URL"])
+    with runs.listen(run_id) as listener:
+        publisher.publish(channel, b"\xff\xfe\x80")
+        [(got_run, member)] = listener.wait(5.0)
+        assert got_run == run_id and not announces(member, 1, "w1")
+        assert listener.listening
+    runs.begin_pass(run_id, 1, "w1", "p1")
+    handle = client_mod.Handle(run_id, 1, "w1", "task-1", "p1")
+    _later(0.3, lambda: publisher.publish(channel, b"\xc3\x28"))
+    _later(0.6, lambda: runs.put_result(_result(run_id, "w1", "p1"), pass_id="p1"))
+    began = time.monotonic()
+    assert client_mod.CritiqueClient(CONFIG).wait(handle, timeout=20).pass_id == "p1"
+    assert time.monotonic() - began < 10
+    publisher.close()
