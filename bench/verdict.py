@@ -35,11 +35,12 @@ timing, from the run's trace stream: the gate appends its ``result`` event in th
 that stores the verdict, and a stream entry's id is the Redis server's clock in whole
 milliseconds (the same machine's clock as ``time.time()`` here; the mean of the split is
 corrected by half a millisecond for the truncation); the worker's part is split at Layer-0's
-step record (its ``stage`` event, written with it). Tasks per output are the worker's own count
-(``inspect stats``); Redis commands per output are the server's ``INFO commandstats`` over the
-timed outputs: every client (the bench, both workers), commands run inside Lua scripts
-included, so they are not round trips (``evalsha`` counts the scripts), the bench's own reads
-of the trace left out.
+``stage`` event (since a clean output's Layer-0 step is held and its event written with the
+result, the split says "with the result" when the two land together). Tasks per output are
+the worker's own count (``inspect stats``); Redis commands per output are the server's
+``INFO commandstats`` over the timed outputs: every client (the bench, both workers), commands
+run inside Lua scripts included, so they are not round trips (``evalsha`` counts the scripts),
+the bench's own reads of the trace left out.
 
 The header names the versions measured and the commit (``+dirty``: uncommitted changes); the
 goal (issue 39) is printed at the end. With no ``--redis`` a redis-server of the bench's own is
@@ -391,10 +392,14 @@ def main() -> int:
     def split_of(name: str) -> str:
         tasks = med([s.tasks / args.n for s in rows[name]])
         l0, worker = mean_ms(name, "l0"), mean_ms(name, "worker")
-        return (f"submit {mean_ms(name, 'submit'):.2f} ms; then {l0:.2f} ms until Layer-0 "
-                f"recorded its step and {worker - l0:.2f} ms more until the verdict was stored "
-                f"(worker {worker:.2f} ms, {tasks:.1f} tasks); then {mean_ms(name, 'seen'):.2f} "
-                f"ms until it was seen")  # fmt: skip
+        if worker - l0 < 0.05:  # Layer-0's event was written with the result
+            parts = f"then {worker:.2f} ms until the verdict was stored (Layer-0's event with it)"
+        else:
+            parts = (f"then {l0:.2f} ms until Layer-0 recorded its step and {worker - l0:.2f} "
+                     "ms more until the verdict was stored")  # fmt: skip
+        seen = mean_ms(name, "seen")
+        return (f"submit {mean_ms(name, 'submit'):.2f} ms; {parts} (worker {worker:.2f} ms, "
+                f"{tasks:.1f} tasks); then {seen:.2f} ms until it was seen")  # fmt: skip
 
     def commands_of(name: str, top: int = 10) -> str:
         calls: Counter[str] = sum((s.commandstats for s in rows[name]), Counter())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -122,6 +123,8 @@ class CritiqueClient:
         runtime.config_for(self.config)
         # One trace per submit when the environment asks for tracing (workers.telemetry).
         telemetry.setup("critique-client")
+        # When check_fleet last found nothing to refuse, and for which secrets.
+        self._fleet_checked: tuple[float, Sequence[bytes]] = (-math.inf, ())
 
     # -- submitting -----------------------------------------------------------------------------
     def submit(self, submission: Submission | Mapping[str, Any]) -> Handle:
@@ -215,26 +218,33 @@ class CritiqueClient:
         would refuse what this process sends, or write results it cannot verify: they require
         a secret this process lacks or holds another of, or this process holds one they lack.
         ``submit``, ``complete_gate`` and ``resume`` call it before they send anything; with no
-        posture in the store (an older fleet, no worker started yet) there is nothing to check."""
+        posture in the store (an older fleet, no worker started yet) there is nothing to check.
+        A check that found nothing to refuse stands for :data:`POSTURE_CHECK_S` in this client
+        while its secrets stay the same (the posture is advisory: each worker refuses what it
+        cannot verify itself)."""
         from pipeline.posture import refusal
         from pipeline.store.fleet import RedisFleetPosture
 
-        now = time.time()
-        refused = refusal(RedisFleetPosture(runtime.client()).read(now), runtime.secrets(), now)
+        now, secrets = time.monotonic(), runtime.secrets()
+        checked_at, checked_for = self._fleet_checked
+        if now - checked_at < POSTURE_CHECK_S and checked_for == secrets:
+            return
+        wall = time.time()
+        refused = refusal(RedisFleetPosture(runtime.client()).read(wall), secrets, wall)
         if refused is not None:
             raise refused
+        self._fleet_checked = (now, secrets)
 
     def _enqueue(self, sub: Submission, msg: dict[str, Any], chain: Any) -> Handle:
         """Send one prepared submission's chain (``msg`` is its first message) and register
         it in the run."""
-        from workers.recovery import register
-
         pass_id = str(msg["sid"])
         try:
             # Before the chain is sent: this pass is the submission's latest (its result, not an
             # earlier pass's, is the one results() shows) and pending from now.
-            runtime.stores().runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id)
-            register(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+            runtime.stores().runs.open_pass(
+                sub.run_id, sub.iteration, sub.worker_id, pass_id, time.time()
+            )
             with telemetry.span(
                 "critique submit",
                 run_id=sub.run_id,
@@ -677,6 +687,11 @@ def stall_after_s() -> float:
 
     return stall()
 
+
+POSTURE_CHECK_S = 1.0
+"""How long a fleet posture check that refused nothing stands in a client
+(:meth:`CritiqueClient.check_fleet`): a manager submitting one output at a time reads the
+posture once a second, not once per submit."""
 
 BACKSTOP_POLL_S = 0.25
 """While a wait listens for its pass's announcement, it still reads the store this often: an

@@ -60,7 +60,7 @@ from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
 from pipeline.store.metrics import refusal_reason
 from pipeline.store.redis_common import fenced_writes
-from pipeline.store.runs import PassFinished, completion_member, pass_member
+from pipeline.store.runs import PassFinished, StepRecord, completion_member, pass_member
 from workers import routing, runtime, telemetry
 from workers.app import app
 
@@ -320,6 +320,11 @@ class Step:
     state: LoopState
     overrides: dict[str, Any]
     fresh: bool = False
+    held: tuple[StepRecord, ...] = ()
+    """Records of this task's steps not written yet (this one's last): token-free steps whose
+    next stage runs in this task too are written with the next record this task makes, or,
+    when the pass ends here, only their trace events, with its result
+    (:meth:`StageTask.record`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -422,19 +427,25 @@ class StageTask(StageProtocol, ReplacingStage):
             try:
                 step = self.process(out, nxt, step)
             except BudgetWait as wait:
+                # The message is sent again from its first stage: what this run holds is
+                # made again by the re-run.
                 if not self.request.is_eager:
                     return self.wait_for_budget(wait)
                 time.sleep(wait.retry_s)
                 continue
             except PassCancelled:
                 return self.end_cancelled(nxt)
+            except Exception:
+                self.write_held(step)
+                raise
             nxt, out = step.next, step.out
             if nxt == OVER:
                 return out
             if not routing.runs_here(self, nxt, step.state, step.overrides):
+                self.write_held(step)  # none: a step is held only before a stage run here
                 return self.hand_on(step)
             if nxt == "done":
-                return self.finish_here(out, step.state)
+                return self.finish_here(out, step.state, step.held)
 
     # The protocol's steps, for one loop stage.
 
@@ -518,15 +529,67 @@ class StageTask(StageProtocol, ReplacingStage):
 
     def record(self, job: StageJob, run: StageRun) -> Step:
         """The step's output and events recorded in one atomic step, unless another delivery
-        recorded first: then that output stands (replayed)."""
-        runs = runtime.stores().runs
+        recorded first: then that output stands (replayed).
+
+        A step whose re-run costs nothing (:meth:`holds`) is held instead, and written with
+        the next record this task makes, in the same script (each step first-wins in turn: at
+        one recorded already, the output recorded first is replayed and the held steps after it
+        are dropped); when the pass ends in this task, its result is the record and the held
+        steps' trace events go with it (their records would be deleted with the result). A task
+        that ends any other way (a failure included) writes what it holds first, so every
+        task's steps are recorded before it ends, as the stall rule assumes."""
+        held = job.prev.held if job.prev is not None else ()
+        mine = StepRecord(job.step, json.dumps(run.out), tuple(run.events))
+        if self.holds(job, run):
+            return Step(
+                run.out, run.state.next, run.state, job.overrides, fresh=True, held=(*held, mine)
+            )
         try:
-            first = runs.record_step(job.run_id, job.step, json.dumps(run.out), run.events)
+            stood = runtime.stores().runs.record_steps(job.run_id, (*held, mine))
         except PassFinished:
             return self.end_finished(job)
-        if first is None:
+        if stood is None:
             return Step(run.out, run.state.next, run.state, job.overrides, fresh=True)
-        return self.replayed(first)
+        return self.replayed(stood[1])
+
+    def holds(self, job: StageJob, run: StageRun) -> bool:
+        """Whether the step's record may wait for this task's next one: its re-run spends no
+        tokens, it holds no budget lease, its next stage runs in this task (the gate
+        included), and the operator does not keep step records for inspection
+        (``CRITIQUE_STEPS_GRACE_S``)."""
+        nxt = run.state.next
+        return (
+            nxt != OVER
+            and run.state.lease_id is None
+            and not runtime.stores().runs.keeps_steps
+            and not _spends_tokens(job.stage, job.context, job.passed)
+            and routing.runs_here(self, nxt, run.state, job.overrides)
+        )
+
+    def settle(self, step: Step) -> Step:
+        """``step`` with what it holds written (:meth:`record`): the step that stands."""
+        if not step.held:
+            return step
+        run_id = step.state.submission.run_id
+        try:
+            stood = runtime.stores().runs.record_steps(run_id, step.held)
+        except PassFinished:
+            log.info("steps %s belong to a finished pass: its chain ends here", self.request.id)
+            _send_nothing_after(self)
+            return Step(dict(FINISHED), OVER, step.state, step.overrides)
+        if stood is None:
+            return dataclasses.replace(step, held=())
+        return self.replayed(stood[1])
+
+    def write_held(self, step: Step | None) -> None:
+        """Write the records ``step`` holds (a task ending before its next record: a stage
+        that raised). Best effort: the task's own failure is what it reports."""
+        if step is None or not step.held:
+            return
+        try:
+            runtime.stores().runs.record_steps(step.state.submission.run_id, step.held)
+        except Exception as exc:  # the stage's own error is the one raised
+            log.warning("could not record the steps %s held: %s", self.request.id, one_line(exc))
 
     def refund(self, job: StageJob, run: StageRun, handed: Step) -> None:
         """A budget lease the run reserved that the standing output does not hold is refunded:
@@ -583,12 +646,14 @@ class StageTask(StageProtocol, ReplacingStage):
         replaced: dict[str, Any] = self.replace(sig.set(task_id=str(self.request.id)))
         return replaced
 
-    def finish_here(self, msg: dict[str, Any], state: LoopState) -> dict[str, Any]:
+    def finish_here(
+        self, msg: dict[str, Any], state: LoopState, held: Sequence[StepRecord] = ()
+    ) -> dict[str, Any]:
         """The gate, run by the task that finished the loop: store the pass's result
         (:func:`finish_pass`) and, under this task's id (the one the client's signature was
         sent with, kept by every replacement), the summary in Celery's result backend, as the
         gate task stores its own, so any Celery client's ``AsyncResult`` of it returns it."""
-        summary, first = _finish(self, msg, state)
+        summary, first = _finish(self, msg, state, [e for s in held for e in s.events])
         if not self.request.is_eager and self.request.id:
             store_summary(self.backend, str(self.request.id), summary, self.request, first=first)
         return summary
@@ -696,8 +761,11 @@ def store_summary(backend: Any, task_id: str, summary: Any, request: Any, *, fir
     backend.set(backend.get_key_for_task(task_id), backend.encode(meta))
 
 
-def _finish(task: Task, msg: dict[str, Any], state: LoopState) -> tuple[dict[str, Any], bool]:
-    """:func:`finish_pass`, and whether this call stored the pass's result (the first)."""
+def _finish(
+    task: Task, msg: dict[str, Any], state: LoopState, before: Sequence[str] = ()
+) -> tuple[dict[str, Any], bool]:
+    """:func:`finish_pass`, and whether this call stored the pass's result (the first);
+    ``before``: trace events of steps this task ran and holds, written with the result."""
     pass_id = _pass_id(task, msg, state)
     sub = state.submission
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
@@ -709,7 +777,7 @@ def _finish(task: Task, msg: dict[str, Any], state: LoopState) -> tuple[dict[str
         event = result.trace_event(round=state.round, stage="gate")
         runs = runtime.stores().runs
         # The pass leaves the pending index in the same step: it can no longer stall.
-        first = runs.put_result(result, pass_id=pass_id, events=[encode_event(event)])
+        first = runs.put_result(result, pass_id=pass_id, events=[*before, encode_event(event)])
         if first:
             _count_result(result)
             runtime.metrics().observe("gate", time.monotonic() - began)

@@ -144,7 +144,7 @@ def complete_gate(self: CompletionGateTask, msg: dict[str, Any]) -> dict[str, An
 def _stage(task: StageTask, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any], str]:
     """One stage's body alone, as ``task`` runs it (:meth:`StageTask.process`): the message it
     hands on and its next stage. Tests run single stages with it."""
-    step: Step = task.process(msg, stage)
+    step: Step = task.settle(task.process(msg, stage))  # a task that ends after the stage
     return step.out, step.next
 
 
@@ -245,7 +245,6 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
     id is refused with nothing written there. Before that, the run is entered as the
     message's signer (:func:`_check_owner`): another manager's run is refused."""
     from workers import entry
-    from workers.recovery import register
 
     # Whatever the message's headers ask: Celery stores nothing of this task's (a failure is
     # stored by EntryTask.on_failure, in one line; the replacement stores the summary).
@@ -282,8 +281,7 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
             start(sub, pass_id), overrides, pass_id=pass_id, task=keys.TASK_L0, task_id=task_id
         )
         if first or runs.latest_pass(sub.run_id, sub.iteration, sub.worker_id) is None:
-            runs.begin_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id)
-            register(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+            runs.open_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id, time.time())
             runs.mark_submitted(
                 sub.run_id,
                 sub.iteration,

@@ -112,6 +112,16 @@ class Failure:
     at: float = 0.0
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One chain step's record as :meth:`RedisRunStore.record_steps` writes it: the step id
+    (:func:`keys.step_id`), the output it hands on (JSON) and its encoded trace events."""
+
+    step: str
+    output: str
+    events: tuple[str, ...] = ()
+
+
 def completion_member(request_id: str) -> str:
     """The ``failures`` member (and ``steps`` field) of one completion-gate request."""
     return f"{COMPLETE_GATE}:{request_id}"
@@ -128,35 +138,47 @@ return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
 
 
 # KEYS[1] the step-record hash (the pass's own, or the run's for a completion gate), KEYS[2]
-# trace stream, KEYS[3] pending sorted set, KEYS[4] results:pass; ARGV: step, output, TTL of
-# KEYS[1] (ms), stream maxlen, event field, the pass's member ("" for none), now (s), TTL of
-# the trace (ms), then per encoded event its packed form and its tag ('' unsigned). Returns nil
-# when this call recorded the step, "" when the pass has its result already (nothing is
-# written), else the output recorded first.
+# trace stream, KEYS[3] pending sorted set, KEYS[4] results:pass; ARGV: TTL of KEYS[1] (ms),
+# stream maxlen, event field, the pass's member ("" for none), now (s), TTL of the trace (ms),
+# then per step, in the loop's order: its id, its output, its number of events N, then per
+# event its packed form and its tag ('' unsigned). Each step is recorded in turn (its output
+# and events) while it is the first record of its step; at the first step recorded already the
+# script stops (the steps after it were made from an output that does not stand) and returns
+# {its position (1-based), the output recorded first}. Returns nil when every step was
+# recorded, "" when the pass has its result already (nothing is written).
 # A first record is the pass's progress: its pending score (if it is still pending, XX) moves
 # to now, which is what the stall sweeper (workers.recovery) measures.
-_RECORD_STEP = """
-if ARGV[6] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[6]) == 1 then
+_RECORD_STEPS = """
+if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[4]) == 1 then
   return ''
 end
-if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then
-  return redis.call('HGET', KEYS[1], ARGV[1])
-end
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-if ARGV[6] ~= '' then
-  redis.call('ZADD', KEYS[3], 'XX', ARGV[7], ARGV[6])
-end
-if #ARGV > 8 then
-  for i = 9, #ARGV, 2 do
-    if ARGV[i + 1] == '' then
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i])
+local i, n, wrote, traced, stood = 7, 0, false, false, false
+while i <= #ARGV do
+  n = n + 1
+  local count = tonumber(ARGV[i + 2])
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 0 then
+    stood = {n, redis.call('HGET', KEYS[1], ARGV[i])}
+    break
+  end
+  wrote = true
+  for e = i + 3, i + 2 + 2 * count, 2 do
+    traced = true
+    if ARGV[e + 1] == '' then
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[e])
     else
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', ARGV[5], ARGV[i], 'sig', ARGV[i + 1])
+      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[e], 'sig', ARGV[e + 1])
     end
   end
-  redis.call('PEXPIRE', KEYS[2], ARGV[8])
+  i = i + 3 + 2 * count
 end
-return false
+if traced then redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
+if wrote then
+  redis.call('PEXPIRE', KEYS[1], ARGV[1])
+  if ARGV[4] ~= '' then
+    redis.call('ZADD', KEYS[3], 'XX', ARGV[5], ARGV[4])
+  end
+end
+return stood
 """
 
 
@@ -235,6 +257,23 @@ if owner == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return owner
+"""
+
+# KEYS[1] passes, KEYS[2] results, KEYS[3] the run's pending index, and (not in a Redis
+# Cluster, where it is another slot) KEYS[4] the shared index of runs with pending passes.
+# ARGV: submission field, pass id, TTL (ms), the pass's pending member, now (s), run id.
+# begin_pass and the pass's entry in the pending index (workers.recovery) in one step.
+_OPEN_PASS = """
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+redis.call('HDEL', KEYS[2], ARGV[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+if #KEYS > 3 then
+  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[6])
+  redis.call('PEXPIRE', KEYS[4], ARGV[3])
+end
+return 1
 """
 
 # KEYS[1] passes, KEYS[2] results. ARGV: submission field, pass id, TTL (ms).
@@ -397,13 +436,21 @@ class RedisRunStore:
         self._secrets = secrets or (lambda: ())
         self._noted: set[tuple[str, str, str]] = set()
         self._indexed: dict[str, float] = {}
-        self._record_step = client.register_script(_RECORD_STEP)
+        self._record_steps = client.register_script(_RECORD_STEPS)
         self._count_once = client.register_script(_COUNT_ONCE)
         self._put_result = client.register_script(_PUT_RESULT)
         self._begin_pass = client.register_script(_BEGIN_PASS)
+        self._open_pass = client.register_script(_OPEN_PASS)
         self._claim_entry = client.register_script(_CLAIM_ENTRY)
         self._claim_owner = client.register_script(_CLAIM_OWNER)
         self._mark_submitted = client.register_script(_MARK_SUBMITTED)
+
+    @property
+    def keeps_steps(self) -> bool:
+        """Whether a pass's step records outlive its result (``CRITIQUE_STEPS_GRACE_S``, for
+        inspection): then every step is recorded as it runs (none is held for the next
+        record, ``workers.protocol``)."""
+        return self._grace_ms > 0
 
     def _key(self, run_id: str, suffix: str) -> str:
         return keys.run_key(run_id, suffix, self._prefix)
@@ -548,6 +595,39 @@ class RedisRunStore:
                 keys=[self._key(run_id, keys.PASSES), self._key(run_id, keys.RESULTS)],
                 args=[field, pass_id, self._ttl_ms],
             )
+
+    def open_pass(
+        self, run_id: str, iteration: int, worker_id: str, pass_id: str, now: float
+    ) -> None:
+        """:meth:`begin_pass`, and the pass pending from ``now`` in the stall sweeper's index
+        (``workers.recovery``; :class:`pipeline.store.pending.RedisPendingIndex`): what a
+        submit does before its chain is sent, in one script (two in a Redis Cluster, where the
+        index of runs with pending passes is another slot)."""
+        pending = pass_member(iteration, worker_id, pass_id)
+        runs_index = keys.shared_key(keys.PENDING_RUNS, self._prefix)
+        script_keys = [
+            self._key(run_id, keys.PASSES),
+            self._key(run_id, keys.RESULTS),
+            self._key(run_id, keys.PENDING),
+        ]
+        clustered = isinstance(self._r, redis.cluster.RedisCluster)
+        if not clustered:
+            script_keys.append(runs_index)
+        args: list[str | int] = [
+            member(iteration, worker_id),
+            pass_id,
+            self._ttl_ms,
+            pending,
+            repr(now),
+            run_id,
+        ]
+        with store_errors(self._r):
+            self._open_pass(keys=script_keys, args=args)
+            if clustered:
+                pipe = self._r.pipeline(transaction=False)
+                pipe.zadd(runs_index, {run_id: now})
+                pipe.pexpire(runs_index, self._ttl_ms)
+                pipe.execute()
 
     def claim_entry(
         self, run_id: str, iteration: int, worker_id: str, entry_id: str, pass_id: str
@@ -1137,33 +1217,46 @@ class RedisRunStore:
         :class:`PassFinished`. A pass's steps expire with the live-chain TTL (a completion
         gate's decision, outside any pass, with the run's).
         """
-        pass_field = _pass_of_step(step)
+        stood = self.record_steps(run_id, [StepRecord(step, output, tuple(events))])
+        return None if stood is None else stood[1]
+
+    def record_steps(self, run_id: str, steps: Sequence[StepRecord]) -> tuple[int, str] | None:
+        """Record consecutive steps of one pass (in the loop's order) in one atomic script, as
+        :meth:`record_step` records one: each step's output and events are written while it is
+        the first record of its step. At the first step recorded already nothing more is
+        written (the steps after it were made from an output that does not stand) and its
+        position in ``steps`` and the output recorded first are returned; None when every step
+        was recorded. :class:`PassFinished` (nothing written) when the pass has its result."""
+        if not steps:
+            return None
+        pass_field = _pass_of_step(steps[0].step)
+        if any(_pass_of_step(s.step) != pass_field for s in steps):
+            raise ValueError(f"steps of more than one pass recorded together: {steps!r}")
+        args: list[Any] = [
+            self._live_ttl_ms if pass_field else self._ttl_ms,
+            keys.TRACE_MAXLEN,
+            keys.TRACE_EVENT_FIELD,
+            pass_field,
+            repr(time.time()),
+            self._ttl_ms,
+        ]
+        for s in steps:
+            args += [s.step, s.output, len(s.events), *self._packed(run_id, s.events)]
         with store_errors(self._r):
-            got = self._record_step(
+            got = self._record_steps(
                 keys=[
                     self._steps_key(run_id, pass_field),
                     self._key(run_id, keys.TRACE),
                     self._key(run_id, keys.PENDING),
                     self._key(run_id, keys.PASS_RESULTS),
                 ],
-                args=[
-                    step,
-                    output,
-                    self._live_ttl_ms if pass_field else self._ttl_ms,
-                    keys.TRACE_MAXLEN,
-                    keys.TRACE_EVENT_FIELD,
-                    pass_field,
-                    repr(time.time()),
-                    self._ttl_ms,
-                    *self._packed(run_id, events),
-                ],
+                args=args,
             )
         if got is None:
             return None
-        recorded = text(got)
-        if not recorded:
+        if not isinstance(got, list):  # "": the pass has its result
             raise PassFinished(f"pass {pass_field} of run {run_id} has its result")
-        return recorded
+        return int(got[0]) - 1, text(got[1])
 
     def count_rejection_once(self, run_id: str, request_id: str) -> int:
         """Count one completion-gate rejection for ``request_id`` unless it was counted already

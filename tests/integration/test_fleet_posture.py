@@ -73,3 +73,30 @@ def test_a_stopping_worker_withdraws_its_record(redis_client: redis.Redis) -> No
     fleet.publish(_posture("w2@host", now))
     fleet.withdraw("w1@host")
     assert [p.worker for p in fleet.read(now)] == ["w2@host"]
+
+
+def test_a_clients_clean_check_stands_a_second_for_the_same_secrets(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CritiqueClient.check_fleet reads the posture once per POSTURE_CHECK_S while it finds
+    nothing to refuse and its secrets stay the same: a worker that starts requiring a secret
+    is seen at the next read; a change of this process's secrets reads again at once."""
+    from pipeline.errors import ConfigError
+    from tests.support.workers import client_on, worker_db_url
+    from workers import client as client_module
+    from workers.client import CritiqueClient
+
+    with client_on(worker_db_url(redis_url)) as env:
+        monkeypatch.delenv("CRITIQUE_SECRET", raising=False)
+        client = CritiqueClient()
+        client.check_fleet()  # no posture yet: nothing to refuse
+        fleet = RedisFleetPosture(redis.Redis.from_url(env["REDIS_URL"]))
+        fleet.publish(posture_of("w@host", (SECRET,), (), now=time.time(), fresh_s=60.0))
+        client.check_fleet()  # within the second: the clean check stands
+        monkeypatch.setenv("CRITIQUE_SECRET", "x" * 64)  # other secrets: read again
+        with pytest.raises(ConfigError):
+            client.check_fleet()
+        monkeypatch.delenv("CRITIQUE_SECRET")
+        monkeypatch.setattr(client_module, "POSTURE_CHECK_S", 0.0)
+        with pytest.raises(ConfigError, match="CRITIQUE_SECRET"):
+            client.check_fleet()

@@ -24,7 +24,7 @@ from pipeline.store.redis import (
     RedisPatternStore,
     RedisTraceSink,
 )
-from pipeline.store.runs import RedisRunStore
+from pipeline.store.runs import PassFinished, RedisRunStore, StepRecord
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
@@ -86,6 +86,7 @@ def exercise_every_store(
     runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
     runs.mark_submitted(run_id, 1, "w1", "task-1", "sig")
     runs.begin_pass(run_id, 1, "w1", "sid")
+    runs.open_pass(run_id, 1, "w4", "sid4", 1.0)
     runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")  # released below with the pass's result
     # A second pass still live: its first message and a step record stay.
     runs.mark_submitted(run_id, 1, "w3", "task-3", "sig", pass_id="live", message={"m": 1})
@@ -472,6 +473,68 @@ def test_record_step_writes_output_and_events_once(redis_client: redis.Redis) ->
     assert runs.record_step("rs1", "1:w1:s:1:0:critic", "{}") is None
     assert len(trace.read("rs1")) == 2
     assert redis_client.pttl(keys.run_key("rs1", keys.TRACE, PREFIX)) > 0
+
+
+def test_record_steps_writes_in_order_and_stops_at_the_first_step_recorded_already(
+    redis_client: redis.Redis,
+) -> None:
+    """Steps recorded together are written in turn, each with its events, while each is the
+    first record of its step; at one recorded already nothing more is written (the later
+    steps were made from an output that does not stand) and its position and the first output
+    are returned; a pass with its result writes nothing."""
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    trace = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+
+    def ev(n: int) -> tuple[str, ...]:
+        return (json.dumps({"type": "stage", "n": n}),)
+
+    p = "1:w1:s"
+    runs.record_step("rb1", f"{p}:1:0:critic", "critic first", ev(0))
+    stood = runs.record_steps(
+        "rb1",
+        [
+            StepRecord(f"{p}:1:0:l0", "l0 mine", ev(1)),
+            StepRecord(f"{p}:1:0:critic", "critic mine", ev(2)),
+            StepRecord(f"{p}:1:0:decide", "decide mine", ev(3)),
+        ],
+    )
+    assert stood == (1, "critic first")
+    assert runs.step_output("rb1", f"{p}:1:0:l0") == "l0 mine"
+    assert runs.step_output("rb1", f"{p}:1:0:decide") is None
+    assert [e["n"] for e in trace.read("rb1")] == [0, 1]
+    both = [StepRecord(f"{p}:1:0:decide", "d", ev(4)), StepRecord(f"{p}:1:1:repair", "r", ev(5))]
+    assert runs.record_steps("rb1", both) is None
+    assert [e["n"] for e in trace.read("rb1")] == [0, 1, 4, 5]
+    assert runs.latest_step("rb1", 1, "w1", "s") == (f"{p}:1:1:repair", "r")
+    with pytest.raises(ValueError, match="more than one pass"):
+        runs.record_steps("rb1", [StepRecord(f"{p}:2:0:l0", "x"), StepRecord("1:w2:s:2:0:l0", "y")])
+    result = CritiqueResult(
+        run_id="rb1",
+        worker_id="w1",
+        status="accepted",
+        stop_reason="accepted",
+        output="ok",
+        original_score=1.0,
+        best_score=1.0,
+        envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
+    )
+    assert runs.put_result(result, pass_id="s")
+    with pytest.raises(PassFinished):
+        runs.record_steps("rb1", [StepRecord(f"{p}:2:0:l0", "late", ev(6))])
+    assert [e["n"] for e in trace.read("rb1")] == [0, 1, 4, 5]
+
+
+def test_open_pass_begins_the_pass_and_indexes_it_as_pending(redis_client: redis.Redis) -> None:
+    """open_pass makes the pass the submission's latest (an earlier pass's result leaves
+    ``results``) and puts it, and its run, on the stall sweeper's pending index at ``now``."""
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    pending = RedisPendingIndex(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    redis_client.hset(keys.run_key("op1", keys.RESULTS, PREFIX), "1:w1", "earlier pass's")
+    runs.open_pass("op1", 1, "w1", "sid2", 1234.5)
+    assert runs.latest_pass("op1", 1, "w1") == "sid2"
+    assert not redis_client.hexists(keys.run_key("op1", keys.RESULTS, PREFIX), "1:w1")
+    assert pending.stale("op1", 2000.0, 10) == [("1:w1:sid2", 1234.5)]
+    assert ("op1", 1234.5) in pending.runs()
 
 
 def test_count_rejection_once_per_request(redis_client: redis.Redis) -> None:

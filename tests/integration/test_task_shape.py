@@ -8,7 +8,8 @@ from __future__ import annotations
 import socket
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -126,3 +127,63 @@ def test_a_started_worker_has_frozen_what_it_loaded(worker: WorkerProcess) -> No
 
     stats = app.control.inspect(destination=[NODE], timeout=5.0).stats() or {}
     assert (stats.get(NODE) or {}).get("critique_gc_frozen", 0) > 10_000
+
+
+def _store_scripts(
+    redis_url: str, run_id: str, scripts: list[Any], submit: Callable[[], object]
+) -> Counter[str]:
+    """The Lua scripts (by sha) the server ran for ``run_id`` while ``submit`` ran, as the
+    server's MONITOR saw them (every client: the test's and the worker's). ``scripts`` are
+    loaded first: a first call of a script the server lacks shows twice (redis-py loads it
+    and calls again)."""
+    import redis
+
+    end = f"monitor-end-{uuid.uuid4().hex}"
+    seen: Counter[str] = Counter()
+    with redis.Redis.from_url(redis_url) as r, r.monitor() as monitor:
+        for script in scripts:
+            r.script_load(script)
+        submit()
+        r.echo(end)
+        while True:
+            got = monitor.next_command()
+            command = str(got["command"])
+            if end in command:
+                return seen
+            parts = command.split(" ")
+            if parts[0].upper() == "EVALSHA" and run_id in command:
+                seen[parts[1]] += 1
+
+
+@pytest.mark.parametrize(("kind", "records"), [("clean", 0), ("looping", 2)])
+def test_steps_that_cost_nothing_to_rerun_are_written_with_the_next_record(
+    worker: WorkerProcess, redis_url: str, kind: str, records: int
+) -> None:
+    """Token-free steps whose next stage runs in the same task are written with that stage's
+    record (one script), and when the pass ends in the task, only their trace events, with the
+    result: a clean output's one task runs no step-record script at all (its result's script
+    only), one repaired in one round two (the decide that reserves the repair, with the steps
+    before it; the repair); every stage's trace events are still written once, in order."""
+    from pipeline.store.runs import RedisRunStore
+    from workers import runtime
+    from workers.client import CritiqueClient
+
+    client = CritiqueClient(CONFIG)
+    runs = runtime.stores().runs
+    assert isinstance(runs, RedisRunStore)
+    record, result = runs._record_steps, runs._put_result
+    sub = make_sub(f"held-{uuid.uuid4().hex[:8]}", "w1", 1, kind)
+    got: list[str] = []
+    scripts = _store_scripts(
+        worker_db_url(redis_url),
+        sub.run_id,
+        [record.script, result.script],
+        lambda: got.append(client.wait(client.submit(sub), timeout=60).status),
+    )
+    assert got == ["accepted" if kind == "clean" else "repaired"]
+    assert (scripts[record.sha], scripts[result.sha]) == (records, 1), scripts
+    l0 = [("stage", "l0"), ("gate", "l0")] if kind == "looping" else [("stage", "l0")]
+    first = [*l0, ("stage", "critic"), ("round", "decide")]  # a defect: Layer-0's gate event
+    again = [("stage", "repair"), ("stage", "l0"), ("stage", "critic"), ("round", "decide")]
+    expected = [*first, *(again if kind == "looping" else []), ("result", "gate")]
+    assert [(e["type"], e.get("stage")) for e in client.trace(sub.run_id)] == expected
