@@ -557,12 +557,13 @@ def _record_critique(
         )
     if envelope.fallback_reason and not _l0_error(state.l0_defects):
         notes = _add_note(notes, f"critic fallback: {envelope.fallback_reason}")
-    if ctx.config.pattern_memory:
+    found = patterns_from_envelope(envelope, output=state.output)
+    if ctx.config.pattern_memory and found:  # nothing to count: no store round trip
         ctx.patterns.record(
             sub.run_id,
             pattern_record_key(state, round_no),
             sub.iteration,
-            patterns_from_envelope(envelope, output=state.output),
+            found,
             pass_key=pass_key(state),
         )
     next_state = state.model_copy(
