@@ -271,6 +271,28 @@ def _freeze_the_started_worker(**_: Any) -> None:
     _freeze_what_is_loaded()
 
 
+_DISPATCHER: list[tuple[int, Any]] = []
+"""The worker's task event dispatcher and the process it lives in, once the worker is ready."""
+
+
+@worker_ready.connect
+def _note_the_event_dispatcher(sender: Any = None, **_: Any) -> None:
+    dispatcher = getattr(sender, "event_dispatcher", None)
+    if dispatcher is not None:
+        _DISPATCHER[:] = [(os.getpid(), dispatcher)]
+
+
+def task_events_off() -> bool:
+    """True when this worker sends no task events now: a task's own ``send_event`` (Celery
+    sends it whatever the worker's setting) would publish an event nobody asked for. False
+    when that cannot be known here (not a worker; a prefork child, whose parent holds the
+    dispatcher that Flower's ``enable_events`` turns on)."""
+    if not _DISPATCHER or _DISPATCHER[0][0] != os.getpid():
+        return False
+    dispatcher = _DISPATCHER[0][1]
+    return not (dispatcher.enabled and (not dispatcher.groups or "task" in dispatcher.groups))
+
+
 def _freeze_what_is_loaded() -> None:
     """Move every object alive once the worker has started (its modules: litellm's alone are
     hundreds of thousands) out of the cyclic garbage collector's reach (``gc.freeze``): a full

@@ -62,7 +62,7 @@ from pipeline.store.metrics import refusal_reason
 from pipeline.store.redis_common import fenced_writes
 from pipeline.store.runs import PassFinished, StepRecord, completion_member, pass_member
 from workers import routing, runtime, telemetry
-from workers.app import app
+from workers.app import app, task_events_off
 
 log = get_task_logger(__name__)
 
@@ -514,7 +514,7 @@ class StageTask(StageProtocol, ReplacingStage):
             new = STAGES[job.stage](job.passed, ctx)
             traced.ran(job.stage, new, lambda: buffer.read(job.run_id))
         runtime.metrics().observe(job.stage, time.monotonic() - began)
-        if job.stage == "repair":
+        if job.stage == "repair" and not task_events_off():
             self.send_event(
                 "task-progress",
                 run_id=job.run_id,

@@ -6,6 +6,7 @@ built (``l0 → critic → gate``) still finishes."""
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -28,7 +29,8 @@ def env(redis_url: str) -> Iterator[dict[str, str]]:
         yield e
 
 
-WORKER = WorkerSpec("shape", concurrency=2)
+WORKER = WorkerSpec("shape", concurrency=2, more_env={"CRITIQUE_TASK_EVENTS": "0"})
+"""Task events off until a monitor asks, as ``critique worker`` starts its nodes."""
 
 
 def _tasks_run() -> Counter[str]:
@@ -187,3 +189,46 @@ def test_steps_that_cost_nothing_to_rerun_are_written_with_the_next_record(
     again = [("stage", "repair"), ("stage", "l0"), ("stage", "critic"), ("round", "decide")]
     expected = [*first, *(again if kind == "looping" else []), ("result", "gate")]
     assert [(e["type"], e.get("stage")) for e in client.trace(sub.run_id)] == expected
+
+
+def _progress_events(submit: Callable[[], object]) -> list[dict[str, Any]]:
+    """The task-progress events the broker carried while ``submit`` ran (and 1 s after)."""
+    import threading
+
+    from workers.app import app
+
+    got: list[dict[str, Any]] = []
+    with app.connection_for_read() as conn:
+        receiver = app.events.Receiver(conn, handlers={"task-progress": got.append})
+        thread = threading.Thread(
+            target=lambda: receiver.capture(limit=None, timeout=None, wakeup=False),
+            daemon=True,
+        )
+        thread.start()
+        time.sleep(1.0)  # the receiver's queue is bound
+        submit()
+        time.sleep(1.0)
+        receiver.should_stop = True
+        thread.join(timeout=5)
+    return got
+
+
+def test_a_repair_sends_task_progress_only_while_task_events_are_on(worker: WorkerProcess) -> None:
+    """With task events off (no monitor asked), a repair sends no task-progress event (Celery's
+    send_event publishes whatever the worker's setting); once a monitor turns them on
+    (Flower's enable_events), it does."""
+    from workers.app import app
+    from workers.client import CritiqueClient
+
+    client = CritiqueClient(CONFIG)
+
+    def repaired() -> None:
+        sub = make_sub(f"progress-{uuid.uuid4().hex[:8]}", "w1", 1, "looping")
+        assert client.wait(client.submit(sub), timeout=60).status == "repaired"
+
+    assert _progress_events(repaired) == []
+    app.control.enable_events(destination=[NODE])
+    try:
+        assert len(_progress_events(repaired)) == 1
+    finally:
+        app.control.disable_events(destination=[NODE])
