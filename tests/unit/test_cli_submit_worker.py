@@ -112,14 +112,25 @@ def test_submit_bad_input_exits_2_before_touching_redis(
     assert "unknown configuration key" in capsys.readouterr().err
 
 
-def test_worker_dry_run_builds_the_celery_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """Defaults: every queue, threads pool, 16 threads; options after -- go to Celery."""
+@pytest.mark.parametrize(("cpus", "threads"), [(1, "32"), (2, "32"), (8, "16")])
+def test_worker_dry_run_builds_the_celery_command(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cpus: int, threads: str
+) -> None:
+    """Defaults: every queue, threads pool, 32 calls in flight per usable CPU (a small host's
+    one process per CPU: 32 threads; two per CPU: 16 each); options after -- go to Celery."""
+    from workers.commands import worker
+
+    monkeypatch.delenv("CRITIQUE_PROCESSES", raising=False)
+    monkeypatch.delenv("CRITIQUE_CONCURRENCY", raising=False)
+    monkeypatch.setattr(worker, "available_cpus", lambda: cpus)
     assert main(["worker", "--dry-run"]) == 0
     argv = capsys.readouterr().out.split()
     assert argv[1:6] == ["-m", "celery", "-A", "workers.app", "worker"]
     assert argv[argv.index("-Q") + 1] == "critique.cpu,critique.llm,critique.llm.critic"
     assert argv[argv.index("-P") + 1] == "threads"
-    assert argv[argv.index("-c") + 1] == "16"
+    assert argv[argv.index("-c") + 1] == threads
+    assert main(["worker", "--dry-run", "--processes", "3"]) == 0  # not auto: 16 threads
+    assert capsys.readouterr().out.split().count("16") == 3
     assert main(["worker", "-Q", "critique.cpu", "-P", "prefork", "-c", "3", "--dry-run", "--",
                  "--max-tasks-per-child", "50"]) == 0  # fmt: skip
     argv = capsys.readouterr().out.split()

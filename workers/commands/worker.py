@@ -8,7 +8,8 @@ The stages run on separate queues so they scale separately:
     critique.llm.critic  the LLM critic in mode: dedicated (its own model and workers)
 
 Defaults: every queue, the threads pool (LLM calls wait on I/O, so threads are cheap), and
-``$CRITIQUE_CONCURRENCY`` threads, else 16, in each of ``--processes`` worker processes. A
+``$CRITIQUE_CONCURRENCY`` threads, else 32 calls in flight per CPU (16 threads, 32 on a small host
+whose processes are one per CPU), in each of ``--processes`` worker processes. A
 worker for ``critique.cpu`` alone is better off with processes: ``critique worker -Q
 critique.cpu -P prefork`` (concurrency defaults to the number of CPUs). Scale out by starting
 more workers, on any machine that reaches the same Redis.
@@ -19,7 +20,8 @@ less: a thread back from the network waits for the GIL behind the busy ones, and
 core idles meanwhile. So a threads worker on an LLM queue defaults to two processes per usable
 CPU (:data:`PROCESSES_PER_CPU`; the affinity mask, capped by a cgroup CPU quota: a container
 limited to 4 CPUs gets 8), 16 threads each: the same 32 calls in flight per CPU as one process
-of 32 threads, with the cores busy (bench/llm.py on 2 CPUs, 200 ms calls: a third more calls/s
+of 32 threads, with the cores busy (a small host, below, gets 32 threads per process)
+(bench/llm.py on 2 CPUs, 200 ms calls: a third more calls/s
 than one process per CPU; bench/README.md). Each process holds ~230 MB (litellm), so a small
 host (at most :data:`SMALL_HOST_CPUS` usable CPUs: a laptop, a 1-CPU pod) gets one process
 per CPU instead: a 2-core laptop runs 2 nodes (~0.5 GB), not 4 (~1 GB). On many CPUs,
@@ -103,6 +105,11 @@ LLM_QUEUES = (QUEUE_LLM, QUEUE_CRITIC)
 """The queues whose stages may call a model: a worker on them needs the provider keys."""
 POOLS = ("threads", "prefork", "solo", "gevent", "eventlet")
 THREADS_DEFAULT = 16
+IN_FLIGHT_PER_CPU = 32
+"""Calls in flight per usable CPU that ``--processes auto`` sizes its default threads for: a
+small host's one process per CPU gets 32 threads, a bigger host's two get 16 each (32 per CPU:
+bench/llm.py on 2 CPUs at 200 ms, 2 x 32 gave 1.3x the calls/s of 2 x 16 and ~1 ms less worker
+CPU per call; at 2 s, 2 x 16 capped the fleet at 16 calls/s; bench/README.md)."""
 PROCESSES_PER_CPU = 2
 """``--processes auto`` for a threads worker on an LLM queue: processes per usable CPU (one per
 CPU on a small host, :data:`SMALL_HOST_CPUS`)."""
@@ -141,21 +148,22 @@ examples:
   critique worker -Q critique.cpu -P prefork -c 4  # CPU stages in 4 processes
   critique worker -- --max-tasks-per-child 100     # pass options on to `celery worker`
 
-sizing: capacity = processes x threads (-c). On the LLM queues the threads carry the waits
-(one per LLM call in flight: ~ calls/s you need x seconds per call) and the processes carry
-the CPU (each process runs one core's worth of Python; the pipeline's own work per output is
+sizing: capacity = processes x threads (-c). On the LLM queues the threads carry the waits (one
+per LLM call in flight: ~ calls/s you need x seconds per call) and the processes carry the CPU
+(each process runs one core's worth of Python; the pipeline's own work per output is
 milliseconds of CPU, and one process keeps a core only partly busy: the GIL), so the default
 (auto) is two processes per usable CPU (affinity mask and cgroup quota) with
 $CRITIQUE_CONCURRENCY (else 16) threads each: 32 calls in flight per CPU; on a host with at
-most 2 usable CPUs (a laptop, a 1-CPU pod) one process per CPU (each process holds ~230 MB: a
-2-core laptop gets 2 nodes, ~0.5 GB). Raise -c for slow models or many calls in flight; keep
---processes at about twice the CPU count on bigger hosts. A critique.cpu-only or prefork/solo
-worker defaults to 1 process (prefork forks one child per CPU itself). With --processes N > 1
-this command supervises N `celery worker` nodes (<name>-1@<host> ... <name>-N@<host>, name from
--n, else "critique"), says so in one line and shows one Celery banner (the first node's; the
-others start --quiet): SIGTERM/SIGINT reach all of them (warm shutdown), a child that dies is
-reported on stderr and restarted (more than 5 in 60 s: the others are stopped, exit 1). A
---logfile or --pidfile after -- needs %n in it (the node name) to be one file per process.
+most 2 usable CPUs (a laptop, a 1-CPU pod) one process per CPU with 32 threads (each process
+holds ~230 MB: a 2-core laptop gets 2 nodes, ~0.5 GB). Raise -c for slow models or many calls
+in flight; keep --processes at about twice the CPU count on bigger hosts. A critique.cpu-only
+or prefork/solo worker defaults to 1 process (prefork forks one child per CPU itself). With
+--processes N > 1 this command supervises N `celery worker` nodes (<name>-1@<host> ...
+<name>-N@<host>, name from -n, else "critique"), says so in one line and shows one Celery
+banner (the first node's; the others start --quiet): SIGTERM/SIGINT reach all of them (warm
+shutdown), a child that dies is reported on stderr and restarted (more than 5 in 60 s: the
+others are stopped, exit 1). A --logfile or --pidfile after -- needs %n in it (the node name)
+to be one file per process.
 
 checks before it starts (exit 2 naming what to fix): the workflow file ($CRITIQUE_CONFIG),
 every CRITIQUE_* variable, CRITIQUE_SECRET, and on an LLM queue the provider key of every
@@ -197,7 +205,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--concurrency",
         type=int,
         help=f"threads or processes (default: $CRITIQUE_CONCURRENCY, else {THREADS_DEFAULT} "
-        "for threads/gevent/eventlet and the CPU count for prefork)",
+        f"for threads/gevent/eventlet ({IN_FLIGHT_PER_CPU} per usable CPU when --processes "
+        "auto sizes an LLM worker: 32 per process on a small host) and the CPU count for "
+        "prefork)",
     )
     parser.add_argument(
         "-l",
@@ -232,7 +242,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _concurrency(args: argparse.Namespace) -> int:
+def _concurrency(args: argparse.Namespace, auto_processes: int | None = None) -> int:
+    """``-c``, else ``$CRITIQUE_CONCURRENCY``, else the pool's default: for threads, with
+    ``auto_processes`` (the process count ``--processes auto`` chose) the threads that keep
+    :data:`IN_FLIGHT_PER_CPU` calls in flight per usable CPU (at least
+    :data:`THREADS_DEFAULT`), else :data:`THREADS_DEFAULT`."""
     if args.concurrency is not None:
         return int(args.concurrency)
     env = os.environ.get("CRITIQUE_CONCURRENCY")
@@ -242,7 +256,21 @@ def _concurrency(args: argparse.Namespace) -> int:
         return os.cpu_count() or 1
     if args.pool == "solo":
         return 1
+    if auto_processes:
+        wanted = -(-IN_FLIGHT_PER_CPU * available_cpus() // auto_processes)  # ceiling
+        return max(THREADS_DEFAULT, wanted)
     return THREADS_DEFAULT
+
+
+def _sized_per_cpu(args: argparse.Namespace, queues: list[str]) -> bool:
+    """Whether ``--processes auto`` sized the process count by the CPUs: no ``--processes``
+    nor ``$CRITIQUE_PROCESSES``, a threads-like pool, an LLM queue (:func:`processes`)."""
+    raw = args.processes if args.processes is not None else os.environ.get(PROCESSES_ENV)
+    return (
+        str(raw or "auto").strip().lower() == "auto"
+        and args.pool in THREAD_POOLS
+        and bool(set(queues) & set(LLM_QUEUES))
+    )
 
 
 def _cgroup_cpu_limit() -> int | None:
@@ -404,13 +432,13 @@ def _start(args: argparse.Namespace) -> int:
     if not queues or unknown:
         what = f"unknown queue(s) {', '.join(unknown)}" if unknown else "no queue given"
         raise CommandError(f"{what}; the pipeline's queues are {', '.join(KNOWN_QUEUES)}")
+    count = processes(args, queues)  # a bad value: ValueError, exit 2
     try:
-        concurrency = _concurrency(args)
+        concurrency = _concurrency(args, count if _sized_per_cpu(args, queues) else None)
     except ValueError:
         raise CommandError("CRITIQUE_CONCURRENCY must be an integer") from None
     if concurrency < 1:
         raise CommandError("concurrency must be ≥ 1")
-    count = processes(args, queues)  # a bad value: ValueError, exit 2
     argvs = worker_argvs(args, queues, concurrency, count)
     from pipeline.errors import ConfigError
     from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_named_secrets, parse_secrets
