@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import redis
 
-from pipeline.models import CritiqueEnvelope, CritiqueResult
+from pipeline.models import CritiqueResult
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.runs import RedisRunStore
 from tests.support.servers import RedisServer
+from tests.support.submissions import accepted_result
 
 RUN = "run1"
 PASS = "1:w1:sid1"
@@ -22,16 +23,7 @@ def _stores(server: RedisServer) -> tuple[RedisRunStore, RedisPendingIndex]:
 
 
 def _result() -> CritiqueResult:
-    return CritiqueResult(
-        run_id=RUN,
-        worker_id="w1",
-        status="accepted",
-        stop_reason="accepted",
-        output="ok",
-        original_score=1.0,
-        best_score=1.0,
-        envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
-    )
+    return accepted_result(RUN)
 
 
 def test_a_pass_is_pending_from_submit_to_result_and_steps_are_its_progress(

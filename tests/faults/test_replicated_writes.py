@@ -17,28 +17,19 @@ import pytest
 import redis
 
 from pipeline.errors import StoreUnavailableError
-from pipeline.models import CritiqueEnvelope, CritiqueResult
+from pipeline.models import CritiqueResult
 from pipeline.store.redis_common import REPLICA_WAIT_ENV, REPLICAS_ENV, replicas_required
 from pipeline.store.runs import RedisRunStore
 from tests.support import wait_until
 from tests.support.replies import ReplyLoser, losing_replies
 from tests.support.servers import RedisServer
+from tests.support.submissions import accepted_result
 
 pytestmark = pytest.mark.faults
 
 
 def _result(run_id: str, pass_id: str) -> CritiqueResult:
-    return CritiqueResult(
-        run_id=run_id,
-        worker_id="w1",
-        status="accepted",
-        stop_reason="accepted",
-        output={"summary": "Sales rose 4% in Q3."},
-        original_score=1.0,
-        best_score=1.0,
-        envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
-        pass_id=pass_id,
-    )
+    return accepted_result(run_id, output={"summary": "Sales rose 4% in Q3."}, pass_id=pass_id)
 
 
 Pair = tuple[RedisServer, RedisServer, ReplyLoser]

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from pipeline.errors import ConfigError, StoreUnavailableError
-from pipeline.models import CritiqueEnvelope, CritiqueResult, ReusablePattern
+from pipeline.models import ReusablePattern
 from pipeline.store import keys
 from pipeline.store.blobs import RedisBlobStore, blob_ref
 from pipeline.store.pending import RedisPendingIndex
@@ -26,6 +26,7 @@ from pipeline.store.redis import (
 )
 from pipeline.store.runs import PassFinished, RedisRunStore, StepRecord
 from tests.support import wait_until
+from tests.support.submissions import accepted_result
 
 pytestmark = pytest.mark.integration
 
@@ -92,16 +93,7 @@ def exercise_every_store(
     runs.mark_submitted(run_id, 1, "w3", "task-3", "sig", pass_id="live", message={"m": 1})
     runs.record_step(run_id, "1:w3:live:1:0:l0", "{}")
     runs.record_completion(run_id, "req", {"verdict": "complete"})
-    result = CritiqueResult(
-        run_id=run_id,
-        worker_id="w1",
-        status="accepted",
-        stop_reason="accepted",
-        output="ok",
-        original_score=1.0,
-        best_score=1.0,
-        envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
-    )
+    result = accepted_result(run_id)
     runs.put_result(result)
     runs.put_result(result, pass_id="sid")
     runs.count_rejection_once(run_id, "req")
@@ -508,16 +500,7 @@ def test_record_steps_writes_in_order_and_stops_at_the_first_step_recorded_alrea
     assert runs.latest_step("rb1", 1, "w1", "s") == (f"{p}:1:1:repair", "r")
     with pytest.raises(ValueError, match="more than one pass"):
         runs.record_steps("rb1", [StepRecord(f"{p}:2:0:l0", "x"), StepRecord("1:w2:s:2:0:l0", "y")])
-    result = CritiqueResult(
-        run_id="rb1",
-        worker_id="w1",
-        status="accepted",
-        stop_reason="accepted",
-        output="ok",
-        original_score=1.0,
-        best_score=1.0,
-        envelope=CritiqueEnvelope(worker_id="w1", score=1.0),
-    )
+    result = accepted_result("rb1")
     assert runs.put_result(result, pass_id="s")
     with pytest.raises(PassFinished):
         runs.record_steps("rb1", [StepRecord(f"{p}:2:0:l0", "late", ev(6))])

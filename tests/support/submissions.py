@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import load_config
-from pipeline.models import CritiqueResult, Submission
+from pipeline.models import CritiqueEnvelope, CritiqueResult, Submission
 from pipeline.runner import run_submission
 from pipeline.store.memory import MemoryPatternStore
 from pipeline.wiring import make_context
@@ -102,4 +102,22 @@ def operator_sub(run_id: str, worker_id: str, kind: str, iteration: int = 1) -> 
         output=output,
         claimed_format=fmt,
         required_fields=() if kind == "evil" else ("summary", "findings"),
+    )
+
+
+def accepted_result(
+    run_id: str, worker_id: str = "w1", *, output: Any = "ok", **more: Any
+) -> CritiqueResult:
+    """A result that accepted ``output`` (score 1.0), for tests of what stores and reads
+    results; ``more`` sets any other field (``pass_id``, ``iteration``...)."""
+    return CritiqueResult(
+        run_id=run_id,
+        worker_id=worker_id,
+        status="accepted",
+        stop_reason="accepted",
+        output=output,
+        original_score=1.0,
+        best_score=1.0,
+        envelope=CritiqueEnvelope(worker_id=worker_id, score=1.0),
+        **more,
     )
