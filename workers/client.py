@@ -236,15 +236,21 @@ class CritiqueClient:
         self._fleet_checked = (now, secrets)
 
     def _enqueue(self, sub: Submission, msg: dict[str, Any], chain: Any) -> Handle:
-        """Send one prepared submission's chain (``msg`` is its first message) and register
-        it in the run."""
+        """Record one prepared submission's pass (``msg`` is its first message) and send its
+        chain. The record comes first, in one store round trip (this pass is the submission's
+        latest, pending from now, re-drivable from ``msg``); a send that fails withdraws it."""
         pass_id = str(msg["sid"])
+        task_id = str(chain.freeze().id)  # the id the chain's result lands under
+        runtime.stores().runs.open_pass(
+            sub.run_id,
+            sub.iteration,
+            sub.worker_id,
+            pass_id,
+            task_id=task_id,
+            signature=sub.subtask_signature,
+            message=msg,
+        )  # a store that cannot be reached names Redis itself: nothing was sent
         try:
-            # Before the chain is sent: this pass is the submission's latest (its result, not an
-            # earlier pass's, is the one results() shows) and pending from now.
-            runtime.stores().runs.open_pass(
-                sub.run_id, sub.iteration, sub.worker_id, pass_id, time.time()
-            )
             with telemetry.span(
                 "critique submit",
                 run_id=sub.run_id,
@@ -252,35 +258,42 @@ class CritiqueClient:
                 worker_id=sub.worker_id,
                 pass_id=pass_id,
             ):
-                res = chain.apply_async()
-            runtime.stores().runs.mark_submitted(
-                sub.run_id,
-                sub.iteration,
-                sub.worker_id,
-                res.id,
-                sub.subtask_signature,
-                pass_id=pass_id,
-                message=msg,
-            )
-        except StoreUnavailableError:
-            raise  # the stores name Redis themselves
+                chain.apply_async()
         except Exception as exc:
+            withdrawn = self._withdraw(sub, pass_id)
             refused = _queue_refused(exc)
             if refused is not None:
                 raise refused from exc
             if not is_unreachable(exc):
                 raise
-            # Not a store's (mapped above): the publish, so the broker.
             from pipeline.store.urls import cannot_reach
             from workers.app import app
 
             broker = str(app.conf.broker_url or runtime.redis_url())
+            hint = (
+                "start the broker there, or point CELERY_BROKER_URL (or REDIS_URL, which it "
+                "defaults to) at a running one"
+            )
+            if not withdrawn:
+                hint += (
+                    f"; {sub.worker_id}'s pass stays recorded (the store was unreachable too): "
+                    "the workers' sweeper may still run it once both are back"
+                )
             raise BrokerUnavailableError(
-                cannot_reach("the broker", broker, exc),
-                hint="start the broker there, or point CELERY_BROKER_URL (or REDIS_URL, which "
-                "it defaults to) at a running one",
+                cannot_reach("the broker", broker, exc), hint=hint
             ) from exc
-        return Handle(sub.run_id, sub.iteration, sub.worker_id, res.id, pass_id)
+        return Handle(sub.run_id, sub.iteration, sub.worker_id, task_id, pass_id)
+
+    @staticmethod
+    def _withdraw(sub: Submission, pass_id: str) -> bool:
+        """Withdraw a pass whose send failed (:meth:`RedisRunStore.withdraw`); False when the
+        store could not be reached either (then the pass stays recorded)."""
+        try:
+            runtime.stores().runs.withdraw(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+        except StoreUnavailableError as exc:
+            log.warning("could not withdraw %s's unsent pass %s: %s", sub.worker_id, pass_id, exc)
+            return False
+        return True
 
     # -- reading --------------------------------------------------------------------------------
     def result(self, handle: Handle) -> CritiqueResult | None:

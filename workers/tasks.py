@@ -281,14 +281,13 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
             start(sub, pass_id), overrides, pass_id=pass_id, task=keys.TASK_L0, task_id=task_id
         )
         if first or runs.latest_pass(sub.run_id, sub.iteration, sub.worker_id) is None:
-            runs.open_pass(sub.run_id, sub.iteration, sub.worker_id, pass_id, time.time())
-            runs.mark_submitted(
+            runs.open_pass(
                 sub.run_id,
                 sub.iteration,
                 sub.worker_id,
-                task_id,
-                sub.subtask_signature,
-                pass_id=pass_id,
+                pass_id,
+                task_id=task_id,
+                signature=sub.subtask_signature,
                 message=first_msg,
             )
         runtime.metrics().observe("submit", time.monotonic() - began)

@@ -3,7 +3,8 @@
 ``submitted`` and ``passes`` are hashes keyed ``"<iteration>:<worker_id>"``. Each submit of a
 submission starts a *pass* with a fresh pass id (``pass_id``; see docs/client.md, "Passes:
 submitting the same submission again"): the client records it as the submission's latest
-pass (:meth:`RedisRunStore.begin_pass`, before the chain is sent), and the gate stores the
+pass, pending, with its first message (:meth:`RedisRunStore.open_pass`, one script before the
+chain is sent; withdrawn if the send fails), and the gate stores the
 pass's result once (:meth:`RedisRunStore.put_result`), in ``results:pass`` under the pass,
 with its ``result`` trace event in the same script. A
 submission's result (status, reports, the completion gate) is its latest pass's: the one
@@ -259,20 +260,41 @@ end
 return owner
 """
 
-# KEYS[1] passes, KEYS[2] results, KEYS[3] the run's pending index, and (not in a Redis
-# Cluster, where it is another slot) KEYS[4] the shared index of runs with pending passes.
-# ARGV: submission field, pass id, TTL (ms), the pass's pending member, now (s), run id.
-# begin_pass and the pass's entry in the pending index (workers.recovery) in one step.
+# KEYS[1] passes, KEYS[2] results, KEYS[3] the run's pending index, KEYS[4] submitted,
+# KEYS[5] messages, and (not in a Redis Cluster, where it is another slot) KEYS[6] the shared
+# index of runs with pending passes. ARGV: submission field, pass id, TTL (ms), the pass's
+# pending member, now (s), run id, the submission record (JSON), the packed first message,
+# the live TTL (ms). begin_pass, the pass pending from now (workers.recovery), and
+# mark_submitted with its first message, in one step.
 _OPEN_PASS = """
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('ZADD', KEYS[3], ARGV[5], ARGV[4])
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
-if #KEYS > 3 then
-  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[6])
-  redis.call('PEXPIRE', KEYS[4], ARGV[3])
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[7])
+redis.call('PEXPIRE', KEYS[4], ARGV[3])
+redis.call('HSET', KEYS[5], ARGV[4], ARGV[8])
+redis.call('PEXPIRE', KEYS[5], ARGV[9])
+if #KEYS > 5 then
+  redis.call('ZADD', KEYS[6], ARGV[5], ARGV[6])
+  redis.call('PEXPIRE', KEYS[6], ARGV[3])
 end
+return 1
+"""
+
+# KEYS[1] submitted, KEYS[2] messages. ARGV: submission field, the pass's member, its pass id.
+# A pass whose first message could not be sent: its submission record (while it is still this
+# pass's) and first message go, so nothing re-drives it.
+_WITHDRAW = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if raw then
+  local ok, doc = pcall(cjson.decode, raw)
+  if ok and type(doc) == 'table' and doc['sid'] == ARGV[3] then
+    redis.call('HDEL', KEYS[1], ARGV[1])
+  end
+end
+redis.call('HDEL', KEYS[2], ARGV[2])
 return 1
 """
 
@@ -441,6 +463,7 @@ class RedisRunStore:
         self._put_result = client.register_script(_PUT_RESULT)
         self._begin_pass = client.register_script(_BEGIN_PASS)
         self._open_pass = client.register_script(_OPEN_PASS)
+        self._withdraw = client.register_script(_WITHDRAW)
         self._claim_entry = client.register_script(_CLAIM_ENTRY)
         self._claim_owner = client.register_script(_CLAIM_OWNER)
         self._mark_submitted = client.register_script(_MARK_SUBMITTED)
@@ -597,29 +620,43 @@ class RedisRunStore:
             )
 
     def open_pass(
-        self, run_id: str, iteration: int, worker_id: str, pass_id: str, now: float
+        self,
+        run_id: str,
+        iteration: int,
+        worker_id: str,
+        pass_id: str,
+        *,
+        task_id: str,
+        signature: str,
+        message: dict[str, Any],
     ) -> None:
-        """:meth:`begin_pass`, and the pass pending from ``now`` in the stall sweeper's index
-        (``workers.recovery``; :class:`pipeline.store.pending.RedisPendingIndex`): what a
-        submit does before its chain is sent, in one script (two in a Redis Cluster, where the
-        index of runs with pending passes is another slot)."""
-        pending = pass_member(iteration, worker_id, pass_id)
+        """What a submit writes before its first message is sent, in one script (two in a
+        Redis Cluster, where the index of runs with pending passes is another slot):
+        :meth:`begin_pass`, the pass pending from now in the stall sweeper's index
+        (``workers.recovery``; :class:`pipeline.store.pending.RedisPendingIndex`), and
+        :meth:`mark_submitted`'s record with the first ``message`` (sent under ``task_id``),
+        from which a lost pass is re-driven. A send that fails calls :meth:`withdraw`."""
+        now = time.time()
+        field, pending = member(iteration, worker_id), pass_member(iteration, worker_id, pass_id)
+        doc = {"task_id": task_id, "signature": signature, "at": now, "sid": pass_id}
         runs_index = keys.shared_key(keys.PENDING_RUNS, self._prefix)
         script_keys = [
-            self._key(run_id, keys.PASSES),
-            self._key(run_id, keys.RESULTS),
-            self._key(run_id, keys.PENDING),
+            self._key(run_id, s)
+            for s in (keys.PASSES, keys.RESULTS, keys.PENDING, keys.SUBMITTED, keys.MESSAGES)
         ]
         clustered = isinstance(self._r, redis.cluster.RedisCluster)
         if not clustered:
             script_keys.append(runs_index)
-        args: list[str | int] = [
-            member(iteration, worker_id),
+        args: list[Any] = [
+            field,
             pass_id,
             self._ttl_ms,
             pending,
             repr(now),
             run_id,
+            json.dumps(doc),
+            pack_record(json.dumps(message), binary=self._binary),
+            self._live_ttl_ms,
         ]
         with store_errors(self._r):
             self._open_pass(keys=script_keys, args=args)
@@ -628,6 +665,22 @@ class RedisRunStore:
                 pipe.zadd(runs_index, {run_id: now})
                 pipe.pexpire(runs_index, self._ttl_ms)
                 pipe.execute()
+        self._index_for_archive(run_id, now)
+
+    def withdraw(self, run_id: str, iteration: int, worker_id: str, pass_id: str) -> None:
+        """Undo :meth:`open_pass`'s record of a pass whose first message was not sent: its
+        submission record (while it is that pass's) and first message go, so the sweeper never
+        re-drives it; like a pass whose submit died before recording it, it leaves the pending
+        index after the sweeper's grace."""
+        with store_errors(self._r):
+            self._withdraw(
+                keys=[self._key(run_id, keys.SUBMITTED), self._key(run_id, keys.MESSAGES)],
+                args=[
+                    member(iteration, worker_id),
+                    pass_member(iteration, worker_id, pass_id),
+                    pass_id,
+                ],
+            )
 
     def claim_entry(
         self, run_id: str, iteration: int, worker_id: str, entry_id: str, pass_id: str

@@ -87,7 +87,7 @@ def exercise_every_store(
     runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
     runs.mark_submitted(run_id, 1, "w1", "task-1", "sig")
     runs.begin_pass(run_id, 1, "w1", "sid")
-    runs.open_pass(run_id, 1, "w4", "sid4", 1.0)
+    runs.open_pass(run_id, 1, "w4", "sid4", task_id="t4", signature="sig", message={"m": 4})
     runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")  # released below with the pass's result
     # A second pass still live: its first message and a step record stay.
     runs.mark_submitted(run_id, 1, "w3", "task-3", "sig", pass_id="live", message={"m": 1})
@@ -507,17 +507,30 @@ def test_record_steps_writes_in_order_and_stops_at_the_first_step_recorded_alrea
     assert [e["n"] for e in trace.read("rb1")] == [0, 1, 4, 5]
 
 
-def test_open_pass_begins_the_pass_and_indexes_it_as_pending(redis_client: redis.Redis) -> None:
+def test_open_pass_records_the_pass_and_withdraw_takes_back_an_unsent_one(
+    redis_client: redis.Redis,
+) -> None:
     """open_pass makes the pass the submission's latest (an earlier pass's result leaves
-    ``results``) and puts it, and its run, on the stall sweeper's pending index at ``now``."""
+    ``results``), puts it and its run on the stall sweeper's pending index, and records the
+    submission with the first message a re-drive starts from; withdraw (its send failed) takes
+    the record and the message back, only while the record is that pass's."""
     runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     pending = RedisPendingIndex(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     redis_client.hset(keys.run_key("op1", keys.RESULTS, PREFIX), "1:w1", "earlier pass's")
-    runs.open_pass("op1", 1, "w1", "sid2", 1234.5)
+    before = time.time()
+    runs.open_pass("op1", 1, "w1", "sid2", task_id="t2", signature="sig", message={"m": 2})
     assert runs.latest_pass("op1", 1, "w1") == "sid2"
     assert not redis_client.hexists(keys.run_key("op1", keys.RESULTS, PREFIX), "1:w1")
-    assert pending.stale("op1", 2000.0, 10) == [("1:w1:sid2", 1234.5)]
-    assert ("op1", 1234.5) in pending.runs()
+    [(member, at)] = pending.stale("op1", time.time(), 10)
+    assert member == "1:w1:sid2" and before <= at <= time.time()
+    assert "op1" in dict(pending.runs())
+    doc = runs.submission("op1", 1, "w1")
+    assert doc is not None
+    assert (doc["task_id"], doc["sid"], doc["message"]) == ("t2", "sid2", {"m": 2})
+    runs.withdraw("op1", 1, "w1", "other-pass")  # not the recorded pass: its record stays
+    assert runs.submission("op1", 1, "w1") is not None
+    runs.withdraw("op1", 1, "w1", "sid2")
+    assert runs.submission("op1", 1, "w1") is None
 
 
 def test_count_rejection_once_per_request(redis_client: redis.Redis) -> None:
