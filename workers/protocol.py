@@ -473,15 +473,16 @@ class StageTask(StageProtocol, ReplacingStage):
         """A message for a later stage than this task's passes through to it (e.g. critique
         disabled: the gate). A step whose re-run would spend tokens (:func:`_spends_tokens`),
         a ``decide`` that may reserve budget, and any repeated message read the step's record
-        first and replay it; a step of a finished pass ends the chain (:meth:`end_finished`)."""
+        first and replay it; a step of a finished pass ends the chain (:meth:`end_finished`).
+        Other first runs read nothing: they cost nothing to run again."""
         if job.state.next != job.stage:
             out = routing.addressed(self, job.msg, job.state, job.overrides)
             return Step(out, job.state.next, job.state, job.overrides)
         # A decide run on the output this task just recorded cannot have a record yet: no read.
+        # Any other token-free stage runs without one: its record (or, when the pass ends in
+        # this task, its result) is first-wins, so a duplicate replays there and a pass that
+        # has its result by then (cancelled while the message waited) writes nothing.
         reads = job.stage == "decide" and not (job.prev is not None and job.prev.fresh)
-        # A message off the broker reads it too: its pass may have its result (cancelled
-        # while the message waited in its queue), and then nothing runs at all.
-        reads = reads or job.prev is None
         try:
             if reads or _spends_tokens(job.stage, job.context, job.passed) or _repeated(self):
                 recorded = runtime.stores().runs.step_output(job.run_id, job.step)
