@@ -26,7 +26,7 @@ from kombu.utils.objects import cached_property
 
 from pipeline.store import keys
 from workers import logs
-from workers.cli import EXIT_INTERRUPTED
+from workers.exit_codes import EXIT_INTERRUPTED
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # Logs: one line per task at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).

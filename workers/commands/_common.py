@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from workers.cli import EXIT_UNAVAILABLE, EXIT_USAGE
+from workers.exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
 
 REDIS_HINT = (
     "start Redis there, or point REDIS_URL (and CELERY_BROKER_URL or CRITIQUE_STORE_URL, if you "

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.store.keys import QUEUE_CPU, QUEUE_LLM
 from pipeline.store.urls import redact_url
-from workers.cli import EXIT_UNAVAILABLE, EXIT_USAGE
 from workers.commands._common import CommandError, check_redis
+from workers.exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
 
 if TYPE_CHECKING:
     from celery import Celery

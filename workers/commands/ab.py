@@ -49,7 +49,6 @@ if TYPE_CHECKING:
     from pipeline.models import CritiqueResult
     from workers.client import CritiqueClient
 
-from workers.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 from workers.commands._common import (
     CommandError,
     above,
@@ -59,6 +58,7 @@ from workers.commands._common import (
     unreachable_redis,
 )
 from workers.commands._pipeline import sigterm_as_exit, start_pipeline
+from workers.exit_codes import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 
 HELP = "A/B experiment: defects without (A) and with (B) the critique loop, over INPUTS.jsonl"
 

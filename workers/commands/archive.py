@@ -23,7 +23,6 @@ import argparse
 from pathlib import Path
 
 from pipeline.archive import RunRecord, archive_dir, iso
-from workers.cli import EXIT_OK
 from workers.commands._common import (
     CommandError,
     UnknownRunError,
@@ -33,6 +32,7 @@ from workers.commands._common import (
 )
 from workers.commands._runs import check_run_id
 from workers.commands._text import escape_controls, json_line
+from workers.exit_codes import EXIT_OK
 
 HELP = "write a run's full record (results, rounds, trace, patterns, lessons) as JSON Lines"
 

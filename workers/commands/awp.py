@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workers.cli import EXIT_USAGE
 from workers.commands._common import service_guard
+from workers.exit_codes import EXIT_USAGE
 
 HELP = "run AWP's command line (`critique awp run WORKFLOW_DIR`) with critique on the fleet"
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from workers.cli import EXIT_OK
 from workers.commands._common import (
     add_iteration_argument,
     add_json_argument,
@@ -26,6 +25,7 @@ from workers.commands._common import (
     add_worker_argument,
     service_guard,
 )
+from workers.exit_codes import EXIT_OK
 
 HELP = "cancel a run's unfinished submissions: each ends `cancelled`, its leases refunded"
 

@@ -37,7 +37,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from workers.commands._common import (
     CommandError,
     above,
@@ -47,6 +46,7 @@ from workers.commands._common import (
     unreachable_redis,
 )
 from workers.commands._pipeline import sigterm_as_exit, start_pipeline
+from workers.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
     from pipeline.models import CritiqueResult

@@ -28,8 +28,8 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from workers.cli import EXIT_OK
 from workers.commands._common import CommandError, above, at_least, between, service_guard
+from workers.exit_codes import EXIT_OK
 
 HELP = "serve the fleet's product metrics (verdicts, tokens, budget, latency) for Prometheus"
 DEFAULT_PORT = 9808

@@ -17,9 +17,9 @@ import argparse
 import time
 from typing import Any
 
-from workers.cli import EXIT_FAILED, EXIT_OK
 from workers.commands._common import CommandError, add_json_argument, at_least, service_guard
 from workers.commands._text import escape_controls, json_line
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = "run the Layer-0 output contract (deterministic checks) on files"
 

@@ -20,8 +20,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from workers.cli import EXIT_OK
 from workers.commands._common import CommandError, add_json_argument, service_guard
+from workers.exit_codes import EXIT_OK
 
 HELP = "run the critique loop on one file (deterministic rubric or heuristic pair)"
 

@@ -18,8 +18,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from workers.cli import EXIT_OK, EXIT_USAGE
 from workers.commands._common import between, service_guard
+from workers.exit_codes import EXIT_OK, EXIT_USAGE
 
 HELP = "serve the fleet to MCP clients: submit, wait, poll, status and pitfalls as MCP tools"
 

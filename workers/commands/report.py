@@ -33,7 +33,6 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from workers.cli import EXIT_FAILED, EXIT_OK
 from workers.commands._common import (
     CommandError,
     add_json_argument,
@@ -42,6 +41,7 @@ from workers.commands._common import (
 )
 from workers.commands._runs import RunSnapshot, archive_line, load_snapshot, tally
 from workers.commands._text import escape_controls, json_line
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = (
     "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis, "

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from workers.cli import EXIT_OK
 from workers.commands._common import (
     CommandError,
     add_iteration_argument,
@@ -31,6 +30,7 @@ from workers.commands._common import (
     service_guard,
 )
 from workers.commands._runs import load_snapshot, split_key
+from workers.exit_codes import EXIT_OK
 
 HELP = "resume a run's pending submissions from their last recorded step"
 

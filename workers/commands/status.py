@@ -48,7 +48,6 @@ from typing import Any
 from pipeline.gates import not_counted_text
 from pipeline.models import CritiqueResult, score_text
 from workers import riding
-from workers.cli import EXIT_FAILED, EXIT_OK
 from workers.commands._common import (
     add_iteration_argument,
     add_json_argument,
@@ -65,6 +64,7 @@ from workers.commands._runs import (
     unscored_note,
 )
 from workers.commands._text import escape_controls, json_line, printable
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 __all__ = ["RunSnapshot", "load_snapshot", "render_text", "run", "service_guard", "snapshot_doc"]
 

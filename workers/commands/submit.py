@@ -61,7 +61,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE
 from workers.commands._common import (
     CommandError,
     above,
@@ -79,6 +78,7 @@ from workers.commands._input import (
     one_line,
     read_text,
 )
+from workers.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE
 
 HELP = "enqueue JSON submissions for critique (files or - for stdin); --wait for results"
 

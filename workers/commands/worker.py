@@ -92,9 +92,9 @@ from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
-from workers.cli import EXIT_FAILED, EXIT_OK
 from workers.commands._common import CommandError, check_redis, service_guard
 from workers.commands._input import one_line
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
 
