@@ -48,9 +48,11 @@ class CritiqueCelery(Celery):  # type: ignore[misc]
 
 # Every critique.* message shows monitors (Flower, `celery events`) a summary of its arguments,
 # never the worker's output (workers.publishing).
+# A worker imports ``include`` before it sends ``worker_init``: the door (workers.door) drops
+# Celery's built-in tasks on that signal.
 app = CritiqueCelery(
     "critique",
-    include=["workers.tasks", "workers.recovery"],
+    include=["workers.tasks", "workers.recovery", "workers.door"],
     amqp="workers.publishing:SummarisingAMQP",
 )
 app.config_from_object("celeryconfig")
@@ -230,17 +232,6 @@ def _load_litellm_on_llm_workers(sender: Any = None, **_: Any) -> None:
     from pipeline.providers import load_litellm
 
     load_litellm()
-
-
-@worker_init.connect
-def _run_only_the_products_tasks(sender: Any = None, **_: Any) -> None:
-    """A worker runs the product's tasks and nothing else: Celery's built-in tasks
-    (``celery.group``, ``celery.chord_unlock``, ``celery.accumulate``…) are unregistered before
-    its consumer starts, so a message naming one is refused at the door (:mod:`workers.door`)
-    and nothing is stored under its id (``celery.accumulate`` stored any ``SUCCESS``)."""
-    from workers import door
-
-    door.drop_builtin_tasks(getattr(sender, "app", None) or app)
 
 
 @worker_init.connect
