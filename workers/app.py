@@ -3,7 +3,8 @@
 Configuration comes from :mod:`celeryconfig` (JSON only, acks late, reject on worker loss,
 task events on, routes per queue). The tasks live in :mod:`workers.tasks` (their protocol in
 :mod:`workers.protocol`, their routing in :mod:`workers.routing`); fault recovery (the
-connection-loss guard, the stall sweeper and its probe task) in :mod:`workers.recovery`.
+connection-loss guard, the stall sweeper and its probe task) in the mechanism modules of
+:mod:`workers.recovery`.
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # Logs: one line per task at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).
 logs.install()
 
-# ``-P threads`` is Celery's threads pool with one fix (workers.recovery.ThreadPool): an error
-# raised outside a task's body ends the request instead of leaving it held forever.
-concurrency.ALIASES["threads"] = "workers.recovery:ThreadPool"
+# ``-P threads`` is Celery's threads pool with one fix (workers.recovery.transport.ThreadPool):
+# an error raised outside a task's body ends the request instead of leaving it held forever.
+concurrency.ALIASES["threads"] = "workers.recovery.transport:ThreadPool"
 
 
 class CritiqueCelery(Celery):  # type: ignore[misc]
@@ -52,15 +53,16 @@ class CritiqueCelery(Celery):  # type: ignore[misc]
 # Celery's built-in tasks on that signal.
 app = CritiqueCelery(
     "critique",
-    include=["workers.tasks", "workers.recovery", "workers.door"],
+    include=["workers.tasks", "workers.recovery.sweeper", "workers.door"],
     amqp="workers.publishing:SummarisingAMQP",
 )
 app.config_from_object("celeryconfig")
-# The stall sweeper thread in every worker process (workers.recovery; CRITIQUE_SWEEP_S=0: off).
-app.steps["worker"].add("workers.recovery:Sweeper")
+# The stall sweeper thread in every worker process (workers.recovery.sweeper;
+# CRITIQUE_SWEEP_S=0: off).
+app.steps["worker"].add("workers.recovery.sweeper:Sweeper")
 
-GUARDED_TRANSPORT = "workers.recovery:RedisTransport"
-GUARDED_SENTINEL_TRANSPORT = "workers.recovery:SentinelTransport"
+GUARDED_TRANSPORT = "workers.recovery.transport:RedisTransport"
+GUARDED_SENTINEL_TRANSPORT = "workers.recovery.transport:SentinelTransport"
 GUARDED_TRANSPORTS = {
     "redis": GUARDED_TRANSPORT,
     "rediss": GUARDED_TRANSPORT,
@@ -179,10 +181,10 @@ def check_amqp_queues(conf: Any) -> None:
 def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
     """A worker starting on a redis://, rediss:// or sentinel:// broker uses kombu's Redis (or
     Sentinel) transport with the guard that keeps a Redis outage, or a failover, from ending its
-    main process (see :class:`workers.recovery.RedisTransport`). Only workers: the transport's
-    name shows in the broker URI, and Flower and other clients pick their broker client by that
-    URI's scheme. A Sentinel URL without ``CRITIQUE_REDIS_MASTER`` stops the worker here with
-    one line saying so (exit 2). A worker on RabbitMQ (amqp://) settles its settings
+    main process (see :class:`workers.recovery.transport.RedisTransport`). Only workers: the
+    transport's name shows in the broker URI, and Flower and other clients pick their broker client
+    by that URI's scheme. A Sentinel URL without ``CRITIQUE_REDIS_MASTER`` stops the worker here
+    with one line saying so (exit 2). A worker on RabbitMQ (amqp://) settles its settings
     (:func:`settle_amqp_settings`) and declares its queues first (:func:`check_amqp_queues`): a
     queue that exists with another type stops it the same way."""
     if conf is None:

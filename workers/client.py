@@ -179,7 +179,7 @@ class CritiqueClient:
         index and ``worker_id``) and what is wrong. A fleet that would refuse this process's
         messages is a ``ConfigError`` before any pass begins (:meth:`check_fleet`).
         """
-        from workers.tasks import submission_signature
+        from workers.routing import submission_signature
 
         config = runtime.config_for(self.config)
         unavailable = unreachable_errors()
@@ -227,7 +227,7 @@ class CritiqueClient:
     def _enqueue(self, sub: Submission, msg: dict[str, Any], chain: Any) -> Handle:
         """Send one prepared submission's chain (``msg`` is its first message) and register
         it in the run."""
-        from workers.recovery import register
+        from workers.recovery.base import register
 
         pass_id = str(msg["sid"])
         try:
@@ -384,9 +384,9 @@ class CritiqueClient:
         Safe at any time: every stage replays its recorded output and every effect is
         idempotent, so a chain that was only slow, not lost, ends in the same result. Returns
         the stage it resumed at (``done``: only the gate was missing). The same re-drive as the
-        workers' stall sweeper (:func:`workers.recovery.redrive`), traced ``by: client``.
+        workers' stall sweeper (:func:`workers.recovery.redriving.redrive`), traced ``by: client``.
         """
-        from workers.recovery import redrive
+        from workers.recovery.redriving import redrive
 
         self.check_fleet()
         return redrive(handle.run_id, handle.iteration, handle.worker_id, by="client")
@@ -672,8 +672,8 @@ class CritiqueClient:
 def stall_after_s() -> float:
     """Seconds without progress after which a submission counts as stalled (``wait`` and the
     workers' sweeper use the same): ``$CRITIQUE_STALL_S``, else the task time limit + 30 s
-    (:func:`workers.recovery.stall_after_s`)."""
-    from workers.recovery import stall_after_s as stall
+    (:func:`workers.recovery.base.stall_after_s`)."""
+    from workers.recovery.base import stall_after_s as stall
 
     return stall()
 
@@ -749,8 +749,9 @@ class _Listener:
 
 class _Progress:
     """While ``wait`` polls: re-drives the handle's pass if it stalled, by the workers' sweeper's
-    rule (:func:`workers.recovery.redrive_if_stalled`, claimed atomically, so the two never
-    both re-drive it; traced ``by: wait``). A fallback: the sweeper usually gets there first."""
+    rule (:func:`workers.recovery.redriving.redrive_if_stalled`, claimed atomically, so the two
+    never both re-drive it; traced ``by: wait``). A fallback: the sweeper usually gets there
+    first."""
 
     def __init__(self, client: CritiqueClient, handle: Handle, stall_s: float) -> None:
         self.client = client
@@ -762,13 +763,14 @@ class _Progress:
 
     def check(self) -> None:
         """Called on every poll; reads the store only every ``stall_s / 4``."""
-        from workers import recovery
+        from workers.recovery.base import default_stores
+        from workers.recovery.redriving import RedriveContext, redrive_if_stalled
 
         now = time.monotonic()
         if now < self.next_check:
             return
         self.next_check = now + self.every
-        stores = recovery.default_stores()
+        stores = default_stores()
         h = self.handle
         if self.member is None:
             pass_id = h.pass_id
@@ -780,8 +782,8 @@ class _Progress:
             self.member = pass_member(h.iteration, h.worker_id, pass_id)
         seen = stores.pending.last_progress(h.run_id, self.member)
         if seen is not None:
-            ctx = recovery.RedriveContext.start(by="wait", stall_s=self.stall_s, stores=stores)
-            recovery.redrive_if_stalled(ctx, h.run_id, self.member, seen)
+            ctx = RedriveContext.start(by="wait", stall_s=self.stall_s, stores=stores)
+            redrive_if_stalled(ctx, h.run_id, self.member, seen)
 
 
 def failure_text(failure: Failure) -> str:

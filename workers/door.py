@@ -3,8 +3,8 @@ before kombu or Celery parses it, and one that is not a well-formed message of a
 worker runs is moved aside instead of reaching code that can raise out of the consumer.
 
 Two layers. The Redis transport's channels (:mod:`workers.recovery.transport`) check the bytes
-they pop (:func:`check_item`); Celery's consumer (:class:`workers.recovery.Consumer`) checks the
-message any broker delivered, RabbitMQ included, and moves aside a message whose handling
+they pop (:func:`check_item`); Celery's consumer (:class:`workers.recovery.transport.Consumer`)
+checks the message any broker delivered, RabbitMQ included, and moves aside a message whose handling
 raised (:func:`guard_consumer`). A refused message is acknowledged (on Redis: never put in
 ``unacked``), counted in the fleet metrics (``deadletter:<reason>``, :data:`REASONS`), logged in
 one line without its payload (at most one line per reason every :data:`LOG_EVERY_S`), and kept

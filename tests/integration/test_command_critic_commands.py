@@ -192,7 +192,7 @@ def test_the_command_critic_runs_on_the_cpu_queue() -> None:
     """Token-free, seconds long: critique.critic for ``critic: command`` is routed to
     critique.cpu even when the submission names a model (only LLM critics go to critique.llm)."""
     from workers.app import app
-    from workers.tasks import stage_signature
+    from workers.routing import stage_signature
 
     s = sub(model="openai/gpt-4o-mini")
     sig = stage_signature("critic", {}, config(), s)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pipeline.models import Submission
 from workers import runtime
-from workers.tasks import stage_signature
+from workers.routing import stage_signature
 
 SUB = Submission(run_id="r1", worker_id="w1", task="Summarise.", output={"summary": "x"})
 

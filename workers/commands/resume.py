@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         from pipeline.store.runs import pass_member
         from workers import runtime
         from workers.client import CritiqueClient, Handle
-        from workers.recovery import FINISHED
+        from workers.recovery.redriving import FINISHED
 
         snap = load_snapshot(args.run_id, args.iteration)
         pending = [*snap.pending, *(snap.failed if args.failed else [])]

@@ -84,7 +84,7 @@ def _plan(
     """The continuation of the latest pass of (run, iteration, worker) from its last recorded
     step, given its submission record ``doc`` (``RedisRunStore.submission``, read by the
     caller); ``SubmissionError`` when the submission has no recorded first message."""
-    from workers.tasks import continuation
+    from workers.routing import continuation
 
     if not doc or "message" not in doc:
         raise SubmissionError(

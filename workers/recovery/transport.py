@@ -351,7 +351,7 @@ class RedisTransport(kombu_redis.Transport):
     brings them back (their stages replay their recorded outputs). A worker selects this
     transport (``broker_transport``) for ``redis://`` and ``rediss://`` brokers as it starts
     (``workers.app``); its banner and logs then name the broker
-    ``workers.recovery:RedisTransport://…``.
+    ``workers.recovery.transport:RedisTransport://…``.
     """
 
     Channel = _Channel
