@@ -164,7 +164,8 @@ class CompletionDecision(Frozen):
 
 def contract_runner(contract: OutputContractConfig, items: Sequence[TextItem]) -> list[L0Finding]:
     """The default L0 runner: ``pipeline.contract``'s suite built from ``contract``."""
-    from pipeline.contract import ContractInput, build_suite, run_contract
+    from pipeline.contract import build_suite, run_contract
+    from pipeline.contract.models import ContractInput
 
     suite = build_suite(contract)
     inputs = [

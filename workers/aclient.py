@@ -52,13 +52,12 @@ def async_store_client(url: str) -> Any:
     a Redis Cluster URL. Bytes replies, the sync client's timeouts."""
     import os
 
-    from pipeline.store.redis_common import (
-        dead_peer_options,
+    from pipeline.store.redis_common import dead_peer_options, sentinel_kwargs
+    from pipeline.store.urls import (
         is_cluster_url,
         is_sentinel_url,
         parse_cluster_url,
         parse_sentinel_url,
-        sentinel_kwargs,
         sentinel_master,
     )
 

@@ -26,6 +26,7 @@ from celery.signals import (
 from kombu.utils.objects import cached_property
 
 from pipeline.store import keys
+from pipeline.store.urls import is_sentinel_url, parse_sentinel_url, sentinel_master
 from workers import logs
 from workers.exit_codes import EXIT_INTERRUPTED
 
@@ -77,7 +78,7 @@ def check_sentinel_settings(conf: Any, env: Any = None) -> None:
     it the form kombu and Celery read alike (:func:`~pipeline.store.redis_common.celery_url`)
     and fill in the Sentinel transport options (``master_name``, ``sentinel_kwargs``) where they
     are missing (a broker URL given on the command line, ``-b sentinel://…``)."""
-    from pipeline.store import redis_common as rc
+    from pipeline.store import redis_common as rc  # lazy: it loads redis; the app does not
 
     env = os.environ if env is None else env
     for url_key, opts_key, setting in (
@@ -85,15 +86,15 @@ def check_sentinel_settings(conf: Any, env: Any = None) -> None:
         ("result_backend", "result_backend_transport_options", "CELERY_RESULT_BACKEND"),
     ):
         url = str(conf.get(url_key) or "")
-        if not rc.is_sentinel_url(url):
+        if not is_sentinel_url(url):
             continue
         if not env.get(setting):
             setting = "REDIS_URL"  # where the URL came from (celeryconfig's default)
-        rc.parse_sentinel_url(url, setting=setting)
+        parse_sentinel_url(url, setting=setting)
         conf[url_key] = rc.celery_url(url, setting=setting)  # the db and password on every part
         opts = dict(conf.get(opts_key) or {})
         if not opts.get("master_name"):
-            opts["master_name"] = rc.sentinel_master(env, setting=setting)
+            opts["master_name"] = sentinel_master(env, setting=setting)
         opts.setdefault("sentinel_kwargs", rc.sentinel_kwargs(env))
         conf[opts_key] = opts
 

@@ -31,12 +31,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import signing
+from pipeline.admission import admit
 from pipeline.config import check_submission_model
 from pipeline.errors import CritiqueError, StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Pattern, Submission
 from pipeline.pitfalls import render_pitfalls
-from pipeline.runner import admit, start
+from pipeline.runner import start
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.runs import DoneListener, Failure, announces, member, pass_member

@@ -35,11 +35,9 @@ from typing import Any
 from celery.signals import worker_init
 
 from pipeline.envelope import (
-    REASONS,
     Admitted,
     Policy,
     Refusal,
-    check_fanout,
     check_message,
     check_raw,
     safe_name,
@@ -65,10 +63,7 @@ this worker's (an honest client configured with another ``CRITIQUE_TASK_TIME_LIM
 """Latest ``expires`` a message may carry, from now (the product sends none)."""
 
 __all__ = [
-    "REASONS",
-    "Refusal",
     "check_delivered",
-    "check_fanout",
     "check_item",
     "drop_builtin_tasks",
     "guard_consumer",

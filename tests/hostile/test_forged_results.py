@@ -87,7 +87,7 @@ def forged_result(run_id: str, worker_id: str, pass_id: str) -> dict[str, Any]:
 def assert_no_verdict(handle: Any) -> None:
     """Neither wait(), as_completed() nor status give the handle a result or a failure."""
     from workers.client import CritiqueClient, CritiqueTimeout
-    from workers.commands.status import load_snapshot
+    from workers.commands._runs import load_snapshot
 
     client = CritiqueClient(ENABLED)
     assert client.result(handle) is None
@@ -111,7 +111,7 @@ def test_garbage_under_every_gate_id_leaves_every_verdict_honest(
     from workers import runtime
     from workers.app import app
     from workers.client import CritiqueClient
-    from workers.commands.status import load_snapshot
+    from workers.commands._runs import load_snapshot
 
     run_id = new_run("attack")
     client = CritiqueClient(ENABLED)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from pipeline.config import CritiqueConfig
+from pipeline.critics.base import resolve_for
 from pipeline.critics.command import (
     CommandCritic,
     category_for,
@@ -28,7 +29,7 @@ from pipeline.critics.llm import LLMReviser
 from pipeline.errors import ConfigError
 from pipeline.models import FileRef, Submission
 from pipeline.repair import build_repair_prompt
-from pipeline.runner import resolve_for, run_submission
+from pipeline.runner import run_submission
 from pipeline.sandbox import NO_ISOLATION
 from pipeline.wiring import make_context
 

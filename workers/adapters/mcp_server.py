@@ -298,7 +298,8 @@ class FleetTools:
         return Poll(state="finished", handle=handle, verdict=verdict_of(got))
 
     async def status(self, run_id: str, iteration: int | None) -> dict[str, Any]:
-        from workers.commands.status import load_snapshot, snapshot_doc
+        from workers.commands._runs import load_snapshot
+        from workers.commands.status import snapshot_doc
 
         def read() -> dict[str, Any]:
             return snapshot_doc(load_snapshot(run_id, iteration, archive=True), iteration)

@@ -196,7 +196,8 @@ def check_redis(urls: Iterable[tuple[str, str]]) -> None:
     ``redis+cluster://`` one at the cluster's nodes; another broker transport is skipped (Celery
     reports its own connection errors)."""
     from pipeline.errors import ConfigError
-    from pipeline.store.redis_common import CLUSTER_SCHEMES, store_client_from_url
+    from pipeline.store.redis_common import store_client_from_url
+    from pipeline.store.urls import CLUSTER_SCHEMES
 
     for url, what in dict.fromkeys(urls):
         if urlparse(url).scheme not in (*REDIS_SCHEMES, *CLUSTER_SCHEMES):

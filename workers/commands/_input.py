@@ -27,7 +27,7 @@ class InputError(Exception):
 def one_line(message: object) -> str:
     """``message`` on one line (newlines and runs of spaces folded), for stderr; control
     characters (a file name's ESC sequence) shown as escapes (:mod:`workers.commands._text`)."""
-    from workers.commands._text import escape_controls
+    from pipeline.escaping import escape_controls
 
     return escape_controls(" ".join(str(message).split()))
 

@@ -57,7 +57,7 @@ def wants_embedded() -> bool:
     the embedded broker would put this run's records on that store (a shared one, as a rule),
     with no worker of the deployment ever seeing them; nor can the deployment's workers be used
     without the broker they consume (``REDIS_URL``, and ``CELERY_BROKER_URL`` if it differs)."""
-    from pipeline.store.redis_common import STORE_URL_ENV
+    from pipeline.store.urls import STORE_URL_ENV
 
     if os.environ.get("REDIS_URL"):
         return False

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.archive import RunRecord, iso
+from pipeline.escaping import escape_controls
 from pipeline.models import UNCHECKED_LINE, CritiqueResult
 from workers.commands._common import UnknownRunError
-from workers.commands._text import escape_controls, printable
+from workers.commands._text import printable
 
 if TYPE_CHECKING:
     from pipeline.store.runs import Failure

@@ -23,6 +23,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.archive import RunRecord, archive_dir, iso
+from pipeline.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     UnknownRunError,
@@ -31,7 +32,7 @@ from workers.commands._common import (
     service_guard,
 )
 from workers.commands._runs import check_run_id
-from workers.commands._text import escape_controls, json_line
+from workers.commands._text import json_line
 from workers.exit_codes import EXIT_OK
 
 HELP = "write a run's full record (results, rounds, trace, patterns, lessons) as JSON Lines"

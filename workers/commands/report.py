@@ -33,6 +33,7 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+from pipeline.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     add_json_argument,
@@ -40,7 +41,7 @@ from workers.commands._common import (
     service_guard,
 )
 from workers.commands._runs import RunSnapshot, archive_line, load_snapshot, tally
-from workers.commands._text import escape_controls, json_line
+from workers.commands._text import json_line
 from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = (

@@ -85,7 +85,7 @@ HELP = "enqueue JSON submissions for critique (files or - for stdin); --wait for
 DEFAULT_LIMIT = 16 * 1024 * 1024
 """Input cap when none is given (``CritiqueConfig.max_output_bytes``'s default)."""
 
-__all__ = ["InputError", "build_overrides", "parse_documents", "read_submissions", "run"]
+__all__ = ["build_overrides", "parse_documents", "read_submissions", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -271,8 +271,9 @@ FALLBACK_LIMIT = 160
 
 def _result_line(result: Any) -> str:
     """One result's line, terminal-safe (the stored result's text is not trusted)."""
+    from pipeline.escaping import escape_controls
     from workers.commands._runs import fallbacks
-    from workers.commands._text import escape_controls, printable
+    from workers.commands._text import printable
 
     repairs = len(result.attempts)
     line = (

@@ -28,12 +28,13 @@ from collections import Counter
 from typing import Any
 
 from pipeline.errors import StoreUnavailableError
+from pipeline.escaping import escape_controls
 from pipeline.models import UNCHECKED_LINE, UNSCORED
 from workers import riding
 from workers.commands._common import above, add_json_argument, add_run_argument, service_guard
 from workers.commands._progress import Progress
 from workers.commands._runs import chain_failures, key_of, load_snapshot, split_key
-from workers.commands._text import escape_controls, json_line, printable
+from workers.commands._text import json_line, printable
 from workers.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 HELP = "follow a run's progress live until no submission is pending (failed ones end too)"

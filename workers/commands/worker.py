@@ -431,7 +431,7 @@ def _start(args: argparse.Namespace) -> int:
     unlisted = unlisted_models_warning(allowed_models)
     if unlisted:
         print(f"critique worker: warning: {unlisted}", file=sys.stderr)
-    from pipeline.store.redis_common import DEFAULT_REDIS_URL, store_url
+    from pipeline.store.urls import DEFAULT_REDIS_URL, store_url
 
     store = store_url()  # CRITIQUE_STORE_URL, else REDIS_URL
     broker = os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
