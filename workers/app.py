@@ -25,9 +25,11 @@ from celery.signals import (
 )
 from kombu.utils.objects import cached_property
 
+from pipeline.errors import ConfigError
+from pipeline.providers import load_litellm
 from pipeline.store import keys
-from pipeline.store.urls import is_sentinel_url, parse_sentinel_url, sentinel_master
-from workers import logs
+from pipeline.store.urls import check_urls, is_sentinel_url, parse_sentinel_url, sentinel_master
+from workers import logs, telemetry
 from workers.exit_codes import EXIT_INTERRUPTED
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
@@ -119,8 +121,6 @@ def settle_amqp_settings(conf: Any, env: Any = None) -> None:
     =classic``) would not. Without it, a reconnected consumer asks for its full prefetch at
     once: at most the tasks still running from before are reserved in addition, and they wait
     for a free slot. Redis brokers keep Celery's default (the reduction is client-side there)."""
-    from pipeline.errors import ConfigError
-
     env = os.environ if env is None else env
     raw = str(env.get("CRITIQUE_AMQP_QUEUE_TYPE") or "").strip().lower()
     if raw and raw not in ("quorum", "classic"):
@@ -136,8 +136,6 @@ def amqp_queue_refused(reply_text: str, vhost: str) -> Any:
     (``PRECONDITION_FAILED``, ``reply_text`` naming the queue and the argument): the queue exists
     with another type, which RabbitMQ cannot change in place. Workers (at start) and clients (on
     submit) raise it."""
-    from pipeline.errors import ConfigError
-
     wanted = str(app.conf.get("amqp_queue_type") or "quorum")  # celeryconfig's reading
     other = "classic" if wanted == "quorum" else "quorum"
     return ConfigError(
@@ -190,8 +188,6 @@ def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
     queue that exists with another type stops it the same way."""
     if conf is None:
         return
-    from pipeline.errors import ConfigError
-    from pipeline.store.urls import check_urls
 
     scheme = str(conf.broker_url or "").partition("://")[0].lower()
     try:
@@ -232,7 +228,6 @@ def _load_litellm_on_llm_workers(sender: Any = None, **_: Any) -> None:
     consumed = set(getattr(queues, "consume_from", None) or ())
     if not consumed & set(LLM_QUEUES):
         return
-    from pipeline.providers import load_litellm
 
     load_litellm()
 
@@ -254,8 +249,6 @@ def _trace_a_worker_without_forks(sender: Any = None, **_: Any) -> None:
 
 @worker_process_init.connect
 def _trace_a_pool_process(**_: Any) -> None:
-    from workers import telemetry
-
     telemetry.setup()
     _freeze_what_is_loaded()
 
@@ -280,6 +273,7 @@ def _freeze_what_is_loaded() -> None:
 def _flush_the_traces(**_: Any) -> None:
     """A prefork child exports the spans and sends the fleet metrics it still holds before it
     exits."""
+    # lazy: workers.runtime loads redis, which importing workers.app does not
     from workers import runtime, telemetry
 
     runtime.metrics().flush()
@@ -298,6 +292,7 @@ def _note_the_shutdown_signal(sig: str = "", **_: Any) -> None:
 @worker_shutdown.connect
 def _send_the_last_metrics(**_: Any) -> None:
     """A threads (or solo) worker sends the fleet metrics its tasks still hold."""
+    # lazy: workers.runtime loads redis, which importing workers.app does not
     from workers import runtime
 
     runtime.metrics().flush()

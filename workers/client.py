@@ -32,17 +32,25 @@ from typing import Any
 
 from pipeline import signing
 from pipeline.admission import admit
+from pipeline.artifacts import manager_summary
 from pipeline.config import check_submission_model
-from pipeline.errors import CritiqueError, StoreUnavailableError, SubmissionError
+from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Pattern, Submission
 from pipeline.pitfalls import render_pitfalls
+from pipeline.posture import refusal
 from pipeline.runner import start
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
+from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.runs import DoneListener, Failure, announces, member, pass_member
+from pipeline.store.urls import check_urls, new_lookalike_warnings
 from workers import cancelling, riding, runtime, telemetry
+from workers.archiving import results_if_expired
 from workers.cancelling import CancelReport
+from workers.recovery.base import default_stores, register
+from workers.recovery.base import stall_after_s as stall
+from workers.recovery.redriving import RedriveContext, redrive, redrive_if_stalled
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
 
 log = logging.getLogger(__name__)
@@ -112,7 +120,6 @@ class CritiqueClient:
         self.config = dict(config or {})
         # Every URL setting first: a scheme-less REDIS_URL is one ConfigError naming it here,
         # not a traceback from redis-py (or kombu) at the first submit.
-        from pipeline.store.urls import check_urls, new_lookalike_warnings
 
         check_urls()
         for warning in new_lookalike_warnings():  # REDIS_ULR: the default would be used
@@ -180,6 +187,8 @@ class CritiqueClient:
         index and ``worker_id``) and what is wrong. A fleet that would refuse this process's
         messages is a ``ConfigError`` before any pass begins (:meth:`check_fleet`).
         """
+        # lazy: workers.routing imports workers.app, which configures Celery, logging and os.environ
+        # on import; importing workers.client does not
         from workers.routing import submission_signature
 
         config = runtime.config_for(self.config)
@@ -217,9 +226,6 @@ class CritiqueClient:
         a secret this process lacks or holds another of, or this process holds one they lack.
         ``submit``, ``complete_gate`` and ``resume`` call it before they send anything; with no
         posture in the store (an older fleet, no worker started yet) there is nothing to check."""
-        from pipeline.posture import refusal
-        from pipeline.store.fleet import RedisFleetPosture
-
         now = time.time()
         refused = refusal(RedisFleetPosture(runtime.client()).read(now), runtime.secrets(), now)
         if refused is not None:
@@ -228,8 +234,6 @@ class CritiqueClient:
     def _enqueue(self, sub: Submission, msg: dict[str, Any], chain: Any) -> Handle:
         """Send one prepared submission's chain (``msg`` is its first message) and register
         it in the run."""
-        from workers.recovery.base import register
-
         pass_id = str(msg["sid"])
         try:
             # Before the chain is sent: this pass is the submission's latest (its result, not an
@@ -387,8 +391,6 @@ class CritiqueClient:
         the stage it resumed at (``done``: only the gate was missing). The same re-drive as the
         workers' stall sweeper (:func:`workers.recovery.redriving.redrive`), traced ``by: client``.
         """
-        from workers.recovery.redriving import redrive
-
         self.check_fleet()
         return redrive(handle.run_id, handle.iteration, handle.worker_id, by="client")
 
@@ -514,15 +516,12 @@ class CritiqueClient:
         got = riding.ride(lambda: runtime.stores().runs.results(run_id, iteration))
         if got:
             return got
-        from workers.archiving import results_if_expired
 
         return results_if_expired(run_id, iteration)
 
     def summary(self, run_id: str, iteration: int = 1) -> dict[str, Any]:
         """The manager summary of one iteration: per-worker scores and defect counts, top
         prescriptions, known patterns with frequencies, repair history."""
-        from pipeline.artifacts import manager_summary
-
         stores = runtime.stores()
         return manager_summary(
             run_id,
@@ -554,6 +553,8 @@ class CritiqueClient:
         the store as the worker recorded it (signed with ``CRITIQUE_SECRET``), not from
         Celery's result backend; a refusal the worker recorded raises :class:`SubmissionError`.
         """
+        # lazy: workers.app configures Celery, logging and os.environ on import; importing
+        # workers.client does not
         from workers.app import app
 
         self.check_fleet()
@@ -674,8 +675,6 @@ def stall_after_s() -> float:
     """Seconds without progress after which a submission counts as stalled (``wait`` and the
     workers' sweeper use the same): ``$CRITIQUE_STALL_S``, else the task time limit + 30 s
     (:func:`workers.recovery.base.stall_after_s`)."""
-    from workers.recovery.base import stall_after_s as stall
-
     return stall()
 
 
@@ -764,9 +763,6 @@ class _Progress:
 
     def check(self) -> None:
         """Called on every poll; reads the store only every ``stall_s / 4``."""
-        from workers.recovery.base import default_stores
-        from workers.recovery.redriving import RedriveContext, redrive_if_stalled
-
         now = time.monotonic()
         if now < self.next_check:
             return
@@ -799,8 +795,6 @@ def failure_text(failure: Failure) -> str:
 def _failure_reason(exc: Any) -> str:
     """Why a chain failed, in one line: "was refused by the worker: …" when the submission or
     its configuration was refused (``SubmissionError``, ``ConfigError``), else "failed: …"."""
-    from pipeline.errors import ConfigError
-
     message = exc.message if isinstance(exc, CritiqueError) else str(exc)
     line = " ".join(str(message).split())[:500] or type(exc).__name__
     if isinstance(exc, (SubmissionError, ConfigError)):
@@ -817,6 +811,8 @@ def _queue_refused(exc: BaseException) -> Exception | None:
         return None
     if not isinstance(exc, PreconditionFailed) or "x-queue-type" not in str(exc.reply_text):
         return None
+    # lazy: workers.app configures Celery, logging and os.environ on import; importing
+    # workers.client does not
     from workers.app import amqp_queue_refused, app
 
     vhost = str(app.conf.broker_url or "").rpartition("/")[2] or "/"

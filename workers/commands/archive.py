@@ -23,6 +23,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.archive import RunRecord, archive_dir, iso
+from pipeline.errors import PathEscapeError
 from pipeline.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        from pipeline.errors import PathEscapeError
+        # lazy: workers.archiving loads celery; `critique --help` imports this module
         from workers import archiving
 
         check_run_id(args.run_id)

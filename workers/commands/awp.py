@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     def body() -> int:
+        # lazy: workers.client loads celery; `critique --help` imports this module
         from workers.client import CritiqueClient
 
         CritiqueClient().check_fleet()  # no or another CRITIQUE_SECRET: exit 2 before AWP starts

@@ -49,9 +49,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
+        # lazy: pipeline.store.runs loads redis; `critique --help` imports this module
         from pipeline.store.runs import pass_member
+
+        # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
+
+        # lazy: workers.client loads celery; `critique --help` imports this module
         from workers.client import CritiqueClient, Handle
+
+        # lazy: workers.recovery.redriving loads celery; `critique --help` imports this module
         from workers.recovery.redriving import FINISHED
 
         snap = load_snapshot(args.run_id, args.iteration)

@@ -205,6 +205,7 @@ class _Watch:
     def _saw_result(self, event: dict[str, Any]) -> bool:
         """Note a result event; False when it is an earlier pass's than the registry's latest
         (read again first: the event may be of a pass begun since the last check)."""
+        # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
 
         iteration, worker_id = int(event.get("iteration", 1)), str(event.get("worker_id"))
@@ -270,6 +271,7 @@ class _Watch:
 
 def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = BLOCK_MS) -> int:
     """Follow the run; returns the exit code."""
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     w = _Watch(run_id, as_json)

@@ -84,6 +84,8 @@ def _plan(
     """The continuation of the latest pass of (run, iteration, worker) from its last recorded
     step, given its submission record ``doc`` (``RedisRunStore.submission``, read by the
     caller); ``SubmissionError`` when the submission has no recorded first message."""
+    # lazy: workers.routing imports workers.app, which configures Celery, logging and os.environ on
+    # import; importing workers.recovery.redriving does not
     from workers.routing import continuation
 
     if not doc or "message" not in doc:
@@ -102,6 +104,8 @@ def _plan(
 
 def _queue_of(sig: Any) -> str:
     """The queue the first task of a signature (or chain) goes to."""
+    # lazy: workers.app configures Celery, logging and os.environ on import; importing
+    # workers.recovery.redriving does not
     from workers.app import app
 
     tasks = getattr(sig, "tasks", None)
