@@ -188,7 +188,9 @@ class CritiqueClient:
         messages is a ``ConfigError`` before any pass begins (:meth:`check_fleet`).
         """
         # lazy: workers.routing imports workers.app, which configures Celery, logging and os.environ
-        # on import; importing workers.client does not
+        # on import; importing workers.client does not. workers.tasks registers the stage tasks
+        # (app.tasks) the signature is built from.
+        import workers.tasks  # noqa: F401
         from workers.routing import submission_signature
 
         config = runtime.config_for(self.config)

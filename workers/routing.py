@@ -15,7 +15,7 @@ holds the state now:
   addressed (signed) to that consumer (:func:`addressed`).
 
 Signatures are built from the registered stage tasks (``app.tasks``), which every process gets
-by importing :mod:`workers.tasks` (that module re-exports these builders for its callers).
+by importing :mod:`workers.tasks` (a caller imports it before it calls these builders).
 """
 
 from __future__ import annotations

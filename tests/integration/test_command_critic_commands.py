@@ -192,6 +192,7 @@ def test_without_a_model_the_deterministic_reviser_escalates_needs_model() -> No
 def test_the_command_critic_runs_on_the_cpu_queue() -> None:
     """Token-free, seconds long: critique.critic for ``critic: command`` is routed to
     critique.cpu even when the submission names a model (only LLM critics go to critique.llm)."""
+    import workers.tasks  # noqa: F401  (registers the stage tasks the signature is built from)
     from workers.app import app
     from workers.routing import stage_signature
 

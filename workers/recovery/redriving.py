@@ -85,7 +85,9 @@ def _plan(
     step, given its submission record ``doc`` (``RedisRunStore.submission``, read by the
     caller); ``SubmissionError`` when the submission has no recorded first message."""
     # lazy: workers.routing imports workers.app, which configures Celery, logging and os.environ on
-    # import; importing workers.recovery.redriving does not
+    # import; importing workers.recovery.redriving does not. workers.tasks registers the stage
+    # tasks (app.tasks) the continuation is built from.
+    import workers.tasks  # noqa: F401
     from workers.routing import continuation
 
     if not doc or "message" not in doc:
