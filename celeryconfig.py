@@ -10,9 +10,10 @@ backend; each may be a Sentinel URL (``sentinel://host:port;sentinel://host:port
 gives up: every publish (a chain's next stage, ``Task.replace``, a retry, the client's submit)
 and every result-backend write retries with backoff for that long. Workers themselves never
 give up reconnecting, and retry at most 2 s apart (``interval_max``, applied by
-``workers.recovery.Consumer``). ``CRITIQUE_STALL_S`` and ``CRITIQUE_SWEEP_S`` tune the sweeper
-(``workers.recovery``). ``CRITIQUE_TASK_EVENTS`` (1 or 0) switches task events (Flower): on by
-default, off in the processes of ``critique worker`` unless set (a monitor turns them on).
+``workers.recovery.transport.Consumer``). ``CRITIQUE_STALL_S`` and ``CRITIQUE_SWEEP_S`` tune the
+sweeper (``workers.recovery.sweeper``). ``CRITIQUE_TASK_EVENTS`` (1 or 0) switches task events
+(Flower): on by default, off in the processes of ``critique worker`` unless set (a monitor turns
+them on).
 
 What survives what, with these settings (measured by ``tests/faults``, see
 docs/operations.md): a killed worker (a pool child's message is requeued at once; the messages
@@ -47,7 +48,7 @@ _outage = max(1.0, float(os.environ.get("CRITIQUE_OUTAGE_S", "120")))
 # ``CRITIQUE_SENTINEL_PASSWORD`` (see ``pipeline.store.redis_common``). The URL is rewritten with
 # its database and password on every part, which kombu and Celery read differently otherwise;
 # the transport options below gain ``master_name`` and ``sentinel_kwargs``. Workers follow the
-# current master: a failover is a reconnect (``workers.recovery.SentinelTransport``).
+# current master: a failover is a reconnect (``workers.recovery.transport.SentinelTransport``).
 # (Celery reads CELERY_BROKER_URL / CELERY_RESULT_BACKEND from the environment before these
 # settings, so a Sentinel URL there is rewritten in place too.)
 for _env in ("CELERY_BROKER_URL", "CELERY_RESULT_BACKEND"):
@@ -89,7 +90,8 @@ broker_transport_options = {
     "health_check_interval": 10,
     # Reconnecting to a lost broker: attempts 0, 1, 2, then every 2 s (Celery's consumer waits
     # 2, 4, 6 … up to 30 s between attempts: after a 30 s outage it came back up to 12 s late).
-    # workers.recovery.Consumer applies them to the worker's consumer; kombu to new channels.
+    # workers.recovery.transport.Consumer applies them to the worker's consumer; kombu to new
+    # channels.
     "interval_start": 0,
     "interval_step": 1,
     "interval_max": 2,
@@ -112,7 +114,7 @@ broker_channel_error_retry = True
 broker_connection_timeout = 4.0
 # The worker's consumer reconnects at most 2 s apart (the transport options above), where
 # Celery's own consumer waits up to 30 s between attempts.
-worker_consumer = "workers.recovery:Consumer"
+worker_consumer = "workers.recovery.transport:Consumer"
 # RabbitMQ (amqp://): heartbeats every 10 s (Celery's default 120 s), so a consumer whose
 # connection died without a close (a broker restart behind a proxy, a network cut) notices
 # within about 20 s rather than 4 minutes and reconnects; RabbitMQ requeues what it held
@@ -122,8 +124,9 @@ worker_consumer = "workers.recovery:Consumer"
 broker_heartbeat = 10
 # A Redis outage must not end the worker's main process: workers (only they: Flower and other
 # clients read the broker URL's scheme) use kombu's Redis transport with one guard,
-# workers.recovery.RedisTransport, which workers.app selects for redis:// and rediss:// brokers
-# when a worker starts (workers.recovery.SentinelTransport for sentinel:// ones). (A lost
+# workers.recovery.transport.RedisTransport, which workers.app selects for redis:// and
+# rediss:// brokers when a worker starts (workers.recovery.transport.SentinelTransport for
+# sentinel:// ones). (A lost
 # connection's channel raised AttributeError('hostname') instead of a connection error, which
 # Celery treats as unrecoverable.)
 # On a connection loss, let running stages finish (they are idempotent, and their successors'

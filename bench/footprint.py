@@ -295,7 +295,7 @@ def main() -> int:
     from pipeline.store.keys import key_prefix
     from workers import runtime
     from workers.client import CritiqueClient
-    from workers.recovery import sweep_interval_s
+    from workers.recovery.base import sweep_interval_s
 
     prefix = key_prefix()
     kinds = Kinds(prefix)

@@ -20,13 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pipeline import simhash
-from pipeline.contract import (
-    BUILTIN_CHECKS,
-    ContractInput,
-    ContractSuite,
-    build_suite,
-    compiled_available,
-)
+from pipeline.contract import ContractSuite, build_suite, compiled_available
+from pipeline.contract.checks import BUILTIN_CHECKS
+from pipeline.contract.models import ContractInput
 
 MB = 1_000_000
 

@@ -42,6 +42,8 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from pipeline.contract import build_suite, output_text
+from pipeline.contract.models import ContractInput
 from pipeline.errors import SubmissionError
 from pipeline.escaping import md_text
 from pipeline.llm import ChatMessage, LLMRequest
@@ -280,8 +282,6 @@ class DefectCounter:
         ruff: str | None = None,
         isolation: Isolation | None = None,
     ) -> None:
-        from pipeline.contract import build_suite
-
         self.suite = build_suite()
         self.timeout_s = timeout_s
         self.python = python or sys.executable
@@ -290,9 +290,6 @@ class DefectCounter:
 
     def count(self, item: ABInput, output: str | dict[str, Any]) -> DefectCount:
         """The defects in ``output``, an answer to ``item``."""
-        from pipeline.contract import output_text
-        from pipeline.contract.models import ContractInput
-
         claimed = "json" if isinstance(output, dict) else item.kind
         report = self.suite.run([ContractInput(text=output_text(output), claimed_format=claimed)])
         details = [f"L0 {f.check}: {f.reason}" for f in report.failures]

@@ -330,6 +330,8 @@ def write(directory: Path, record: RunRecord, secrets: Sequence[bytes] = ()) -> 
     any earlier archive of the run whole; ``PathEscapeError`` (nothing written) when the file,
     or a folder on the way under ``directory``, is a symlink; ``OSError`` when the directory
     cannot be created or written."""
+    # lazy: pipeline.artifacts is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from pipeline.artifacts import atomic_write_many
 
     path = archive_path(directory, record.run_id)

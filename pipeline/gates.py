@@ -164,7 +164,13 @@ class CompletionDecision(Frozen):
 
 def contract_runner(contract: OutputContractConfig, items: Sequence[TextItem]) -> list[L0Finding]:
     """The default L0 runner: ``pipeline.contract``'s suite built from ``contract``."""
-    from pipeline.contract import ContractInput, build_suite, run_contract
+    # lazy: pipeline.contract is not loaded by `critique --help`, which imports this module and
+    # stays fast
+    from pipeline.contract import build_suite, run_contract
+
+    # lazy: pipeline.contract.models is not loaded by `critique --help`, which imports this module
+    # and stays fast
+    from pipeline.contract.models import ContractInput
 
     suite = build_suite(contract)
     inputs = [

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pipeline.admission import admit as admit  # re-exported: workers.client, workers.tasks
+from pipeline.admission import admit
 from pipeline.config import CritiqueConfig
 from pipeline.convergence import (
     Ask,
@@ -64,8 +64,8 @@ from pipeline.critics.base import (
     clip,
     fold_defects,
     merge_l0,
+    resolve_for,
 )
-from pipeline.critics.base import resolve_for as resolve_for  # re-exported: workers.tasks
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.critics.worker import WorkerReviser
 from pipeline.critique_cache import CacheUse, critique_cache_key, critique_through_cache
@@ -94,7 +94,6 @@ from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
 from pipeline.repair import RepairBound, RepairOrder, is_acceptable, repair_growth
 from pipeline.repair_sizing import order_repair
 from pipeline.result_bounds import NOTE_CHARS, bound_result
-from pipeline.result_bounds import RESULT_EXTRA_BYTES as RESULT_EXTRA_BYTES  # re-exported
 from pipeline.store.base import (
     BudgetAnswer,
     BudgetLedger,

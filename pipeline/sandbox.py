@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import IO
 
+from pipeline.archive import WORKSPACE_ENV, archive_dir
 from pipeline.errors import ConfigError, PathEscapeError
 
 SYSTEM_PATH: tuple[str, ...] = ("/usr/local/bin", "/usr/bin", "/bin")
@@ -276,8 +277,6 @@ def state_dirs(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     the workspace root (``$CRITIQUE_WORKSPACE``, else ``./workspace``). A directory that holds
     the command's own temp dir or the Python its ``PATH`` starts with is left out (hiding it
     would hide the command itself); ``/`` never counts."""
-    from pipeline.archive import WORKSPACE_ENV, archive_dir
-
     source = os.environ if environ is None else environ
     workspace = source.get(WORKSPACE_ENV, "").strip() or "workspace"
     needed = [

@@ -28,14 +28,17 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import CritiqueConfig
+from pipeline.contract import check_submission
 from pipeline.critics.base import Critic, Planner, Reviser, RevisionResult
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
+from pipeline.critics.llm import LLMCritic, PairedCritic
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
 from pipeline.critics.worker import WorkerReviser
 from pipeline.errors import ExtensionLoadError
 from pipeline.files import FileReader, inline_bytes
-from pipeline.llm import Completer
+from pipeline.llm import Completer, LiteLLMCompleter
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
+from pipeline.providers import configured_models
 from pipeline.runner import (
     REPAIR_LEASE_TTL_S,
     FixpointFn,
@@ -43,7 +46,16 @@ from pipeline.runner import (
     L0Outcome,
     StageContext,
 )
+from pipeline.simhash import is_fixpoint
 from pipeline.store.base import BudgetLedger, CritiqueCache, PatternStore, TraceSink
+from pipeline.store.blobs import RedisBlobStore
+from pipeline.store.leases import process_holder
+from pipeline.store.memory import (
+    MemoryBudgetLedger,
+    MemoryCritiqueCache,
+    MemoryPatternStore,
+    MemoryTraceSink,
+)
 
 if TYPE_CHECKING:
     from pipeline.store.redis_common import StoreClient
@@ -73,8 +85,6 @@ def contract_l0(
     def run(
         submission: Submission, output: str | dict[str, Any], previous_size: int | None
     ) -> L0Outcome:
-        from pipeline.contract import check_submission
-
         report = check_submission(
             suite(), submission, output=output, previous_size=previous_size, read_file=read_file
         )
@@ -97,8 +107,6 @@ def simhash_fixpoint(*, eager: bool = False) -> FixpointFn:
         import pipeline.simhash  # noqa: F401
 
     def fixpoint(previous_text: str, current_text: str) -> bool:
-        from pipeline.simhash import is_fixpoint
-
         return bool(is_fixpoint(previous_text, current_text))
 
     return fixpoint
@@ -263,9 +271,6 @@ class AutoReviser:
 def default_completer(config: CritiqueConfig) -> Completer:
     """litellm behind the retry policy of ``config.llm`` (litellm loads on the first call);
     ``CRITIQUE_LLM_API_KEY`` goes only to the configured models' providers."""
-    from pipeline.llm import LiteLLMCompleter
-    from pipeline.providers import configured_models
-
     return LiteLLMCompleter(config.llm, key_models=configured_models(config))
 
 
@@ -279,8 +284,7 @@ def rate_limited_completer(
     wait); None (the default completer) without one."""
     if config.llm.rate_limit is None:
         return None
-    from pipeline.llm import LiteLLMCompleter
-    from pipeline.providers import configured_models
+    # lazy: pipeline.store.ratelimit loads redis, which importing pipeline.wiring does not
     from pipeline.store.ratelimit import RedisRateLimiter
 
     limiter = RedisRateLimiter(client)
@@ -292,8 +296,6 @@ def rate_limited_completer(
 
 
 def _llm_critic(config: CritiqueConfig, complete: Completer) -> Critic:
-    from pipeline.critics.llm import LLMCritic, PairedCritic
-
     critic: Critic = LLMCritic(config, complete)
     if config.paired_critic:
         critic = PairedCritic(critic, config, complete)
@@ -356,9 +358,10 @@ class RedisStores:
     def __init__(
         self, client: StoreClient, *, secrets: Callable[[], Sequence[bytes]] | None = None
     ) -> None:
-        from pipeline.store.blobs import RedisBlobStore
-        from pipeline.store.leases import process_holder
+        # lazy: pipeline.store.redis loads redis, which importing pipeline.wiring does not
         from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
+
+        # lazy: pipeline.store.runs loads redis, which importing pipeline.wiring does not
         from pipeline.store.runs import RedisRunStore
 
         self.patterns = RedisPatternStore(client)
@@ -407,13 +410,6 @@ def make_context(
     its capabilities (``token_free``, ``reads_pitfalls``); a ``TypeError`` says which is
     missing.
     """
-    from pipeline.store.memory import (
-        MemoryBudgetLedger,
-        MemoryCritiqueCache,
-        MemoryPatternStore,
-        MemoryTraceSink,
-    )
-
     if critic is not None:
         _require_capabilities(critic, "critic")
     if reviser is not None:

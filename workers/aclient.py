@@ -31,9 +31,16 @@ import redis.asyncio
 from pipeline.errors import StoreUnavailableError, SubmissionError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
-from pipeline.store.redis_common import is_unavailable
+from pipeline.store.redis_common import dead_peer_options, is_unavailable, sentinel_kwargs
 from pipeline.store.runs import Failure, pass_member
-from pipeline.store.urls import cannot_reach
+from pipeline.store.urls import (
+    cannot_reach,
+    is_cluster_url,
+    is_sentinel_url,
+    parse_cluster_url,
+    parse_sentinel_url,
+    sentinel_master,
+)
 from workers import riding, runtime
 from workers.cancelling import CancelReport
 from workers.client import CritiqueClient, CritiqueTimeout, Handle, failure_text
@@ -51,16 +58,6 @@ def async_store_client(url: str) -> Any:
     ``rediss://``, ``unix://``; ``sentinel://`` (the master named by ``CRITIQUE_REDIS_MASTER``);
     a Redis Cluster URL. Bytes replies, the sync client's timeouts."""
     import os
-
-    from pipeline.store.redis_common import (
-        dead_peer_options,
-        is_cluster_url,
-        is_sentinel_url,
-        parse_cluster_url,
-        parse_sentinel_url,
-        sentinel_kwargs,
-        sentinel_master,
-    )
 
     opts: dict[str, Any] = {
         "socket_connect_timeout": 5,

@@ -3,7 +3,8 @@
 Configuration comes from :mod:`celeryconfig` (JSON only, acks late, reject on worker loss,
 task events on, routes per queue). The tasks live in :mod:`workers.tasks` (their protocol in
 :mod:`workers.protocol`, their routing in :mod:`workers.routing`); fault recovery (the
-connection-loss guard, the stall sweeper and its probe task) in :mod:`workers.recovery`.
+connection-loss guard, the stall sweeper and its probe task) in the mechanism modules of
+:mod:`workers.recovery`.
 """
 
 from __future__ import annotations
@@ -24,17 +25,20 @@ from celery.signals import (
 )
 from kombu.utils.objects import cached_property
 
+from pipeline.errors import ConfigError
+from pipeline.providers import load_litellm
 from pipeline.store import keys
-from workers import logs
-from workers.cli import EXIT_INTERRUPTED
+from pipeline.store.urls import check_urls, is_sentinel_url, parse_sentinel_url, sentinel_master
+from workers import logs, telemetry
+from workers.exit_codes import EXIT_INTERRUPTED
 
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 # Logs: one line per task at INFO (ids, status, timing), payloads at DEBUG only (workers.logs).
 logs.install()
 
-# ``-P threads`` is Celery's threads pool with one fix (workers.recovery.ThreadPool): an error
-# raised outside a task's body ends the request instead of leaving it held forever.
-concurrency.ALIASES["threads"] = "workers.recovery:ThreadPool"
+# ``-P threads`` is Celery's threads pool with one fix (workers.recovery.transport.ThreadPool):
+# an error raised outside a task's body ends the request instead of leaving it held forever.
+concurrency.ALIASES["threads"] = "workers.recovery.transport:ThreadPool"
 
 
 class CritiqueCelery(Celery):  # type: ignore[misc]
@@ -48,17 +52,20 @@ class CritiqueCelery(Celery):  # type: ignore[misc]
 
 # Every critique.* message shows monitors (Flower, `celery events`) a summary of its arguments,
 # never the worker's output (workers.publishing).
+# A worker imports ``include`` before it sends ``worker_init``: the door (workers.door) drops
+# Celery's built-in tasks on that signal.
 app = CritiqueCelery(
     "critique",
-    include=["workers.tasks", "workers.recovery"],
+    include=["workers.tasks", "workers.recovery.sweeper", "workers.door"],
     amqp="workers.publishing:SummarisingAMQP",
 )
 app.config_from_object("celeryconfig")
-# The stall sweeper thread in every worker process (workers.recovery; CRITIQUE_SWEEP_S=0: off).
-app.steps["worker"].add("workers.recovery:Sweeper")
+# The stall sweeper thread in every worker process (workers.recovery.sweeper;
+# CRITIQUE_SWEEP_S=0: off).
+app.steps["worker"].add("workers.recovery.sweeper:Sweeper")
 
-GUARDED_TRANSPORT = "workers.recovery:RedisTransport"
-GUARDED_SENTINEL_TRANSPORT = "workers.recovery:SentinelTransport"
+GUARDED_TRANSPORT = "workers.recovery.transport:RedisTransport"
+GUARDED_SENTINEL_TRANSPORT = "workers.recovery.transport:SentinelTransport"
 GUARDED_TRANSPORTS = {
     "redis": GUARDED_TRANSPORT,
     "rediss": GUARDED_TRANSPORT,
@@ -73,7 +80,7 @@ def check_sentinel_settings(conf: Any, env: Any = None) -> None:
     it the form kombu and Celery read alike (:func:`~pipeline.store.redis_common.celery_url`)
     and fill in the Sentinel transport options (``master_name``, ``sentinel_kwargs``) where they
     are missing (a broker URL given on the command line, ``-b sentinel://…``)."""
-    from pipeline.store import redis_common as rc
+    from pipeline.store import redis_common as rc  # lazy: it loads redis; the app does not
 
     env = os.environ if env is None else env
     for url_key, opts_key, setting in (
@@ -81,15 +88,15 @@ def check_sentinel_settings(conf: Any, env: Any = None) -> None:
         ("result_backend", "result_backend_transport_options", "CELERY_RESULT_BACKEND"),
     ):
         url = str(conf.get(url_key) or "")
-        if not rc.is_sentinel_url(url):
+        if not is_sentinel_url(url):
             continue
         if not env.get(setting):
             setting = "REDIS_URL"  # where the URL came from (celeryconfig's default)
-        rc.parse_sentinel_url(url, setting=setting)
+        parse_sentinel_url(url, setting=setting)
         conf[url_key] = rc.celery_url(url, setting=setting)  # the db and password on every part
         opts = dict(conf.get(opts_key) or {})
         if not opts.get("master_name"):
-            opts["master_name"] = rc.sentinel_master(env, setting=setting)
+            opts["master_name"] = sentinel_master(env, setting=setting)
         opts.setdefault("sentinel_kwargs", rc.sentinel_kwargs(env))
         conf[opts_key] = opts
 
@@ -114,8 +121,6 @@ def settle_amqp_settings(conf: Any, env: Any = None) -> None:
     =classic``) would not. Without it, a reconnected consumer asks for its full prefetch at
     once: at most the tasks still running from before are reserved in addition, and they wait
     for a free slot. Redis brokers keep Celery's default (the reduction is client-side there)."""
-    from pipeline.errors import ConfigError
-
     env = os.environ if env is None else env
     raw = str(env.get("CRITIQUE_AMQP_QUEUE_TYPE") or "").strip().lower()
     if raw and raw not in ("quorum", "classic"):
@@ -131,8 +136,6 @@ def amqp_queue_refused(reply_text: str, vhost: str) -> Any:
     (``PRECONDITION_FAILED``, ``reply_text`` naming the queue and the argument): the queue exists
     with another type, which RabbitMQ cannot change in place. Workers (at start) and clients (on
     submit) raise it."""
-    from pipeline.errors import ConfigError
-
     wanted = str(app.conf.get("amqp_queue_type") or "quorum")  # celeryconfig's reading
     other = "classic" if wanted == "quorum" else "quorum"
     return ConfigError(
@@ -177,16 +180,14 @@ def check_amqp_queues(conf: Any) -> None:
 def _guard_the_broker_transport(conf: Any = None, **_: Any) -> None:
     """A worker starting on a redis://, rediss:// or sentinel:// broker uses kombu's Redis (or
     Sentinel) transport with the guard that keeps a Redis outage, or a failover, from ending its
-    main process (see :class:`workers.recovery.RedisTransport`). Only workers: the transport's
-    name shows in the broker URI, and Flower and other clients pick their broker client by that
-    URI's scheme. A Sentinel URL without ``CRITIQUE_REDIS_MASTER`` stops the worker here with
-    one line saying so (exit 2). A worker on RabbitMQ (amqp://) settles its settings
+    main process (see :class:`workers.recovery.transport.RedisTransport`). Only workers: the
+    transport's name shows in the broker URI, and Flower and other clients pick their broker client
+    by that URI's scheme. A Sentinel URL without ``CRITIQUE_REDIS_MASTER`` stops the worker here
+    with one line saying so (exit 2). A worker on RabbitMQ (amqp://) settles its settings
     (:func:`settle_amqp_settings`) and declares its queues first (:func:`check_amqp_queues`): a
     queue that exists with another type stops it the same way."""
     if conf is None:
         return
-    from pipeline.errors import ConfigError
-    from pipeline.store.urls import check_urls
 
     scheme = str(conf.broker_url or "").partition("://")[0].lower()
     try:
@@ -227,20 +228,8 @@ def _load_litellm_on_llm_workers(sender: Any = None, **_: Any) -> None:
     consumed = set(getattr(queues, "consume_from", None) or ())
     if not consumed & set(LLM_QUEUES):
         return
-    from pipeline.providers import load_litellm
 
     load_litellm()
-
-
-@worker_init.connect
-def _run_only_the_products_tasks(sender: Any = None, **_: Any) -> None:
-    """A worker runs the product's tasks and nothing else: Celery's built-in tasks
-    (``celery.group``, ``celery.chord_unlock``, ``celery.accumulate``…) are unregistered before
-    its consumer starts, so a message naming one is refused at the door (:mod:`workers.door`)
-    and nothing is stored under its id (``celery.accumulate`` stored any ``SUCCESS``)."""
-    from workers import door
-
-    door.drop_builtin_tasks(getattr(sender, "app", None) or app)
 
 
 @worker_init.connect
@@ -260,8 +249,6 @@ def _trace_a_worker_without_forks(sender: Any = None, **_: Any) -> None:
 
 @worker_process_init.connect
 def _trace_a_pool_process(**_: Any) -> None:
-    from workers import telemetry
-
     telemetry.setup()
     _freeze_what_is_loaded()
 
@@ -308,6 +295,7 @@ def _freeze_what_is_loaded() -> None:
 def _flush_the_traces(**_: Any) -> None:
     """A prefork child exports the spans and sends the fleet metrics it still holds before it
     exits."""
+    # lazy: workers.runtime loads redis, which importing workers.app does not
     from workers import runtime, telemetry
 
     runtime.metrics().flush()
@@ -326,6 +314,7 @@ def _note_the_shutdown_signal(sig: str = "", **_: Any) -> None:
 @worker_shutdown.connect
 def _send_the_last_metrics(**_: Any) -> None:
     """A threads (or solo) worker sends the fleet metrics its tasks still hold."""
+    # lazy: workers.runtime loads redis, which importing workers.app does not
     from workers import runtime
 
     runtime.metrics().flush()

@@ -223,7 +223,12 @@ def _store_summaries(run_id: str, done: list[CritiqueResult]) -> None:
     """The cancelled summary under the task id each cancelled latest pass was submitted under,
     in Celery's result backend: what a manager that submitted through the entry task reads
     (best effort: the store holds the verdict; a backend that cannot be written is logged)."""
+    # lazy: workers.app configures Celery, logging and os.environ on import; importing
+    # workers.cancelling does not
     from workers.app import app
+
+    # lazy: workers.protocol imports workers.app, which configures Celery, logging and os.environ on
+    # import; importing workers.cancelling does not
     from workers.protocol import pass_summary
 
     submitted = runtime.stores().runs.submitted(run_id)

@@ -1,19 +1,9 @@
 """The ``critique`` command line: a thin dispatcher over :mod:`workers.commands`.
 
-One exit-code table for every sub-command (:data:`EXIT_CODES`, printed in every ``--help``):
-
-    0  ran: every output has a verdict (accepted, repaired, escalated, unchecked, cancelled
-       and the verdict ``failed`` are outcomes)
-    1  a chain failed: a stage errored or a worker refused it (no verdict), or an output was
-       still pending at --timeout; for ``l0``, a check failed
-    2  bad usage or configuration (nothing was enqueued, the worker did not start)
-    3  a service could not be reached (Redis, the broker, a worker)
-  130  interrupted (Ctrl-C); ``critique worker`` after its warm shutdown (SIGTERM: 0)
-  141  the reader of stdout went away (``critique status RUN | head -1``): a quiet end
-
-Sub-commands import these constants from here; no command defines its own. A command that
-cannot go on raises :class:`workers.commands._common.CommandError` with one of them, and
-:func:`workers.commands._common.service_guard` maps every other error to this table.
+One exit-code table for every sub-command (:data:`workers.exit_codes.EXIT_CODES`, printed in
+every ``--help``). A command that cannot go on raises
+:class:`workers.commands._common.CommandError` with one of its codes, and
+:func:`workers.commands._common.service_guard` maps every other error to the table.
 """
 
 from __future__ import annotations
@@ -24,6 +14,12 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
+
+from pipeline import __version__
+from pipeline.errors import ConfigError
+from pipeline.store.urls import check_urls, new_lookalike_warnings
+from workers.commands._common import number_problem
+from workers.exit_codes import EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE
 
 # name -> module under workers.commands; order is the order `--help` lists them in.
 COMMANDS: dict[str, str] = {
@@ -44,28 +40,8 @@ COMMANDS: dict[str, str] = {
     "mcp": "mcp",
 }
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_UNAVAILABLE = 0, 1, 2, 3
-EXIT_INTERRUPTED = 130
-"""Ctrl-C (SIGINT), as a shell reports a process it interrupted."""
-EXIT_BROKEN_PIPE = 141
-"""The reader of stdout went away (``critique status RUN --json | head``): as SIGPIPE would."""
-
 OFFLINE_COMMANDS = frozenset({"l0", "loop"})
 """Commands that reach no Redis and no broker: the only ones that skip the URL check."""
-
-EXIT_CODES = """\
-exit codes (every command):
-  0  ran: every output has a verdict: accepted, repaired, escalated, unchecked, cancelled,
-     and the verdict `failed` (the critique judged the output failed) are outcomes, not
-     errors; escalated is the manager's cue to act
-  1  a chain failed: a stage errored or a worker refused the message, so there is no
-     verdict; or an output was still pending at --timeout; for `l0`, a check failed
-  2  bad usage or configuration: nothing was enqueued, the worker did not start
-  3  a service could not be reached: Redis, the broker, a worker
-  130  interrupted (Ctrl-C); `critique worker`: after its warm shutdown (SIGTERM: 0)
-  141  the reader of the output went away (`critique status RUN | head -1`): ended quietly,
-       as a tool killed by SIGPIPE, with no message
-"""
 
 
 def _prepare_environment() -> None:
@@ -77,9 +53,6 @@ def url_problem() -> str | None:
     """The one-line message for the first bad URL setting (``REDIS_URL``, the broker, the
     result backend, the store, Sentinel's), or None: every command but :data:`OFFLINE_COMMANDS`
     checks them before it starts anything (:func:`pipeline.store.urls.check_urls`)."""
-    from pipeline.errors import ConfigError
-    from pipeline.store.urls import check_urls
-
     try:
         check_urls()
     except ConfigError as exc:
@@ -89,8 +62,6 @@ def url_problem() -> str | None:
 
 def version() -> str:
     """The installed package's version (``critique --version``)."""
-    from pipeline import __version__
-
     return __version__
 
 
@@ -131,12 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if problem:
             print(f"critique {args.command}: {problem}", file=sys.stderr)
             return EXIT_USAGE
-        from pipeline.store.urls import new_lookalike_warnings
-
         for warning in new_lookalike_warnings():  # REDIS_ULR: a typo would go unnoticed
             print(f"critique {args.command}: warning: {warning}", file=sys.stderr)
-    from workers.commands._common import number_problem
-
     bad_number = number_problem(args)  # "--X must be ≥ N" from the shared numeric types
     if bad_number:
         print(f"critique {args.command}: {bad_number}", file=sys.stderr)

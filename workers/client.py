@@ -32,17 +32,26 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import signing
+from pipeline.admission import admit
+from pipeline.artifacts import manager_summary
 from pipeline.config import check_submission_model
-from pipeline.errors import CritiqueError, StoreUnavailableError, SubmissionError
+from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
 from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Pattern, Submission
 from pipeline.pitfalls import render_pitfalls
-from pipeline.runner import admit, start
+from pipeline.posture import refusal
+from pipeline.runner import start
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
+from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.runs import DoneListener, Failure, announces, member, pass_member
+from pipeline.store.urls import check_urls, new_lookalike_warnings
 from workers import cancelling, riding, runtime, telemetry
+from workers.archiving import results_if_expired
 from workers.cancelling import CancelReport
+from workers.recovery.base import default_stores
+from workers.recovery.base import stall_after_s as stall
+from workers.recovery.redriving import RedriveContext, redrive, redrive_if_stalled
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
 
 log = logging.getLogger(__name__)
@@ -112,7 +121,6 @@ class CritiqueClient:
         self.config = dict(config or {})
         # Every URL setting first: a scheme-less REDIS_URL is one ConfigError naming it here,
         # not a traceback from redis-py (or kombu) at the first submit.
-        from pipeline.store.urls import check_urls, new_lookalike_warnings
 
         check_urls()
         for warning in new_lookalike_warnings():  # REDIS_ULR: the default would be used
@@ -182,7 +190,11 @@ class CritiqueClient:
         index and ``worker_id``) and what is wrong. A fleet that would refuse this process's
         messages is a ``ConfigError`` before any pass begins (:meth:`check_fleet`).
         """
-        from workers.tasks import submission_signature
+        # lazy: workers.routing imports workers.app, which configures Celery, logging and os.environ
+        # on import; importing workers.client does not. workers.tasks registers the stage tasks
+        # (app.tasks) the signature is built from.
+        import workers.tasks  # noqa: F401
+        from workers.routing import submission_signature
 
         config = runtime.config_for(self.config)
         unavailable = unreachable_errors()
@@ -222,9 +234,6 @@ class CritiqueClient:
         A check that found nothing to refuse stands for :data:`POSTURE_CHECK_S` in this client
         while its secrets stay the same (the posture is advisory: each worker refuses what it
         cannot verify itself)."""
-        from pipeline.posture import refusal
-        from pipeline.store.fleet import RedisFleetPosture
-
         now, secrets = time.monotonic(), runtime.secrets()
         checked_at, checked_for = self._fleet_checked
         if now - checked_at < POSTURE_CHECK_S and checked_for == secrets:
@@ -407,10 +416,8 @@ class CritiqueClient:
         Safe at any time: every stage replays its recorded output and every effect is
         idempotent, so a chain that was only slow, not lost, ends in the same result. Returns
         the stage it resumed at (``done``: only the gate was missing). The same re-drive as the
-        workers' stall sweeper (:func:`workers.recovery.redrive`), traced ``by: client``.
+        workers' stall sweeper (:func:`workers.recovery.redriving.redrive`), traced ``by: client``.
         """
-        from workers.recovery import redrive
-
         self.check_fleet()
         return redrive(handle.run_id, handle.iteration, handle.worker_id, by="client")
 
@@ -536,15 +543,12 @@ class CritiqueClient:
         got = riding.ride(lambda: runtime.stores().runs.results(run_id, iteration))
         if got:
             return got
-        from workers.archiving import results_if_expired
 
         return results_if_expired(run_id, iteration)
 
     def summary(self, run_id: str, iteration: int = 1) -> dict[str, Any]:
         """The manager summary of one iteration: per-worker scores and defect counts, top
         prescriptions, known patterns with frequencies, repair history."""
-        from pipeline.artifacts import manager_summary
-
         stores = runtime.stores()
         return manager_summary(
             run_id,
@@ -576,6 +580,8 @@ class CritiqueClient:
         the store as the worker recorded it (signed with ``CRITIQUE_SECRET``), not from
         Celery's result backend; a refusal the worker recorded raises :class:`SubmissionError`.
         """
+        # lazy: workers.app configures Celery, logging and os.environ on import; importing
+        # workers.client does not
         from workers.app import app
 
         self.check_fleet()
@@ -695,9 +701,7 @@ class CritiqueClient:
 def stall_after_s() -> float:
     """Seconds without progress after which a submission counts as stalled (``wait`` and the
     workers' sweeper use the same): ``$CRITIQUE_STALL_S``, else the task time limit + 30 s
-    (:func:`workers.recovery.stall_after_s`)."""
-    from workers.recovery import stall_after_s as stall
-
+    (:func:`workers.recovery.base.stall_after_s`)."""
     return stall()
 
 
@@ -777,8 +781,9 @@ class _Listener:
 
 class _Progress:
     """While ``wait`` polls: re-drives the handle's pass if it stalled, by the workers' sweeper's
-    rule (:func:`workers.recovery.redrive_if_stalled`, claimed atomically, so the two never
-    both re-drive it; traced ``by: wait``). A fallback: the sweeper usually gets there first."""
+    rule (:func:`workers.recovery.redriving.redrive_if_stalled`, claimed atomically, so the two
+    never both re-drive it; traced ``by: wait``). A fallback: the sweeper usually gets there
+    first."""
 
     def __init__(self, client: CritiqueClient, handle: Handle, stall_s: float) -> None:
         self.client = client
@@ -790,13 +795,11 @@ class _Progress:
 
     def check(self) -> None:
         """Called on every poll; reads the store only every ``stall_s / 4``."""
-        from workers import recovery
-
         now = time.monotonic()
         if now < self.next_check:
             return
         self.next_check = now + self.every
-        stores = recovery.default_stores()
+        stores = default_stores()
         h = self.handle
         if self.member is None:
             pass_id = h.pass_id
@@ -808,8 +811,8 @@ class _Progress:
             self.member = pass_member(h.iteration, h.worker_id, pass_id)
         seen = stores.pending.last_progress(h.run_id, self.member)
         if seen is not None:
-            ctx = recovery.RedriveContext.start(by="wait", stall_s=self.stall_s, stores=stores)
-            recovery.redrive_if_stalled(ctx, h.run_id, self.member, seen)
+            ctx = RedriveContext.start(by="wait", stall_s=self.stall_s, stores=stores)
+            redrive_if_stalled(ctx, h.run_id, self.member, seen)
 
 
 def failure_text(failure: Failure) -> str:
@@ -824,8 +827,6 @@ def failure_text(failure: Failure) -> str:
 def _failure_reason(exc: Any) -> str:
     """Why a chain failed, in one line: "was refused by the worker: …" when the submission or
     its configuration was refused (``SubmissionError``, ``ConfigError``), else "failed: …"."""
-    from pipeline.errors import ConfigError
-
     message = exc.message if isinstance(exc, CritiqueError) else str(exc)
     line = " ".join(str(message).split())[:500] or type(exc).__name__
     if isinstance(exc, (SubmissionError, ConfigError)):
@@ -842,6 +843,8 @@ def _queue_refused(exc: BaseException) -> Exception | None:
         return None
     if not isinstance(exc, PreconditionFailed) or "x-queue-type" not in str(exc.reply_text):
         return None
+    # lazy: workers.app configures Celery, logging and os.environ on import; importing
+    # workers.client does not
     from workers.app import amqp_queue_refused, app
 
     vhost = str(app.conf.broker_url or "").rpartition("/")[2] or "/"

@@ -3,8 +3,8 @@ before kombu or Celery parses it, and one that is not a well-formed message of a
 worker runs is moved aside instead of reaching code that can raise out of the consumer.
 
 Two layers. The Redis transport's channels (:mod:`workers.recovery.transport`) check the bytes
-they pop (:func:`check_item`); Celery's consumer (:class:`workers.recovery.Consumer`) checks the
-message any broker delivered, RabbitMQ included, and moves aside a message whose handling
+they pop (:func:`check_item`); Celery's consumer (:class:`workers.recovery.transport.Consumer`)
+checks the message any broker delivered, RabbitMQ included, and moves aside a message whose handling
 raised (:func:`guard_consumer`). A refused message is acknowledged (on Redis: never put in
 ``unacked``), counted in the fleet metrics (``deadletter:<reason>``, :data:`REASONS`), logged in
 one line without its payload (at most one line per reason every :data:`LOG_EVERY_S`), and kept
@@ -32,19 +32,23 @@ import threading
 import time
 from typing import Any
 
+from celery.signals import worker_init
+
 from pipeline.envelope import (
-    REASONS,
     Admitted,
     Policy,
     Refusal,
-    check_fanout,
     check_message,
     check_raw,
     safe_name,
     valid_task_id,
 )
 from pipeline.envelope import excerpt as _excerpt
+from pipeline.errors import SubmissionError
 from pipeline.store import keys
+from workers import runtime
+from workers.app import app
+from workers.tasks import RETRY
 
 log = logging.getLogger("workers.door")
 
@@ -59,10 +63,7 @@ this worker's (an honest client configured with another ``CRITIQUE_TASK_TIME_LIM
 """Latest ``expires`` a message may carry, from now (the product sends none)."""
 
 __all__ = [
-    "REASONS",
-    "Refusal",
     "check_delivered",
-    "check_fanout",
     "check_item",
     "drop_builtin_tasks",
     "guard_consumer",
@@ -87,8 +88,6 @@ def max_own_delay_s(conf: Any) -> float:
     """The longest countdown the product gives its own messages: a retry's backoff (at most
     ``retry_backoff_max``, :data:`workers.tasks.RETRY`) or a repair's wait for budget tokens
     (at most half the soft time limit, ``workers.protocol._budget_wait_cap``)."""
-    from workers.tasks import RETRY
-
     backoff: Any = RETRY["retry_backoff_max"]
     limit = conf.task_soft_time_limit or conf.task_time_limit or 120
     return max(float(backoff), float(limit) / 2.0)
@@ -100,8 +99,6 @@ def policy() -> Policy:
     an ``eta`` no later than the longest own delay + :data:`DELAY_MARGIN_S`, an ``expires``
     within :data:`EXPIRES_S`, a time limit no larger than :data:`MAX_TIMELIMIT_S` (or the
     worker's own, if larger)."""
-    from workers.app import app
-
     tasks = {name: _arity(task) for name, task in app.tasks.items() if not _builtin(name)}
     conf = app.conf
     return Policy(
@@ -127,6 +124,16 @@ def drop_builtin_tasks(app: Any) -> list[str]:
         app.tasks.unregister(name)
     policy.cache_clear()
     return gone
+
+
+@worker_init.connect
+def _run_only_the_products_tasks(sender: Any = None, **_: Any) -> None:
+    """A worker runs the product's tasks and nothing else: Celery's built-in tasks
+    (``celery.group``, ``celery.chord_unlock``, ``celery.accumulate``…) are unregistered before
+    its consumer starts, so a message naming one is refused at this door and nothing is stored
+    under its id (``celery.accumulate`` stored any ``SUCCESS``). Connected when the worker
+    imports this module, one of the app's ``include`` (before ``worker_init`` is sent)."""
+    drop_builtin_tasks(getattr(sender, "app", None) or app)
 
 
 # --- refusing ------------------------------------------------------------------------------
@@ -162,8 +169,6 @@ def refuse(refusal: Refusal, queue: str, raw: bytes | str | None = None) -> None
     """Move one refused message aside: the metric, the rate-limited log line, the dead-letter
     entry and, for an entry message, its failure record. Never raises (a store that is down
     costs the entry, not the worker)."""
-    from workers import runtime
-
     _gate.say(refusal, queue)
     try:
         runtime.metrics().add(f"deadletter:{refusal.reason}")
@@ -193,15 +198,10 @@ def _fail_entry(refusal: Refusal) -> None:
     """A one-line ``FAILURE`` under a refused entry message's task id, only where nothing is
     stored yet (``SET NX``: never over a verdict or a failure) and no submission claimed the id
     (a pass in flight under it keeps its id clean)."""
-    from pipeline.errors import SubmissionError
-    from workers.app import app
-
     task_id = refusal.task_id or ""
     if not valid_task_id(task_id):
         return
     try:
-        from workers import runtime
-
         if runtime.stores().runs.entry_claim(task_id) is not None:
             return  # the id belongs to a submission in flight or done: garbage writes nothing
         backend = app.backend

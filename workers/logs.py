@@ -27,6 +27,9 @@ from typing import Any
 
 from celery.signals import after_setup_logger, task_postrun, task_prerun
 
+from pipeline.store import keys
+from pipeline.store.blobs import parse_ref
+
 log = logging.getLogger("critique.stages")
 
 _ID_PREFIX = re.compile(
@@ -73,8 +76,7 @@ def _ids_from_state(head: str) -> dict[str, Any]:
 
 def _state_head(ref: str) -> str:
     """The first :data:`HEAD_BYTES` of a state blob (``GETRANGE``: never the whole blob)."""
-    from pipeline.store import keys
-    from pipeline.store.blobs import parse_ref
+    # lazy: workers.runtime loads redis, which importing workers.logs does not
     from workers import runtime
 
     raw = runtime.client().getrange(keys.blob_key(parse_ref(ref)), 0, HEAD_BYTES - 1)

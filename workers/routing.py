@@ -15,7 +15,7 @@ holds the state now:
   addressed (signed) to that consumer (:func:`addressed`).
 
 Signatures are built from the registered stage tasks (``app.tasks``), which every process gets
-by importing :mod:`workers.tasks` (that module re-exports these builders for its callers).
+by importing :mod:`workers.tasks` (a caller imports it before it calls these builders).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from celery import Task
 
 from pipeline import signing
 from pipeline.config import CritiqueConfig
+from pipeline.critics.base import resolve_for
 from pipeline.models import Submission
-from pipeline.runner import LoopState, resolve_for
+from pipeline.runner import LoopState
 from pipeline.store import keys
 from workers import runtime
 from workers.app import app

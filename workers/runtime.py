@@ -43,9 +43,10 @@ from pipeline.state_packing import compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
 from pipeline.store.metrics import FleetMetrics
-from pipeline.store.redis_common import DEFAULT_REDIS_URL, StoreClient, store_client_from_url
-from pipeline.store.redis_common import store_setting as store_setting_of
-from pipeline.store.redis_common import store_url as store_url_of
+from pipeline.store.redis_common import StoreClient, store_client_from_url
+from pipeline.store.urls import DEFAULT_REDIS_URL
+from pipeline.store.urls import store_setting as store_setting_of
+from pipeline.store.urls import store_url as store_url_of
 from pipeline.wiring import (
     RedisStores,
     contract_l0,

@@ -30,11 +30,12 @@ from celery.signals import task_postrun
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 
+from pipeline.admission import admit
 from pipeline.errors import PermanentError, TransientError
-from pipeline.runner import admit, start
+from pipeline.runner import start
 from pipeline.store import keys
 from pipeline.store.runs import EntryIdTaken, RunOwnedError
-from workers import runtime, telemetry
+from workers import entry, runtime, telemetry
 from workers.app import app
 from workers.protocol import (
     CompletionGateTask,
@@ -49,11 +50,7 @@ from workers.protocol import (
     record_refusal,
     refuse,
 )
-
-# Re-exported: workers.recovery, workers.client and tests import the builders from here.
-from workers.routing import continuation as continuation
-from workers.routing import stage_signature as stage_signature
-from workers.routing import submission_signature as submission_signature
+from workers.routing import submission_signature
 
 RETRY = {
     # OperationalError: a publish (Task.replace, an event) that still failed after
@@ -244,8 +241,6 @@ def submit(self: Task, msg: Any) -> dict[str, Any]:
     nothing once the pass has its outcome), and another submission's message under the same
     id is refused with nothing written there. Before that, the run is entered as the
     message's signer (:func:`_check_owner`): another manager's run is refused."""
-    from workers import entry
-
     # Whatever the message's headers ask: Celery stores nothing of this task's (a failure is
     # stored by EntryTask.on_failure, in one line; the replacement stores the summary).
     self.request.ignore_result = True

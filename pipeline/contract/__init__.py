@@ -21,7 +21,7 @@ from typing import Any
 
 from pipeline.config import OutputContractConfig
 from pipeline.contract import _scan
-from pipeline.contract.checks import BUILTIN_CHECKS, MAX_FAILURES_PER_CHECK, BuiltinCheck
+from pipeline.contract.checks import BUILTIN_CHECKS, BuiltinCheck
 from pipeline.contract.models import (
     ContractFailure,
     ContractInput,
@@ -35,14 +35,8 @@ from pipeline.models import Submission
 from pipeline.tokens import text_of
 
 __all__ = [
-    "BUILTIN_CHECKS",
     "DEFAULT_CHECKS",
-    "MAX_FAILURES_PER_CHECK",
-    "ContractFailure",
-    "ContractInput",
-    "ContractReport",
     "ContractSuite",
-    "OutputContractCheck",
     "build_suite",
     "check_submission",
     "compiled_available",

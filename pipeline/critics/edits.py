@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.contract import _scan
 from pipeline.critics.base import Refusal
 from pipeline.models import Defect
 
@@ -98,8 +99,6 @@ class _Doc:
     """A text output as lines, with the Layer-0 scan's headings, paragraphs and code fences."""
 
     def __init__(self, text: str, mode: int) -> None:
-        from pipeline.contract import _scan
-
         self.text = text
         self.mode = mode
         self.lines = text.split("\n")
@@ -124,8 +123,6 @@ class _Doc:
         return _norm(self.text[heading[1] : heading[2]])
 
     def _fenced_lines(self) -> set[int]:
-        from pipeline.contract import _scan
-
         inside: set[int] = set()
         fence: tuple[str, int] | None = None
         for i, line in enumerate(self.lines):
@@ -180,8 +177,6 @@ class _Doc:
 
 
 def _placeholder_lines(doc: _Doc, offset: int) -> set[int] | str:
-    from pipeline.contract import _scan
-
     if doc.mode not in (_scan.MODE_MD, _scan.MODE_LATEX):
         return NOT_PROSE
     hit = next((h for h in doc.scan.hits if h[1] == offset), None)
@@ -303,8 +298,6 @@ def _json_outcome(text: str, defects: Sequence[Defect]) -> TextOutcome:
 def revise_text(text: str, claimed_format: str | None, defects: Sequence[Defect]) -> TextOutcome:
     """Fix what can be fixed exactly among ``defects`` (Layer-0 defects of the text output
     ``text``); refuse the rest. The input text is read, never changed in place."""
-    from pipeline.contract import _scan
-
     outside = [d for d in defects if not output_offset(d)[0]]
     mine = [d for d in defects if output_offset(d)[0]]
     mode = _scan.mode_for(None, claimed_format)

@@ -78,6 +78,8 @@ class RedisBlobStore:
     ) -> None:
         # Imported here, not above: the reference functions serve the in-process stores,
         # which must import without redis installed (tests/unit/test_layering.py).
+        # lazy: pipeline.store.redis_common loads redis, which importing pipeline.store.blobs does
+        # not
         from pipeline.store.redis_common import (
             decodes_responses,
             resolve_prefix,

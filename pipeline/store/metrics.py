@@ -30,6 +30,7 @@ from typing import Any
 
 import redis
 
+from pipeline.errors import ConfigError, ForgedMessageError, RefusedOverrideError, SubmissionError
 from pipeline.models import Status
 from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, resolve_prefix, text
@@ -56,13 +57,6 @@ ACTIVE_BATCH = 1000
 def refusal_reason(exc: BaseException) -> str:
     """The bounded label of a refusal: ``forged`` (signature or address), ``override`` (a
     worker-only field or a limit), ``malformed`` (input), ``config``, else ``other``."""
-    from pipeline.errors import (
-        ConfigError,
-        ForgedMessageError,
-        RefusedOverrideError,
-        SubmissionError,
-    )
-
     if isinstance(exc, ForgedMessageError):
         return "forged"
     if isinstance(exc, RefusedOverrideError):

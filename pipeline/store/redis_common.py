@@ -50,27 +50,25 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.store import keys
 from pipeline.store.urls import (  # every URL's parser and check live in one module
-    CLUSTER_SCHEMES as CLUSTER_SCHEMES,
+    CLUSTER_SCHEMES,
+    DEFAULT_SENTINEL_PORT,
+    MASTER_ENV,
+    SENTINEL_PASSWORD_ENV,
+    SETTINGS,
+    STORE_URL_ENV,
+    cannot_reach,
+    check_url,
+    check_urls,
+    host_part,
+    is_cluster_url,
+    is_sentinel_url,
+    parse_cluster_url,
+    parse_sentinel_url,
+    sentinel_master,
+    store_setting,
 )
-from pipeline.store.urls import DEFAULT_CLUSTER_PORT as DEFAULT_CLUSTER_PORT
-from pipeline.store.urls import DEFAULT_REDIS_URL as DEFAULT_REDIS_URL
-from pipeline.store.urls import DEFAULT_SENTINEL_PORT as DEFAULT_SENTINEL_PORT
-from pipeline.store.urls import MASTER_ENV as MASTER_ENV
-from pipeline.store.urls import SENTINEL_PASSWORD_ENV as SENTINEL_PASSWORD_ENV
-from pipeline.store.urls import SENTINEL_SCHEME as SENTINEL_SCHEME
-from pipeline.store.urls import SETTINGS, cannot_reach, check_url, check_urls, host_part
-from pipeline.store.urls import STORE_URL_ENV as STORE_URL_ENV
-from pipeline.store.urls import ClusterURL as ClusterURL
-from pipeline.store.urls import SentinelURL as SentinelURL
-from pipeline.store.urls import is_cluster_url as is_cluster_url
-from pipeline.store.urls import is_sentinel_url as is_sentinel_url
-from pipeline.store.urls import parse_cluster_url as parse_cluster_url
-from pipeline.store.urls import parse_sentinel_url as parse_sentinel_url
-from pipeline.store.urls import sentinel_master as sentinel_master
-from pipeline.store.urls import store_setting as store_setting
-from pipeline.store.urls import store_url as store_url
 
-# --- URLs and settings: parsed and checked in pipeline.store.urls, re-exported here ---------
+# --- URLs and settings: parsed and checked in pipeline.store.urls ----------------------------
 
 URL_ENVS = ("REDIS_URL", "CELERY_BROKER_URL", "CELERY_RESULT_BACKEND")
 """The settings that name the broker's and the backend's Redis (any may be ``sentinel://``)."""

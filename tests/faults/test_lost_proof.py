@@ -14,16 +14,10 @@ import pytest
 import redis
 
 from tests.support.servers import RedisServer
-from workers.recovery import (
-    LOST_GRACE_S,
-    LOST_MARGIN_S,
-    HeldReport,
-    RedisBroker,
-    Snapshot,
-    drained_for_proof,
-    judge,
-    orphans,
-)
+from workers.recovery.base import LOST_GRACE_S, LOST_MARGIN_S, Snapshot
+from workers.recovery.redriving import drained_for_proof, judge
+from workers.recovery.sweeper import orphans
+from workers.recovery.transport import HeldReport, RedisBroker
 
 PASS = "1:w1:sid1"
 Q = "critique.cpu"
@@ -56,7 +50,7 @@ def test_the_queue_proves_only_once_drained_past_the_suspicion_a_grace_ago(
     """drained_for_proof: never on a queue without probes; a probe sent before the suspicion
     proves nothing; one sent after it proves once it ran at least the grace before the read."""
     from pipeline.store.pending import RedisPendingIndex
-    from workers.recovery import DrainView
+    from workers.recovery.redriving import DrainView
 
     pending = RedisPendingIndex(redis.Redis.from_url(redis_server.url(0)))
     assert not drained_for_proof(DrainView(pending), Q, 100.0, 200.0)
@@ -102,7 +96,7 @@ def channel(redis_server: RedisServer) -> Iterator[Any]:
     from kombu import Connection
 
     import workers.tasks  # noqa: F401  (registers the stage tasks the door admits)
-    from workers.recovery import RedisTransport
+    from workers.recovery.transport import RedisTransport
 
     conn = Connection(redis_server.url(0), transport=RedisTransport)
     try:
@@ -176,8 +170,7 @@ def test_the_census_store_keeps_reports_and_quiet_queues_per_vhost(
     a report ten minutes old and a malformed one are deleted when read, each census's quiet
     queues are found again by its exact time (none for a time never recorded), another vhost's
     reports are apart, and every key shares one hash tag (one cluster slot)."""
-    from workers.recovery import CensusStore, ConsumerReport
-    from workers.recovery.census import broker_id
+    from workers.recovery.census import CensusStore, ConsumerReport, broker_id
 
     r = redis.Redis.from_url(redis_server.url(0))
     store = CensusStore(r, broker_id("/critique"))
@@ -205,7 +198,7 @@ def test_an_orphan_is_restored_on_the_second_tick_that_finds_it(channel: Any) ->
     """SweeperThread.restore_orphans: a message no live worker holds is restored only when two
     ticks in a row found it (an acknowledgement in flight is never taken for an orphan), and a
     message held by a live worker never is."""
-    from workers.recovery import SweeperThread
+    from workers.recovery.sweeper import SweeperThread
 
     orphan = str(_take_unacked(channel, [[{"sid": "a"}], {}, {}]).delivery_tag)
     held = str(_take_unacked(channel, [[{"sid": "b"}], {}, {}]).delivery_tag)
@@ -226,7 +219,7 @@ def test_a_worker_reports_the_delivery_tags_of_the_requests_it_holds() -> None:
 
     from celery.worker import state
 
-    from workers.recovery import held_tags
+    from workers.recovery.sweeper import held_tags
 
     request = SimpleNamespace(message=SimpleNamespace(delivery_tag="tag-1"))
     state.requests["task-1"] = request
@@ -246,7 +239,7 @@ def test_the_threads_pool_ends_a_request_whose_error_escaped_the_task_body() -> 
 
     from billiard.exceptions import WorkerLostError
 
-    from workers.recovery import ThreadPool
+    from workers.recovery.transport import ThreadPool
 
     got: list[Any] = []
     done = threading.Event()

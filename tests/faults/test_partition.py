@@ -166,7 +166,14 @@ def test_a_master_cut_off_with_one_worker_loses_no_acknowledged_result_and_count
     assert not waiters.errors, (len(waiters.errors), waiters.errors[:5])
     wait_until(lambda: _demoted(sentinels), 60, what="the cut-off master to follow the new one")
 
-    check_run(run_id, subs, got, workers, pids, transport="workers.recovery:SentinelTransport://")
+    check_run(
+        run_id,
+        subs,
+        got,
+        workers,
+        pids,
+        transport="workers.recovery.transport:SentinelTransport://",
+    )
     stored = {k: (r.pass_id, r.status) for k, r in got.items()}
     changed = {k: (v, stored.get(k)) for k, v in seen.items() if stored.get(k) != v}
     assert not changed, changed  # what the manager read during the cut still stands

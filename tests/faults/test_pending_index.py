@@ -81,7 +81,7 @@ def test_probes_one_outstanding_per_queue_and_the_drain_history(
     """A probe is due when none is outstanding and the last was sent an interval ago, or the
     outstanding one is older than the resend time; a probe run records that the queue was
     drained past its sent time, and drained_after finds the earliest such probe."""
-    from workers.recovery import DrainView
+    from workers.recovery.redriving import DrainView
 
     _, pending = _stores(redis_server)
     assert not pending.probed(Q)
@@ -112,7 +112,7 @@ def test_stalled_means_old_and_drained_past_long_enough_ago(redis_server: RedisS
     """is_stalled: younger than the stall time never; with probes on the queue, only once a
     probe sent after the last progress ran at least a stall time ago (a queue not yet drained
     past it is a backlog, not a stall); with no probes at all, age alone."""
-    from workers.recovery import DrainView, is_stalled
+    from workers.recovery.redriving import DrainView, is_stalled
 
     _, pending = _stores(redis_server)
     assert not is_stalled(DrainView(pending), Q, 100.0, 102.0, 3.0)

@@ -335,7 +335,8 @@ def test_the_census_counts_ready_messages_and_consumers_without_touching_them(
     from kombu import Connection
 
     from workers.app import app
-    from workers.recovery import QueueCount, open_amqp
+    from workers.recovery.census import QueueCount
+    from workers.recovery.transport import open_amqp
 
     broker = open_amqp(app)
     assert broker is not None and broker.vhost == _vhost_of(amqp_url)
@@ -441,8 +442,8 @@ def test_a_backlog_on_a_quorum_queue_is_not_taken_for_a_lost_chain(
     worker's report is stored)."""
     from workers import runtime
     from workers.client import CritiqueClient
-    from workers.recovery import LOST_GRACE_S, LOST_MARGIN_S, CensusStore
-    from workers.recovery.census import broker_id
+    from workers.recovery.base import LOST_GRACE_S, LOST_MARGIN_S
+    from workers.recovery.census import CensusStore, broker_id
 
     env = {
         **fault_env,
@@ -481,8 +482,7 @@ def test_a_chain_a_live_worker_holds_for_many_censuses_is_not_taken_for_lost(
     ends once with its reference result."""
     from workers import runtime
     from workers.client import CritiqueClient
-    from workers.recovery import CensusStore
-    from workers.recovery.census import broker_id
+    from workers.recovery.census import CensusStore, broker_id
 
     env = {
         **fault_env,

@@ -185,7 +185,7 @@ def test_a_queue_backlog_is_not_taken_for_a_lost_chain(
     queue was not yet drained past them until each was taken, so none is re-driven (a backlog
     is never flooded with duplicates) and every one ends once."""
     from workers.client import CritiqueClient
-    from workers.recovery import LOST_GRACE_S, LOST_MARGIN_S
+    from workers.recovery.base import LOST_GRACE_S, LOST_MARGIN_S
 
     worker = start_worker("backlog", fault_env)
     worker.stop()
@@ -212,7 +212,7 @@ def test_a_lost_connections_channel_fails_with_a_connection_error(
     transport's connection), which ended the worker's main process."""
     from kombu import Connection
 
-    from workers.recovery import RedisTransport
+    from workers.recovery.transport import RedisTransport
 
     conn = Connection(redis_server.url(0), transport=RedisTransport)
     channel = conn.channel()

@@ -93,7 +93,7 @@ def test_2000_submissions_and_their_waits_through_a_sentinel_failover(
     from workers import runtime
     from workers.cli import main
     from workers.client import CritiqueClient
-    from workers.recovery import SentinelTransport
+    from workers.recovery.transport import SentinelTransport
 
     monkeypatch.setenv(REPLICAS_ENV, "1")
     env = {**sentinel_env, REPLICAS_ENV: "1"}
@@ -201,7 +201,7 @@ def test_2000_submissions_and_their_waits_through_a_sentinel_failover(
             assert w.proc is not None and w.proc.poll() is None, f"{w.nodename} exited"
             assert w.proc.pid == pid
             log = w.log.read_text(errors="replace") if w.log else ""
-            assert "transport:   workers.recovery:SentinelTransport://" in log
+            assert "transport:   workers.recovery.transport:SentinelTransport://" in log
             assert "Unrecoverable error" not in log
         # Consuming again, not only reconnected (celery #8030): each worker process runs tasks
         # of a second wave sent once the failover has settled.

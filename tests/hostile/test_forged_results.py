@@ -48,8 +48,9 @@ def new_run(prefix: str = "forged") -> str:
 def registered_pass(run_id: str, worker_id: str = "victim") -> Any:
     """A pass registered as the client registers one, with its chain never sent: nothing but a
     forgery can answer it. Returns its handle."""
-    from workers import recovery, runtime
+    from workers import runtime
     from workers.client import Handle
+    from workers.recovery.base import register
 
     sub = honest_submission(run_id, worker_id)
     pass_id = runtime.new_pass_id()
@@ -57,7 +58,7 @@ def registered_pass(run_id: str, worker_id: str = "victim") -> Any:
     gate_id = uuid.uuid4().hex
     runs = runtime.stores().runs
     runs.begin_pass(run_id, 1, worker_id, pass_id)
-    recovery.register(run_id, 1, worker_id, pass_id)
+    register(run_id, 1, worker_id, pass_id)
     runs.mark_submitted(
         run_id, 1, worker_id, gate_id, sub.subtask_signature, pass_id=pass_id, message=msg
     )
@@ -86,7 +87,7 @@ def forged_result(run_id: str, worker_id: str, pass_id: str) -> dict[str, Any]:
 def assert_no_verdict(handle: Any) -> None:
     """Neither wait(), as_completed() nor status give the handle a result or a failure."""
     from workers.client import CritiqueClient, CritiqueTimeout
-    from workers.commands.status import load_snapshot
+    from workers.commands._runs import load_snapshot
 
     client = CritiqueClient(ENABLED)
     assert client.result(handle) is None
@@ -110,7 +111,7 @@ def test_garbage_under_every_gate_id_leaves_every_verdict_honest(
     from workers import runtime
     from workers.app import app
     from workers.client import CritiqueClient
-    from workers.commands.status import load_snapshot
+    from workers.commands._runs import load_snapshot
 
     run_id = new_run("attack")
     client = CritiqueClient(ENABLED)

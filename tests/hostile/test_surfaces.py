@@ -20,7 +20,8 @@ import pytest
 from pipeline.models import FileRef, Submission
 from tests.support.hostile import ENABLED, HOSTILE_WORKER
 from tests.support.workers import ROOT, WorkerProcess
-from workers.cli import EXIT_BROKEN_PIPE, EXIT_USAGE, main
+from workers.cli import main
+from workers.exit_codes import EXIT_BROKEN_PIPE, EXIT_USAGE
 
 pytestmark = pytest.mark.integration
 

@@ -68,7 +68,7 @@ def test_a_worker_on_rabbitmq_turns_celerys_prefetch_reduction_off_and_redis_kee
     assert amqp.stdout.split() == ["False", "None"]
     plain = config_probe(_WORKER_PROBE, REDIS_URL="redis://127.0.0.1:1/0")
     assert plain.returncode == 0, plain.stderr
-    assert plain.stdout.split() == ["True", "workers.recovery:RedisTransport"]
+    assert plain.stdout.split() == ["True", "workers.recovery.transport:RedisTransport"]
 
 
 def test_a_worker_on_rabbitmq_refuses_an_unknown_queue_type() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from pipeline.config import CritiqueConfig
+from pipeline.critics.base import resolve_for
 from pipeline.critics.command import (
     CommandCritic,
     category_for,
@@ -28,7 +29,7 @@ from pipeline.critics.llm import LLMReviser
 from pipeline.errors import ConfigError
 from pipeline.models import FileRef, Submission
 from pipeline.repair import build_repair_prompt
-from pipeline.runner import resolve_for, run_submission
+from pipeline.runner import run_submission
 from pipeline.sandbox import NO_ISOLATION
 from pipeline.wiring import make_context
 
@@ -191,8 +192,9 @@ def test_without_a_model_the_deterministic_reviser_escalates_needs_model() -> No
 def test_the_command_critic_runs_on_the_cpu_queue() -> None:
     """Token-free, seconds long: critique.critic for ``critic: command`` is routed to
     critique.cpu even when the submission names a model (only LLM critics go to critique.llm)."""
+    import workers.tasks  # noqa: F401  (registers the stage tasks the signature is built from)
     from workers.app import app
-    from workers.tasks import stage_signature
+    from workers.routing import stage_signature
 
     s = sub(model="openai/gpt-4o-mini")
     sig = stage_signature("critic", {}, config(), s)

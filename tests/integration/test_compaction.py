@@ -253,10 +253,12 @@ def test_a_stage_message_delivered_after_its_pass_finished_writes_nothing(
     write follows, and the gate never runs again."""
     from celery.result import AsyncResult
 
+    import workers.tasks  # noqa: F401  (registers the stage tasks the signature is built from)
     from pipeline.runner import start
-    from workers import runtime, tasks
+    from workers import runtime
     from workers.app import app
     from workers.client import CritiqueClient
+    from workers.routing import submission_signature
 
     run_id = _run("redeliver")
     client = CritiqueClient(CONFIG)
@@ -270,7 +272,7 @@ def test_a_stage_message_delivered_after_its_pass_finished_writes_nothing(
     assert run_steps(r, run_id) == {}
 
     msg = runtime.encode(start(sub, handle.pass_id), CONFIG)
-    late = tasks.submission_signature(msg, runtime.config_for(CONFIG), sub).apply_async()
+    late = submission_signature(msg, runtime.config_for(CONFIG), sub).apply_async()
     wait_until(lambda: _left_the_broker(r, late.id), 30, what="the late l0 to run")
     time.sleep(1.5)  # room for a pass that went on (critic, repair, gate) to show itself
     assert not _ran(r, late.id) and AsyncResult(late.id, app=app).state == "PENDING"

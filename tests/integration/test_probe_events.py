@@ -57,7 +57,7 @@ def test_probes_send_no_task_events_while_stage_tasks_do(
     # every started/succeeded event belongs to a task announced by name: none is a probe's
     assert all(e.get("uuid") in names for e in tasks if e["type"] in ("task-started",))
     # ... and the probes still ran: the queue's drain history records some after the start
-    from workers.recovery import default_stores
+    from workers.recovery.base import default_stores
 
     drained = default_stores().pending.drained("critique.cpu")
     assert any(ran >= began for _, ran in drained), drained

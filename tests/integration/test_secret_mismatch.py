@@ -64,7 +64,7 @@ def test_a_mis_keyed_resubmit_is_refused_and_the_finished_results_stay(
     signed: str, start_worker: WorkerStarter
 ) -> None:
     from workers.client import CritiqueClient
-    from workers.commands.status import load_snapshot
+    from workers.commands._runs import load_snapshot
 
     start_worker("mismatch", worker_env(signed, CRITIQUE_SECRET=WORKERS_KEY))
 
@@ -167,7 +167,7 @@ def test_a_client_without_the_secret_is_refused_before_any_pass_begins(
     """In-process: with CRITIQUE_SECRET unset, submit_many, complete_gate and resume raise one
     ConfigError naming it before they send anything; the finished run stays finished."""
     from workers.client import CritiqueClient, Handle
-    from workers.commands.status import load_snapshot
+    from workers.commands._runs import load_snapshot
 
     start_worker("posture", worker_env(signed, CRITIQUE_SECRET=WORKERS_KEY))
     client = CritiqueClient()
@@ -244,7 +244,7 @@ def test_refused_unsigned_messages_never_turn_a_finished_pass_back_into_pending(
     onto the broker (a stage message under its finished pass, one under a new pass, and an
     entry message): each is refused, and status still reports the submission finished."""
     from workers.client import CritiqueClient
-    from workers.commands.status import load_snapshot
+    from workers.commands._runs import load_snapshot
 
     start_worker("refused", worker_env(signed, CRITIQUE_SECRET=WORKERS_KEY))
     client = CritiqueClient()

@@ -55,7 +55,7 @@ import workers.app as a
 celeryd_init.send(sender=None, conf=a.app.conf, instance=None, options={})
 print(a.app.conf.broker_transport, a.app.conf.broker_transport_options["master_name"])
 from kombu.transport import get_transport_cls
-from workers.recovery import SentinelTransport
+from workers.recovery.transport import SentinelTransport
 print(get_transport_cls("sentinel") is SentinelTransport)  # also after a switch to a fallback
 """
 
@@ -63,7 +63,7 @@ print(get_transport_cls("sentinel") is SentinelTransport)  # also after a switch
 def test_a_worker_on_a_sentinel_broker_uses_the_guarded_sentinel_transport() -> None:
     ok = config_probe(_WORKER_PROBE, REDIS_URL="sentinel://h1:1/0", CRITIQUE_REDIS_MASTER="m1")
     assert ok.returncode == 0, ok.stderr
-    assert ok.stdout.split() == ["workers.recovery:SentinelTransport", "m1", "True"]
+    assert ok.stdout.split() == ["workers.recovery.transport:SentinelTransport", "m1", "True"]
     bad = config_probe(_WORKER_PROBE, REDIS_URL="sentinel://h1:1/0")
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [

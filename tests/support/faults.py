@@ -84,7 +84,7 @@ def check_run(
     workers: list[WorkerProcess],
     pids: list[int],
     *,
-    transport: str = "workers.recovery:RedisTransport://",
+    transport: str = "workers.recovery.transport:RedisTransport://",
 ) -> list[dict[str, Any]]:
     """Every submission ended with its reference result (none failed, none missing), every
     worker process is the one that started (its banner names ``transport``, by default the

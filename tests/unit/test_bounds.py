@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.admission import admit
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import (
     DESCRIPTION_CHARS,
@@ -41,13 +42,11 @@ from pipeline.models import (
     RoundTrace,
     Submission,
 )
+from pipeline.result_bounds import RESULT_EXTRA_BYTES, bound_result
 from pipeline.runner import (
     MAX_L0_GATE_EVENTS,
-    RESULT_EXTRA_BYTES,
     L0Outcome,
     LoopState,
-    admit,
-    bound_result,
     l0_stage,
     run_submission,
     start,

@@ -9,15 +9,9 @@ from typing import Any
 
 import pytest
 
-from workers.recovery import (
-    LOST_GRACE_S,
-    LOST_MARGIN_S,
-    Census,
-    ConsumerReport,
-    ConsumerState,
-    QueueCount,
-    judge_census,
-)
+from workers.recovery.base import LOST_GRACE_S, LOST_MARGIN_S
+from workers.recovery.census import Census, ConsumerReport, QueueCount, judge_census
+from workers.recovery.transport import ConsumerState
 
 PASS = "1:w1:sid1"
 Q = "critique.cpu"
@@ -294,7 +288,7 @@ class _Message:
 
 
 def transport_since() -> float | None:
-    from workers.recovery import CONSUMING
+    from workers.recovery.transport import CONSUMING
 
     return CONSUMING.since
 
@@ -302,8 +296,7 @@ def transport_since() -> float | None:
 def test_a_requeue_moves_the_consumers_since_before_the_message_goes_back() -> None:
     """Celery's ``reject(requeue=True)`` (a lost pool child, a time limit) and ``requeue()``
     move ``since`` first; a reject without requeue (the message is dropped) does not."""
-    from workers.recovery import CONSUMING
-    from workers.recovery.transport import _watch_requeues
+    from workers.recovery.transport import CONSUMING, _watch_requeues
 
     CONSUMING.connected()
     start = CONSUMING.since

@@ -1,5 +1,5 @@
-"""One exit-code table for every ``critique`` command: defined once (workers/cli.py), printed in
-every ``--help``, and escalated is an outcome, not an error."""
+"""One exit-code table for every ``critique`` command: defined once (workers/exit_codes.py),
+printed in every ``--help``, and escalated is an outcome, not an error."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from pipeline import __version__
-from workers.cli import COMMANDS, EXIT_CODES, build_parser, main
+from workers.cli import COMMANDS, build_parser, main
+from workers.exit_codes import EXIT_CODES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,12 +43,12 @@ def test_the_exit_code_table_tells_the_failed_verdict_from_a_failed_chain() -> N
 
 
 def test_exit_codes_are_defined_in_one_place() -> None:
-    """No command module defines its own EXIT_* numbers: they import workers.cli's."""
+    """No command module defines its own EXIT_* numbers: they import workers.exit_codes'."""
     defining = re.compile(r"^EXIT_[A-Z_]+\s*(?:,\s*EXIT_[A-Z_]+\s*)*=", re.MULTILINE)
     offenders = [
         str(p.relative_to(ROOT))
         for p in sorted((ROOT / "workers").rglob("*.py"))
-        if p.name != "cli.py" and defining.search(p.read_text(encoding="utf-8"))
+        if p.name != "exit_codes.py" and defining.search(p.read_text(encoding="utf-8"))
     ]
     assert offenders == []
 

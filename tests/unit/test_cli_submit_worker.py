@@ -8,12 +8,8 @@ from pathlib import Path
 import pytest
 
 from workers.cli import main
-from workers.commands.submit import (
-    InputError,
-    build_overrides,
-    parse_documents,
-    read_submissions,
-)
+from workers.commands._input import InputError
+from workers.commands.submit import build_overrides, parse_documents, read_submissions
 
 SUB = {"run_id": "r1", "worker_id": "w1", "task": "Summarise.", "output": {"summary": "x"}}
 

@@ -19,14 +19,16 @@ from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis_common import (
-    ClusterURL,
     check_redis_urls,
     client_from_url,
-    is_cluster_url,
     is_unavailable,
-    parse_cluster_url,
     store_client_from_url,
     store_errors,
+)
+from pipeline.store.urls import (
+    ClusterURL,
+    is_cluster_url,
+    parse_cluster_url,
     store_setting,
     store_url,
 )

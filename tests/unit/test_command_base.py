@@ -10,14 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from workers.cli import (
-    EXIT_CODES,
-    EXIT_FAILED,
-    EXIT_OK,
-    EXIT_UNAVAILABLE,
-    EXIT_USAGE,
-    main,
-)
+from workers.cli import main
 from workers.commands._common import (
     REDIS_HINT,
     CommandError,
@@ -30,6 +23,7 @@ from workers.commands._common import (
     number_problem,
     service_guard,
 )
+from workers.exit_codes import EXIT_CODES, EXIT_FAILED, EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 
 ROOT = Path(__file__).resolve().parents[2]
 DEAD = "redis://127.0.0.1:1/0"  # nothing listens on port 1

@@ -10,14 +10,13 @@ import pytest
 from pipeline.config import ExtraCheck, OutputContractConfig
 from pipeline.contract import (
     DEFAULT_CHECKS,
-    ContractFailure,
-    ContractInput,
     ContractSuite,
     build_suite,
     check_submission,
     output_text,
     run_contract,
 )
+from pipeline.contract.models import ContractFailure, ContractInput
 from pipeline.errors import ConfigError, ExtensionLoadError
 from pipeline.models import FileRef, Submission
 from tests.support import require_fastscan

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline import simhash
-from pipeline.contract import ContractInput, build_suite
+from pipeline.contract import build_suite
+from pipeline.contract.models import ContractInput
 from tests.support import require_fastscan
 
 PROSE = [

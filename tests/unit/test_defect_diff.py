@@ -140,7 +140,8 @@ def test_defect_diff_matches_by_category_and_location_only() -> None:
 
 def test_status_shows_a_compact_line_per_repaired_round() -> None:
     """`critique status` prints each round's diff under the worker's row, and has it in --json."""
-    from workers.commands.status import RunSnapshot, render_text, snapshot_doc
+    from workers.commands._runs import RunSnapshot
+    from workers.commands.status import render_text, snapshot_doc
 
     ctx = make_context(
         CritiqueConfig(enabled=True, max_repair_attempts=3),

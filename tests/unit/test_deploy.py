@@ -203,7 +203,8 @@ def test_the_check_itself_refuses_a_typo() -> None:
 def _sentinel_url_hosts(url: str, master_env: str | None) -> set[tuple[str, int]]:
     """The Sentinels a ``sentinel://`` URL lists, after the check every command makes (it parses
     and the master name is set)."""
-    from pipeline.store.redis_common import check_redis_urls, parse_sentinel_url
+    from pipeline.store.redis_common import check_redis_urls
+    from pipeline.store.urls import parse_sentinel_url
 
     check_redis_urls(
         {"REDIS_URL": url, **({"CRITIQUE_REDIS_MASTER": master_env} if master_env else {})}

@@ -184,7 +184,8 @@ def test_the_cli_bounds_iteration(
     capsys: pytest.CaptureFixture[str], value: str, line: str
 ) -> None:
     """`--iteration 10**300` is a one-line usage error (exit 2), as `0` is."""
-    from workers.cli import EXIT_USAGE, main
+    from workers.cli import main
+    from workers.exit_codes import EXIT_USAGE
 
     assert main(["status", "r", "--iteration", value]) == EXIT_USAGE
     assert capsys.readouterr().err.strip() == line

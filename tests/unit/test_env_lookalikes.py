@@ -10,7 +10,8 @@ import logging
 import pytest
 
 from pipeline.store import urls
-from workers.cli import EXIT_UNAVAILABLE, main
+from workers.cli import main
+from workers.exit_codes import EXIT_UNAVAILABLE
 
 DEAD = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 

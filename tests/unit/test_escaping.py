@@ -14,9 +14,10 @@ from pipeline.ab import ABRow, DefectCount, escalation_markdown
 from pipeline.escaping import escape_controls, md_cell, md_text
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Defect, Lesson
 from pipeline.pitfalls import render_lessons
-from workers.cli import EXIT_BROKEN_PIPE, main
+from workers.cli import main
+from workers.commands._common import service_guard
 from workers.commands._text import json_line, printable
-from workers.commands.status import service_guard
+from workers.exit_codes import EXIT_BROKEN_PIPE
 
 EVIL = "<script>alert(1)</script>"
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from pipeline.admission import admit
 from pipeline.config import CritiqueConfig
 from pipeline.contract import build_suite, check_submission
 from pipeline.errors import PermanentError, StoreUnavailableError, SubmissionError
@@ -23,14 +24,7 @@ from pipeline.models import (
     Submission,
     check_identifier,
 )
-from pipeline.runner import (
-    L0Outcome,
-    LoopState,
-    admit,
-    l0_stage,
-    run_submission,
-    start,
-)
+from pipeline.runner import L0Outcome, LoopState, l0_stage, run_submission, start
 from pipeline.store.blobs import BlobMissingError, parse_ref
 from pipeline.wiring import make_context
 from tests.support.submissions import accepted_result

@@ -3,9 +3,10 @@ worker at all: KEDA scales it to zero); a repair that may call a model stays on 
 
 from __future__ import annotations
 
+import workers.tasks  # noqa: F401  (registers the stage tasks the signature is built from)
 from pipeline.models import Submission
 from workers import runtime
-from workers.tasks import stage_signature
+from workers.routing import stage_signature
 
 SUB = Submission(run_id="r1", worker_id="w1", task="Summarise.", output={"summary": "x"})
 

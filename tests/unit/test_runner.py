@@ -486,8 +486,8 @@ def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_outputs_over_max_output_bytes_are_refused() -> None:
     """A submission (output + task + its required field name) over max_output_bytes is a
     SubmissionError naming the size and the limit."""
+    from pipeline.admission import admit
     from pipeline.errors import SubmissionError
-    from pipeline.runner import admit
 
     limit = 100 + len(TASK.encode()) + len("summary")
     config = CritiqueConfig(enabled=True, max_output_bytes=limit)

@@ -17,18 +17,16 @@ from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.store.redis_common import (
     DEAD_PEER_S,
     FailoverConnection,
-    SentinelURL,
     celery_url,
     check_redis_urls,
     client_from_url,
     is_demoted_reply,
-    is_sentinel_url,
-    parse_sentinel_url,
     redis_url_of,
     sentinel_transport_options,
     store_client_from_url,
     store_errors,
 )
+from pipeline.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
 
 UNBLOCKED = (
     "UNBLOCKED force unblock from blocking operation, instance state changed (master -> replica?)"

@@ -13,7 +13,8 @@ from pipeline.models import (
     cancelled_result,
 )
 from pipeline.store import metrics
-from workers.commands.status import RunSnapshot, render_text, snapshot_doc
+from workers.commands._runs import RunSnapshot
+from workers.commands.status import render_text, snapshot_doc
 from workers.commands.submit import _result_lines
 from workers.commands.watch import format_event
 

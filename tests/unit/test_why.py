@@ -107,7 +107,8 @@ def test_submit_wait_prints_why_under_an_escalated_line_terminal_safe() -> None:
 
 
 def _status_text(result: CritiqueResult) -> str:
-    from workers.commands.status import RunSnapshot, render_text, snapshot_doc
+    from workers.commands._runs import RunSnapshot
+    from workers.commands.status import render_text, snapshot_doc
 
     snap = RunSnapshot("q3", {"1:analyst_02": {"task_id": "t"}}, [result])
     return render_text(snapshot_doc(snap, None))

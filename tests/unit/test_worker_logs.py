@@ -140,7 +140,8 @@ def test_a_fallback_is_named_on_the_outputs_line() -> None:
 
 def test_a_fallback_is_named_on_the_status_row() -> None:
     """`critique status` shows the fallback under the output's row, and in --json."""
-    from workers.commands.status import RunSnapshot, render_text, snapshot_doc
+    from workers.commands._runs import RunSnapshot
+    from workers.commands.status import render_text, snapshot_doc
 
     note = "critic fallback: LLM critic unavailable after retries: timeout; heuristic used"
     snap = RunSnapshot("r1", {"1:w1": {"task_id": "t"}}, [_result((note,))])

@@ -39,6 +39,8 @@ from pipeline.models import CritiqueResult, Status, StopReason, Submission
 from workers.aclient import AsyncCritiqueClient
 from workers.adapters import verdicts
 from workers.client import CritiqueClient, CritiqueTimeout, Handle
+from workers.commands._runs import load_snapshot
+from workers.commands.status import snapshot_doc
 from workers.unreachable import unreachable_errors
 
 log = logging.getLogger(__name__)
@@ -298,8 +300,6 @@ class FleetTools:
         return Poll(state="finished", handle=handle, verdict=verdict_of(got))
 
     async def status(self, run_id: str, iteration: int | None) -> dict[str, Any]:
-        from workers.commands.status import load_snapshot, snapshot_doc
-
         def read() -> dict[str, Any]:
             return snapshot_doc(load_snapshot(run_id, iteration, archive=True), iteration)
 

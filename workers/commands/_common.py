@@ -24,7 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-from workers.cli import EXIT_UNAVAILABLE, EXIT_USAGE
+from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError
+from pipeline.models import MAX_ITERATION
+from pipeline.store.urls import CLUSTER_SCHEMES, cannot_reach
+from workers.exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
 
 REDIS_HINT = (
     "start Redis there, or point REDIS_URL (and CELERY_BROKER_URL or CRITIQUE_STORE_URL, if you "
@@ -55,9 +58,6 @@ def unreachable_redis(url: str, exc: BaseException, what: str = "Redis") -> Comm
     (:func:`pipeline.store.urls.cannot_reach`). An ``exc`` that is already such a message (the
     stores' and the client's ``StoreUnavailableError``) is shown as it is; any other gets
     :data:`REDIS_HINT`."""
-    from pipeline.errors import StoreUnavailableError
-    from pipeline.store.urls import cannot_reach
-
     if not isinstance(exc, StoreUnavailableError):
         exc = StoreUnavailableError(cannot_reach(what, url, exc), hint=REDIS_HINT)
     return CommandError(str(exc), EXIT_UNAVAILABLE)
@@ -73,7 +73,8 @@ def service_guard(command: str, body: Callable[[], int]) -> int:
     CLI entry point, which ends quietly, instead of being reported as "cannot reach Redis".
     ``KeyboardInterrupt`` and ``SystemExit`` pass through as well.
     """
-    from pipeline.errors import CritiqueError
+    # lazy: workers.unreachable is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from workers.unreachable import unreachable_errors
 
     try:
@@ -173,8 +174,6 @@ def add_iteration_argument(parser: argparse.ArgumentParser) -> None:
 def _iteration(text: str) -> int | OutOfRange:
     """An iteration number: ``--iteration must be ≥ 1`` below, ``≤ 1000000`` above (a
     submission names no higher one)."""
-    from pipeline.models import MAX_ITERATION
-
     value = int(text)  # ValueError: argparse's own "invalid int value" (exit 2)
     if value < 1:
         return OutOfRange(value, "≥ 1")
@@ -195,8 +194,8 @@ def check_redis(urls: Iterable[tuple[str, str]]) -> None:
     A ``sentinel://`` URL is checked at its current master, found through the Sentinels; a
     ``redis+cluster://`` one at the cluster's nodes; another broker transport is skipped (Celery
     reports its own connection errors)."""
-    from pipeline.errors import ConfigError
-    from pipeline.store.redis_common import CLUSTER_SCHEMES, store_client_from_url
+    # lazy: pipeline.store.redis_common loads redis; `critique --help` imports this module
+    from pipeline.store.redis_common import store_client_from_url
 
     for url, what in dict.fromkeys(urls):
         if urlparse(url).scheme not in (*REDIS_SCHEMES, *CLUSTER_SCHEMES):

@@ -16,6 +16,8 @@ import stat
 import sys
 from typing import Any
 
+from pipeline.escaping import escape_controls
+
 CONFIG_LIMIT = 1024 * 1024
 """Largest configuration file (``--config``) the commands read, in bytes."""
 
@@ -27,8 +29,6 @@ class InputError(Exception):
 def one_line(message: object) -> str:
     """``message`` on one line (newlines and runs of spaces folded), for stderr; control
     characters (a file name's ESC sequence) shown as escapes (:mod:`workers.commands._text`)."""
-    from workers.commands._text import escape_controls
-
     return escape_controls(" ".join(str(message).split()))
 
 

@@ -20,9 +20,9 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pipeline.store.keys import QUEUE_CPU, QUEUE_LLM
-from pipeline.store.urls import redact_url
-from workers.cli import EXIT_UNAVAILABLE, EXIT_USAGE
+from pipeline.store.urls import STORE_URL_ENV, redact_url
 from workers.commands._common import CommandError, check_redis
+from workers.exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -57,8 +57,6 @@ def wants_embedded() -> bool:
     the embedded broker would put this run's records on that store (a shared one, as a rule),
     with no worker of the deployment ever seeing them; nor can the deployment's workers be used
     without the broker they consume (``REDIS_URL``, and ``CELERY_BROKER_URL`` if it differs)."""
-    from pipeline.store.redis_common import STORE_URL_ENV
-
     if os.environ.get("REDIS_URL"):
         return False
     if (os.environ.get(STORE_URL_ENV) or "").strip():
@@ -73,6 +71,8 @@ def wants_embedded() -> bool:
 
 def start_embedded(stack: contextlib.ExitStack, say: Say) -> str:
     """Start a private Redis, point this process's URL settings at it; returns its URL."""
+    # lazy: workers.embedded is not loaded by `critique --help`, which imports this module and stays
+    # fast
     from workers.embedded import EmbeddedRedis
 
     try:
@@ -140,16 +140,20 @@ def start_pipeline(
     """
     embedded = wants_embedded()
     url = start_embedded(stack, say) if embedded else os.environ["REDIS_URL"]
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     runtime.forget_store()
     check_redis([(runtime.store_url(), "Redis")])
+    # lazy: workers.app loads celery; `critique --help` imports this module
     from workers.app import app
 
     if not embedded:
         count = check_external_workers(app, url)
         say(f"using Redis at {redact_url(url)} and {count} external worker(s)")
         return embedded, url
+    # lazy: workers.embedded is not loaded by `critique --help`, which imports this module and stays
+    # fast
     from workers.embedded import InProcessWorker
 
     if before_worker is not None:

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.archive import RunRecord, iso
-from pipeline.models import UNCHECKED_LINE, CritiqueResult
+from pipeline.archive import RunRecord, archive_dir, iso
+from pipeline.config import did_you_mean
+from pipeline.escaping import escape_controls
+from pipeline.models import UNCHECKED_LINE, CritiqueResult, check_identifier
 from workers.commands._common import UnknownRunError
-from workers.commands._text import escape_controls, printable
+from workers.commands._text import printable
 
 if TYPE_CHECKING:
     from pipeline.store.runs import Failure
@@ -83,8 +85,6 @@ class RunSnapshot:
 
 def check_run_id(run_id: str) -> str:
     """``run_id`` if it is a valid identifier; raises ValueError with the rule otherwise."""
-    from pipeline.models import check_identifier
-
     return check_identifier(run_id, "run_id")
 
 
@@ -103,6 +103,7 @@ def load_snapshot(
     every submission without a result is checked, so a chain that failed shows as failed (with
     its reason), not pending.
     """
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     check_run_id(run_id)
@@ -129,7 +130,7 @@ def load_snapshot(
 def close_run(run_id: str) -> str:
     """``"; did you mean 'q3-sales'?"`` for the run of this store whose id is closest to a
     mistyped ``run_id`` (the archive index names every run whose keys live), else ``""``."""
-    from pipeline.config import did_you_mean
+    # lazy: workers.archiving loads celery; `critique --help` imports this module
     from workers.archiving import default_index
 
     known = [r for r in default_index().known() if r != run_id]
@@ -139,8 +140,10 @@ def close_run(run_id: str) -> str:
 
 def _archived_snapshot(run_id: str, iteration: int | None) -> RunSnapshot:
     """The run as its archive holds it (Redis holds no submission and no result of it)."""
-    from pipeline.archive import archive_dir
+    # lazy: pipeline.store.runs loads redis; `critique --help` imports this module
     from pipeline.store.runs import Failure
+
+    # lazy: workers.archiving loads celery; `critique --help` imports this module
     from workers import archiving, runtime
 
     got = archiving.read_archived(run_id)
@@ -183,6 +186,7 @@ def chain_failures(unfinished: Mapping[str, Mapping[str, Any]], run_id: str) -> 
     recorded as failed, each with its one-line reason. Only such a record counts (signed with
     ``CRITIQUE_SECRET``), never Celery's FAILURE state for the task id: a broker writer can
     set that for any id."""
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     recorded = runtime.stores().runs.failures(run_id) if unfinished else {}
@@ -194,6 +198,7 @@ def failure_lines(
 ) -> dict[str, str]:
     """The one-line reason of each unfinished submission (key -> registry record) whose
     latest pass has a failure among ``recorded`` (pass member -> failure)."""
+    # lazy: pipeline.store.runs loads redis; `critique --help` imports this module
     from pipeline.store.runs import pass_member
 
     out: dict[str, str] = {}

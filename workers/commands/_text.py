@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.escaping import escape_controls, is_unsafe
 
-__all__ = ["escape_controls", "json_line", "printable"]
+__all__ = ["json_line", "printable"]
 
 
 def printable(text: str, limit: int = 300) -> str:

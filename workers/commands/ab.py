@@ -49,7 +49,9 @@ if TYPE_CHECKING:
     from pipeline.models import CritiqueResult
     from workers.client import CritiqueClient
 
-from workers.cli import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
+from pipeline.config import load_config
+from pipeline.errors import CritiqueError, LLMPermanentError, LLMTransientError
+from pipeline.models import Submission
 from workers.commands._common import (
     CommandError,
     above,
@@ -58,7 +60,9 @@ from workers.commands._common import (
     service_guard,
     unreachable_redis,
 )
+from workers.commands._input import InputError, label_of, read_text
 from workers.commands._pipeline import sigterm_as_exit, start_pipeline
+from workers.exit_codes import EXIT_OK, EXIT_UNAVAILABLE, EXIT_USAGE
 
 HELP = "A/B experiment: defects without (A) and with (B) the critique loop, over INPUTS.jsonl"
 
@@ -129,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_inputs(path: str) -> list[ABInput]:
+    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
     from pipeline.ab import ABInputError, parse_inputs
-    from workers.commands._input import InputError, label_of, read_text
 
     try:
         return parse_inputs(read_text(path, INPUT_LIMIT, "the workload size limit"), label_of(path))
@@ -140,9 +144,8 @@ def _read_inputs(path: str) -> list[ABInput]:
 
 def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[str], None]) -> int:
     inputs = _read_inputs(args.inputs)
+    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
     from pipeline.ab import DefectCounter
-    from pipeline.config import load_config
-    from pipeline.errors import CritiqueError
 
     try:
         config = load_config()
@@ -172,6 +175,8 @@ def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[st
         )
     _start_pipeline(args, stack, say, configured_command=bool(config.command), python=python_inputs)
 
+    # lazy: pipeline.llm is not loaded by `critique --help`, which imports this module and stays
+    # fast
     from pipeline.llm import LiteLLMCompleter
 
     completer = LiteLLMCompleter(config.llm, key_models=(model,))  # the researcher's model
@@ -220,6 +225,7 @@ def _start_pipeline(
 def _clients() -> dict[str, CritiqueClient]:
     """One client per kind: python inputs are critiqued by their tests (``critic: command``),
     the others by the workers' configured critic."""
+    # lazy: workers.client loads celery; `critique --help` imports this module
     from workers.client import CritiqueClient
 
     return {
@@ -238,8 +244,8 @@ def _one(
     timeout: float,
 ) -> Done:
     """Generate (both modes), critique (B), count: one row."""
+    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
     from pipeline.ab import ABRow, generation_request, output_from_reply
-    from pipeline.models import Submission
 
     item = job.item
     began = time.monotonic()
@@ -280,8 +286,11 @@ def _one(
 
 def _failure(exc: BaseException) -> CommandError:
     """A row's exception as the run's exit (module docstring's exit codes)."""
-    from pipeline.errors import CritiqueError, LLMPermanentError, LLMTransientError
+    # lazy: workers.client loads celery; `critique --help` imports this module
     from workers.client import CritiqueTimeout
+
+    # lazy: workers.unreachable is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from workers.unreachable import is_unreachable
 
     if isinstance(exc, LLMPermanentError):
@@ -307,8 +316,6 @@ def _run_jobs(
     counter: DefectCounter,
     say: Callable[[str], None],
 ) -> list[Done]:
-    from pipeline.errors import CritiqueError
-
     try:
         clients = _clients()
     except CritiqueError as exc:
@@ -344,6 +351,7 @@ def _run_jobs(
 
 
 def _escalations(done: list[Done], args: argparse.Namespace, model: str, out: Path) -> list[Path]:
+    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
     from pipeline.ab import escalation_markdown
 
     written = []
@@ -402,6 +410,7 @@ def _table(done: list[Done]) -> str:
 def _report(
     done: list[Done], args: argparse.Namespace, model: str, out: Path, say: Callable[[str], None]
 ) -> int:
+    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
     from pipeline.ab import summarize, verdict_line, write_csv
 
     rows = [d.row for d in done]

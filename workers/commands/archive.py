@@ -23,7 +23,8 @@ import argparse
 from pathlib import Path
 
 from pipeline.archive import RunRecord, archive_dir, iso
-from workers.cli import EXIT_OK
+from pipeline.errors import PathEscapeError
+from pipeline.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     UnknownRunError,
@@ -32,7 +33,8 @@ from workers.commands._common import (
     service_guard,
 )
 from workers.commands._runs import check_run_id
-from workers.commands._text import escape_controls, json_line
+from workers.commands._text import json_line
+from workers.exit_codes import EXIT_OK
 
 HELP = "write a run's full record (results, rounds, trace, patterns, lessons) as JSON Lines"
 
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        from pipeline.errors import PathEscapeError
+        # lazy: workers.archiving loads celery; `critique --help` imports this module
         from workers import archiving
 
         check_run_id(args.run_id)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from workers.cli import EXIT_USAGE
 from workers.commands._common import service_guard
+from workers.exit_codes import EXIT_USAGE
 
 HELP = "run AWP's command line (`critique awp run WORKFLOW_DIR`) with critique on the fleet"
 
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
 
     def body() -> int:
+        # lazy: workers.client loads celery; `critique --help` imports this module
         from workers.client import CritiqueClient
 
         CritiqueClient().check_fleet()  # no or another CRITIQUE_SECRET: exit 2 before AWP starts

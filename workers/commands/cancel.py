@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from workers.cli import EXIT_OK
 from workers.commands._common import (
     add_iteration_argument,
     add_json_argument,
@@ -26,6 +25,8 @@ from workers.commands._common import (
     add_worker_argument,
     service_guard,
 )
+from workers.commands._runs import load_snapshot
+from workers.exit_codes import EXIT_OK
 
 HELP = "cancel a run's unfinished submissions: each ends `cancelled`, its leases refunded"
 
@@ -42,9 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
+        # lazy: workers.cancelling loads celery; `critique --help` imports this module
         from workers.cancelling import who
+
+        # lazy: workers.client loads celery; `critique --help` imports this module
         from workers.client import CritiqueClient
-        from workers.commands._runs import load_snapshot
 
         # An unknown run (or iteration) is named as `status` names it, with a did-you-mean.
         load_snapshot(args.run_id, args.iteration, chain_errors=False)

@@ -37,7 +37,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-from workers.cli import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
+from pipeline.models import score_text
 from workers.commands._common import (
     CommandError,
     above,
@@ -47,6 +49,8 @@ from workers.commands._common import (
     unreachable_redis,
 )
 from workers.commands._pipeline import sigterm_as_exit, start_pipeline
+from workers.commands.report import write_report
+from workers.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
     from pipeline.models import CritiqueResult
@@ -96,8 +100,6 @@ def _row(sample: Sample, result: CritiqueResult) -> dict[str, Any]:
 
 
 def _table(rows: Sequence[dict[str, Any]]) -> str:
-    from pipeline.models import score_text
-
     header = ["it", "worker", "sample", "score", "status", "stop reason", "repairs"]
     body = [
         [
@@ -138,8 +140,6 @@ def _wait_iteration(
 ) -> list[tuple[Sample, CritiqueResult]]:
     """Results of one iteration, reporting each as it finishes; a failure a worker recorded
     for a submission's pass ends the demo (Celery's task state is not read: it is no evidence)."""
-    from pipeline.errors import SubmissionError
-
     finished: dict[str, CritiqueResult] = {}
     deadline = time.monotonic() + timeout
     next_state_check = time.monotonic() + 0.5
@@ -183,7 +183,11 @@ def _wait_iteration(
 def _run_samples(
     run_id: str, samples: Sequence[Sample], args: argparse.Namespace, say: Callable[[str], None]
 ) -> list[tuple[Sample, CritiqueResult]]:
+    # lazy: workers.client loads celery; `critique --help` imports this module
     from workers.client import CritiqueClient
+
+    # lazy: workers.samples is not loaded by `critique --help`, which imports this module and stays
+    # fast
     from workers.samples import iterations, overrides_for
 
     clients = {
@@ -215,9 +219,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _check_config() -> None:
     """Refuse an invalid configuration before anything starts (exit 2 naming the key)."""
-    from pipeline.config import load_config
-    from pipeline.errors import ConfigError
-
     try:
         load_config()
     except ConfigError as exc:
@@ -230,11 +231,19 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     began = time.monotonic()
     _check_config()
     embedded, url = start_pipeline(stack, say, concurrency=args.workers)
-    from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
+    # lazy: pipeline.pitfalls is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from pipeline.pitfalls import render_pitfalls
+
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
-    from workers.commands.report import write_report
+
+    # lazy: workers.samples is not loaded by `critique --help`, which imports this module and stays
+    # fast
     from workers.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
+
+    # lazy: workers.unreachable is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from workers.unreachable import unreachable_errors
 
     samples = demo_samples()

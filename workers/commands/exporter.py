@@ -28,8 +28,8 @@ from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from workers.cli import EXIT_OK
 from workers.commands._common import CommandError, above, at_least, between, service_guard
+from workers.exit_codes import EXIT_OK
 
 HELP = "serve the fleet's product metrics (verdicts, tokens, budget, latency) for Prometheus"
 DEFAULT_PORT = 9808
@@ -172,6 +172,7 @@ class FleetCollector:
             HistogramMetricFamily,
         )
 
+        # lazy: pipeline.store.metrics loads redis; `critique --help` imports this module
         from pipeline.store import metrics as m
 
         counts, durations = self._fleet.read()
@@ -236,6 +237,8 @@ class FleetCollector:
         for reason in m.REFUSALS:
             refused.add_metric([reason], counts.get(f"refused:{reason}", 0))
         yield refused
+        # lazy: pipeline.envelope is not loaded by `critique --help`, which imports this module and
+        # stays fast
         from pipeline.envelope import REASONS
 
         moved = CounterMetricFamily(
@@ -256,6 +259,7 @@ def _genai(counts: dict[str, int]) -> Iterator[Any]:
     fleet counters every worker's model calls add (:func:`workers.telemetry.metric_fields`)."""
     from prometheus_client.core import HistogramMetricFamily
 
+    # lazy: workers.telemetry loads celery; `critique --help` imports this module
     from workers.telemetry import metric_histograms
 
     tokens, durations = metric_histograms(counts)
@@ -288,6 +292,7 @@ def registry() -> Any:
     """A registry with only the fleet's metrics (no exporter-process metrics)."""
     from prometheus_client import CollectorRegistry
 
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     reg = CollectorRegistry(auto_describe=False)
@@ -299,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
     def body() -> int:
         from prometheus_client import make_wsgi_app
 
+        # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
 
         runtime.client().ping()  # exit 3 now rather than a 500 on every scrape

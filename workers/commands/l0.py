@@ -17,9 +17,13 @@ import argparse
 import time
 from typing import Any
 
-from workers.cli import EXIT_FAILED, EXIT_OK
+from pipeline.config import load_config
+from pipeline.errors import CritiqueError
+from pipeline.escaping import escape_controls
 from workers.commands._common import CommandError, add_json_argument, at_least, service_guard
-from workers.commands._text import escape_controls, json_line
+from workers.commands._input import InputError, check_config_file, one_line, read_text
+from workers.commands._text import json_line
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = "run the Layer-0 output contract (deterministic checks) on files"
 
@@ -59,10 +63,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
-    from pipeline.contract import ContractInput, build_suite
-    from pipeline.errors import CritiqueError
-    from workers.commands._input import InputError, check_config_file, one_line, read_text
+    # lazy: pipeline.contract is not loaded by `critique --help`, which imports this module and
+    # stays fast
+    from pipeline.contract import build_suite
+
+    # lazy: pipeline.contract.models is not loaded by `critique --help`, which imports this module
+    # and stays fast
+    from pipeline.contract.models import ContractInput
 
     items = []
     try:

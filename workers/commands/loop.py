@@ -20,8 +20,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from workers.cli import EXIT_OK
+from pipeline.config import load_config
+from pipeline.errors import CritiqueError
+from pipeline.models import Submission
 from workers.commands._common import CommandError, add_json_argument, service_guard
+from workers.commands._input import InputError, check_config_file, loads, one_line, read_text
+from workers.exit_codes import EXIT_OK
 
 HELP = "run the critique loop on one file (deterministic rubric or heuristic pair)"
 
@@ -85,8 +89,6 @@ def _read_output(
 ) -> tuple[str | dict[str, Any], str | None]:
     """The output and its claimed format (FILE read up to ``limit`` bytes); raises
     ValueError or ``InputError`` with a message on bad input."""
-    from workers.commands._input import loads, read_text
-
     text = read_text(str(path), limit)
     if args.critic == "rubric":
         markdown = path.suffix.lower() in (".md", ".markdown")
@@ -146,14 +148,21 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _loop(args: argparse.Namespace) -> int:
-    from pipeline.config import load_config
+    # lazy: pipeline.convergence is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from pipeline.convergence import STOP_TEXT
+
+    # lazy: pipeline.critics.rubric is not loaded by `critique --help`, which imports this module
+    # and stays fast
     from pipeline.critics.rubric import parse_paper
-    from pipeline.errors import CritiqueError
-    from pipeline.models import Submission
+
+    # lazy: pipeline.runner is not loaded by `critique --help`, which imports this module and stays
+    # fast
     from pipeline.runner import run_submission
+
+    # lazy: pipeline.wiring is not loaded by `critique --help`, which imports this module and stays
+    # fast
     from pipeline.wiring import make_context
-    from workers.commands._input import InputError, check_config_file, one_line
 
     path = Path(args.file)
     try:

@@ -18,8 +18,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from workers.cli import EXIT_OK, EXIT_USAGE
-from workers.commands._common import between, service_guard
+from workers.cli import url_problem
+from workers.commands._common import between, number_problem, service_guard
+from workers.exit_codes import EXIT_OK, EXIT_USAGE
 
 HELP = "serve the fleet to MCP clients: submit, wait, poll, status and pitfalls as MCP tools"
 
@@ -70,9 +71,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``critique mcp ARGS`` without the ``critique`` dispatcher (tests, ``python -c``); the
     dispatcher's URL check first, as ``critique`` does."""
     import os
-
-    from workers.cli import url_problem
-    from workers.commands._common import number_problem
 
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # as `critique` does
     parser = argparse.ArgumentParser(prog="critique mcp", description=HELP)

@@ -33,7 +33,10 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from workers.cli import EXIT_FAILED, EXIT_OK
+from pipeline.errors import PathEscapeError
+from pipeline.escaping import escape_controls
+from pipeline.models import CritiqueResult
+from pipeline.store.keys import lessons_scope
 from workers.commands._common import (
     CommandError,
     add_json_argument,
@@ -41,7 +44,8 @@ from workers.commands._common import (
     service_guard,
 )
 from workers.commands._runs import RunSnapshot, archive_line, load_snapshot, tally
-from workers.commands._text import escape_controls, json_line
+from workers.commands._text import json_line
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = (
     "write a run's artifacts (critique.json, CRITIQUE.md) and report.html from Redis, "
@@ -68,11 +72,19 @@ def write_report(
     root. Raises :class:`~workers.commands._common.UnknownRunError` when Redis holds nothing for
     the run, ``StoreUnavailableError`` when Redis cannot be reached.
     """
+    # lazy: pipeline.artifacts is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from pipeline.artifacts import artifact_files, atomic_write_many
-    from pipeline.models import CritiqueResult
+
+    # lazy: pipeline.pitfalls is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from pipeline.pitfalls import render_lessons
-    from pipeline.store.keys import lessons_scope
+
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
+
+    # lazy: workers.report_html is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from workers.report_html import render_report_html
 
     root = Path(out_dir) if out_dir is not None else default_root()
@@ -128,8 +140,6 @@ def run(args: argparse.Namespace) -> int:
     root = Path(args.out) if args.out else default_root()
 
     def body() -> int:
-        from pipeline.errors import PathEscapeError
-
         snap = load_snapshot(args.run_id, archive=True)
         try:
             files = write_report(args.run_id, root, snapshot=snap)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from workers.cli import EXIT_OK
 from workers.commands._common import (
     CommandError,
     add_iteration_argument,
@@ -31,6 +30,7 @@ from workers.commands._common import (
     service_guard,
 )
 from workers.commands._runs import load_snapshot, split_key
+from workers.exit_codes import EXIT_OK
 
 HELP = "resume a run's pending submissions from their last recorded step"
 
@@ -49,10 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
+        # lazy: pipeline.store.runs loads redis; `critique --help` imports this module
         from pipeline.store.runs import pass_member
+
+        # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
+
+        # lazy: workers.client loads celery; `critique --help` imports this module
         from workers.client import CritiqueClient, Handle
-        from workers.recovery import FINISHED
+
+        # lazy: workers.recovery.redriving loads celery; `critique --help` imports this module
+        from workers.recovery.redriving import FINISHED
 
         snap = load_snapshot(args.run_id, args.iteration)
         pending = [*snap.pending, *(snap.failed if args.failed else [])]

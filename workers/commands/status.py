@@ -45,10 +45,10 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from pipeline.escaping import escape_controls
 from pipeline.gates import not_counted_text
 from pipeline.models import CritiqueResult, score_text
 from workers import riding
-from workers.cli import EXIT_FAILED, EXIT_OK
 from workers.commands._common import (
     add_iteration_argument,
     add_json_argument,
@@ -64,9 +64,10 @@ from workers.commands._runs import (
     split_key,
     unscored_note,
 )
-from workers.commands._text import escape_controls, json_line, printable
+from workers.commands._text import json_line, printable
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
-__all__ = ["RunSnapshot", "load_snapshot", "render_text", "run", "service_guard", "snapshot_doc"]
+__all__ = ["render_text", "run", "snapshot_doc"]
 
 HELP = "show a run's submissions: finished (with their verdict), failed, pending"
 

@@ -61,7 +61,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE
+from pipeline.config import read_workflow
+from pipeline.errors import CritiqueError, SubmissionError
+from pipeline.escaping import escape_controls
+from pipeline.models import Submission, check_json_value
+from pipeline.store.urls import redact_url
 from workers.commands._common import (
     CommandError,
     above,
@@ -79,13 +83,17 @@ from workers.commands._input import (
     one_line,
     read_text,
 )
+from workers.commands._progress import Progress
+from workers.commands._runs import fallbacks, tally, why_lines
+from workers.commands._text import json_line, printable
+from workers.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_UNAVAILABLE
 
 HELP = "enqueue JSON submissions for critique (files or - for stdin); --wait for results"
 
 DEFAULT_LIMIT = 16 * 1024 * 1024
 """Input cap when none is given (``CritiqueConfig.max_output_bytes``'s default)."""
 
-__all__ = ["InputError", "build_overrides", "parse_documents", "read_submissions", "run"]
+__all__ = ["build_overrides", "parse_documents", "read_submissions", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -172,8 +180,6 @@ def validate(where: str, value: Any) -> Any:
     """The :class:`Submission` for one JSON value; :class:`InputError` names the field."""
     from pydantic import ValidationError
 
-    from pipeline.models import Submission
-
     if not isinstance(value, dict):
         raise InputError(
             f"{where}: expected a JSON object (a submission), got {type(value).__name__}"
@@ -234,9 +240,6 @@ def _set(overrides: dict[str, Any], assignment: str) -> None:
 
 def build_overrides(config_path: str | None, settings: list[str]) -> dict[str, Any]:
     """The configuration overrides the submissions carry (``enabled`` defaults to true)."""
-    from pipeline.config import read_workflow
-    from pipeline.models import check_json_value
-
     overrides: dict[str, Any] = {"enabled": True}
     if config_path:
         check_config_file(config_path)
@@ -271,9 +274,6 @@ FALLBACK_LIMIT = 160
 
 def _result_line(result: Any) -> str:
     """One result's line, terminal-safe (the stored result's text is not trusted)."""
-    from workers.commands._runs import fallbacks
-    from workers.commands._text import escape_controls, printable
-
     repairs = len(result.attempts)
     line = (
         f"{result.run_id}  {result.iteration}  {result.worker_id}  "
@@ -290,8 +290,6 @@ def _result_line(result: Any) -> str:
 def _result_lines(result: Any) -> str:
     """The result's line and, for an escalated or failed output, why (its deciding defects)
     and what to do next, indented under it (:meth:`CritiqueResult.why`)."""
-    from workers.commands._runs import why_lines
-
     return "\n".join([_result_line(result), *why_lines(result)])
 
 
@@ -305,14 +303,14 @@ def _handle_doc(h: Any) -> dict[str, Any]:
 
 
 def _emit(doc: dict[str, Any]) -> None:
-    from workers.commands._text import json_line
-
     print(json_line(doc), flush=True)
 
 
 def check_keys_for(subs: list[Any], config: Any) -> None:
     """Raise ``ConfigError`` when a submission would call a model whose provider key is missing
     from this process's environment (litellm is imported only when there is a model)."""
+    # lazy: pipeline.providers is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from pipeline.providers import check_keys, llm_models
 
     models = dict.fromkeys(m for sub in subs for m in llm_models(config, sub.model))
@@ -323,6 +321,7 @@ def check_keys_for(subs: list[Any], config: Any) -> None:
 def broker_url() -> str:
     """The broker's URL as :mod:`celeryconfig` reads it (``CELERY_BROKER_URL``, else
     ``REDIS_URL``)."""
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     return os.environ.get("CELERY_BROKER_URL") or runtime.redis_url()
@@ -333,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from pipeline.errors import CritiqueError
+    # lazy: workers.unreachable is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from workers.unreachable import BrokerUnavailableError, unreachable_errors
 
     try:
@@ -397,7 +397,10 @@ def refusals_since(run_ids: list[str], since: float) -> tuple[int, str]:
     message's claim, unverified, so they only explain a wait (never a verdict). Read without
     checking the events' tags: a client holding another secret than the workers' (the very case
     this explains) cannot verify them."""
+    # lazy: pipeline.store.redis loads redis; `critique --help` imports this module
     from pipeline.store.redis import RedisTraceSink
+
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     count, first = 0, ""
@@ -415,11 +418,11 @@ def _wait(
 ) -> int:
     """Print every answer as it comes, then the tally; returns the exit code. ``interrupted``:
     Ctrl-C came before the wait began (the tally of what is pending, at once)."""
-    from pipeline.errors import SubmissionError
+    # lazy: workers.client loads celery; `critique --help` imports this module
     from workers.client import CritiqueTimeout
-    from workers.commands._progress import Progress
-    from workers.commands._runs import tally
-    from workers.commands._text import json_line
+
+    # lazy: workers.unreachable is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from workers.unreachable import unreachable_errors
 
     unavailable = unreachable_errors()
@@ -506,8 +509,6 @@ def _wait(
 def timed_out_note(pending: list[Any], timeout: float, since: float) -> str:
     """The line ``--timeout`` ends on: what is still pending, and the likeliest why (messages a
     worker refused since the submit, else no worker consuming the queues)."""
-    from workers.commands._text import printable
-
     refused, reason = 0, ""
     with contextlib.suppress(Exception):  # only a better hint: never fail over it
         refused, reason = refusals_since([h.run_id for h in pending], since)
@@ -530,6 +531,7 @@ NO_WORKER_AFTER_S = 2.0
 def workers_answering(timeout: float = 1.0) -> bool:
     """Whether any Celery worker answers a ping on the broker within ``timeout`` seconds (the
     first reply ends the wait)."""
+    # lazy: workers.app loads celery; `critique --help` imports this module
     from workers.app import app
 
     return bool(app.control.ping(timeout=timeout, limit=1))
@@ -549,7 +551,6 @@ class _NoWorkerHint:
         self.done = True
         if answered:
             return
-        from pipeline.store.urls import redact_url
 
         with contextlib.suppress(Exception):  # only a hint: never fail the wait over it
             if not workers_answering():
@@ -563,8 +564,6 @@ class _NoWorkerHint:
 def interrupted_note(pending: list[Any]) -> str:
     """What Ctrl-C in ``--wait`` left behind: the pending submissions stay queued and will be
     critiqued, and the commands that follow (or stop) them."""
-    from workers.commands._text import printable
-
     if not pending:
         return "critique submit: interrupted (every submission had its answer)"
     runs = list(dict.fromkeys(h.run_id for h in pending))
@@ -579,8 +578,6 @@ def interrupted_note(pending: list[Any]) -> str:
 
 def _reason(h: Any, error: Any) -> str:
     """The one-line reason of a failed chain, without the client's "submission … of run …"."""
-    from workers.commands._text import printable
-
     message = " ".join(str(getattr(error, "message", error)).split())
     prefix = f"submission {h.worker_id} of run {h.run_id} "
     if message.startswith(prefix):

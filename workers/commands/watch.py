@@ -28,13 +28,14 @@ from collections import Counter
 from typing import Any
 
 from pipeline.errors import StoreUnavailableError
+from pipeline.escaping import escape_controls
 from pipeline.models import UNCHECKED_LINE, UNSCORED
 from workers import riding
-from workers.cli import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 from workers.commands._common import above, add_json_argument, add_run_argument, service_guard
 from workers.commands._progress import Progress
 from workers.commands._runs import chain_failures, key_of, load_snapshot, split_key
-from workers.commands._text import escape_controls, json_line, printable
+from workers.commands._text import json_line, printable
+from workers.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
 HELP = "follow a run's progress live until no submission is pending (failed ones end too)"
 
@@ -204,6 +205,7 @@ class _Watch:
     def _saw_result(self, event: dict[str, Any]) -> bool:
         """Note a result event; False when it is an earlier pass's than the registry's latest
         (read again first: the event may be of a pass begun since the last check)."""
+        # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
 
         iteration, worker_id = int(event.get("iteration", 1)), str(event.get("worker_id"))
@@ -269,6 +271,7 @@ class _Watch:
 
 def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = BLOCK_MS) -> int:
     """Follow the run; returns the exit code."""
+    # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
     w = _Watch(run_id, as_json)

@@ -93,10 +93,15 @@ from collections import deque
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
+from pipeline.model_policy import ALLOWED_MODELS_ENV, held_keys
+from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_named_secrets, parse_secrets
 from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
-from workers.cli import EXIT_FAILED, EXIT_OK
+from pipeline.store.urls import DEFAULT_REDIS_URL, store_url
 from workers.commands._common import CommandError, check_redis, service_guard
 from workers.commands._input import one_line
+from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
 
@@ -389,8 +394,6 @@ def worker_environment(env: MutableMapping[str, str]) -> None:
 def unlisted_models_warning(allowed_models: tuple[str, ...]) -> str | None:
     """The start-up warning of a worker that holds an API key and lists no ``allowed_models``:
     it refuses every submission that names a model (:mod:`pipeline.model_policy`)."""
-    from pipeline.model_policy import ALLOWED_MODELS_ENV, held_keys
-
     held = held_keys(os.environ)
     if not held or allowed_models:
         return None
@@ -405,8 +408,8 @@ def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
     """Raise ``ConfigError`` unless this worker's own configuration loads (workflow file and
     ``CRITIQUE_*`` environment) and, with ``keys`` (a worker that consumes an LLM queue), every
     model it names has its provider key. Returns its ``allowed_models``."""
-    from pipeline.config import load_config
-    from pipeline.errors import ConfigError
+    # lazy: pipeline.providers is not loaded by `critique --help`, which imports this module and
+    # stays fast
     from pipeline.providers import check_keys, configured_models
 
     try:
@@ -440,8 +443,7 @@ def _start(args: argparse.Namespace) -> int:
     if concurrency < 1:
         raise CommandError("concurrency must be ≥ 1")
     argvs = worker_argvs(args, queues, concurrency, count)
-    from pipeline.errors import ConfigError
-    from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_named_secrets, parse_secrets
+    # lazy: pipeline.store.redis_common loads redis; `critique --help` imports this module
     from pipeline.store.redis_common import check_redis_urls
 
     try:
@@ -459,7 +461,6 @@ def _start(args: argparse.Namespace) -> int:
     unlisted = unlisted_models_warning(allowed_models)
     if unlisted:
         print(f"critique worker: warning: {unlisted}", file=sys.stderr)
-    from pipeline.store.redis_common import DEFAULT_REDIS_URL, store_url
 
     store = store_url()  # CRITIQUE_STORE_URL, else REDIS_URL
     broker = os.environ.get("CELERY_BROKER_URL") or os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL

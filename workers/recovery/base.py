@@ -45,6 +45,8 @@ def stall_after_s() -> float:
     raw = os.environ.get(STALL_ENV)
     if raw:
         return max(0.1, float(raw))
+    # lazy: workers.app configures Celery, logging and os.environ on import; importing
+    # workers.recovery.base does not
     from workers.app import app
 
     return float(app.conf.task_time_limit or 600) + 30.0

@@ -84,7 +84,11 @@ def _plan(
     """The continuation of the latest pass of (run, iteration, worker) from its last recorded
     step, given its submission record ``doc`` (``RedisRunStore.submission``, read by the
     caller); ``SubmissionError`` when the submission has no recorded first message."""
-    from workers.tasks import continuation
+    # lazy: workers.routing imports workers.app, which configures Celery, logging and os.environ on
+    # import; importing workers.recovery.redriving does not. workers.tasks registers the stage
+    # tasks (app.tasks) the continuation is built from.
+    import workers.tasks  # noqa: F401
+    from workers.routing import continuation
 
     if not doc or "message" not in doc:
         raise SubmissionError(
@@ -102,6 +106,8 @@ def _plan(
 
 def _queue_of(sig: Any) -> str:
     """The queue the first task of a signature (or chain) goes to."""
+    # lazy: workers.app configures Celery, logging and os.environ on import; importing
+    # workers.recovery.redriving does not
     from workers.app import app
 
     tasks = getattr(sig, "tasks", None)

@@ -47,7 +47,9 @@ from pipeline.posture import fresh_for, posture_of
 from pipeline.store import keys
 from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.redis_common import StoreClient, store_client_from_url
-from workers import runtime
+from workers import runtime, telemetry
+from workers.app import app
+from workers.archiving import archive_due_runs
 from workers.recovery.base import (
     DEFAULT_SWEEP_S,
     LOST_GRACE_S,
@@ -562,8 +564,6 @@ class SweeperThread(threading.Thread):
     def archive(self, now: float) -> None:
         """Archive the runs that are due (:func:`workers.archiving.archive_due_runs`, which
         takes its own fleet-wide lock); a failure is logged and never stops the sweeper."""
-        from workers.archiving import archive_due_runs
-
         try:
             archive_due_runs(now)
         except CritiqueError as exc:
@@ -587,8 +587,6 @@ class SweeperThread(threading.Thread):
         return len(confirmed)
 
     def stop(self) -> None:
-        from workers.app import app
-
         self._stop_by = time.monotonic() + float(app.conf.task_time_limit or 600)
         self._stop_event.set()
 
@@ -629,8 +627,6 @@ class Sweeper(bootsteps.StartStopStep):  # type: ignore[misc]  # celery is untyp
         cyclic GC's reach (``gc.freeze``, ``workers.app``); under ``prefork``, the main
         process's own, not its children's."""
         import gc
-
-        from workers import runtime, telemetry
 
         return {
             "critique_caches": runtime.cache_sizes(),

@@ -46,6 +46,7 @@ from celery.signals import worker_ready
 from celery.worker import consumer as celery_consumer
 from kombu.transport import redis as kombu_redis
 
+from pipeline.envelope import Refusal, check_fanout
 from pipeline.store import keys
 from pipeline.store.redis_common import FailoverConnection, FailoverSSLConnection, text
 from workers import door
@@ -300,13 +301,13 @@ class _DoorGuard:
         try:
             return parent._receive_one(c)
         except RecursionError:
-            door.refuse(door.Refusal("depth", "a control message nested too deep"), "pidbox")
+            door.refuse(Refusal("depth", "a control message nested too deep"), "pidbox")
             raise Empty() from None
 
     def _deliver_fanout_message(self, message: Any, exchange: Any) -> Any:
         """A control or event message kombu can build a message of (an object with a
         properties object holding a string delivery tag, a base64 or absent body)."""
-        refusal = door.check_fanout(message)
+        refusal = check_fanout(message)
         if refusal is not None:
             door.refuse(refusal, str(exchange))
             raise Empty()
@@ -351,7 +352,7 @@ class RedisTransport(kombu_redis.Transport):
     brings them back (their stages replay their recorded outputs). A worker selects this
     transport (``broker_transport``) for ``redis://`` and ``rediss://`` brokers as it starts
     (``workers.app``); its banner and logs then name the broker
-    ``workers.recovery:RedisTransport://…``.
+    ``workers.recovery.transport:RedisTransport://…``.
     """
 
     Channel = _Channel
