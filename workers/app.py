@@ -145,7 +145,7 @@ def amqp_queue_refused(reply_text: str, vhost: str) -> Any:
         "change a queue's type in place: move the queues over as docs/operations.md says "
         f'("Upgrading to quorum queues"), or set CRITIQUE_AMQP_QUEUE_TYPE={other} on every '
         "worker and client to keep the queues the broker has",
-        key="CRITIQUE_AMQP_QUEUE_TYPE",
+        key=settings.AMQP_QUEUE_TYPE.name,
     )
 
 

@@ -418,7 +418,7 @@ def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
     except RecursionError:
         raise ConfigError(
             f"CRITIQUE_CONFIG {settings.raw(settings.CONFIG)}: nested too deeply to parse",
-            key="CRITIQUE_CONFIG",
+            key=settings.CONFIG.name,
         ) from None
     models = configured_models(config) if keys else ()
     if models:  # litellm is imported only when there is a model to check
