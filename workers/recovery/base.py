@@ -39,7 +39,7 @@ finished or in ``unacked`` this long after the probe ran. Also the slack on held
 def stall_after_s() -> float:
     """Seconds without progress before a pass counts as stalled: ``$CRITIQUE_STALL_S``, else
     the task time limit + 30 s (a stage that runs can take up to its time limit)."""
-    if settings.raw(settings.STALL_S):
+    if settings.given(settings.STALL_S):
         return settings.number(settings.STALL_S)
     # lazy: workers.app configures Celery, logging and os.environ on import; importing
     # workers.recovery.base does not
