@@ -34,12 +34,14 @@ from __future__ import annotations
 import math
 import os
 
+from pipeline import settings
 from pipeline.store import keys
 from pipeline.store.redis_common import celery_url, dead_peer_options, sentinel_transport_options
 
 _redis = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
-_time_limit = int(os.environ.get("CRITIQUE_TASK_TIME_LIMIT_S", "600"))
-_outage = max(1.0, float(os.environ.get("CRITIQUE_OUTAGE_S", "120")))
+# Every CRITIQUE_* variable read here is declared in pipeline.settings (read once, at import).
+_time_limit = settings.integer(settings.TASK_TIME_LIMIT_S)
+_outage = settings.number(settings.OUTAGE_S)
 
 # --- transport -------------------------------------------------------------------------------
 # Any of the three may be Redis Sentinel's ``sentinel://host:port;sentinel://host:port;…/db``
@@ -60,7 +62,7 @@ result_backend = celery_url(
 )
 # Redis redelivers an unacked message after the visibility timeout: keep it well above the
 # longest task so a slow LLM call is never run twice just for being slow.
-_visibility = int(os.environ.get("CRITIQUE_VISIBILITY_TIMEOUT_S", str(max(3600, 2 * _time_limit))))
+_visibility = int(settings.given(settings.VISIBILITY_TIMEOUT_S) or max(3600, 2 * _time_limit))
 # TCP keepalive on every broker connection: a peer that vanished without closing it (a host
 # gone, a network cut, a broker restart behind NAT) is found dead by the kernel after 10 s idle
 # + 3 probes 5 s apart, where the defaults took minutes (py-amqp: 60 s + 9 x 10 s; Linux: 2 h),
@@ -73,9 +75,9 @@ _KEEPALIVE = dead_peer_options()
 # holding the sweep mutex blocks others for 300 s. Sweep every interval; free the mutex sooner.
 broker_transport_options = {
     "visibility_timeout": _visibility,
-    "unacked_restore_interval": float(os.environ.get("CRITIQUE_RESTORE_INTERVAL_S", "10")),
+    "unacked_restore_interval": settings.number(settings.RESTORE_INTERVAL_S),
     "unacked_restore_throttle": 1,
-    "unacked_mutex_expire": int(os.environ.get("CRITIQUE_RESTORE_MUTEX_S", "60")),
+    "unacked_mutex_expire": settings.integer(settings.RESTORE_MUTEX_S),
     # Never block forever on a dead socket (a blackholed network, a failover): a publish or an
     # ack times out after 10 s and is retried on a new connection (not on the same one:
     # retry_on_timeout stays off). kombu's health check (every 10 s, its default 25 s) pings the
@@ -163,9 +165,9 @@ redis_socket_keepalive = True
 # Celery's own results (the gate's summary, stage errors) live as long as the run's records
 # (CRITIQUE_RUN_TTL_S, 7 days by default) unless CRITIQUE_RESULT_EXPIRES_S says otherwise.
 result_expires = int(
-    os.environ.get("CRITIQUE_RESULT_EXPIRES_S")
-    or os.environ.get("CRITIQUE_RUN_TTL_S")
-    or str(7 * 24 * 3600)
+    settings.given(settings.RESULT_EXPIRES_S)
+    or settings.given(settings.RUN_TTL_S)
+    or str(keys.DEFAULT_RUN_TTL_S)
 )
 
 # --- security: JSON only, never pickle ------------------------------------------------------
@@ -180,7 +182,7 @@ result_accept_content = ["json"]
 task_acks_late = True
 task_reject_on_worker_lost = True
 # One message at a time per process: LLM stages are long, and prefetching starves siblings.
-worker_prefetch_multiplier = int(os.environ.get("CRITIQUE_PREFETCH_MULTIPLIER", "1"))
+worker_prefetch_multiplier = settings.integer(settings.PREFETCH_MULTIPLIER)
 
 # --- time limits on every task ---------------------------------------------------------------
 task_time_limit = _time_limit
@@ -198,7 +200,7 @@ task_soft_time_limit = max(1, _time_limit - 30)
 # queues stay as Celery makes them (transient, auto-delete). Redis ignores queue arguments:
 # there the queues are the same lists as before.
 amqp_queue_type = (
-    "classic" if os.environ.get("CRITIQUE_AMQP_QUEUE_TYPE", "").strip().lower() == "classic"
+    "classic" if settings.given(settings.AMQP_QUEUE_TYPE).lower() == "classic"
     else "quorum"
 )  # fmt: skip
 task_default_queue_type = amqp_queue_type
@@ -234,17 +236,7 @@ task_routes = {
 # switches them; ``critique worker`` sets it to 0 for its processes unless it is set, because a
 # monitor turns a worker's task events on when it wants them: Flower sends ``enable_events``
 # every 5 s, so a running Flower still lists every task a ``critique worker`` receives.
-_TASK_EVENTS_ENV = "CRITIQUE_TASK_EVENTS"
-
-
-def _flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name, "").strip().lower()
-    if not raw:
-        return default
-    return raw not in ("0", "false", "no", "off")
-
-
-worker_send_task_events = _flag(_TASK_EVENTS_ENV, True)
+worker_send_task_events = settings.flag(settings.TASK_EVENTS)
 task_send_sent_event = worker_send_task_events
 task_track_started = True
 

@@ -50,6 +50,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from pipeline import settings
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -91,7 +93,7 @@ def grace_period(override: float | None) -> tuple[float, str]:
         return override, "--grace"
     from pipeline.store import keys
 
-    return float(keys.steps_grace_s()), keys.STEPS_GRACE_ENV
+    return float(keys.steps_grace_s()), settings.STEPS_GRACE_S.name
 
 
 # --- key kinds -----------------------------------------------------------------------------------

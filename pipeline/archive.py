@@ -44,16 +44,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline import signing
+from pipeline import settings, signing
 from pipeline.errors import ForgedMessageError, PermanentError
 from pipeline.models import CritiqueResult, Lesson, Pattern, check_identifier
 
 SCHEMA = 1
 """The archive format's version (the header's ``schema``); a reader refuses a newer one."""
-ARCHIVE_DIR_ENV = "CRITIQUE_ARCHIVE_DIR"
-"""The environment variable naming the archive directory."""
-WORKSPACE_ENV = "CRITIQUE_WORKSPACE"
-"""The artifacts root; the default archive directory is its ``archive`` folder."""
 SUFFIX = ".jsonl"
 """Every archive file is ``<run-id>.jsonl``."""
 RECORD_KIND = "archive"
@@ -141,10 +137,10 @@ def iso(ts: float) -> str:
 def archive_dir(env: Mapping[str, str] | None = None) -> Path:
     """``$CRITIQUE_ARCHIVE_DIR``, else ``<$CRITIQUE_WORKSPACE or ./workspace>/archive``."""
     env = os.environ if env is None else env
-    chosen = env.get(ARCHIVE_DIR_ENV, "").strip()
+    chosen = settings.given(settings.ARCHIVE_DIR, env)
     if chosen:
         return Path(chosen)
-    return Path(env.get(WORKSPACE_ENV, "").strip() or "workspace") / "archive"
+    return Path(settings.given(settings.WORKSPACE, env) or "workspace") / "archive"
 
 
 def archive_path(directory: Path, run_id: str) -> Path:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline import settings
 from pipeline.errors import ConfigError, RefusedOverrideError
 from pipeline.model_policy import model_refusal
 from pipeline.models import DEFAULT_DEFECT_CATEGORIES
@@ -54,52 +55,8 @@ RUBRIC_DIMENSIONS: tuple[str, ...] = (
 )
 
 ENV_PREFIX = "CRITIQUE_"
-# Environment variables that share the prefix but are not configuration fields.
-ENV_NON_FIELDS: frozenset[str] = frozenset(
-    {
-        "CRITIQUE_CONFIG",  # path of the workflow.awp.yaml to read
-        "CRITIQUE_WORKSPACE",  # root folder for artifacts
-        "CRITIQUE_ARCHIVE_DIR",  # where runs' durable records go (default <workspace>/archive)
-        "CRITIQUE_ARCHIVE_AFTER_S",  # workers: quiet seconds before a settled run is archived
-        "CRITIQUE_QUEUES",  # queues a `critique worker` consumes
-        "CRITIQUE_CONCURRENCY",  # worker concurrency
-        "CRITIQUE_PROCESSES",  # worker processes (`critique worker --processes`)
-        "CRITIQUE_LOG_LEVEL",
-        "CRITIQUE_KEY_PREFIX",  # Redis key prefix
-        "CRITIQUE_REDIS_MASTER",  # the Sentinel master name (with sentinel:// URLs)
-        "CRITIQUE_SENTINEL_PASSWORD",  # the Sentinels' own password (a secret)
-        "CRITIQUE_RUN_TTL_S",  # expiry of every run key
-        "CRITIQUE_LESSONS_TTL_S",  # expiry of the shared lessons keys (refreshed on each write)
-        "CRITIQUE_LESSONS_SCOPE",  # lessons per run (default) or shared by the fleet
-        "CRITIQUE_LIVE_TTL_S",  # expiry of a live pass's step records and first message
-        "CRITIQUE_STEPS_GRACE_S",  # how long a finished pass's step records stay (default 0)
-        "CRITIQUE_LEASE_TTL_S",  # how long a dead repair's budget reservation is held
-        "CRITIQUE_LEASE_DEAD_S",  # seconds without a beat before a lease's holder counts as dead
-        "CRITIQUE_LEASE_BEAT_S",  # seconds between the beats of a process's budget leases
-        "CRITIQUE_INLINE_LIMIT",  # largest stage state carried inline in a broker message
-        "CRITIQUE_VISIBILITY_TIMEOUT_S",  # Celery: redelivery of unacked messages
-        "CRITIQUE_RESTORE_INTERVAL_S",  # Celery: how often workers sweep for unacked messages
-        "CRITIQUE_RESTORE_MUTEX_S",  # Celery: how long a dead sweeper's mutex blocks others
-        "CRITIQUE_TASK_TIME_LIMIT_S",  # Celery: hard time limit of every task
-        "CRITIQUE_RESULT_EXPIRES_S",  # Celery: result backend expiry
-        "CRITIQUE_PREFETCH_MULTIPLIER",  # Celery: messages a worker process reserves
-        "CRITIQUE_TASK_EVENTS",  # Celery: task events (Flower); `critique worker` default off
-        "CRITIQUE_STALL_S",  # seconds without progress before a chain is re-driven as stalled
-        "CRITIQUE_SWEEP_S",  # workers: seconds between sweeps, probes and holder reports
-        "CRITIQUE_STALL_MAX_RESUMES",  # re-drives of one stalled chain before giving up on it
-        "CRITIQUE_OUTAGE_S",  # Celery: how long publishes and backend writes ride out an outage
-        "CRITIQUE_STORE_REPLICAS",  # store: replicas a result/count/charge must reach (WAIT)
-        "CRITIQUE_STORE_REPLICA_WAIT_MS",  # store: how long one such write waits for them
-        "CRITIQUE_STORE_URL",  # the store's Redis, when not REDIS_URL (may be a Redis Cluster)
-        "CRITIQUE_AMQP_QUEUE_TYPE",  # Celery on RabbitMQ: quorum (default) or classic queues
-        "CRITIQUE_TEST_REDIS_URL",  # the test suite's Redis
-        "CRITIQUE_TEST_REQUIRE_FASTSCAN",  # the test suite: fail, not skip, without the C scanner
-        "CRITIQUE_TEST_SENTINEL_DEMOTE",  # the test suite: run the Sentinel demotion variant
-        "CRITIQUE_LLM_API_KEY",  # API key for every LLM call (a secret: never in a workflow file)
-        "CRITIQUE_SECRET",  # HMAC key signing stage messages (a secret: never in a workflow file)
-        "CRITIQUE_ENTRY_SECRET",  # HMAC key(s) of the managers' entry messages (critique.submit)
-    }
-)
+ENV_NON_FIELDS: frozenset[str] = settings.NAMES
+"""Variables that share the prefix but are not configuration fields: :mod:`pipeline.settings`."""
 
 
 class _Block(BaseModel):
@@ -479,7 +436,7 @@ def load_config(
     """
     environ = os.environ if env is None else env
     if path is None:
-        path = environ.get("CRITIQUE_CONFIG") or None
+        path = settings.raw(settings.CONFIG, environ) or None
     data: dict[str, Any] = read_workflow(path) if path else {}
     source = "orchestration.delegation_loop.critique"
     try:

@@ -53,7 +53,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import email.utils
-import os
 import random
 import sys
 import time
@@ -63,9 +62,10 @@ from typing import Any, Literal, Protocol
 
 from pydantic import Field
 
+from pipeline import settings
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.model_policy import KEY_ENV, in_key_scope, key_scope
+from pipeline.model_policy import in_key_scope, key_scope
 from pipeline.models import Frozen, Usage
 from pipeline.providers import call_scope, check_keys, load_litellm
 from pipeline.redaction import provider_error
@@ -220,10 +220,9 @@ def complete_within(complete: Completer, request: LLMRequest) -> LLMReply:
     return reply
 
 
-API_KEY_ENV = KEY_ENV
-"""Environment variable with the operator's API key, sent only with calls to the providers of
-the configured models (:attr:`LiteLLMCompleter.key_models`); other calls, and calls without it,
-get the provider's own variable from litellm (``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY`` …)."""
+# The operator's API key (settings.LLM_API_KEY) goes only with calls to the providers of the
+# configured models (LiteLLMCompleter.key_models); other calls, and calls without it, get the
+# provider's own variable from litellm (OPENAI_API_KEY, ANTHROPIC_API_KEY …).
 
 TRANSIENT_HINT = (
     "the provider timed out, rate-limited or failed; try later, or raise llm.max_retries / "
@@ -390,7 +389,7 @@ class LiteLLMCompleter:
         self._sleep = sleep
         self._rng = rng
         self._explicit_key = api_key
-        self._product_key = os.environ.get(API_KEY_ENV) or None
+        self._product_key = settings.raw(settings.LLM_API_KEY) or None
 
     def key_for(self, model: str) -> str | None:
         """The key a call to ``model`` carries: the explicit ``api_key``; else

@@ -15,10 +15,10 @@ A model name chooses more than a model: litellm routes ``ollama/x`` to ``localho
    worker's ambient credentials or runs on the worker itself (:data:`AMBIENT_PROVIDERS`), an
    unknown prefix or no prefix at all is refused.
 
-``CRITIQUE_LLM_API_KEY`` (:data:`KEY_ENV`) belongs to the providers of the models the operator
-configured (:func:`key_scope`, used by :class:`pipeline.llm.LiteLLMCompleter`). Pure: names and
-the environment only, no litellm (``tests/unit/test_provider_keys.py`` pins these tables
-against litellm's own provider list).
+``CRITIQUE_LLM_API_KEY`` (:data:`pipeline.settings.LLM_API_KEY`) belongs to the providers of
+the models the operator configured (:func:`key_scope`, used by
+:class:`pipeline.llm.LiteLLMCompleter`). Pure: names and the environment only, no litellm
+(``tests/unit/test_provider_keys.py`` pins these tables against litellm's own provider list).
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
-KEY_ENV = "CRITIQUE_LLM_API_KEY"
-"""The product's own key variable: sent only for the providers of the configured models."""
+from pipeline import settings
 
 KEY_SUFFIXES: tuple[str, ...] = (
     "_API_KEY",
@@ -160,7 +159,7 @@ ALLOW_HINT = f"the operator may list it in allowed_models ({ALLOWED_MODELS_ENV})
 def is_key_var(name: str) -> bool:
     """True when an environment variable named ``name`` holds an LLM provider credential
     (``CRITIQUE_LLM_API_KEY``, or a name like one; other ``CRITIQUE_*`` variables are not)."""
-    if name == KEY_ENV:
+    if name == settings.LLM_API_KEY.name:
         return True
     if name.startswith("CRITIQUE_"):
         return False
@@ -170,7 +169,7 @@ def is_key_var(name: str) -> bool:
 def held_keys(env: Mapping[str, str]) -> tuple[str, ...]:
     """The credential variables set (non-empty) in ``env``, ``CRITIQUE_LLM_API_KEY`` first."""
     names = sorted(n for n, v in env.items() if v and is_key_var(n))
-    return tuple(sorted(names, key=lambda n: n != KEY_ENV))
+    return tuple(sorted(names, key=lambda n: n != settings.LLM_API_KEY.name))
 
 
 def provider_of(model: str) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline import signing
+from pipeline import settings, signing
 from pipeline.errors import ConfigError
 
 POSTURE_VERSION = 1
@@ -118,7 +118,7 @@ def refusal(
     live = [p for p in postures if p.live(now)]
     signers = [p for p in live if p.signed]
     plain = [p for p in live if not p.signed]
-    env = signing.SECRET_ENV
+    env = settings.SECRET.name
     if signers and not have:
         return ConfigError(
             f"the workers require signed messages ({_workers(signers, live)} hold a {env}) "
@@ -161,7 +161,7 @@ def entry_refusal(
     run any entry message, signed or not."""
     live = [p for p in postures if p.live(now)]
     signers = [p for p in live if p.entry_signed]
-    env = signing.ENTRY_SECRET_ENV
+    env = settings.ENTRY_SECRET.name
     names = _ids(k.name for p in signers for k in p.entry_keys)
     if signers and not have:
         return ConfigError(
@@ -170,7 +170,7 @@ def entry_refusal(
             f"message; {NOTHING_SENT}",
             key=env,
             hint=f"set {env} to your managers' key; in a one-secret fleet, whose entry key is "
-            f"named 'fleet', that is the workers' {signing.SECRET_ENV}",
+            f"named 'fleet', that is the workers' {settings.SECRET.name}",
         )
     if not signers:
         return None

@@ -37,9 +37,10 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pipeline import settings
 from pipeline.config import CritiqueConfig
 from pipeline.errors import ConfigError
-from pipeline.model_policy import KEY_ENV, in_key_scope, key_scope
+from pipeline.model_policy import in_key_scope, key_scope
 
 
 def llm_models(config: CritiqueConfig, submission_model: str | None) -> tuple[str, ...]:
@@ -93,7 +94,7 @@ def missing_keys(
     estimate), or litellm cannot tell (an unknown provider: the call reports its own error)."""
     key = api_key
     if key is None and (key_models is None or in_key_scope(model, key_scope(key_models))):
-        key = os.environ.get(KEY_ENV)
+        key = settings.raw(settings.LLM_API_KEY)
     if key:
         return ()
     litellm = load_litellm()
@@ -128,7 +129,8 @@ def check_keys(
                 f"model {shown!r} needs {names}, which {'is' if len(missing) == 1 else 'are'} "
                 f"not set in {where}",
                 key=missing[0],
-                hint=f"set {names} (or {KEY_ENV}, sent to the configured models' providers) "
+                hint=f"set {names} (or {settings.LLM_API_KEY.name}, sent to the configured "
+                "models' providers) "
                 "where the workers run, or configure another model",
             )
 

@@ -23,6 +23,7 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 
+from pipeline import settings
 from pipeline.model_policy import held_keys
 
 SHOWN = "***"
@@ -30,7 +31,7 @@ MAX_PROVIDER_MESSAGE = 200
 """Characters of a provider's own message kept in a failure reason (after scrubbing)."""
 MIN_SECRET_CHARS = 8
 """A configured value shorter than this is not searched for (it would hide ordinary words)."""
-SIGNING_SECRETS = ("CRITIQUE_SECRET", "CRITIQUE_ENTRY_SECRET")
+SIGNING_SECRETS = (settings.SECRET.name, settings.ENTRY_SECRET.name)
 
 _KEY_SHAPES = re.compile(
     r"""(?x)

@@ -50,7 +50,8 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import IO
 
-from pipeline.archive import WORKSPACE_ENV, archive_dir
+from pipeline import settings
+from pipeline.archive import archive_dir
 from pipeline.errors import ConfigError, PathEscapeError
 
 SYSTEM_PATH: tuple[str, ...] = ("/usr/local/bin", "/usr/bin", "/bin")
@@ -278,7 +279,7 @@ def state_dirs(environ: Mapping[str, str] | None = None) -> tuple[str, ...]:
     the command's own temp dir or the Python its ``PATH`` starts with is left out (hiding it
     would hide the command itself); ``/`` never counts."""
     source = os.environ if environ is None else environ
-    workspace = source.get(WORKSPACE_ENV, "").strip() or "workspace"
+    workspace = settings.given(settings.WORKSPACE, source) or "workspace"
     needed = [
         os.path.realpath(tempfile.gettempdir()),
         os.path.realpath(minimal_path().split(":")[0]),

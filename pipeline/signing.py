@@ -34,19 +34,17 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pipeline import settings
 from pipeline.errors import ConfigError, ForgedMessageError
 
 SIG_FIELD = "sig"
 """The message field that carries the signature."""
 SCHEME = "hmac-sha256:"
 """The signature's prefix: the algorithm, so another one can be introduced later."""
-SECRET_ENV = "CRITIQUE_SECRET"
-"""The environment variable holding the secret(s), comma-separated, the signing one first."""
-ENTRY_SECRET_ENV = "CRITIQUE_ENTRY_SECRET"
-"""The environment variable holding the managers' key(s) for entry messages
-(``critique.submit``), comma-separated like :data:`SECRET_ENV`. Unset: entry messages are signed
-with :data:`SECRET_ENV` (one-secret setups). Set: entry messages verify only with it, and stage
-messages and records only with :data:`SECRET_ENV`, a key the managers never hold."""
+# The keys' variables, CRITIQUE_SECRET and CRITIQUE_ENTRY_SECRET: pipeline.settings. The managers'
+# key(s) (comma-separated like the secrets), when set, verify entry messages only, and stage
+# messages and records verify only with CRITIQUE_SECRET, a key the managers never hold; unset,
+# entry messages are signed with CRITIQUE_SECRET (one-secret setups).
 MIN_SECRET_CHARS = 16
 """Shortest secret accepted: a guessable key would make the signature worthless."""
 TASK_FIELD = "task_name"
@@ -58,7 +56,7 @@ RECORD_DOMAIN = b"critique-record:"
 canonical JSON starts with ``{``, so the two can never be confused."""
 
 
-def parse_secrets(raw: str | None, env: str = SECRET_ENV) -> tuple[bytes, ...]:
+def parse_secrets(raw: str | None, env: str = settings.SECRET.name) -> tuple[bytes, ...]:
     """The secrets in ``raw`` (comma-separated, the signing one first); ``()`` when unset/blank.
 
     Raises ``ConfigError`` (naming ``env``, never its value) for a secret shorter than
@@ -83,7 +81,8 @@ FLEET_IDENTITY = "fleet"
 """Who signed with ``CRITIQUE_SECRET`` (the workers' key; the Python client's own path, and
 entry messages of one-secret setups): the identity a run opened that way is bound to."""
 ENTRY_IDENTITY = "entry"
-"""Who signed with an unnamed managers' key (a bare item of :data:`ENTRY_SECRET_ENV`)."""
+"""Who signed with an unnamed managers' key (a bare item of
+:data:`~pipeline.settings.ENTRY_SECRET`)."""
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
@@ -94,7 +93,7 @@ def entry_identity(name: str) -> str:
 
 
 def parse_named_secrets(
-    raw: str | None, env: str = ENTRY_SECRET_ENV
+    raw: str | None, env: str = settings.ENTRY_SECRET.name
 ) -> tuple[tuple[str, bytes], ...]:
     """The ``(name, secret)`` items of ``raw``: comma-separated, each ``name=secret`` or a bare
     secret (name ``""``: one unnamed manager, as before names existed); a name may repeat, for

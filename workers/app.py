@@ -25,6 +25,7 @@ from celery.signals import (
 )
 from kombu.utils.objects import cached_property
 
+from pipeline import settings
 from pipeline.errors import ConfigError
 from pipeline.providers import load_litellm
 from pipeline.store import keys
@@ -122,11 +123,12 @@ def settle_amqp_settings(conf: Any, env: Any = None) -> None:
     once: at most the tasks still running from before are reserved in addition, and they wait
     for a free slot. Redis brokers keep Celery's default (the reduction is client-side there)."""
     env = os.environ if env is None else env
-    raw = str(env.get("CRITIQUE_AMQP_QUEUE_TYPE") or "").strip().lower()
+    name = settings.AMQP_QUEUE_TYPE.name
+    raw = settings.given(settings.AMQP_QUEUE_TYPE, env).lower()
     if raw and raw not in ("quorum", "classic"):
         raise ConfigError(
-            f"CRITIQUE_AMQP_QUEUE_TYPE={raw!r}: use quorum (the default) or classic",
-            key="CRITIQUE_AMQP_QUEUE_TYPE",
+            f"{name}={raw!r}: use quorum (the default) or classic",
+            key=name,
         )
     conf.worker_enable_prefetch_count_reduction = False
 
@@ -143,7 +145,7 @@ def amqp_queue_refused(reply_text: str, vhost: str) -> Any:
         "change a queue's type in place: move the queues over as docs/operations.md says "
         f'("Upgrading to quorum queues"), or set CRITIQUE_AMQP_QUEUE_TYPE={other} on every '
         "worker and client to keep the queues the broker has",
-        key="CRITIQUE_AMQP_QUEUE_TYPE",
+        key=settings.AMQP_QUEUE_TYPE.name,
     )
 
 

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import socket
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import archive
+from pipeline import archive, settings
 from pipeline.archive import ArchiveError, RunRecord
 from pipeline.errors import ConfigError, CritiqueError, PathEscapeError
 from pipeline.models import CritiqueResult
@@ -37,9 +36,7 @@ from workers import runtime
 
 log = logging.getLogger(__name__)
 
-ARCHIVE_AFTER_ENV = "CRITIQUE_ARCHIVE_AFTER_S"
-"""Seconds a settled run stays quiet before the sweeper archives it (0: this worker never does)."""
-DEFAULT_ARCHIVE_AFTER_S = 600.0
+DEFAULT_ARCHIVE_AFTER_S = settings.number(settings.ARCHIVE_AFTER_S, {})
 MARGIN_MAX_S = 3600.0
 """A changed run is archived again once its first record key expires within this (or within a
 quarter of the run TTL, if that is shorter)."""
@@ -71,7 +68,7 @@ class Archived:
 
 def archive_after_s() -> float:
     """``$CRITIQUE_ARCHIVE_AFTER_S`` (≥ 0; 0 turns this worker's archiving off), default 600."""
-    raw = os.environ.get(ARCHIVE_AFTER_ENV, "").strip()
+    raw = settings.given(settings.ARCHIVE_AFTER_S)
     if not raw:
         return DEFAULT_ARCHIVE_AFTER_S
     try:
@@ -80,8 +77,8 @@ def archive_after_s() -> float:
         value = -1.0
     if not value >= 0 or value == float("inf"):
         raise ConfigError(
-            f"{ARCHIVE_AFTER_ENV}={raw!r} is not a number of seconds ≥ 0",
-            key=ARCHIVE_AFTER_ENV,
+            f"{settings.ARCHIVE_AFTER_S.name}={raw!r} is not a number of seconds ≥ 0",
+            key=settings.ARCHIVE_AFTER_S.name,
             hint="unset it for the 600 s default; 0 turns this worker's archiving off",
         )
     return value

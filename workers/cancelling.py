@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import signing
+from pipeline import settings, signing
 from pipeline.errors import ConfigError, ForgedMessageError, SubmissionError
 from pipeline.models import CritiqueResult, cancelled_result
 from pipeline.runner import pass_lease_prefix
@@ -268,7 +268,7 @@ def _check_signer(run_id: str, open_: list[str]) -> None:
             raise ConfigError(
                 f"run {run_id}'s passes are signed by workers that hold CRITIQUE_SECRET, and "
                 "this process has none: nothing was cancelled",
-                key="CRITIQUE_SECRET",
+                key=settings.SECRET.name,
                 hint=hint,
             )
         return
@@ -278,6 +278,6 @@ def _check_signer(run_id: str, open_: list[str]) -> None:
         raise ConfigError(
             f"run {run_id}'s passes are not signed with this process's CRITIQUE_SECRET (the "
             "workers use another one, or none): nothing was cancelled",
-            key="CRITIQUE_SECRET",
+            key=settings.SECRET.name,
             hint=hint,
         ) from None

@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import signing
+from pipeline import settings, signing
 from pipeline.admission import admit
 from pipeline.artifacts import manager_summary
 from pipeline.config import check_submission_model
@@ -75,7 +75,7 @@ def _check_secret_matches(subs: Sequence[Submission]) -> None:
                 + " does not verify with this process's CRITIQUE_SECRET: the workers sign with "
                 "another secret (or none), so they would refuse these messages too; nothing "
                 "was submitted",
-                key="CRITIQUE_SECRET",
+                key=settings.SECRET.name,
                 hint="compare the manager's CRITIQUE_SECRET with the workers': they must be "
                 "the same",
             )

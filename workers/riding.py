@@ -18,19 +18,18 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from pipeline import settings
 from pipeline.errors import StoreUnavailableError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-OUTAGE_ENV = "CRITIQUE_OUTAGE_S"
-DEFAULT_OUTAGE_S = 120.0
+DEFAULT_OUTAGE_S = settings.number(settings.OUTAGE_S, {})
 FIRST_DELAY_S = 0.05
 MAX_DELAY_S = 1.0
 STREAM_UP_S = 5.0
@@ -41,9 +40,8 @@ same one going on)."""
 def outage_s() -> float:
     """How long a read without a deadline of its own rides out an outage (``$CRITIQUE_OUTAGE_S``,
     default 120 s; at least 1 s)."""
-    raw = os.environ.get(OUTAGE_ENV, "").strip()
     try:
-        return max(1.0, float(raw)) if raw else DEFAULT_OUTAGE_S
+        return settings.number(settings.OUTAGE_S)
     except ValueError:
         return DEFAULT_OUTAGE_S
 
@@ -111,7 +109,7 @@ class Outage:
 def gave_up(what: str, timeout: float | None) -> str:
     """Why a read loop stopped retrying: ``what``'s own ``timeout``, or ``CRITIQUE_OUTAGE_S``."""
     if timeout is None:
-        return f"retried {OUTAGE_ENV}={outage_s():g} s"
+        return f"retried {settings.OUTAGE_S.name}={outage_s():g} s"
     return f"retried until the {what}'s timeout of {timeout:g} s"
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from pydantic import Field
 
-from pipeline import signing
+from pipeline import settings, signing
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.lru import LRU
@@ -58,7 +58,7 @@ from pipeline.wiring import (
 from workers import telemetry
 
 MESSAGE_VERSION = 1
-INLINE_LIMIT = int(os.environ.get("CRITIQUE_INLINE_LIMIT", str(16 * 1024)))
+INLINE_LIMIT = settings.integer(settings.INLINE_LIMIT)
 """Largest state JSON (bytes) carried inline in a message; larger goes to a blob."""
 
 
@@ -85,11 +85,11 @@ def store_setting() -> str:
 def secrets() -> tuple[bytes, ...]:
     """The message-signing secrets in ``$CRITIQUE_SECRET`` (read at every call, so a test or
     ``critique demo`` may set it late); ``()`` when unset: messages go unsigned and unchecked."""
-    return _parse_secrets(os.environ.get(signing.SECRET_ENV))
+    return _parse_secrets(settings.raw(settings.SECRET))
 
 
 @functools.lru_cache(maxsize=4)
-def _parse_secrets(raw: str | None, env: str = signing.SECRET_ENV) -> tuple[bytes, ...]:
+def _parse_secrets(raw: str | None, env: str = settings.SECRET.name) -> tuple[bytes, ...]:
     return signing.parse_secrets(raw, env)
 
 
@@ -99,7 +99,7 @@ def entry_keys() -> tuple[tuple[str, bytes], ...]:
     ``name=key`` is the identity ``entry:<name>``, a bare key the unnamed ``entry``), else
     :func:`secrets`, each the identity ``fleet`` (one-secret setups); ``()`` when neither is
     set: entry messages go unchecked, and runs have no owner."""
-    raw = os.environ.get(signing.ENTRY_SECRET_ENV)
+    raw = settings.raw(settings.ENTRY_SECRET)
     if raw is not None and raw.strip():
         return _parse_entry_keys(raw)
     return tuple((signing.FLEET_IDENTITY, key) for key in secrets())
@@ -107,7 +107,7 @@ def entry_keys() -> tuple[tuple[str, bytes], ...]:
 
 @functools.lru_cache(maxsize=4)
 def _parse_entry_keys(raw: str) -> tuple[tuple[str, bytes], ...]:
-    named = signing.parse_named_secrets(raw, signing.ENTRY_SECRET_ENV)
+    named = signing.parse_named_secrets(raw, settings.ENTRY_SECRET.name)
     return tuple((signing.entry_identity(name), key) for name, key in named)
 
 
@@ -295,7 +295,7 @@ def context_for(overrides: dict[str, Any] | None) -> StageContext:
             patterns=s.patterns,
             budget=s.budget,
             trace=s.trace,
-            lease_ttl_s=float(os.environ.get("CRITIQUE_LEASE_TTL_S", "900")),
+            lease_ttl_s=settings.number(settings.LEASE_TTL_S),
             read_file=file_bytes,
             l0=contract_l0(config, file_bytes, eager=True),
             fixpoint=simhash_fixpoint(eager=True),

@@ -22,24 +22,19 @@ they touch in ``KEYS``; none builds a key name from ``ARGV``.
 from __future__ import annotations
 
 import hashlib
-import os
 from typing import NamedTuple
 
+from pipeline import settings
 from pipeline.errors import ConfigError
 from pipeline.models import LessonScope, check_identifier
 
 # --- environment -----------------------------------------------------------------------------
 
-PREFIX_ENV = "CRITIQUE_KEY_PREFIX"  # env var that overrides the key prefix
-DEFAULT_PREFIX = "critique"  # key prefix when the env var is unset
-RUN_TTL_ENV = "CRITIQUE_RUN_TTL_S"  # env var that overrides the run TTL (seconds)
+# (the variables themselves: pipeline.settings)
+DEFAULT_PREFIX = "critique"  # key prefix when CRITIQUE_KEY_PREFIX is unset
 DEFAULT_RUN_TTL_S = 7 * 24 * 3600  # a run's keys live 7 days after their last write
-LIVE_TTL_ENV = "CRITIQUE_LIVE_TTL_S"  # env var that overrides the live-chain TTL (seconds)
 DEFAULT_LIVE_TTL_S = 24 * 3600  # a live pass's steps and first message, after their last write
-STEPS_GRACE_ENV = "CRITIQUE_STEPS_GRACE_S"  # env var: keep a finished pass's steps this long
-LESSONS_TTL_ENV = "CRITIQUE_LESSONS_TTL_S"  # env var that overrides the lessons TTL (seconds)
 DEFAULT_LESSONS_TTL_S = 30 * 24 * 3600  # lessons live 30 days after the last run that taught one
-LESSONS_SCOPE_ENV = "CRITIQUE_LESSONS_SCOPE"  # env var: "run" (default) or "fleet" (opt-in)
 LESSONS_SCOPES = ("run", "fleet")  # a run's lessons are its own, or shared by the whole fleet
 
 # --- queues and tasks (celeryconfig and workers.routing route by these names) ----------------
@@ -166,7 +161,7 @@ HOLDERS = "critique.holders"  # hash ``<unacked key>.critique.holders``: worker 
 
 def key_prefix() -> str:
     """The key prefix: ``$CRITIQUE_KEY_PREFIX`` or ``critique``."""
-    return check_prefix(os.environ.get(PREFIX_ENV) or DEFAULT_PREFIX)
+    return check_prefix(settings.raw(settings.KEY_PREFIX) or DEFAULT_PREFIX)
 
 
 def check_prefix(prefix: str) -> str:
@@ -175,14 +170,15 @@ def check_prefix(prefix: str) -> str:
         raise ConfigError(
             f"Redis key prefix {prefix!r} must be non-empty, without braces, glob characters "
             "or whitespace",
-            key=PREFIX_ENV,
+            key=settings.KEY_PREFIX.name,
         )
     return prefix
 
 
-def _seconds_env(name: str, default: int, hint: str) -> int:
-    """``$name`` as a positive whole number of seconds, or ``default`` when unset or blank."""
-    raw = os.environ.get(name)
+def _seconds_env(setting: settings.Setting, default: int, hint: str) -> int:
+    """``setting`` as a positive whole number of seconds, or ``default`` when unset or blank."""
+    name = setting.name
+    raw = settings.raw(setting)
     if raw is None or not raw.strip():
         return default
     try:
@@ -198,7 +194,7 @@ def _seconds_env(name: str, default: int, hint: str) -> int:
 
 def run_ttl_s() -> int:
     """The run TTL in seconds: ``$CRITIQUE_RUN_TTL_S`` (a positive integer) or 7 days."""
-    return _seconds_env(RUN_TTL_ENV, DEFAULT_RUN_TTL_S, "unset it for the 7-day default")
+    return _seconds_env(settings.RUN_TTL_S, DEFAULT_RUN_TTL_S, "unset it for the 7-day default")
 
 
 def live_ttl_s() -> int:
@@ -207,14 +203,15 @@ def live_ttl_s() -> int:
     A pass's step records and first message serve only its live chain: they are deleted when
     its result lands, and expire this long after their last write if it never does (a pass
     queued longer than this loses its replay records and its re-drive)."""
-    return _seconds_env(LIVE_TTL_ENV, DEFAULT_LIVE_TTL_S, "unset it for the 1-day default")
+    return _seconds_env(settings.LIVE_TTL_S, DEFAULT_LIVE_TTL_S, "unset it for the 1-day default")
 
 
 def steps_grace_s() -> int:
     """How long a finished pass's step records stay readable (for inspection), in seconds:
     ``$CRITIQUE_STEPS_GRACE_S`` (a whole number, 0 or more) or 0, deleted with the result. A
     late delivery of a finished pass's step never needs them: it ends at the result."""
-    raw = os.environ.get(STEPS_GRACE_ENV)
+    name = settings.STEPS_GRACE_S.name
+    raw = settings.raw(settings.STEPS_GRACE_S)
     if raw is None or not raw.strip():
         return 0
     try:
@@ -223,8 +220,8 @@ def steps_grace_s() -> int:
         value = -1
     if value < 0:
         raise ConfigError(
-            f"{STEPS_GRACE_ENV}={raw!r} is not a whole number of seconds (0 or more)",
-            key=STEPS_GRACE_ENV,
+            f"{name}={raw!r} is not a whole number of seconds (0 or more)",
+            key=name,
             hint="unset it to release a pass's steps when its result lands",
         )
     return value
@@ -235,7 +232,9 @@ def lessons_ttl_s() -> int:
 
     Lessons are shared by every run; each write pushes their expiry back out, so they vanish
     only after this long without a run teaching one."""
-    return _seconds_env(LESSONS_TTL_ENV, DEFAULT_LESSONS_TTL_S, "unset it for the 30-day default")
+    return _seconds_env(
+        settings.LESSONS_TTL_S, DEFAULT_LESSONS_TTL_S, "unset it for the 30-day default"
+    )
 
 
 def lessons_scope() -> LessonScope:
@@ -246,13 +245,14 @@ def lessons_scope() -> LessonScope:
     written to the shared lessons keys; ``fleet`` is the operator's consent to one shared
     store, where any run that can submit puts text into every run's ``lessons.md``, bounded
     per run (:data:`~pipeline.store.base.MAX_LESSONS_PER_RUN`) and labelled with counts."""
-    raw = (os.environ.get(LESSONS_SCOPE_ENV) or "").strip().lower()
+    name = settings.LESSONS_SCOPE.name
+    raw = settings.given(settings.LESSONS_SCOPE).lower()
     if raw in ("", "run"):
         return "run"
     if raw != "fleet":
         raise ConfigError(
-            f"{LESSONS_SCOPE_ENV}={raw!r} is neither 'run' nor 'fleet'",
-            key=LESSONS_SCOPE_ENV,
+            f"{name}={raw!r} is neither 'run' nor 'fleet'",
+            key=name,
             hint="unset it to keep each run's lessons to itself",
         )
     return "fleet"

@@ -35,12 +35,11 @@ import time
 import weakref
 from typing import Literal, Protocol
 
+from pipeline import settings
 from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-LEASE_BEAT_ENV = "CRITIQUE_LEASE_BEAT_S"  # seconds between two beats of a holder's leases
-LEASE_DEAD_ENV = "CRITIQUE_LEASE_DEAD_S"  # seconds without a beat before a lease is released
 DEFAULT_LEASE_BEAT_S = 5.0
 DEFAULT_LEASE_DEAD_S = 20.0
 """Four beats: a holder whose beats fail three times in a row (a Redis blip, a stalled
@@ -59,8 +58,9 @@ class BeatingLedger(Protocol):
     def beat(self, run_id: str, lease_ids: list[str]) -> dict[str, Beat]: ...
 
 
-def _seconds(name: str, default: float) -> float:
-    raw = os.environ.get(name)
+def _seconds(setting: settings.Setting, default: float) -> float:
+    name = setting.name
+    raw = settings.raw(setting)
     if raw is None or not raw.strip():
         return default
     try:
@@ -75,13 +75,13 @@ def _seconds(name: str, default: float) -> float:
 def lease_dead_s() -> float:
     """Seconds a lease lives without a beat: ``$CRITIQUE_LEASE_DEAD_S`` (default 20; 0: no
     liveness, only the TTL)."""
-    return _seconds(LEASE_DEAD_ENV, DEFAULT_LEASE_DEAD_S)
+    return _seconds(settings.LEASE_DEAD_S, DEFAULT_LEASE_DEAD_S)
 
 
 def lease_beat_s(dead_s: float) -> float:
     """Seconds between beats: ``$CRITIQUE_LEASE_BEAT_S`` (default 5), at most a third of
     ``dead_s`` (two beats may fail and a live holder still keeps its leases)."""
-    beat = _seconds(LEASE_BEAT_ENV, DEFAULT_LEASE_BEAT_S) or DEFAULT_LEASE_BEAT_S
+    beat = _seconds(settings.LEASE_BEAT_S, DEFAULT_LEASE_BEAT_S) or DEFAULT_LEASE_BEAT_S
     return min(beat, dead_s / 3) if dead_s > 0 else beat
 
 

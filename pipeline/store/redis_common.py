@@ -47,15 +47,13 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from pipeline import settings
 from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.store import keys
 from pipeline.store.urls import (  # every URL's parser and check live in one module
     CLUSTER_SCHEMES,
     DEFAULT_SENTINEL_PORT,
-    MASTER_ENV,
-    SENTINEL_PASSWORD_ENV,
     SETTINGS,
-    STORE_URL_ENV,
     cannot_reach,
     check_url,
     check_urls,
@@ -115,7 +113,7 @@ def sentinel_kwargs(env: Mapping[str, str] | None = None) -> dict[str, Any]:
         "socket_keepalive": True,
         "retry": None,
     }
-    password = env.get(SENTINEL_PASSWORD_ENV)
+    password = settings.raw(settings.SENTINEL_PASSWORD, env)
     if password:
         out["password"] = password
     return out
@@ -149,7 +147,7 @@ def sentinel_transport_options(url: str, env: Mapping[str, str] | None = None) -
         return {}
     env = os.environ if env is None else env
     opts: dict[str, Any] = {"sentinel_kwargs": sentinel_kwargs(env)}
-    name = (env.get(MASTER_ENV) or "").strip()
+    name = (settings.raw(settings.REDIS_MASTER, env) or "").strip()
     if name:
         opts["master_name"] = name
     return opts
@@ -355,7 +353,7 @@ def client_from_url(
 def store_client_from_url(
     url: str,
     *,
-    setting: str = STORE_URL_ENV,
+    setting: str = settings.STORE_URL.name,
     env: Mapping[str, str] | None = None,
     **kwargs: Any,
 ) -> StoreClient:
@@ -461,7 +459,8 @@ def _unavailable(client: StoreClient, exc: BaseException) -> StoreUnavailableErr
         )
     elif isinstance(client.connection_pool, redis.sentinel.SentinelConnectionPool):
         hint = (
-            f"do the Sentinels at {url} know a master? check {setting} and {MASTER_ENV} "
+            f"do the Sentinels at {url} know a master? check {setting} and "
+            f"{settings.REDIS_MASTER.name} "
             "(a failover takes the Sentinels' down-after-milliseconds plus a few seconds)"
         )
     else:
@@ -508,22 +507,18 @@ def resolve_prefix(prefix: str | None) -> str:
 
 
 # -- acknowledged writes on a replica ------------------------------------------------------------
-REPLICAS_ENV = "CRITIQUE_STORE_REPLICAS"
-"""How many replicas must hold a result, a pattern count or a budget charge before the worker
-moves on (``WAIT``): 0 (the default) waits for none."""
-REPLICA_WAIT_ENV = "CRITIQUE_STORE_REPLICA_WAIT_MS"
-"""How long one write waits for them (default 2000 ms) before it counts as not written."""
 DEFAULT_REPLICA_WAIT_MS = 2000
 
 
 def replicas_required(env: Mapping[str, str] | None = None) -> tuple[int, int]:
-    """``(replicas, wait_ms)`` from :data:`REPLICAS_ENV` and :data:`REPLICA_WAIT_ENV`; a value
+    """``(replicas, wait_ms)`` from :data:`~pipeline.settings.STORE_REPLICAS` and
+    :data:`~pipeline.settings.STORE_REPLICA_WAIT_MS`; a value
     that is not a whole number ≥ 0 (≥ 1 for the wait) is a ``ConfigError`` naming it."""
     env = os.environ if env is None else env
     out = []
     for name, default, least in (
-        (REPLICAS_ENV, 0, 0),
-        (REPLICA_WAIT_ENV, DEFAULT_REPLICA_WAIT_MS, 1),
+        (settings.STORE_REPLICAS.name, 0, 0),
+        (settings.STORE_REPLICA_WAIT_MS.name, DEFAULT_REPLICA_WAIT_MS, 1),
     ):
         raw = (env.get(name) or "").strip()
         try:
@@ -537,9 +532,10 @@ def replicas_required(env: Mapping[str, str] | None = None) -> tuple[int, int]:
 
 
 def replicated(client: StoreClient, script: Any, keys: list[str], args: list[Any]) -> Any:
-    """Run a registered store script and, when :data:`REPLICAS_ENV` asks for replicas, ``WAIT``
-    for them on the same connection (one pipeline, not a transaction) before answering: a write
-    a failover could drop (the master crashed, or was demoted, before its replicas had it) is a
+    """Run a registered store script and, when :data:`~pipeline.settings.STORE_REPLICAS` asks
+    for replicas, ``WAIT`` for them on the same connection (one pipeline, not a transaction)
+    before answering: a write a failover could drop (the master crashed, or was demoted, before
+    its replicas had it) is a
     ``StoreUnavailableError`` instead of an acknowledged write, so the task retries it (every
     such script is idempotent) on whichever master holds the data then. A Redis Cluster store
     relies on its own replicas (``WAIT`` has no key to route by): the script runs alone."""
@@ -555,9 +551,10 @@ def replicated(client: StoreClient, script: Any, keys: list[str], args: list[Any
     got, acked = pipe.execute()
     if int(acked) < wanted:
         raise StoreUnavailableError(
-            f"a write reached {int(acked)} of the {wanted} replica(s) {REPLICAS_ENV} asks for "
+            f"a write reached {int(acked)} of the {wanted} replica(s) "
+            f"{settings.STORE_REPLICAS.name} asks for "
             f"within {wait_ms} ms (a failover under way, or a replica down)",
             hint=f"the task retries it; check the replicas (INFO replication), or lower "
-            f"{REPLICAS_ENV}",
+            f"{settings.STORE_REPLICAS.name}",
         )
     return got

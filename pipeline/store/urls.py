@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import SplitResult, quote, unquote, urlsplit
 
+from pipeline import settings
 from pipeline.errors import ConfigError
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -93,10 +94,7 @@ def _amqp(u: SplitResult) -> str | None:
 # --- Sentinel URLs (also re-exported by pipeline.store.redis_common) ----------------------------
 
 SENTINEL_SCHEME = "sentinel"
-MASTER_ENV = "CRITIQUE_REDIS_MASTER"
-"""The master name the Sentinels monitor (required with a ``sentinel://`` URL)."""
-SENTINEL_PASSWORD_ENV = "CRITIQUE_SENTINEL_PASSWORD"
-"""The Sentinels' own password (``requirepass`` in their configuration), if they have one."""
+# The master's name and the Sentinels' own password: settings.REDIS_MASTER, SENTINEL_PASSWORD.
 DEFAULT_SENTINEL_PORT = 26379
 
 
@@ -172,7 +170,7 @@ def parse_sentinel_url(url: str, *, setting: str = "REDIS_URL") -> SentinelURL:
         if u.query or u.fragment:
             raise ConfigError(
                 f"{where}: query parameters are not read from a Sentinel URL; "
-                f"the master name goes in {MASTER_ENV}",
+                f"the master name goes in {settings.REDIS_MASTER.name}",
                 key=setting,
             )
         path = u.path.strip("/")
@@ -205,20 +203,20 @@ def parse_sentinel_url(url: str, *, setting: str = "REDIS_URL") -> SentinelURL:
 def sentinel_master(env: Mapping[str, str] | None = None, *, setting: str = "REDIS_URL") -> str:
     """The master name (``CRITIQUE_REDIS_MASTER``); ``ConfigError`` naming it when unset."""
     env = os.environ if env is None else env
-    name = (env.get(MASTER_ENV) or "").strip()
+    name = (settings.raw(settings.REDIS_MASTER, env) or "").strip()
     if not name:
         raise ConfigError(
-            f"{setting} is a sentinel:// URL but {MASTER_ENV} is not set: set it to the name "
+            f"{setting} is a sentinel:// URL but {settings.REDIS_MASTER.name} is not set: "
+            "set it to the name "
             "the Sentinels monitor (their 'sentinel monitor <name> <ip> <port> <quorum>' line)",
-            key=MASTER_ENV,
+            key=settings.REDIS_MASTER.name,
         )
     return name
 
 
 # --- Redis Cluster URLs (the store only; re-exported by pipeline.store.redis_common) -----------
 
-STORE_URL_ENV = "CRITIQUE_STORE_URL"
-"""The store's URL, when it is not ``REDIS_URL`` (a Redis Cluster, another Redis or Sentinel)."""
+# The store's URL, when it is not REDIS_URL: settings.STORE_URL.
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 """The URL schemes of a Redis Cluster store (plain and TLS)."""
 DEFAULT_CLUSTER_PORT = 6379
@@ -228,7 +226,7 @@ def store_url(env: Mapping[str, str] | None = None) -> str:
     """The store's URL: ``CRITIQUE_STORE_URL``, else ``REDIS_URL``, else the local default."""
     env = os.environ if env is None else env
     return (
-        (env.get(STORE_URL_ENV) or "").strip()
+        (settings.raw(settings.STORE_URL, env) or "").strip()
         or (env.get("REDIS_URL") or "").strip()
         or DEFAULT_REDIS_URL
     )
@@ -238,7 +236,11 @@ def store_setting(env: Mapping[str, str] | None = None) -> str:
     """The setting the store's URL comes from (for messages): ``CRITIQUE_STORE_URL`` when it is
     set, else ``REDIS_URL``."""
     env = os.environ if env is None else env
-    return STORE_URL_ENV if (env.get(STORE_URL_ENV) or "").strip() else "REDIS_URL"
+    return (
+        settings.STORE_URL.name
+        if (settings.raw(settings.STORE_URL, env) or "").strip()
+        else "REDIS_URL"
+    )
 
 
 def is_cluster_url(url: str | None) -> bool:
@@ -262,7 +264,7 @@ class ClusterURL:
         return f"{scheme}://" + ",".join(f"{host_part(h)}:{p}" for h, p in self.nodes)
 
 
-def parse_cluster_url(url: str, *, setting: str = STORE_URL_ENV) -> ClusterURL:
+def parse_cluster_url(url: str, *, setting: str = settings.STORE_URL.name) -> ClusterURL:
     """Parse ``redis+cluster://[user:password@]host[:port],host[:port],…[/0]`` (or
     ``rediss+cluster://`` for TLS). A cluster has database 0 only. Raises ``ConfigError``, one
     line naming ``setting``, for anything else."""
@@ -372,7 +374,7 @@ URL_SETTINGS: tuple[URLSetting, ...] = (
     URLSetting("REDIS_URL", STORE_SCHEMES, DEFAULT_REDIS_URL),
     URLSetting("CELERY_BROKER_URL", BROKER_SCHEMES, DEFAULT_REDIS_URL),
     URLSetting("CELERY_RESULT_BACKEND", REDIS_SCHEMES, DEFAULT_REDIS_URL),
-    URLSetting("CRITIQUE_STORE_URL", STORE_SCHEMES, DEFAULT_REDIS_URL),
+    URLSetting(settings.STORE_URL.name, STORE_SCHEMES, DEFAULT_REDIS_URL),
 )
 """Every URL setting a command reads, in the order they are checked."""
 

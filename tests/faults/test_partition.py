@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.store.redis_common import REPLICAS_ENV
+from pipeline import settings
 from tests.support import wait_until
 from tests.support.faults import (
     DEDUPE_SKIP,
@@ -124,8 +124,8 @@ def test_a_master_cut_off_with_one_worker_loses_no_acknowledged_result_and_count
     broker-free reference; no trace event twice; both workers consume again."""
     from workers.client import CritiqueClient
 
-    monkeypatch.setenv(REPLICAS_ENV, "1")
-    env = {**sentinel_env, REPLICAS_ENV: "1"}
+    monkeypatch.setenv(settings.STORE_REPLICAS.name, "1")
+    env = {**sentinel_env, settings.STORE_REPLICAS.name: "1"}
     url = sentinels.url()
     run_id = f"partition-{uuid.uuid4().hex[:8]}"
     subs = fault_submissions(run_id, N)

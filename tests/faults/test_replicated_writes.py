@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from pipeline import settings
 from pipeline.errors import StoreUnavailableError
 from pipeline.models import CritiqueResult
-from pipeline.store.redis_common import REPLICA_WAIT_ENV, REPLICAS_ENV, replicas_required
+from pipeline.store.redis_common import replicas_required
 from pipeline.store.runs import RedisRunStore
 from tests.support import wait_until
 from tests.support.replies import ReplyLoser, losing_replies
@@ -63,8 +64,8 @@ def _write_while_the_replica_lags(
     the master and promote the replica. Returns the run id, whether the write was acknowledged,
     and how long it took."""
     master, replica, link = pair
-    monkeypatch.setenv(REPLICAS_ENV, wanted)
-    monkeypatch.setenv(REPLICA_WAIT_ENV, "500")
+    monkeypatch.setenv(settings.STORE_REPLICAS.name, wanted)
+    monkeypatch.setenv(settings.STORE_REPLICA_WAIT_MS.name, "500")
     runs = RedisRunStore(redis.Redis(port=master.port))
     run_id = f"repl-{uuid.uuid4().hex[:8]}"
     runs.begin_pass(run_id, 1, "w1", "s1")
@@ -74,7 +75,7 @@ def _write_while_the_replica_lags(
     try:
         acknowledged = runs.put_result(_result(run_id, "s1"), pass_id="s1")
     except StoreUnavailableError as exc:
-        assert REPLICAS_ENV in str(exc) and "0 of the 1 replica" in str(exc)
+        assert settings.STORE_REPLICAS.name in str(exc) and "0 of the 1 replica" in str(exc)
         acknowledged = False
     took = time.monotonic() - began
     master.kill()
@@ -107,7 +108,7 @@ def test_with_a_replica_required_an_unreplicated_result_is_never_acknowledged(
     promoted = RedisRunStore(redis.Redis(port=pair[1].port))
     assert promoted.result(run_id, 1, "w1") is None  # lost, but never acknowledged: retried
     promoted.begin_pass(run_id, 1, "w1", "s1")  # the retried task, on the promoted master
-    monkeypatch.setenv(REPLICAS_ENV, "0")  # it has no replica of its own any more
+    monkeypatch.setenv(settings.STORE_REPLICAS.name, "0")  # it has no replica of its own any more
     assert promoted.put_result(_result(run_id, "s1"), pass_id="s1")
     assert promoted.result(run_id, 1, "w1") == _result(run_id, "s1")
 
@@ -117,7 +118,7 @@ def test_a_write_in_sync_is_acknowledged_and_on_the_replica(
 ) -> None:
     """Replicas in sync: the write returns once the replica has it (readable there at once)."""
     master, replica, _ = pair
-    monkeypatch.setenv(REPLICAS_ENV, "1")
+    monkeypatch.setenv(settings.STORE_REPLICAS.name, "1")
     runs = RedisRunStore(redis.Redis(port=master.port))
     run_id = f"repl-{uuid.uuid4().hex[:8]}"
     runs.begin_pass(run_id, 1, "w1", "s1")
@@ -131,7 +132,13 @@ def test_the_settings_are_whole_numbers_named_when_wrong() -> None:
     from pipeline.errors import ConfigError
 
     assert replicas_required({}) == (0, 2000)
-    assert replicas_required({REPLICAS_ENV: "2", REPLICA_WAIT_ENV: "250"}) == (2, 250)
-    for env in ({REPLICAS_ENV: "-1"}, {REPLICAS_ENV: "one"}, {REPLICA_WAIT_ENV: "0"}):
+    assert replicas_required(
+        {settings.STORE_REPLICAS.name: "2", settings.STORE_REPLICA_WAIT_MS.name: "250"}
+    ) == (2, 250)
+    for env in (
+        {settings.STORE_REPLICAS.name: "-1"},
+        {settings.STORE_REPLICAS.name: "one"},
+        {settings.STORE_REPLICA_WAIT_MS.name: "0"},
+    ):
         with pytest.raises(ConfigError, match=next(iter(env))):
             replicas_required(env)

@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 import redis
 
+from pipeline import settings
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store.pending import RedisPendingIndex
-from pipeline.store.redis_common import REPLICAS_ENV, FailoverConnection, celery_url
+from pipeline.store.redis_common import FailoverConnection, celery_url
 from tests.support import wait_until
 from tests.support.faults import DEDUPE_SKIP, Waiters, event_key, pattern_counts, run_results
 from tests.support.sentinel import MASTER, RedisNode, SentinelSetup, SentinelWorker, tasks_run
@@ -95,8 +96,8 @@ def test_2000_submissions_and_their_waits_through_a_sentinel_failover(
     from workers.client import CritiqueClient
     from workers.recovery.transport import SentinelTransport
 
-    monkeypatch.setenv(REPLICAS_ENV, "1")
-    env = {**sentinel_env, REPLICAS_ENV: "1"}
+    monkeypatch.setenv(settings.STORE_REPLICAS.name, "1")
+    env = {**sentinel_env, settings.STORE_REPLICAS.name: "1"}
     url = sentinels.url()
     # The workers' transport keeps kombu's health check on Sentinel connections, and uses the
     # failover-aware connection class.

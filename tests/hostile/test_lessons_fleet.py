@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from pipeline import settings
 from pipeline.store import keys
 from pipeline.store.base import MAX_LESSONS, MAX_LESSONS_PER_RUN
 from tests.hostile.lessons_flood import HONEST_RULE, flood, lessons_md, new_run, teach_honest
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration
 WORKER = WorkerSpec(
     "hostile-fleet",
     env_fixture=HOSTILE_WORKER.env_fixture,
-    more_env={keys.LESSONS_SCOPE_ENV: "fleet"},
+    more_env={settings.LESSONS_SCOPE.name: "fleet"},
 )
 """The hostile suite's worker, with the operator's consent to fleet-wide lessons."""
 
@@ -37,7 +38,7 @@ def test_a_flooding_run_holds_at_most_its_share_and_names_no_run(
     is byte for byte the same, holding neither the flooding run's id nor its text."""
     from workers import runtime
 
-    monkeypatch.setenv(keys.LESSONS_SCOPE_ENV, "fleet")  # `critique report`, as the operator's
+    monkeypatch.setenv(settings.LESSONS_SCOPE.name, "fleet")  # `critique report`, as the operator's
     first, second, attacker = new_run("honest"), new_run("honest"), new_run("flooder")
     teach_honest(first)
     teach_honest(second)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline import archive
+from pipeline import archive, settings
 from pipeline.models import CritiqueEnvelope, CritiqueResult, ReusablePattern
 from pipeline.store import keys
 from pipeline.store.archive_index import RedisArchiveIndex
@@ -218,10 +218,10 @@ def test_bad_archive_after_setting_is_a_config_error(monkeypatch: pytest.MonkeyP
     """CRITIQUE_ARCHIVE_AFTER_S must be a number of seconds ≥ 0, named in the error."""
     from pipeline.errors import ConfigError
 
-    monkeypatch.setenv(archiving.ARCHIVE_AFTER_ENV, "soon")
+    monkeypatch.setenv(settings.ARCHIVE_AFTER_S.name, "soon")
     with pytest.raises(ConfigError, match="CRITIQUE_ARCHIVE_AFTER_S"):
         archiving.archive_after_s()
-    monkeypatch.setenv(archiving.ARCHIVE_AFTER_ENV, "0")
+    monkeypatch.setenv(settings.ARCHIVE_AFTER_S.name, "0")
     assert archiving.archive_after_s() == 0
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline import settings
 from pipeline.models import CritiqueEnvelope, CritiqueResult
 from pipeline.store import keys
 from pipeline.store.runs import PassFinished, RedisRunStore, pass_member
@@ -176,7 +177,7 @@ def test_a_stage_state_blob_lives_the_live_ttl_and_never_shortens_a_longer_one(
     live blob to it."""
     from pipeline.store.blobs import RedisBlobStore
 
-    monkeypatch.setenv(keys.LIVE_TTL_ENV, "100")
+    monkeypatch.setenv(settings.LIVE_TTL_S.name, "100")
     blobs = RedisBlobStore(redis_client, ttl_s=3600)
     live = f"live state {uuid.uuid4().hex}".encode()
     key = keys.blob_key(blobs.put(live, live=True).removeprefix("sha256:"))

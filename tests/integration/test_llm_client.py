@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from pipeline import settings
 from pipeline.config import LLMConfig, load_config
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.llm import (
-    API_KEY_ENV,
     ChatMessage,
     LiteLLMCompleter,
     LLMRequest,
@@ -186,7 +186,7 @@ def test_api_key_comes_from_the_environment(
 ) -> None:
     """Without an explicit key, CRITIQUE_LLM_API_KEY is sent as the bearer token to the
     operator's llm.api_base."""
-    monkeypatch.setenv(API_KEY_ENV, "sk-from-env")
+    monkeypatch.setenv(settings.LLM_API_KEY.name, "sk-from-env")
     LiteLLMCompleter(LLMConfig(api_base=fake_llm.api_base))(request())
     assert fake_llm.requests[0]["headers"]["authorization"] == "Bearer sk-from-env"
 
@@ -368,7 +368,7 @@ def test_retry_after_parsing() -> None:
 
 def test_api_key_env_is_not_a_config_field() -> None:
     """CRITIQUE_LLM_API_KEY is accepted beside the nested CRITIQUE_LLM__* fields."""
-    cfg = load_config(env={API_KEY_ENV: "sk-x", "CRITIQUE_LLM__TIMEOUT_S": "0.5"})
+    cfg = load_config(env={settings.LLM_API_KEY.name: "sk-x", "CRITIQUE_LLM__TIMEOUT_S": "0.5"})
     assert cfg.llm.timeout_s == 0.5
 
 

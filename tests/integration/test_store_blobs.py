@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import redis
 
+from pipeline import settings
 from pipeline.errors import ConfigError
 from pipeline.store import keys
 from pipeline.store.blobs import (
@@ -65,7 +66,7 @@ def test_expired_blob_is_missing(store: RedisBlobStore, redis_client: redis.Redi
     wait_until(lambda: not redis_client.exists(key_of(ref)), 10, what="the blob to expire")
     with pytest.raises(BlobMissingError) as err:
         store.get(ref)
-    assert err.value.hint is not None and keys.RUN_TTL_ENV in err.value.hint
+    assert err.value.hint is not None and settings.RUN_TTL_S.name in err.value.hint
 
 
 def test_blob_store_requires_a_bytes_client(redis_text_client: redis.Redis) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import pytest
 import redis
 
+from pipeline import settings
 from pipeline.errors import ConfigError, StoreUnavailableError
 from pipeline.models import ReusablePattern
 from pipeline.store import keys
@@ -138,8 +139,8 @@ def test_environment_sets_prefix_and_ttl(
     redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CRITIQUE_KEY_PREFIX and CRITIQUE_RUN_TTL_S apply when no prefix or TTL is passed."""
-    monkeypatch.setenv(keys.PREFIX_ENV, "envpfx")
-    monkeypatch.setenv(keys.RUN_TTL_ENV, "120")
+    monkeypatch.setenv(settings.KEY_PREFIX.name, "envpfx")
+    monkeypatch.setenv(settings.RUN_TTL_S.name, "120")
     exercise_every_store(redis_client)
     found = [k.decode() for k in redis_client.scan_iter(match="*")]
     assert found and all(k.startswith("envpfx:") for k in found)
@@ -262,13 +263,13 @@ def test_lessons_ttl_comes_from_the_environment(
 ) -> None:
     """CRITIQUE_LESSONS_TTL_S sets the lessons TTL; a value that is not a positive number is a
     configuration error naming the variable."""
-    monkeypatch.setenv(keys.LESSONS_TTL_ENV, "600")
-    monkeypatch.setenv(keys.LESSONS_SCOPE_ENV, "fleet")
+    monkeypatch.setenv(settings.LESSONS_TTL_S.name, "600")
+    monkeypatch.setenv(settings.LESSONS_SCOPE.name, "fleet")
     RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S).record(
         "run1", "c1", 1, [rp("a", "r")]
     )
     assert 0 < redis_client.pttl(keys.shared_key(keys.LESSONS_RUNS, PREFIX)) <= 600_000
-    monkeypatch.setenv(keys.LESSONS_TTL_ENV, "soon")
+    monkeypatch.setenv(settings.LESSONS_TTL_S.name, "soon")
     with pytest.raises(ConfigError, match="CRITIQUE_LESSONS_TTL_S"):
         RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
 
@@ -278,7 +279,7 @@ def test_run_scope_writes_no_shared_lessons_key(
 ) -> None:
     """With CRITIQUE_LESSONS_SCOPE unset, recording patterns of two runs writes no lessons key:
     nothing one run taught reaches a store another run reads."""
-    monkeypatch.delenv(keys.LESSONS_SCOPE_ENV, raising=False)
+    monkeypatch.delenv(settings.LESSONS_SCOPE.name, raising=False)
     store = RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     store.record("run1", "c1", 1, [rp("a", "rule a")])
     store.record("run2", "c1", 1, [rp("a", "rule a")])

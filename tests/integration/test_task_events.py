@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
+from pipeline import settings
 from tests.support.workers import ROOT
-from workers.commands import worker
 
 PROBE = (
     "import json, celeryconfig as c; "
@@ -20,9 +20,9 @@ PROBE = (
 
 
 def _events(value: str | None) -> list[bool]:
-    env = {k: v for k, v in os.environ.items() if k != worker.TASK_EVENTS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != settings.TASK_EVENTS.name}
     if value is not None:
-        env[worker.TASK_EVENTS_ENV] = value
+        env[settings.TASK_EVENTS.name] = value
     out = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
         check=True,

@@ -7,6 +7,7 @@ from fnmatch import fnmatchcase
 import pytest
 from redis.crc import key_slot
 
+from pipeline import settings
 from pipeline.errors import ConfigError
 from pipeline.store import keys
 
@@ -40,10 +41,10 @@ def test_run_ids_that_would_break_the_hash_tag_are_refused() -> None:
 
 def test_prefix_defaults_and_env_override(monkeypatch: pytest.MonkeyPatch) -> None:
     """The prefix is "critique" unless CRITIQUE_KEY_PREFIX says otherwise."""
-    monkeypatch.delenv(keys.PREFIX_ENV, raising=False)
+    monkeypatch.delenv(settings.KEY_PREFIX.name, raising=False)
     assert keys.key_prefix() == "critique"
     assert keys.run_key("r1", keys.BUDGET) == "critique:{r1}:budget"
-    monkeypatch.setenv(keys.PREFIX_ENV, "staging")
+    monkeypatch.setenv(settings.KEY_PREFIX.name, "staging")
     assert keys.run_key("r1", keys.BUDGET) == "staging:{r1}:budget"
     assert keys.blob_key("ab" * 32) == f"staging:blob:{'ab' * 32}"
 
@@ -51,27 +52,27 @@ def test_prefix_defaults_and_env_override(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize("bad", ["a{b", "x*", "with space", "q?"])
 def test_bad_prefix_is_a_config_error(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
     """A prefix that would break hash tags or SCAN patterns is refused, naming the env var."""
-    monkeypatch.setenv(keys.PREFIX_ENV, bad)
+    monkeypatch.setenv(settings.KEY_PREFIX.name, bad)
     with pytest.raises(ConfigError) as err:
         keys.key_prefix()
-    assert err.value.key == keys.PREFIX_ENV
+    assert err.value.key == settings.KEY_PREFIX.name
 
 
 def test_run_ttl_defaults_to_seven_days(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without CRITIQUE_RUN_TTL_S a run's keys live 7 days; the env var overrides it."""
-    monkeypatch.delenv(keys.RUN_TTL_ENV, raising=False)
+    monkeypatch.delenv(settings.RUN_TTL_S.name, raising=False)
     assert keys.run_ttl_s() == 7 * 24 * 3600
-    monkeypatch.setenv(keys.RUN_TTL_ENV, "60")
+    monkeypatch.setenv(settings.RUN_TTL_S.name, "60")
     assert keys.run_ttl_s() == 60
 
 
 @pytest.mark.parametrize("bad", ["0", "-5", "soon", "1.5"])
 def test_bad_run_ttl_is_a_config_error(monkeypatch: pytest.MonkeyPatch, bad: str) -> None:
     """A TTL that is not a positive integer of seconds is refused, naming the env var."""
-    monkeypatch.setenv(keys.RUN_TTL_ENV, bad)
+    monkeypatch.setenv(settings.RUN_TTL_S.name, bad)
     with pytest.raises(ConfigError) as err:
         keys.run_ttl_s()
-    assert err.value.key == keys.RUN_TTL_ENV
+    assert err.value.key == settings.RUN_TTL_S.name
 
 
 def test_scan_pattern_matches_only_that_run() -> None:

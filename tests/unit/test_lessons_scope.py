@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.models import Lesson, ReusablePattern
@@ -32,14 +33,14 @@ def test_the_scope_is_run_unless_the_environment_says_fleet(
 ) -> None:
     """Unset or blank: run; 'fleet' (any case): fleet; anything else is a ConfigError naming
     the variable."""
-    monkeypatch.delenv(keys.LESSONS_SCOPE_ENV, raising=False)
+    monkeypatch.delenv(settings.LESSONS_SCOPE.name, raising=False)
     assert keys.lessons_scope() == "run"
-    monkeypatch.setenv(keys.LESSONS_SCOPE_ENV, " ")
+    monkeypatch.setenv(settings.LESSONS_SCOPE.name, " ")
     assert keys.lessons_scope() == "run"
-    monkeypatch.setenv(keys.LESSONS_SCOPE_ENV, "Fleet")
+    monkeypatch.setenv(settings.LESSONS_SCOPE.name, "Fleet")
     assert keys.lessons_scope() == "fleet"
-    monkeypatch.setenv(keys.LESSONS_SCOPE_ENV, "tenant")
-    with pytest.raises(ConfigError, match=keys.LESSONS_SCOPE_ENV):
+    monkeypatch.setenv(settings.LESSONS_SCOPE.name, "tenant")
+    with pytest.raises(ConfigError, match=settings.LESSONS_SCOPE.name):
         keys.lessons_scope()
 
 
@@ -54,7 +55,7 @@ def test_a_submission_configuration_cannot_name_a_lessons_scope() -> None:
 def test_run_scope_shows_a_run_only_its_own_patterns(monkeypatch: pytest.MonkeyPatch) -> None:
     """By default a run's lessons are its own patterns (taught by this run, most frequent
     first); another run's flood is not among them, and without a run id there are none."""
-    monkeypatch.delenv(keys.LESSONS_SCOPE_ENV, raising=False)
+    monkeypatch.delenv(settings.LESSONS_SCOPE.name, raising=False)
     store = MemoryPatternStore()
     store.record("honest", "c1", 1, [rp("a")])
     store.record("honest", "c2", 1, [rp("a"), rp("b")], pass_key="p2")

@@ -5,6 +5,7 @@ the switch is read from a fresh import of celeryconfig, in a child interpreter."
 
 from __future__ import annotations
 
+from pipeline import settings
 from workers.commands import worker
 
 
@@ -13,13 +14,13 @@ def test_critique_worker_turns_task_events_off_unless_the_operator_set_them() ->
     an operator's 1 (or 0) is kept."""
     env: dict[str, str] = {}
     worker.worker_environment(env)
-    assert env == {worker.TASK_EVENTS_ENV: "0"}
-    env = {worker.TASK_EVENTS_ENV: "  "}
+    assert env == {settings.TASK_EVENTS.name: "0"}
+    env = {settings.TASK_EVENTS.name: "  "}
     worker.worker_environment(env)
-    assert env[worker.TASK_EVENTS_ENV] == "0"
-    env = {worker.TASK_EVENTS_ENV: "1", "OTHER": "x"}
+    assert env[settings.TASK_EVENTS.name] == "0"
+    env = {settings.TASK_EVENTS.name: "1", "OTHER": "x"}
     worker.worker_environment(env)
-    assert env == {worker.TASK_EVENTS_ENV: "1", "OTHER": "x"}
+    assert env == {settings.TASK_EVENTS.name: "1", "OTHER": "x"}
 
 
 def test_task_events_switch_passes_the_configuration_check() -> None:
@@ -27,4 +28,4 @@ def test_task_events_switch_passes_the_configuration_check() -> None:
     check (which names unknown CRITIQUE_* variables) accepts it."""
     from pipeline.config import ENV_NON_FIELDS
 
-    assert worker.TASK_EVENTS_ENV in ENV_NON_FIELDS
+    assert settings.TASK_EVENTS.name in ENV_NON_FIELDS

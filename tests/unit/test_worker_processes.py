@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+from pipeline import settings
 from workers.cli import main
 from workers.commands import worker
 
@@ -66,7 +67,7 @@ def test_auto_is_two_processes_per_cpu_for_an_llm_threads_worker_else_one(
     per usable CPU (on a host of more than two); a critique.cpu-only worker, and a prefork or
     solo one, runs one process."""
     monkeypatch.setattr(worker, "available_cpus", lambda: 4)
-    monkeypatch.delenv(worker.PROCESSES_ENV, raising=False)
+    monkeypatch.delenv(settings.PROCESSES.name, raising=False)
     assert worker.PROCESSES_PER_CPU == 2
     assert len(_dry_run(capsys)) == 8
     assert len(_dry_run(capsys, "-Q", "critique.llm")) == 8
@@ -83,7 +84,7 @@ def test_auto_on_a_small_host_is_one_process_per_cpu(
     """A laptop's default `critique worker` (2 CPUs) starts 2 nodes (~0.5 GB), not 4; a 1-CPU
     pod one; from 3 CPUs on, two per CPU again. Every node serves every queue."""
     monkeypatch.setattr(worker, "available_cpus", lambda: cpus)
-    monkeypatch.delenv(worker.PROCESSES_ENV, raising=False)
+    monkeypatch.delenv(settings.PROCESSES.name, raising=False)
     monkeypatch.delenv("CRITIQUE_QUEUES", raising=False)
     argvs = _dry_run(capsys)
     assert len(argvs) == nodes
@@ -95,7 +96,7 @@ def test_processes_from_the_environment_and_the_option_wins(
 ) -> None:
     """$CRITIQUE_PROCESSES sets the count (and is a variable the configuration check
     accepts); --processes overrides it."""
-    monkeypatch.setenv(worker.PROCESSES_ENV, "3")
+    monkeypatch.setenv(settings.PROCESSES.name, "3")
     assert len(_dry_run(capsys)) == 3
     assert len(_dry_run(capsys, "--processes", "2")) == 2
 
@@ -110,9 +111,9 @@ def test_bad_processes_exit_2_naming_the_value(
         assert main(["worker", "--dry-run", "--processes", value]) == 2
         err = capsys.readouterr().err
         assert "--processes must be a whole number >= 1 or auto" in err and repr(value) in err
-    monkeypatch.setenv(worker.PROCESSES_ENV, value or "0")
+    monkeypatch.setenv(settings.PROCESSES.name, value or "0")
     assert main(["worker", "--dry-run"]) == 2
-    assert f"{worker.PROCESSES_ENV} must be a whole number" in capsys.readouterr().err
+    assert f"{settings.PROCESSES.name} must be a whole number" in capsys.readouterr().err
 
 
 def test_available_cpus_is_within_the_affinity_mask() -> None:

@@ -19,8 +19,9 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from pipeline import settings
 from pipeline.store.keys import QUEUE_CPU, QUEUE_LLM
-from pipeline.store.urls import STORE_URL_ENV, redact_url
+from pipeline.store.urls import redact_url
 from workers.commands._common import CommandError, check_redis
 from workers.exit_codes import EXIT_UNAVAILABLE, EXIT_USAGE
 
@@ -59,10 +60,11 @@ def wants_embedded() -> bool:
     without the broker they consume (``REDIS_URL``, and ``CELERY_BROKER_URL`` if it differs)."""
     if os.environ.get("REDIS_URL"):
         return False
-    if (os.environ.get(STORE_URL_ENV) or "").strip():
+    if (settings.raw(settings.STORE_URL) or "").strip():
         raise CommandError(
-            f"{STORE_URL_ENV} is set but REDIS_URL is not: set REDIS_URL (and CELERY_BROKER_URL "
-            f"if it differs) to the broker your workers consume, or unset {STORE_URL_ENV} to "
+            f"{settings.STORE_URL.name} is set but REDIS_URL is not: set REDIS_URL (and "
+            "CELERY_BROKER_URL if it differs) to the broker your workers consume, or unset "
+            f"{settings.STORE_URL.name} to "
             "run on an embedded Redis",
             EXIT_USAGE,
         )
@@ -95,12 +97,13 @@ def sign_with_a_private_secret(stack: contextlib.ExitStack, say: Say) -> None:
     """Without ``CRITIQUE_SECRET``, give this process (client and in-process worker alike) a
     random one until the command ends, so its stage messages are signed and checked as in a
     deployment."""
-    if os.environ.get("CRITIQUE_SECRET", "").strip():
-        say("stage messages signed with CRITIQUE_SECRET")
+    name = settings.SECRET.name
+    if settings.given(settings.SECRET):
+        say(f"stage messages signed with {name}")
         return
-    os.environ["CRITIQUE_SECRET"] = secrets.token_hex(32)
-    stack.callback(os.environ.pop, "CRITIQUE_SECRET", None)
-    say("stage messages signed with a random CRITIQUE_SECRET (this process only)")
+    os.environ[name] = secrets.token_hex(32)
+    stack.callback(os.environ.pop, name, None)
+    say(f"stage messages signed with a random {name} (this process only)")
 
 
 def check_external_workers(app: Celery, url: str) -> int:

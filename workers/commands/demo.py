@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import sys
 import time
 import uuid
@@ -37,6 +36,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError, CritiqueError, PathEscapeError, SubmissionError
 from pipeline.models import score_text
@@ -263,7 +263,7 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     except CritiqueError as exc:
         raise CommandError(str(exc), EXIT_FAILED) from None
     cap = runtime.config_for(overrides_for("heuristic")).repair_token_cap or 0
-    root = Path(args.out or os.environ.get("CRITIQUE_WORKSPACE") or "workspace")
+    root = Path(args.out or settings.raw(settings.WORKSPACE) or "workspace")
     try:
         artifacts = write_report(run_id, root)
     except PathEscapeError as exc:  # a symlink under the root: nothing was written

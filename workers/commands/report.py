@@ -29,10 +29,10 @@ no verdict); 2 bad usage, an unknown run, an unwritable folder or a symlink unde
 from __future__ import annotations
 
 import argparse
-import os
 from collections import defaultdict
 from pathlib import Path
 
+from pipeline import settings
 from pipeline.errors import PathEscapeError
 from pipeline.escaping import escape_controls
 from pipeline.models import CritiqueResult
@@ -57,7 +57,7 @@ PATTERN_LIMIT = 1000
 
 def default_root() -> Path:
     """``$CRITIQUE_WORKSPACE`` or ``./workspace``."""
-    return Path(os.environ.get("CRITIQUE_WORKSPACE") or "workspace")
+    return Path(settings.raw(settings.WORKSPACE) or "workspace")
 
 
 def write_report(

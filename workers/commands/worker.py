@@ -93,10 +93,11 @@ from collections import deque
 from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
+from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.model_policy import ALLOWED_MODELS_ENV, held_keys
-from pipeline.signing import ENTRY_SECRET_ENV, SECRET_ENV, parse_named_secrets, parse_secrets
+from pipeline.signing import parse_named_secrets, parse_secrets
 from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
 from pipeline.store.urls import DEFAULT_REDIS_URL, store_url
 from workers.commands._common import CommandError, check_redis, service_guard
@@ -123,11 +124,10 @@ SMALL_HOST_CPUS = 2
 from ``--processes auto``: the memory of two per CPU (~230 MB each) buys little there."""
 THREAD_POOLS = ("threads", "gevent", "eventlet")
 """Pools whose concurrency is threads (or greenlets) of one process: several processes."""
-PROCESSES_ENV = "CRITIQUE_PROCESSES"
-TASK_EVENTS_ENV = "CRITIQUE_TASK_EVENTS"
-"""1 or 0: task events (what Flower lists; see celeryconfig). Unset, this command's processes
-send none until a monitor asks for them (Flower's ``enable_events``, every 5 s): each event
-is a PUBLISH, four per stage, about 12 % of an LLM-bound worker's CPU."""
+# CRITIQUE_TASK_EVENTS (pipeline.settings), 1 or 0: task events (what Flower lists; see
+# celeryconfig). Unset, this command's processes send none until a monitor asks for them
+# (Flower's ``enable_events``, every 5 s): each event is a PUBLISH, four per stage, about 12 %
+# of an LLM-bound worker's CPU.
 MAX_RESTARTS = 5
 """Unexpected child exits tolerated within :data:`RESTART_WINDOW_S` (more: a crash loop)."""
 RESTART_WINDOW_S = 60.0
@@ -195,7 +195,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-Q",
         "--queues",
-        default=os.environ.get("CRITIQUE_QUEUES", ",".join(KNOWN_QUEUES)),
+        default=settings.value(settings.QUEUES),
         help="comma-separated queues to consume (default: $CRITIQUE_QUEUES or all three)",
     )
     parser.add_argument(
@@ -217,16 +217,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-l",
         "--loglevel",
-        default=os.environ.get("CRITIQUE_LOG_LEVEL", "INFO"),
+        default=settings.value(settings.LOG_LEVEL),
         help="DEBUG, INFO, WARNING, ERROR (default: $CRITIQUE_LOG_LEVEL or INFO)",
     )
     parser.add_argument(
         "--processes",
         metavar="N",
         help=f"worker processes, each a Celery node with -c threads: a whole number >= 1 or "
-        f"auto (default: ${PROCESSES_ENV}, else auto = two per usable CPU, one per CPU on a "
-        f"host of at most {SMALL_HOST_CPUS} CPUs, when the pool is threads/gevent/eventlet "
-        "and an LLM queue is consumed, else 1)",
+        f"auto (default: ${settings.PROCESSES.name}, else auto = two per usable CPU, one per "
+        f"CPU on a host of at most {SMALL_HOST_CPUS} CPUs, when the pool is "
+        "threads/gevent/eventlet and an LLM queue is consumed, else 1)",
     )
     parser.add_argument(
         "-n",
@@ -254,7 +254,7 @@ def _concurrency(args: argparse.Namespace, auto_processes: int | None = None) ->
     :data:`THREADS_DEFAULT`), else :data:`THREADS_DEFAULT`."""
     if args.concurrency is not None:
         return int(args.concurrency)
-    env = os.environ.get("CRITIQUE_CONCURRENCY")
+    env = settings.raw(settings.CONCURRENCY)
     if env:
         return int(env)
     if args.pool == "prefork":
@@ -270,7 +270,7 @@ def _concurrency(args: argparse.Namespace, auto_processes: int | None = None) ->
 def _sized_per_cpu(args: argparse.Namespace, queues: list[str]) -> bool:
     """Whether ``--processes auto`` sized the process count by the CPUs: no ``--processes``
     nor ``$CRITIQUE_PROCESSES``, a threads-like pool, an LLM queue (:func:`processes`)."""
-    raw = args.processes if args.processes is not None else os.environ.get(PROCESSES_ENV)
+    raw = args.processes if args.processes is not None else settings.raw(settings.PROCESSES)
     return (
         str(raw or "auto").strip().lower() == "auto"
         and args.pool in THREAD_POOLS
@@ -327,8 +327,8 @@ def processes(args: argparse.Namespace, queues: list[str]) -> int:
     (:data:`PROCESSES_PER_CPU` x :func:`available_cpus` for a threads/gevent/eventlet worker
     on an LLM queue, one per CPU on a host of at most :data:`SMALL_HOST_CPUS`; else 1).
     Raises ``ValueError`` naming the bad value."""
-    raw = args.processes if args.processes is not None else os.environ.get(PROCESSES_ENV)
-    where = "--processes" if args.processes is not None else PROCESSES_ENV
+    raw = args.processes if args.processes is not None else settings.raw(settings.PROCESSES)
+    where = "--processes" if args.processes is not None else settings.PROCESSES.name
     text = str(raw or "auto").strip().lower()
     if text == "auto":
         if not set(queues) & set(LLM_QUEUES) or args.pool not in THREAD_POOLS:
@@ -386,9 +386,10 @@ def worker_argvs(
 
 def worker_environment(env: MutableMapping[str, str]) -> None:
     """What this command sets in its worker processes' environment (``env``, in place): task
-    events off (:data:`TASK_EVENTS_ENV` = 0) unless the operator set them either way."""
-    if not env.get(TASK_EVENTS_ENV, "").strip():
-        env[TASK_EVENTS_ENV] = "0"
+    events off (:data:`pipeline.settings.TASK_EVENTS` = 0) unless the operator set them either
+    way."""
+    if not settings.given(settings.TASK_EVENTS, env):
+        env[settings.TASK_EVENTS.name] = "0"
 
 
 def unlisted_models_warning(allowed_models: tuple[str, ...]) -> str | None:
@@ -416,8 +417,8 @@ def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
         config = load_config()
     except RecursionError:
         raise ConfigError(
-            f"CRITIQUE_CONFIG {os.environ.get('CRITIQUE_CONFIG')}: nested too deeply to parse",
-            key="CRITIQUE_CONFIG",
+            f"CRITIQUE_CONFIG {settings.raw(settings.CONFIG)}: nested too deeply to parse",
+            key=settings.CONFIG.name,
         ) from None
     models = configured_models(config) if keys else ()
     if models:  # litellm is imported only when there is a model to check
@@ -449,8 +450,8 @@ def _start(args: argparse.Namespace) -> int:
     try:
         check_redis_urls()  # a sentinel:// URL parses and has CRITIQUE_REDIS_MASTER
         allowed_models = check_own_config(keys=bool(set(queues) & set(LLM_QUEUES)))
-        signed = bool(parse_secrets(os.environ.get(SECRET_ENV)))
-        parse_named_secrets(os.environ.get(ENTRY_SECRET_ENV))  # too short: exit 2
+        signed = bool(parse_secrets(settings.raw(settings.SECRET)))
+        parse_named_secrets(settings.raw(settings.ENTRY_SECRET))  # too short: exit 2
     except ConfigError as exc:
         raise CommandError(one_line(exc)) from None
     if args.dry_run:

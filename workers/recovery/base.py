@@ -10,21 +10,18 @@ between sweeps and probes; default 5, 0 turns sweeping off) and ``CRITIQUE_STALL
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 
+from pipeline import settings
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis import RedisTraceSink
 from pipeline.store.redis_common import StoreClient
 from pipeline.store.runs import RedisRunStore, pass_member
 from workers import runtime
 
-STALL_ENV = "CRITIQUE_STALL_S"  # seconds without progress before a pass may be re-driven
-SWEEP_ENV = "CRITIQUE_SWEEP_S"  # seconds between sweeps (0: no sweeper, no probes)
-MAX_RESUMES_ENV = "CRITIQUE_STALL_MAX_RESUMES"  # re-drives of one pass before giving up
-DEFAULT_SWEEP_S = 5.0
-MAX_RESUMES = 5
+# The variables (CRITIQUE_STALL_S, CRITIQUE_SWEEP_S, CRITIQUE_STALL_MAX_RESUMES): pipeline.settings.
+DEFAULT_SWEEP_S = settings.number(settings.SWEEP_S, {})
 SWEEP_BATCH = 200
 """Most passes one sweep examines in full (reading their steps): a sweep stays short, the rest
 waits for the next."""
@@ -42,9 +39,8 @@ finished or in ``unacked`` this long after the probe ran. Also the slack on held
 def stall_after_s() -> float:
     """Seconds without progress before a pass counts as stalled: ``$CRITIQUE_STALL_S``, else
     the task time limit + 30 s (a stage that runs can take up to its time limit)."""
-    raw = os.environ.get(STALL_ENV)
-    if raw:
-        return max(0.1, float(raw))
+    if settings.given(settings.STALL_S):
+        return settings.number(settings.STALL_S)
     # lazy: workers.app configures Celery, logging and os.environ on import; importing
     # workers.recovery.base does not
     from workers.app import app
@@ -54,12 +50,12 @@ def stall_after_s() -> float:
 
 def sweep_interval_s() -> float:
     """Seconds between two sweeps (and probes): ``$CRITIQUE_SWEEP_S``, default 5; 0 = off."""
-    return max(0.0, float(os.environ.get(SWEEP_ENV) or DEFAULT_SWEEP_S))
+    return settings.number(settings.SWEEP_S)
 
 
 def max_resumes() -> int:
     """Re-drives of one pass before the sweeper gives up on it (``$CRITIQUE_STALL_MAX_RESUMES``)."""
-    return max(1, int(os.environ.get(MAX_RESUMES_ENV) or MAX_RESUMES))
+    return settings.integer(settings.STALL_MAX_RESUMES)
 
 
 @dataclass(frozen=True)
