@@ -205,6 +205,9 @@ class _LostInTheBroker:
     def __init__(self, task_id: str) -> None:
         self.id = task_id
 
+    def freeze(self) -> _LostInTheBroker:
+        return self  # its id is the one the client records before the send
+
     def apply_async(self) -> _LostInTheBroker:
         return self
 
