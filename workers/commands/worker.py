@@ -267,12 +267,23 @@ def _concurrency(args: argparse.Namespace, auto_processes: int | None = None) ->
     return THREADS_DEFAULT
 
 
+def _processes_asked(args: argparse.Namespace) -> tuple[str | None, str]:
+    """The process count asked for, and where: ``--processes``, else ``$CRITIQUE_PROCESSES``
+    (None: neither, which is auto)."""
+    if args.processes is not None:
+        return str(args.processes), "--processes"
+    return settings.raw(settings.PROCESSES), settings.PROCESSES.name
+
+
+def _is_auto(raw: str | None) -> bool:
+    return str(raw or "auto").strip().lower() == "auto"
+
+
 def _sized_per_cpu(args: argparse.Namespace, queues: list[str]) -> bool:
-    """Whether ``--processes auto`` sized the process count by the CPUs: no ``--processes``
-    nor ``$CRITIQUE_PROCESSES``, a threads-like pool, an LLM queue (:func:`processes`)."""
-    raw = args.processes if args.processes is not None else settings.raw(settings.PROCESSES)
+    """Whether ``--processes auto`` sizes the process count by the CPUs (:func:`processes`):
+    no count asked for, a threads-like pool, an LLM queue."""
     return (
-        str(raw or "auto").strip().lower() == "auto"
+        _is_auto(_processes_asked(args)[0])
         and args.pool in THREAD_POOLS
         and bool(set(queues) & set(LLM_QUEUES))
     )
@@ -327,16 +338,14 @@ def processes(args: argparse.Namespace, queues: list[str]) -> int:
     (:data:`PROCESSES_PER_CPU` x :func:`available_cpus` for a threads/gevent/eventlet worker
     on an LLM queue, one per CPU on a host of at most :data:`SMALL_HOST_CPUS`; else 1).
     Raises ``ValueError`` naming the bad value."""
-    raw = args.processes if args.processes is not None else settings.raw(settings.PROCESSES)
-    where = "--processes" if args.processes is not None else settings.PROCESSES.name
-    text = str(raw or "auto").strip().lower()
-    if text == "auto":
-        if not set(queues) & set(LLM_QUEUES) or args.pool not in THREAD_POOLS:
+    raw, where = _processes_asked(args)
+    if _is_auto(raw):
+        if not _sized_per_cpu(args, queues):
             return 1
         cpus = available_cpus()
         return cpus if cpus <= SMALL_HOST_CPUS else PROCESSES_PER_CPU * cpus
     try:
-        n = int(text)
+        n = int(str(raw).strip())
     except ValueError:
         n = 0
     if n < 1:
