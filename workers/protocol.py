@@ -585,10 +585,10 @@ class StageTask(StageProtocol, ReplacingStage):
     def write_held(self, step: Step | None) -> None:
         """Write the records ``step`` holds (a task ending before its next record: a stage
         that raised). Best effort: the task's own failure is what it reports."""
-        if step is None or not step.held:
+        if step is None:
             return
         try:
-            runtime.stores().runs.record_steps(step.state.submission.run_id, step.held)
+            self.settle(step)
         except Exception as exc:  # the stage's own error is the one raised
             log.warning("could not record the steps %s held: %s", self.request.id, one_line(exc))
 
