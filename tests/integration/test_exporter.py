@@ -265,7 +265,8 @@ def test_half_open_connections_hold_no_more_threads_than_the_cap_and_a_scrape_an
 ) -> None:
     """An exporter with --max-connections 8 --timeout 2 (and its default host, loopback) under
     200 connections that never finish their request: its thread count stays within the cap
-    (plus its idle threads and a few ending), a real scrape answers while they are open, and
+    (plus its idle threads and one ending; an evicted connection's thread ends before a new one
+    starts, on a loaded machine too), a real scrape answers while they are open, and
     the exporter closes every one of them (the older ones for newer connections, the rest at
     the timeout)."""
     env, _ = fleet
@@ -289,7 +290,7 @@ def test_half_open_connections_hold_no_more_threads_than_the_cap_and_a_scrape_an
         text = wait_until(lambda: _scrape(url), 30, what="a scrape past 200 half-open requests")
         assert "critique_outputs_total" in text
         most = max(most, _threads(exporter.pid))
-        assert most <= idle + cap + 4, (idle, most)
+        assert most <= idle + cap + 1, (idle, most)  # one thread may be ending as it is counted
         open_ones = list(held)
 
         def all_closed() -> bool:

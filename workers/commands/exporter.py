@@ -23,6 +23,7 @@ import contextlib
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -85,29 +86,35 @@ class _Handler(WSGIRequestHandler):
 
 
 class BoundedServer(ThreadingMixIn, WSGIServer):
-    """A thread per connection, at most ``max_connections`` of them.
+    """A thread per connection, at most ``max_connections`` of them alive at once.
 
     A new connection beyond the cap shuts down the oldest connection that has not finished
-    sending its request (the one most likely half-open), whose thread then ends at once; when
-    every open connection is being answered, the new one is closed unanswered. Connections
-    waiting in the listen backlog cost no thread."""
+    sending its request (the one most likely half-open) and waits for its thread to end (at
+    once: its blocked read returns) before starting its own; when every open connection is
+    being answered, the new one is closed unanswered. Connections waiting in the listen
+    backlog cost no thread."""
 
     daemon_threads = True
     request_queue_size = 128
+    END_WAIT_S = 1.0
+    """How long a new connection waits for an evicted connection's thread to end."""
 
     def __init__(
         self, address: tuple[str, int], handler: type[_Handler], *, max_connections: int
     ) -> None:
         self.max_connections = max_connections
-        self._lock = threading.Lock()
+        self._ended = threading.Condition()
         self._open: set[Any] = set()
+        """Connections whose thread is alive (evicted ones until their thread ends)."""
         self._waiting: dict[Any, None] = {}
         """Open connections still sending their request, oldest first."""
+        self._evicted: set[Any] = set()
+        """Connections shut down for newer ones whose thread has not ended yet."""
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        with self._lock:
-            admitted = len(self._open) < self.max_connections or self._evict_oldest()
+        with self._ended:
+            admitted = self._room()
             if admitted:
                 self._open.add(request)
                 self._waiting[request] = None
@@ -116,11 +123,23 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
             return
         super().process_request(request, client_address)
 
+    def _room(self) -> bool:
+        """Whether a thread may start: below the cap, or brought below it by evicting the
+        oldest half-open connection and waiting for its thread to end (under the lock)."""
+        deadline = time.monotonic() + self.END_WAIT_S
+        while len(self._open) >= self.max_connections:
+            if not self._evicted and not self._evict_oldest():
+                return False  # every open connection is being answered
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._ended.wait(left):
+                return False
+        return True
+
     def _evict_oldest(self) -> bool:
         """Shut down the oldest connection still sending its request (under the lock)."""
         for oldest in self._waiting:
             del self._waiting[oldest]
-            self._open.discard(oldest)
+            self._evicted.add(oldest)
             with contextlib.suppress(OSError):  # already gone
                 oldest.shutdown(socket.SHUT_RDWR)  # its blocked read returns: the thread ends
             return True
@@ -128,16 +147,18 @@ class BoundedServer(ThreadingMixIn, WSGIServer):
 
     def answering(self, request: Any) -> None:
         """``request`` sent its whole request: it is answered, not evicted."""
-        with self._lock:
+        with self._ended:
             self._waiting.pop(request, None)
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            with self._lock:
+            with self._ended:
                 self._waiting.pop(request, None)
+                self._evicted.discard(request)
                 self._open.discard(request)
+                self._ended.notify_all()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """A client that timed out, hung up or was closed for a newer one is no error; anything
