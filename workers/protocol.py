@@ -454,6 +454,7 @@ class StageTask(StageProtocol, ReplacingStage):
         its pass; from here a failure of the task is the pass's (:func:`_attribute`)."""
         if prev is None:
             state, overrides = from_broker(self, msg, stage, runtime.decode)
+            setattr(self.request, routing.FIRST_ATTEMPT, state.attempt)
         else:
             state, overrides = prev.state, prev.overrides
         pass_id = _pass_id(self, msg, state)
@@ -478,13 +479,20 @@ class StageTask(StageProtocol, ReplacingStage):
         if job.state.next != job.stage:
             out = routing.addressed(self, job.msg, job.state, job.overrides)
             return Step(out, job.state.next, job.state, job.overrides)
-        # A decide run on the output this task just recorded cannot have a record yet: no read.
+        # A step run on the output this task just recorded first (a repair after its decide)
+        # cannot have a record yet: no read; nor can a decide after a step this task holds.
         # Any other token-free stage runs without one: its record (or, when the pass ends in
         # this task, its result) is first-wins, so a duplicate replays there and a pass that
         # has its result by then (cancelled while the message waited) writes nothing.
-        reads = job.stage == "decide" and not (job.prev is not None and job.prev.fresh)
+        prev = job.prev
+        if prev is not None and prev.fresh and (job.stage == "decide" or not prev.held):
+            return None
         try:
-            if reads or _spends_tokens(job.stage, job.context, job.passed) or _repeated(self):
+            if (
+                job.stage == "decide"
+                or _spends_tokens(job.stage, job.context, job.passed)
+                or _repeated(self)
+            ):
                 recorded = runtime.stores().runs.step_output(job.run_id, job.step)
                 if recorded is not None:
                     return self.replayed(recorded)

@@ -9,10 +9,11 @@ holds the state now:
   submission is sent as one task, its first stage's (:func:`submission_signature`); a pass
   resumed at any stage is sent as the task of that stage (:func:`continuation`).
 - **Consumers.** After each stage the task either runs the next stage itself
-  (:func:`runs_here`: Layer-0 and ``decide`` anywhere, the critic where its queue is, the gate
-  once nothing follows) or hands the state on: to the next task of a chain sent by an older
-  client, else to the task that replaces it under the same id. The message it hands on is
-  addressed (signed) to that consumer (:func:`addressed`).
+  (:func:`runs_here`: Layer-0 and ``decide`` anywhere, the critic where its queue is, the first
+  repair round where its queue is, the gate once nothing follows) or hands the state on: to
+  the next task of a chain sent by an older client, else to the task that replaces it under
+  the same id. The message it hands on is addressed (signed) to that consumer
+  (:func:`addressed`).
 
 Signatures are built from the registered stage tasks (``app.tasks``), which every process gets
 by importing :mod:`workers.tasks` (a caller imports it before it calls these builders).
@@ -64,6 +65,24 @@ def repair_queue(msg: dict[str, Any], submission: Submission) -> str | None:
     return keys.QUEUE_CPU if resolve_for(reviser, submission).token_free else None
 
 
+def repair_queue_here(task: Task, state: LoopState, overrides: dict[str, Any]) -> bool:
+    """Whether the state's repair would be sent to the queue ``task`` came from: its
+    reviser's (:func:`repair_queue`), else celeryconfig's route for the repair task."""
+    here = queue_here(task)
+    if here is None:
+        return False
+    queue = repair_queue({"config": overrides}, state.submission)
+    if queue is None:
+        queue = (app.conf.task_routes or {}).get(keys.TASK_REPAIR, {}).get("queue")
+    return here == queue
+
+
+FIRST_ATTEMPT = "critique_first_attempt"
+"""The request attribute holding the repair attempt of the state a task took off the broker
+(set by :meth:`workers.protocol.StageTask.decode`): a task whose state is still at it has run
+no repair yet."""
+
+
 def queue_here(task: Task) -> str | None:
     """The queue this task's message came from (None when it runs eagerly, without a broker)."""
     info = task.request.delivery_info or {}
@@ -92,8 +111,10 @@ def runs_here(task: Task, next_stage: str, state: LoopState, overrides: dict[str
     critic runs here when this task came from the critic's queue (an LLM critic never runs on
     the CPU workers, nor a deterministic one on the LLM workers). The gate (``done``) runs here
     when no task follows in the chain (a chain sent by an older client ends in its gate task:
-    it is left to that). A repair is always a round of its own (``Task.replace``): it charges
-    the budget and may be routed elsewhere."""
+    it is left to that). A repair runs here when it would be sent to the queue this task came
+    from and this task has run no repair yet (its state is at the attempt it arrived with), so
+    a task makes at most one repair round: a later round, a repair routed to another queue,
+    and any repair of a pass run eagerly replace the task (``Task.replace``)."""
     if next_stage in ("l0", "decide"):
         return True
     if next_stage == "done":
@@ -101,6 +122,10 @@ def runs_here(task: Task, next_stage: str, state: LoopState, overrides: dict[str
     if next_stage == "critic":
         here = queue_here(task)
         return here is None or here == critic_queue(runtime.config_for(overrides), state.submission)
+    if next_stage == "repair":
+        return getattr(task.request, FIRST_ATTEMPT, None) == state.attempt and repair_queue_here(
+            task, state, overrides
+        )
     return False
 
 

@@ -1,5 +1,5 @@
 """The tasks a submission costs, through a real worker: the loop's stages run inside the tasks
-(an accepted output is one task, each repair round one more), the id the client sent the
+(an accepted output is one task, and so is its first repair round), the id the client sent the
 submission under holds the summary in Celery's result backend, and a chain an older client
 built (``l0 → critic → gate``) still finishes."""
 
@@ -55,18 +55,15 @@ def _settled_count(before: Counter[str], expected: Counter[str]) -> Counter[str]
 
 
 @pytest.mark.parametrize(
-    ("kind", "status", "tasks"),
-    [
-        ("clean", "accepted", {keys.TASK_L0: 1}),
-        ("looping", "repaired", {keys.TASK_L0: 1, keys.TASK_REPAIR: 1}),
-    ],
+    ("kind", "status", "attempts"), [("clean", "accepted", 0), ("looping", "repaired", 1)]
 )
-def test_an_output_costs_one_task_plus_one_per_repair_round(
-    worker: WorkerProcess, kind: str, status: str, tasks: dict[str, int]
+def test_an_output_and_its_first_repair_round_cost_one_task(
+    worker: WorkerProcess, kind: str, status: str, attempts: int
 ) -> None:
-    """A clean output runs as one task (Layer-0, critic, decide and gate in critique.l0); one
-    repaired in one round as two (critique.l0, then critique.repair under the same id), and
-    that id's Celery result is the gate's summary of the stored result."""
+    """A clean output runs as one task (Layer-0, critic, decide and gate in critique.l0), and
+    so does one repaired in one round (the repair and its re-check run in that task too: its
+    queue is the one the task came from); that id's Celery result is the gate's summary of the
+    stored result."""
     from celery.result import AsyncResult
 
     from workers.app import app
@@ -77,7 +74,7 @@ def test_an_output_costs_one_task_plus_one_per_repair_round(
     handle = client.submit(make_sub(f"shape-{uuid.uuid4().hex[:8]}", "w1", 1, kind))
     result = client.wait(handle, timeout=60)
     assert result.status == status
-    assert len(result.attempts) == tasks.get(keys.TASK_REPAIR, 0)
+    assert len(result.attempts) == attempts
     # The store's result comes first, the backend's a moment later: wait for it.
     stored = AsyncResult(handle.task_id, app=app)
     summary = stored.get(timeout=10)
@@ -87,7 +84,8 @@ def test_an_output_costs_one_task_plus_one_per_repair_round(
         result.status,
         result.best_score,
     )
-    assert _settled_count(before, Counter(tasks)) == Counter(tasks)
+    tasks = Counter({keys.TASK_L0: 1})
+    assert _settled_count(before, tasks) == tasks
 
 
 def test_a_chain_sent_by_an_older_client_still_finishes(worker: WorkerProcess) -> None:
@@ -157,15 +155,16 @@ def _store_scripts(
                 seen[parts[1]] += 1
 
 
-@pytest.mark.parametrize(("kind", "records"), [("clean", 0), ("looping", 2)])
+@pytest.mark.parametrize(("kind", "records"), [("clean", 0), ("looping", 1)])
 def test_steps_that_cost_nothing_to_rerun_are_written_with_the_next_record(
     worker: WorkerProcess, redis_url: str, kind: str, records: int
 ) -> None:
     """Token-free steps whose next stage runs in the same task are written with that stage's
     record (one script), and when the pass ends in the task, only their trace events, with the
     result: a clean output's one task runs no step-record script at all (its result's script
-    only), one repaired in one round two (the decide that reserves the repair, with the steps
-    before it; the repair); every stage's trace events are still written once, in order."""
+    only), one repaired in one round by the token-free reviser one (the repair's, with every
+    step before it: the repair runs in the same task and reserves no budget); every stage's
+    trace events are still written once, in order."""
     from pipeline.store.runs import RedisRunStore
     from workers import runtime
     from workers.client import CritiqueClient
