@@ -193,18 +193,24 @@ class MemoryPatternStore:
         return [v.lesson.model_copy(update={"this_run": k in own}) for k, v in best]
 
 
+def _us(seconds: float) -> int:
+    """Seconds as the script counts them: whole microseconds (truncated, as its caller sends
+    them), so a boundary (a lease expiring at a tick, a wait running out) falls alike."""
+    return int(seconds * 1_000_000)
+
+
 @dataclass
 class _Lease:
     tokens: int
-    expires: float
+    expires: int
+    """When its TTL ends (µs); for a waiting lease, when it began to wait."""
     state: str = "live"
-    """``live`` | ``committed`` | ``refunded`` | ``waiting`` (``expires`` is then when it
-    began to wait)."""
+    """``live`` | ``committed`` | ``refunded`` | ``waiting``."""
     charge: int = 0
     holder: str = ""
     """The process that holds it ("" none: only its TTL ends it)."""
-    until: float = 0.0
-    """When a live lease stops holding: its TTL, or sooner its holder's liveness deadline."""
+    until: int = 0
+    """When a live lease stops holding (µs): its TTL, or sooner its holder's liveness deadline."""
 
 
 @dataclass
@@ -212,8 +218,8 @@ class _Run:
     spent: int = 0
     overrun: int = 0
     leases: dict[str, _Lease] = field(default_factory=dict)
-    waiting: dict[str, float] = field(default_factory=dict)
-    """Waiting lease id -> when it stops counting as queued (its last ask + the grace)."""
+    waiting: dict[str, int] = field(default_factory=dict)
+    """Waiting lease id -> when it stops counting as queued (µs: its last ask + the grace)."""
     usage: RepairUsage = field(default_factory=RepairUsage)
     """What the run's committed rounds used (``spent`` left 0 here: :attr:`spent` is it)."""
 
@@ -243,13 +249,16 @@ class MemoryBudgetLedger:
         other._lock, other._runs = self._lock, self._runs
         return other
 
-    def _until(self, expires: float, now: float) -> float:
+    def _now(self) -> int:
+        return _us(self._clock())
+
+    def _until(self, expires: int, now: int) -> int:
         if self._holder is None:
             return expires
-        return min(expires, now + self._holder.dead_s)
+        return min(expires, now + _us(self._holder.dead_s))
 
     @staticmethod
-    def _live(run: _Run, now: float) -> list[_Lease]:
+    def _live(run: _Run, now: int) -> list[_Lease]:
         return [le for le in run.leases.values() if le.state == "live" and le.until > now]
 
     def reserve(self, run_id: str, lease_id: str, tokens: int, cap: int, ttl_s: float) -> bool:
@@ -267,7 +276,7 @@ class MemoryBudgetLedger:
         if tokens < 0:
             raise ValueError(f"cannot reserve a negative number of tokens ({tokens})")
         with self._lock:
-            now = self._clock()
+            now = self._now()
             run = self._runs.setdefault(run_id, _Run())
             lease = run.leases.get(lease_id)
             since = now
@@ -300,10 +309,10 @@ class MemoryBudgetLedger:
                 queued=queued,
                 waiters=len(ahead),
             )
-            waited = now - since
+            waited = (now - since) / 1_000_000
             holder = self._holder.id if self._holder is not None else ""
             if run.overrun == 0 and run.spent + held + queued + tokens <= cap:
-                expires = now + ttl_s
+                expires = now + _us(ttl_s)
                 run.leases[lease_id] = _Lease(
                     tokens=tokens, expires=expires, holder=holder, until=self._until(expires, now)
                 )
@@ -311,11 +320,15 @@ class MemoryBudgetLedger:
                 if self._holder is not None:
                     self._holder.hold(self, run_id, lease_id)
                 return BudgetAnswer("granted", snap, waited)
-            if run.overrun == 0 and run.spent + tokens <= cap and waited < wait_s:
+            if (
+                run.overrun == 0
+                and run.spent + tokens <= cap
+                and now - since < _us(max(0.0, wait_s))
+            ):
                 run.leases[lease_id] = _Lease(
                     tokens=tokens, expires=since, state="waiting", holder=holder
                 )
-                run.waiting[lease_id] = now + WAITER_GRACE_S
+                run.waiting[lease_id] = now + _us(WAITER_GRACE_S)
                 return BudgetAnswer("wait", snap, waited)
             run.waiting.pop(lease_id, None)
             return BudgetAnswer("refused", snap, waited)
@@ -367,7 +380,7 @@ class MemoryBudgetLedger:
             return dict.fromkeys(lease_ids, "gone")
         out: dict[str, Beat] = {}
         with self._lock:
-            now = self._clock()
+            now = self._now()
             run = self._runs.get(run_id, _Run())
             for lease_id in lease_ids:
                 lease = run.leases.get(lease_id)
@@ -383,7 +396,7 @@ class MemoryBudgetLedger:
     def park(self, run_id: str, lease_id: str) -> bool:
         """As :meth:`RedisBudgetLedger.park`: a live lease held by no process (TTL only)."""
         with self._lock:
-            now = self._clock()
+            now = self._now()
             lease = self._runs.get(run_id, _Run()).leases.get(lease_id)
             parked = lease is not None and lease.state == "live" and lease.until > now
             if lease is not None and parked:
@@ -400,7 +413,7 @@ class MemoryBudgetLedger:
     def snapshot(self, run_id: str) -> BudgetSnapshot:
         with self._lock:
             run = self._runs.get(run_id, _Run())
-            live = self._live(run, self._clock())
+            live = self._live(run, self._now())
             return BudgetSnapshot(
                 spent=run.spent,
                 held=sum(le.tokens for le in live),
@@ -422,7 +435,7 @@ class MemoryBudgetLedger:
         """Live leases and the tokens each holds (as :meth:`RedisBudgetLedger.holds`)."""
         with self._lock:
             run = self._runs.get(run_id, _Run())
-            now = self._clock()
+            now = self._now()
             return {
                 lid: le.tokens
                 for lid, le in run.leases.items()
@@ -433,7 +446,7 @@ class MemoryBudgetLedger:
         """Live leases and the holder of each (as :meth:`RedisBudgetLedger.holders`)."""
         with self._lock:
             run = self._runs.get(run_id, _Run())
-            now = self._clock()
+            now = self._now()
             return {
                 lid: le.holder
                 for lid, le in run.leases.items()

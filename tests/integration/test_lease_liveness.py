@@ -13,7 +13,7 @@ from pipeline.store.base import BudgetLedger
 from pipeline.store.leases import LeaseHolder
 from pipeline.store.memory import MemoryBudgetLedger
 from pipeline.store.redis import RedisBudgetLedger
-from tests.integration.test_store_protocols import PREFIX, FakeClock
+from tests.support.stores import PREFIX, FakeClock
 
 pytestmark = pytest.mark.integration
 

@@ -34,26 +34,13 @@ from pipeline.store.memory import (
     MemoryTraceSink,
 )
 from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
+from tests.support.stores import PREFIX, FakeClock
 
 pytestmark = pytest.mark.integration
 
 IMPLS = ["memory", "redis"]
-PREFIX = "critique-test"
 TTL_S = 3600
 CAP = 100
-
-
-class FakeClock:
-    """A settable clock in seconds, shared by a ledger and its test."""
-
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
@@ -665,3 +652,75 @@ def test_run_scope_lessons_are_the_runs_own_patterns(patterns: PatternStore) -> 
         ("rule b", 1, "run", True),
     ]
     assert patterns.lessons() == [] and patterns.lessons(min_runs=1) == []
+
+
+# --- the same random programs on both (differences the cases above do not name) -------------
+
+
+def _ledgers(request: pytest.FixtureRequest, clock: FakeClock) -> list[BudgetLedger]:
+    client = request.getfixturevalue("redis_client")
+    return [
+        MemoryBudgetLedger(clock=clock),
+        RedisBudgetLedger(client, prefix=PREFIX, ttl_s=TTL_S, clock=clock),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_budget_programs_answer_alike(
+    seed: int, request: pytest.FixtureRequest, clock: FakeClock
+) -> None:
+    """One random program of asks (with and without a wait), commits (with outside tokens and
+    usage), refunds, parks, snapshots and clock steps of fractions of a second, run on the
+    in-memory ledger and on the Lua script with one clock: every answer is the same, step by
+    step, how long a lease waited included (both count whole microseconds)."""
+    memory, lua = _ledgers(request, clock)
+    rng = random.Random(seed)
+    leases = [f"l{n}:1" for n in range(8)]
+    for step in range(300):
+        op = rng.choice(("ask", "ask", "ask", "commit", "refund", "park", "read", "tick"))
+        lease = rng.choice(leases)
+        if op == "ask":
+            args = (lease, rng.randint(0, 60), CAP, rng.choice((0.3, 4.9, 5.0, 30.0)))
+            wait = rng.choice((0.0, 0.0, 4.0, 20.0))
+            got = [lg.ask("run1", *args, wait_s=wait) for lg in (memory, lua)]
+        elif op == "commit":
+            actual, outside = rng.randint(-5, 80), rng.randint(0, 20)
+            usage = RepairUsage(growth=rng.randint(-1, 3000), reply=rng.randint(0, 500))
+            got = [
+                lg.commit("run1", lease, actual, outside=outside, usage=usage)
+                for lg in (memory, lua)
+            ]
+        elif op == "refund":
+            got = [lg.refund("run1", lease) for lg in (memory, lua)]
+        elif op == "park":
+            got = [lg.park("run1", lease) for lg in (memory, lua)]
+        elif op == "read":
+            got = [
+                (lg.snapshot("run1"), lg.usage("run1"), lg.spent("run1")) for lg in (memory, lua)
+            ]
+        else:
+            clock.advance(rng.choice((0.1, 0.3, 0.7, 1.9, 4.9, WAITER_GRACE_S)))
+            continue
+        assert got[0] == got[1], f"step {step}: {op} {lease}: memory {got[0]} != lua {got[1]}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_pattern_programs_answer_alike(seed: int, request: pytest.FixtureRequest) -> None:
+    """One random program of records (redelivered critique keys, passes with several rounds,
+    iterations out of order, rules that differ only in case and spacing) run on the in-memory
+    store and on the Lua script: every record answer and every ``top`` is the same."""
+    client = request.getfixturevalue("redis_client")
+    memory = MemoryPatternStore()
+    lua = RedisPatternStore(client, prefix=PREFIX, ttl_s=TTL_S)
+    rng = random.Random(seed)
+    pool = [rp(f"cat{i % 4}", f"Rule  {i}" if i % 3 else f"rule {i}", f"d{i}") for i in range(12)]
+    for step in range(150):
+        run = rng.choice(("run1", "run2"))
+        pass_key = f"w{rng.randint(0, 3)}:p{rng.randint(0, 2)}"
+        key = f"{pass_key}:{rng.randint(1, 4)}"
+        chosen = [rng.choice(pool) for _ in range(rng.randint(0, 25))]
+        iteration = rng.randint(1, 5)
+        got = [st.record(run, key, iteration, chosen, pass_key=pass_key) for st in (memory, lua)]
+        assert got[0] == got[1], f"step {step}: record"
+        limit = rng.choice((1, 3, 10, 100))
+        assert memory.top(run, limit) == lua.top(run, limit), f"step {step}: top({limit})"
