@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from pipeline.models import Lesson, Pattern, ReusablePattern
-from pipeline.store.leases import Beat, LeaseHolder
+from pipeline.store.leases import LeaseHolder
 
 
 def encode_event(event: Mapping[str, Any]) -> str:
@@ -48,7 +48,9 @@ def run_lesson(pattern: Pattern) -> Lesson:
 
 
 class PatternStore(Protocol):
-    """Per-run failure patterns ("Known Pitfalls"), most frequent first."""
+    """Per-run failure patterns ("Known Pitfalls"), most frequent first: what the stages record
+    and read. The lessons drawn from them (run or fleet scope) are read by the runtime from
+    :meth:`pipeline.store.redis.RedisPatternStore.lessons`, their one implementation."""
 
     def record(
         self,
@@ -65,8 +67,8 @@ class PatternStore(Protocol):
         itself): a later critique of the same pass (its repair rounds) does not count a pattern
         that pass already counted, while a new pass (a resubmission) counts it again. A run
         keeps at most :data:`MAX_PATTERNS_PER_RUN` patterns. With fleet lessons
-        (``CRITIQUE_LESSONS_SCOPE=fleet``), a pattern's first count in a run also counts one
-        run for its fleet lesson (at most :data:`MAX_LESSONS` lessons, at most
+        (``CRITIQUE_LESSONS_SCOPE=fleet``, the Redis store), a pattern's first count in a run
+        also counts one run for its fleet lesson (at most :data:`MAX_LESSONS` lessons, at most
         :data:`MAX_LESSONS_PER_RUN` of them brought by one run).
 
         Returns True when this call recorded them, False when the key was already recorded.
@@ -76,18 +78,6 @@ class PatternStore(Protocol):
     def top(self, run_id: str, limit: int = 10) -> list[Pattern]:
         """The run's ``limit`` most frequent patterns (ties: first recorded first); reads at
         most ``limit`` entries however many patterns tie."""
-        ...
-
-    def lessons(
-        self, limit: int = 50, min_runs: int = 2, *, run_id: str | None = None
-    ) -> list[Lesson]:
-        """The lessons ``run_id`` may see, at most ``limit``.
-
-        Run scope (the default): the run's own patterns, most frequent first (none without a
-        run id; ``min_runs`` does not apply: one run taught each). Fleet scope: patterns that
-        occurred in at least ``min_runs`` runs, most runs first (ties: first learned first),
-        each marked when ``run_id`` taught it too; they expire ``CRITIQUE_LESSONS_TTL_S`` after
-        the last write. No lesson names a run."""
         ...
 
 
@@ -184,15 +174,17 @@ class BudgetLedger(Protocol):
       while it keeps asking (:data:`WAITER_GRACE_S`). It is ``refused`` when spent + its tokens
       pass the cap, when the run overran, or when it still does not fit once the wait ran out.
       A waiting lease holds nothing and cannot be committed (commit charges 0).
-    - Holders (:mod:`pipeline.store.leases`; a ledger made with a ``holder``): a lease granted
+    - Holders (:mod:`pipeline.store.leases`; a Redis ledger made with a ``holder``, the
+      distributed runtime's: the in-memory ledger records none): a lease granted
       is recorded as the asking holder's, and a live lease asked for again by another holder
       becomes that one's (the stage that spends under it holds it). A held lease stops holding
       at its TTL or, sooner, ``dead_s`` after its holder's last grant, hand-over or ``beat``,
       whichever comes first: a dead holder's tokens come back, for every reader at once, as an
-      expired lease's do. ``beat`` moves the deadline of a holder's own live leases on, and
-      never revives one past it (its tokens may be another repair's by then); ``park`` makes a
-      live lease no process's (only its TTL ends it). A ledger without a holder records none,
-      and its leases end at their TTL only.
+      expired lease's do. ``beat`` (:meth:`pipeline.store.redis.RedisBudgetLedger.beat`)
+      moves the deadline of a holder's own live leases on, and never revives one past it (its
+      tokens may be another repair's by then); ``park`` makes a live lease no process's (only
+      its TTL ends it). A ledger without a holder records none, and its leases end at their
+      TTL only (``park`` then changes nothing: it answers whether the lease is live).
     """
 
     @property
@@ -239,11 +231,6 @@ class BudgetLedger(Protocol):
 
     def refund(self, run_id: str, lease_id: str) -> None:
         """Release the lease's hold without charging anything."""
-        ...
-
-    def beat(self, run_id: str, lease_ids: Sequence[str]) -> dict[str, Beat]:
-        """Keep this ledger's holder's live leases among ``lease_ids`` alive for another
-        ``dead_s``: what each was found to be (kept, gone, or lapsed: never revived)."""
         ...
 
     def park(self, run_id: str, lease_id: str) -> bool:

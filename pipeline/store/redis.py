@@ -329,9 +329,15 @@ class RedisPatternStore:
     def lessons(
         self, limit: int = 50, min_runs: int = 2, *, run_id: str | None = None
     ) -> list[Lesson]:
-        """The lessons ``run_id`` may see (:meth:`~pipeline.store.base.PatternStore.lessons`);
-        reads at most ``limit`` entries. A fleet row that does not read as a lesson (planted by
-        a Redis writer) is skipped."""
+        """The lessons ``run_id`` may see, at most ``limit`` (reads at most that many entries).
+
+        Run scope (the default): the run's own patterns, most frequent first (none without a
+        run id; ``min_runs`` does not apply: one run taught each). Fleet scope: patterns that
+        occurred in at least ``min_runs`` runs, most runs first (ties: first learned first),
+        each marked when ``run_id`` taught it too; they expire ``CRITIQUE_LESSONS_TTL_S`` after
+        the last write. No lesson names a run. A fleet row that does not read as a lesson
+        (planted by a Redis writer) is skipped. The one implementation: the in-memory store
+        keeps no lessons (nothing broker-free reads them)."""
         if limit <= 0:
             return []
         if self._scope() == "run":
@@ -656,8 +662,9 @@ _BEATS: tuple[Beat, ...] = ("gone", "kept", "lapsed")
 
 class RedisBudgetLedger:
     """The run-wide repair-budget semaphore as one Lua script over three run keys, with the
-    lease rules of :class:`~pipeline.store.base.BudgetLedger` (as
-    :class:`~pipeline.store.memory.MemoryBudgetLedger` has them).
+    lease rules of :class:`~pipeline.store.base.BudgetLedger`: the product's rule, of which
+    :class:`~pipeline.store.memory.MemoryBudgetLedger` implements the holder-less part for the
+    broker-free loop (tests/integration/test_store_protocols.py runs both on the same cases).
 
     Time comes from the Redis server (``TIME`` inside the script) so every host agrees on lease
     expiry; pass ``clock`` (seconds, any epoch) only for deterministic tests. A commit charges

@@ -1,7 +1,7 @@
 """A budget lease belongs to a live holder (pipeline.store.leases): the rules of holders, beats
-and liveness deadlines, run against both ledgers (the Lua script on a real Redis, and the
-in-memory twin) with one fake clock, so the two cannot drift; and the beating thread itself,
-on the real clocks."""
+and liveness deadlines, on the Lua script on a real Redis (their one implementation: the
+in-memory ledger of the broker-free loop records no holders) with a fake clock; and the beating
+thread itself, on the real clocks."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ import pytest
 
 from pipeline.store.base import BudgetLedger
 from pipeline.store.leases import LeaseHolder
-from pipeline.store.memory import MemoryBudgetLedger
 from pipeline.store.redis import RedisBudgetLedger
-from tests.integration.test_store_protocols import PREFIX, FakeClock
+from tests.support.stores import PREFIX, FakeClock
 
 pytestmark = pytest.mark.integration
 
-IMPLS = ["memory", "redis"]
 DEAD_S = 20.0
 TTL_S = 900.0
 CAP = 100
@@ -29,13 +27,10 @@ def holder(name: str) -> LeaseHolder:
     return LeaseHolder(DEAD_S, name=name)
 
 
-@pytest.fixture(params=IMPLS)
-def base(request: pytest.FixtureRequest, clock: FakeClock) -> BudgetLedger:
+@pytest.fixture
+def base(redis_client: object, clock: FakeClock) -> RedisBudgetLedger:
     """A ledger without a holder; ``.with_holder(h)`` is process ``h`` on the same budget."""
-    if request.param == "memory":
-        return MemoryBudgetLedger(clock=clock)
-    client = request.getfixturevalue("redis_client")
-    return RedisBudgetLedger(client, prefix=PREFIX, clock=clock)
+    return RedisBudgetLedger(redis_client, prefix=PREFIX, clock=clock)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -213,18 +208,14 @@ def test_records_without_a_holder_still_parse(redis_client: object, clock: FakeC
     assert record.decode().endswith(":host/1/a")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_the_holders_thread_beats_until_it_stops(impl: str, request: pytest.FixtureRequest) -> None:
-    """On the real clocks (Redis TIME; the twin's monotonic clock): a holder's own thread keeps
+def test_the_holders_thread_beats_until_it_stops(request: pytest.FixtureRequest) -> None:
+    """On the real clock (Redis TIME): a holder's own thread keeps
     its lease alive for many windows while the task thread does nothing; once it stops (the
     process died) the lease is released within one window; a settled lease is no longer
     beaten."""
-    h = LeaseHolder(0.6, beat_s=0.1, name=f"host/1/{impl}")
-    if impl == "memory":
-        plain: BudgetLedger = MemoryBudgetLedger()
-    else:
-        plain = RedisBudgetLedger(request.getfixturevalue("redis_client"), prefix=PREFIX)
-    ledger = plain.with_holder(h)  # type: ignore[attr-defined]
+    h = LeaseHolder(0.6, beat_s=0.1, name="host/1/redis")
+    plain = RedisBudgetLedger(request.getfixturevalue("redis_client"), prefix=PREFIX)
+    ledger = plain.with_holder(h)
     try:
         assert ledger.ask(RUN, "slow:1", 60, CAP, TTL_S).granted
         assert ledger.ask(RUN, "done:1", 10, CAP, TTL_S).granted

@@ -1,8 +1,13 @@
-"""One behaviour suite for both store implementations: in-memory and Redis, so
-the fake the broker-free tests use cannot drift from the real store.
+"""The store contract: one suite for every stateful rule that has an in-memory version.
 
-Every test here runs twice, against ``pipeline.store.memory`` and ``pipeline.store.redis``, so the
-fake used by unit tests and the broker-free runner cannot drift from the real store.
+Each rule's one source is the Redis store (``pipeline.store.redis``, its Lua scripts;
+``pipeline.store.cache``); ``pipeline.store.memory`` implements the operations the broker-free
+``critique loop`` calls, the same way. Every case of the pattern memory (record, top), the
+budget ledger without holders (ask, commit, refund, park, usage), the trace and the critique
+cache runs against both, and the same random programs run on both with every answer compared,
+so the two cannot drift. What the distributed runtime alone uses runs against Redis only, here
+(lessons, run and fleet scope; blobs) and in test_lease_liveness.py / test_lease_handover.py
+(lease holders and beats).
 """
 
 from __future__ import annotations
@@ -11,7 +16,9 @@ import random
 import threading
 
 import pytest
+import redis
 
+from pipeline import settings
 from pipeline.errors import PermanentError
 from pipeline.models import ReusablePattern
 from pipeline.store.base import (
@@ -19,41 +26,30 @@ from pipeline.store.base import (
     MAX_LESSONS_PER_RUN,
     MAX_PATTERNS_PER_RUN,
     WAITER_GRACE_S,
-    BlobStore,
     BudgetLedger,
     BudgetSnapshot,
+    CritiqueCache,
     PatternStore,
     RepairUsage,
     TraceSink,
 )
 from pipeline.store.blobs import BlobCorruptError, BlobMissingError, RedisBlobStore, blob_ref
+from pipeline.store.cache import RedisCritiqueCache
 from pipeline.store.memory import (
-    MemoryBlobStore,
     MemoryBudgetLedger,
+    MemoryCritiqueCache,
     MemoryPatternStore,
     MemoryTraceSink,
 )
 from pipeline.store.redis import RedisBudgetLedger, RedisPatternStore, RedisTraceSink
+from tests.support import wait_until
+from tests.support.stores import PREFIX, FakeClock
 
 pytestmark = pytest.mark.integration
 
 IMPLS = ["memory", "redis"]
-PREFIX = "critique-test"
 TTL_S = 3600
 CAP = 100
-
-
-class FakeClock:
-    """A settable clock in seconds, shared by a ledger and its test."""
-
-    def __init__(self) -> None:
-        self.now = 1_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
@@ -68,13 +64,19 @@ def patterns(request: pytest.FixtureRequest) -> PatternStore:
     return RedisPatternStore(request.getfixturevalue("redis_client"), prefix=PREFIX, ttl_s=TTL_S)
 
 
-@pytest.fixture(params=IMPLS)
-def fleet_patterns(request: pytest.FixtureRequest) -> PatternStore:
-    """A pattern store whose lessons are the fleet's (CRITIQUE_LESSONS_SCOPE=fleet)."""
-    if request.param == "memory":
-        return MemoryPatternStore(lessons_scope="fleet")
-    client = request.getfixturevalue("redis_client")
-    return RedisPatternStore(client, prefix=PREFIX, ttl_s=TTL_S, lessons_scope="fleet")
+@pytest.fixture
+def fleet_patterns(redis_client: redis.Redis) -> RedisPatternStore:
+    """A pattern store whose lessons are the fleet's (CRITIQUE_LESSONS_SCOPE=fleet): Redis
+    only (lessons have one implementation)."""
+    return RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S, lessons_scope="fleet")
+
+
+@pytest.fixture
+def run_patterns(redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> RedisPatternStore:
+    """A pattern store with the default lessons scope (CRITIQUE_LESSONS_SCOPE unset: the run's
+    own): Redis only."""
+    monkeypatch.delenv(settings.LESSONS_SCOPE.name, raising=False)
+    return RedisPatternStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
 
 
 @pytest.fixture(params=IMPLS)
@@ -92,11 +94,17 @@ def trace(request: pytest.FixtureRequest) -> TraceSink:
     return RedisTraceSink(request.getfixturevalue("redis_client"), prefix=PREFIX, ttl_s=TTL_S)
 
 
+@pytest.fixture
+def blobs(redis_client: redis.Redis) -> RedisBlobStore:
+    """Blobs: Redis only (nothing broker-free stores one)."""
+    return RedisBlobStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+
+
 @pytest.fixture(params=IMPLS)
-def blobs(request: pytest.FixtureRequest) -> BlobStore:
+def cache(request: pytest.FixtureRequest) -> CritiqueCache:
     if request.param == "memory":
-        return MemoryBlobStore()
-    return RedisBlobStore(request.getfixturevalue("redis_client"), prefix=PREFIX, ttl_s=TTL_S)
+        return MemoryCritiqueCache()
+    return RedisCritiqueCache(request.getfixturevalue("redis_client"), prefix=PREFIX)
 
 
 def rp(category: str, rule: str, description: str = "d") -> ReusablePattern:
@@ -477,7 +485,7 @@ def test_a_reservation_blocked_only_by_held_tokens_waits_then_is_granted(
     clock.advance(1.5)
     granted = ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=10)
     assert granted.granted and granted.waited_s == pytest.approx(3.5)
-    assert ledger.holds("run1") == {"b:1": 50}  # type: ignore[attr-defined]
+    assert ledger.snapshot("run1") == BudgetSnapshot(spent=45, held=50, holders=1)
     assert ledger.ask("run1", "b:1", 50, CAP, 30, wait_s=10).granted  # the same lease back
 
 
@@ -563,7 +571,7 @@ def test_trace_read_is_a_snapshot(trace: TraceSink) -> None:
 # --- blobs -----------------------------------------------------------------------------------
 
 
-def test_blob_round_trip_and_content_addressing(blobs: BlobStore) -> None:
+def test_blob_round_trip_and_content_addressing(blobs: RedisBlobStore) -> None:
     """put returns sha256:<hex> of the bytes; the same bytes give the same ref; get returns them."""
     data = bytes(range(256)) * 4
     ref = blobs.put(data)
@@ -573,7 +581,7 @@ def test_blob_round_trip_and_content_addressing(blobs: BlobStore) -> None:
     assert blobs.get(ref) == data
 
 
-def test_missing_blob_raises_a_permanent_key_error(blobs: BlobStore) -> None:
+def test_missing_blob_raises_a_permanent_key_error(blobs: RedisBlobStore) -> None:
     """An unknown or malformed ref raises BlobMissingError, a KeyError and a PermanentError."""
     with pytest.raises(BlobMissingError) as missing:
         blobs.get(blob_ref(b"never stored"))
@@ -585,13 +593,13 @@ def test_missing_blob_raises_a_permanent_key_error(blobs: BlobStore) -> None:
 
 
 @pytest.mark.parametrize("size", [0, 5 * 1024 * 1024])
-def test_blob_sizes(blobs: BlobStore, size: int) -> None:
+def test_blob_sizes(blobs: RedisBlobStore, size: int) -> None:
     """Empty and 5 MB blobs round-trip byte for byte."""
     data = random.Random(size).randbytes(size)
     assert blobs.get(blobs.put(data)) == data
 
 
-def test_lessons_count_runs_and_survive_the_run(fleet_patterns: PatternStore) -> None:
+def test_lessons_count_runs_and_survive_the_run(fleet_patterns: RedisPatternStore) -> None:
     """A fleet lesson counts the runs it occurred in (not its critiques); a redelivered
     critique adds nothing; below min_runs it is not a lesson yet; it names no run, and says
     whether the run reading it taught it."""
@@ -611,7 +619,7 @@ def test_lessons_count_runs_and_survive_the_run(fleet_patterns: PatternStore) ->
 
 
 def test_lessons_keep_at_most_max_lessons_evicting_the_fewest_runs_first_learned(
-    fleet_patterns: PatternStore,
+    fleet_patterns: RedisPatternStore,
 ) -> None:
     """Past MAX_LESSONS lessons a new one evicts the one seen in the fewest runs (of those, the
     first learned); a lesson from two runs stays, and ties list first learned first. Each
@@ -632,7 +640,7 @@ def test_lessons_keep_at_most_max_lessons_evicting_the_fewest_runs_first_learned
 
 
 def test_a_run_flooding_distinct_patterns_brings_at_most_its_share_of_fleet_lessons(
-    fleet_patterns: PatternStore,
+    fleet_patterns: RedisPatternStore,
 ) -> None:
     """One run teaching 200 distinct patterns brings its first MAX_LESSONS_PER_RUN as fleet
     lessons and no more (its own memory keeps all 200); it still counts a lesson others
@@ -652,10 +660,11 @@ def test_a_run_flooding_distinct_patterns_brings_at_most_its_share_of_fleet_less
     assert len(patterns.top("flood", 1000)) == 201
 
 
-def test_run_scope_lessons_are_the_runs_own_patterns(patterns: PatternStore) -> None:
+def test_run_scope_lessons_are_the_runs_own_patterns(run_patterns: RedisPatternStore) -> None:
     """By default (CRITIQUE_LESSONS_SCOPE unset) a run's lessons are its own patterns, most
     frequent first, each taught by this run; another run's patterns never appear, and no
     lesson is shared (none without a run id)."""
+    patterns = run_patterns
     patterns.record("own", "c1", 1, [rp("a", "rule a")])
     patterns.record("own", "c2", 1, [rp("a", "rule a"), rp("b", "rule b")])
     patterns.record("other", "c1", 1, [rp("evil", "rule evil"), rp("a", "rule a")])
@@ -665,3 +674,249 @@ def test_run_scope_lessons_are_the_runs_own_patterns(patterns: PatternStore) -> 
         ("rule b", 1, "run", True),
     ]
     assert patterns.lessons() == [] and patterns.lessons(min_runs=1) == []
+
+
+def test_fleet_lessons_count_runs_not_critiques_and_min_runs_filters(
+    fleet_patterns: RedisPatternStore,
+) -> None:
+    """A pattern counts once per run for its lesson, however often the run repeats it; only
+    patterns seen in at least min_runs runs are lessons (was tests/unit/test_pitfalls.py,
+    on the in-memory store)."""
+    a, b = rp("missing_data", "rule a"), rp("stale", "rule b")
+    fleet_patterns.record("run1", "c1", 1, [a, b])
+    fleet_patterns.record("run1", "c2", 1, [a])
+    assert fleet_patterns.lessons() == []
+    fleet_patterns.record("run2", "c1", 1, [a])
+    [lesson] = fleet_patterns.lessons()
+    assert (lesson.prevention_rule, lesson.runs, lesson.scope) == ("rule a", 2, "fleet")
+    assert [x.runs for x in fleet_patterns.lessons(min_runs=1)] == [2, 1]
+
+
+def _flood(store: PatternStore, run_id: str, count: int, start: int = 0) -> None:
+    """``count`` distinct patterns taught by ``run_id``, twenty per critique."""
+    for n in range(start, start + count, 20):
+        batch = [rp("missing_data", f"rule {i}") for i in range(n, min(n + 20, start + count))]
+        store.record(run_id, f"c{n}", 1, batch)
+
+
+def test_run_scope_shows_a_run_only_its_own_patterns_whatever_another_floods(
+    run_patterns: RedisPatternStore,
+) -> None:
+    """A run's own lessons are untouched by another run's flood of 200 patterns, which are
+    that run's lessons alone (was tests/unit/test_lessons_scope.py, in memory)."""
+    run_patterns.record("honest", "c1", 1, [rp("missing_data", "rule a")])
+    run_patterns.record(
+        "honest", "c2", 1, [rp("missing_data", "rule a"), rp("missing_data", "rule b")], "p2"
+    )
+    _flood(run_patterns, "attacker", 200)
+    mine = run_patterns.lessons(run_id="honest")
+    assert [(x.prevention_rule, x.runs, x.this_run) for x in mine] == [
+        ("rule a", 1, True),
+        ("rule b", 1, True),
+    ]
+    assert len(run_patterns.lessons(1000, run_id="attacker")) == 200
+
+
+def test_fleet_lessons_mark_the_runs_that_taught_them(fleet_patterns: RedisPatternStore) -> None:
+    """Past a flood, another run's recurring lesson stays and is marked as taught by the run
+    that reads it, and not by the flooding run (was tests/unit/test_lessons_scope.py)."""
+    keep = rp("stale", "rule keep")
+    fleet_patterns.record("honest1", "c1", 1, [keep])
+    fleet_patterns.record("honest2", "c1", 1, [keep])
+    _flood(fleet_patterns, "attacker", 200)
+    flooded = [
+        x for x in fleet_patterns.lessons(2 * MAX_LESSONS, min_runs=1) if x.category != "stale"
+    ]
+    assert {x.prevention_rule for x in flooded} == {f"rule {i}" for i in range(50)}
+    [kept] = fleet_patterns.lessons(run_id="honest2")
+    assert (kept.prevention_rule, kept.runs, kept.this_run) == ("rule keep", 2, True)
+    assert fleet_patterns.lessons(run_id="attacker")[0].this_run is False
+
+
+def test_an_evicted_lesson_frees_its_bringers_share(fleet_patterns: RedisPatternStore) -> None:
+    """Past MAX_LESSONS, a new lesson evicts the least seen (a recurring one stays); a run
+    whose lessons were all evicted may bring new ones again, up to its share (was
+    tests/unit/test_lessons_scope.py, in memory)."""
+    keep = rp("stale", "rule keep")
+    fleet_patterns.record("a", "k", 1, [keep])
+    fleet_patterns.record("b", "k", 1, [keep])
+    for r in range(MAX_LESSONS // MAX_LESSONS_PER_RUN):
+        _flood(fleet_patterns, f"flood{r}", MAX_LESSONS_PER_RUN, start=r * 1000)
+    assert len(fleet_patterns.lessons(2 * MAX_LESSONS, min_runs=1)) == MAX_LESSONS
+    assert [x.prevention_rule for x in fleet_patterns.lessons()] == ["rule keep"]
+    _flood(fleet_patterns, "flood0", 2 * MAX_LESSONS_PER_RUN, start=50_000)
+    rules = {x.prevention_rule for x in fleet_patterns.lessons(2 * MAX_LESSONS, min_runs=1)}
+    assert len(rules & {f"rule {i}" for i in range(50_000, 50_100)}) == MAX_LESSONS_PER_RUN
+    assert "rule keep" in rules
+
+
+# --- more of the pattern and budget rules, on both ---------------------------------------
+
+
+def test_a_critique_records_at_most_twenty_distinct_patterns(patterns: PatternStore) -> None:
+    """The store itself keeps only the first MAX_PATTERNS_PER_CRITIQUE distinct patterns of
+    one critique, in the order given."""
+    given = [rp("missing_data", f"rule {i}", f"d{i}") for i in range(50)]
+    assert patterns.record("run", "w:1:1", 1, given)
+    top = patterns.top("run", limit=100)
+    assert [p.prevention_rule for p in top] == [f"rule {i}" for i in range(20)]
+
+
+def test_record_refuses_iteration_zero(patterns: PatternStore) -> None:
+    """Iterations count from 1: 0 is a caller's bug, refused before anything is recorded."""
+    with pytest.raises(ValueError, match="iteration"):
+        patterns.record("run1", "c1", 0, [rp("a", "rule a")])
+    assert patterns.record("run1", "c1", 1, [rp("a", "rule a")]) is True
+
+
+def test_a_lease_with_no_holder_lives_to_its_ttl_and_park_only_says_whether_it_is_live(
+    ledger: BudgetLedger, clock: FakeClock
+) -> None:
+    """Without a holder (the broker-free loop) a lease holds until its TTL, whatever happens
+    meanwhile; park changes nothing and answers whether the lease is live (not once it is
+    settled, refused, expired or unknown)."""
+    assert ledger.holder is None
+    assert ledger.ask("run1", "a:1", 40, CAP, 100).granted
+    assert ledger.park("run1", "a:1") is True
+    clock.advance(99)
+    assert ledger.snapshot("run1") == BudgetSnapshot(held=40, holders=1)
+    clock.advance(1)
+    assert ledger.snapshot("run1") == BudgetSnapshot()
+    assert ledger.park("run1", "a:1") is False
+    assert ledger.park("run1", "ghost:1") is False
+    assert ledger.ask("run1", "b:1", 10, CAP, 100).granted
+    ledger.commit("run1", "b:1", 10)
+    assert ledger.park("run1", "b:1") is False
+
+
+def test_a_refunded_lease_committed_late_is_charged(ledger: BudgetLedger) -> None:
+    """A commit after a refund (a cancelled repair whose call had gone out) charges what was
+    really spent, once: the tokens were spent; a waiting lease's commit charges nothing."""
+    assert ledger.ask("run1", "a:1", 40, CAP, 30).granted
+    ledger.refund("run1", "a:1")
+    assert ledger.commit("run1", "a:1", 35) == 35
+    assert ledger.commit("run1", "a:1", 50) == 35
+    assert ledger.snapshot("run1") == BudgetSnapshot(spent=35)
+
+
+def test_negative_reservations_are_refused(ledger: BudgetLedger) -> None:
+    """Asking for fewer than 0 tokens is a caller's bug: ValueError, nothing held."""
+    with pytest.raises(ValueError, match="negative"):
+        ledger.ask("run1", "a:1", -1, CAP, 30)
+    assert ledger.snapshot("run1") == BudgetSnapshot()
+
+
+# --- critique cache ----------------------------------------------------------------------
+
+
+def test_cache_entries_are_served_until_their_ttl(cache: CritiqueCache) -> None:
+    """A miss is None; a put entry is served under its key only, a second put replaces it, and
+    it is gone once its TTL passed."""
+    assert cache.get("k1") is None
+    cache.put("k1", '{"v": 1}', 60)
+    cache.put("k1", '{"v": 2}', 60)
+    assert (cache.get("k1"), cache.get("k2")) == ('{"v": 2}', None)
+    cache.put("short", '{"v": 3}', 0.05)
+    wait_until(lambda: cache.get("short") is None, 5, what="the entry's TTL to pass")
+
+
+def test_a_claim_is_held_once_until_released_or_its_ttl(cache: CritiqueCache) -> None:
+    """The first claim of a key wins, every other is refused (one critique runs, the others
+    wait for its envelope); a release or the claim's TTL lets the next one claim it."""
+    assert cache.claim("k1", 60) is True
+    assert cache.claim("k1", 60) is False
+    assert cache.claim("k2", 60) is True
+    cache.release("k1")
+    assert cache.claim("k1", 0.05) is True
+    wait_until(lambda: cache.claim("k1", 60), 5, what="the claim's TTL to pass")
+    assert cache.claim("k1", 60) is False
+    cache.release("never-claimed")
+
+
+def test_concurrent_claims_of_one_key_grant_one(cache: CritiqueCache) -> None:
+    """Eight identical critiques claiming at once: exactly one runs."""
+    barrier = threading.Barrier(8)
+    results: list[bool] = []
+
+    def claim() -> None:
+        barrier.wait()
+        results.append(cache.claim("same", 60))
+
+    threads = [threading.Thread(target=claim) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(results) == [False] * 7 + [True]
+
+
+# --- the same random programs on both (differences the cases above do not name) -------------
+
+
+def _ledgers(request: pytest.FixtureRequest, clock: FakeClock) -> list[BudgetLedger]:
+    client = request.getfixturevalue("redis_client")
+    return [
+        MemoryBudgetLedger(clock=clock),
+        RedisBudgetLedger(client, prefix=PREFIX, ttl_s=TTL_S, clock=clock),
+    ]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_budget_programs_answer_alike(
+    seed: int, request: pytest.FixtureRequest, clock: FakeClock
+) -> None:
+    """One random program of asks (with and without a wait), commits (with outside tokens and
+    usage), refunds, parks, snapshots and clock steps of fractions of a second, run on the
+    in-memory ledger and on the Lua script with one clock: every answer is the same, step by
+    step, how long a lease waited included (both count whole microseconds)."""
+    memory, lua = _ledgers(request, clock)
+    rng = random.Random(seed)
+    leases = [f"l{n}:1" for n in range(8)]
+    for step in range(300):
+        op = rng.choice(("ask", "ask", "ask", "commit", "refund", "park", "read", "tick"))
+        lease = rng.choice(leases)
+        if op == "ask":
+            args = (lease, rng.randint(0, 60), CAP, rng.choice((0.3, 4.9, 5.0, 30.0)))
+            wait = rng.choice((0.0, 0.0, 4.0, 20.0))
+            got = [lg.ask("run1", *args, wait_s=wait) for lg in (memory, lua)]
+        elif op == "commit":
+            actual, outside = rng.randint(-5, 80), rng.randint(0, 20)
+            usage = RepairUsage(growth=rng.randint(-1, 3000), reply=rng.randint(0, 500))
+            got = [
+                lg.commit("run1", lease, actual, outside=outside, usage=usage)
+                for lg in (memory, lua)
+            ]
+        elif op == "refund":
+            got = [lg.refund("run1", lease) for lg in (memory, lua)]
+        elif op == "park":
+            got = [lg.park("run1", lease) for lg in (memory, lua)]
+        elif op == "read":
+            got = [
+                (lg.snapshot("run1"), lg.usage("run1"), lg.spent("run1")) for lg in (memory, lua)
+            ]
+        else:
+            clock.advance(rng.choice((0.1, 0.3, 0.7, 1.9, 4.9, WAITER_GRACE_S)))
+            continue
+        assert got[0] == got[1], f"step {step}: {op} {lease}: memory {got[0]} != lua {got[1]}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_pattern_programs_answer_alike(seed: int, request: pytest.FixtureRequest) -> None:
+    """One random program of records (redelivered critique keys, passes with several rounds,
+    iterations out of order, rules that differ only in case and spacing) run on the in-memory
+    store and on the Lua script: every record answer and every ``top`` is the same."""
+    client = request.getfixturevalue("redis_client")
+    memory = MemoryPatternStore()
+    lua = RedisPatternStore(client, prefix=PREFIX, ttl_s=TTL_S)
+    rng = random.Random(seed)
+    pool = [rp(f"cat{i % 4}", f"Rule  {i}" if i % 3 else f"rule {i}", f"d{i}") for i in range(12)]
+    for step in range(150):
+        run = rng.choice(("run1", "run2"))
+        pass_key = f"w{rng.randint(0, 3)}:p{rng.randint(0, 2)}"
+        key = f"{pass_key}:{rng.randint(1, 4)}"
+        chosen = [rng.choice(pool) for _ in range(rng.randint(0, 25))]
+        iteration = rng.randint(1, 5)
+        got = [st.record(run, key, iteration, chosen, pass_key=pass_key) for st in (memory, lua)]
+        assert got[0] == got[1], f"step {step}: record"
+        limit = rng.choice((1, 3, 10, 100))
+        assert memory.top(run, limit) == lua.top(run, limit), f"step {step}: top({limit})"

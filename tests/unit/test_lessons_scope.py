@@ -1,7 +1,8 @@
 """Lessons are scoped (issue 33): a run's own by default, the fleet's only where the operator
 sets ``CRITIQUE_LESSONS_SCOPE=fleet``, and then bounded per teaching run and labelled with
 counts; no lesson names another run, and lessons.md shows stored text only as pattern memory
-keeps it. The Redis store's side of the same rules: tests/integration/test_store_protocols.py."""
+keeps it. The store's side of the same rules (lessons live in the Redis store alone):
+tests/integration/test_store_protocols.py."""
 
 from __future__ import annotations
 
@@ -10,22 +11,9 @@ import pytest
 from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
-from pipeline.models import Lesson, ReusablePattern
+from pipeline.models import Lesson
 from pipeline.pitfalls import MAX_RULE_CHARS, render_lessons
 from pipeline.store import keys
-from pipeline.store.base import MAX_LESSONS, MAX_LESSONS_PER_RUN
-from pipeline.store.memory import MemoryPatternStore
-
-
-def rp(n: int | str, category: str = "missing_data") -> ReusablePattern:
-    return ReusablePattern(category=category, description="d", prevention_rule=f"rule {n}")
-
-
-def flood(store: MemoryPatternStore, run_id: str, count: int, start: int = 0) -> None:
-    """``count`` distinct patterns taught by ``run_id``, twenty per critique."""
-    for n in range(start, start + count, 20):
-        batch = [rp(i) for i in range(n, min(n + 20, start + count))]
-        store.record(run_id, f"c{n}", 1, batch)
 
 
 def test_the_scope_is_run_unless_the_environment_says_fleet(
@@ -50,59 +38,6 @@ def test_a_submission_configuration_cannot_name_a_lessons_scope() -> None:
     for overrides in ({"lessons_scope": "fleet"}, {"lessons": {"scope": "fleet"}}):
         with pytest.raises(ConfigError):
             load_config(env={}, overrides=overrides)
-
-
-def test_run_scope_shows_a_run_only_its_own_patterns(monkeypatch: pytest.MonkeyPatch) -> None:
-    """By default a run's lessons are its own patterns (taught by this run, most frequent
-    first); another run's flood is not among them, and without a run id there are none."""
-    monkeypatch.delenv(settings.LESSONS_SCOPE.name, raising=False)
-    store = MemoryPatternStore()
-    store.record("honest", "c1", 1, [rp("a")])
-    store.record("honest", "c2", 1, [rp("a"), rp("b")], pass_key="p2")
-    flood(store, "attacker", 200)
-    mine = store.lessons(run_id="honest")
-    assert [(x.prevention_rule, x.runs, x.scope, x.this_run) for x in mine] == [
-        ("rule a", 1, "run", True),
-        ("rule b", 1, "run", True),
-    ]
-    assert store.lessons() == []
-    assert len(store.lessons(1000, run_id="attacker")) == 200
-
-
-def test_fleet_scope_lets_one_run_bring_at_most_its_share() -> None:
-    """A run flooding 200 distinct patterns brings MAX_LESSONS_PER_RUN lessons (its first
-    ones), never the other 150, and another run's recurring lesson stays and is marked as
-    taught by the run that reads it."""
-    store = MemoryPatternStore(lessons_scope="fleet")
-    keep = rp("keep", "stale")
-    store.record("honest1", "c1", 1, [keep])
-    store.record("honest2", "c1", 1, [keep])
-    flood(store, "attacker", 200)
-    got = store.lessons(2 * MAX_LESSONS, min_runs=1)
-    flooded = [x for x in got if x.category == "missing_data"]
-    assert len(flooded) == MAX_LESSONS_PER_RUN == 50
-    assert {x.prevention_rule for x in flooded} == {f"rule {i}" for i in range(50)}
-    [kept] = store.lessons(run_id="honest2")
-    assert (kept.prevention_rule, kept.runs, kept.this_run) == ("rule keep", 2, True)
-    assert store.lessons(run_id="attacker")[0].this_run is False
-
-
-def test_fleet_scope_many_runs_evict_the_least_seen_and_free_their_bringers_share() -> None:
-    """Past MAX_LESSONS, a new lesson evicts the least seen (a recurring one stays); a run
-    whose lessons were all evicted may bring new ones again, up to its share."""
-    store = MemoryPatternStore(lessons_scope="fleet")
-    keep = rp("keep", "stale")
-    store.record("a", "k", 1, [keep])
-    store.record("b", "k", 1, [keep])
-    for r in range(MAX_LESSONS // MAX_LESSONS_PER_RUN):
-        flood(store, f"flood{r}", MAX_LESSONS_PER_RUN, start=r * 1000)
-    assert len(store.lessons(2 * MAX_LESSONS, min_runs=1)) == MAX_LESSONS
-    assert [x.prevention_rule for x in store.lessons()] == ["rule keep"]
-    # "a" brought "keep"; flood0's first ones were evicted: it brings again, to its share.
-    flood(store, "flood0", 2 * MAX_LESSONS_PER_RUN, start=50_000)
-    rules = {x.prevention_rule for x in store.lessons(2 * MAX_LESSONS, min_runs=1)}
-    assert len(rules & {f"rule {i}" for i in range(50_000, 50_100)}) == MAX_LESSONS_PER_RUN
-    assert "rule keep" in rules
 
 
 def test_lessons_md_names_no_other_run_and_labels_counts() -> None:

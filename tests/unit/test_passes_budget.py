@@ -526,7 +526,7 @@ def test_each_pass_has_its_own_leases_patterns_trace_and_result() -> None:
     assert ctx.budget.spent("run-1") == 100
     events = ctx.trace.read("run-1")
     assert {e.get("pass_id") for e in events} == {"pass-a", "pass-b"}
-    assert ctx.budget.holds("run-1") == {}
+    assert ctx.budget.snapshot("run-1").holders == 0
 
 
 def test_without_a_pass_id_the_keys_are_the_old_ones() -> None:

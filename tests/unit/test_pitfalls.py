@@ -133,23 +133,6 @@ def test_lessons_markdown_lists_lessons_with_how_many_runs_taught_them() -> None
     assert "No failure patterns recorded yet." in render_lessons([], scope="run")
 
 
-def test_memory_lessons_count_runs_not_critiques() -> None:
-    """A pattern counts once per run for its lesson, however often the run repeats it; only
-    patterns seen in at least min_runs runs are lessons."""
-    from pipeline.store.memory import MemoryPatternStore
-
-    store = MemoryPatternStore(lessons_scope="fleet")
-    a = ReusablePattern(category="missing_data", description="d", prevention_rule="rule a")
-    b = ReusablePattern(category="stale", description="d", prevention_rule="rule b")
-    store.record("run1", "c1", 1, [a, b])
-    store.record("run1", "c2", 1, [a])
-    assert store.lessons() == []
-    store.record("run2", "c1", 1, [a])
-    [lesson] = store.lessons()
-    assert (lesson.prevention_rule, lesson.runs, lesson.scope) == ("rule a", 2, "fleet")
-    assert [x.runs for x in store.lessons(min_runs=1)] == [2, 1]
-
-
 def test_layer0_defects_share_one_fixed_rule_per_check() -> None:
     """Two outputs failing the same L0 check at different offsets give ONE pattern (its fixed
     rule and a structural description, never the offsets or the text), so its frequency grows
@@ -433,20 +416,3 @@ def test_the_repair_rounds_of_a_pass_count_a_pattern_once() -> None:
     )
     run_submission(sub, ctx, pass_id="p2")
     assert ctx.patterns.top("run-1")[0].frequency == 2
-
-
-def test_memory_lessons_expire_after_the_lessons_ttl() -> None:
-    """In memory as in Redis, lessons vanish once no run has written one for the lessons TTL,
-    and each write renews it."""
-    from pipeline.store.memory import MemoryPatternStore
-
-    now = [0.0]
-    store = MemoryPatternStore(clock=lambda: now[0], lessons_ttl_s=100, lessons_scope="fleet")
-    a = ReusablePattern(category="stale", description="d", prevention_rule="rule a")
-    store.record("r1", "c1", 1, [a])
-    now[0] = 90.0
-    store.record("r2", "c1", 1, [a])
-    now[0] = 180.0
-    assert [x.runs for x in store.lessons()] == [2]
-    now[0] = 190.0
-    assert store.lessons(min_runs=1) == []
