@@ -677,7 +677,7 @@ class CritiqueClient:
         """The lessons ``run_id`` may see: by default (``CRITIQUE_LESSONS_SCOPE=run``) the
         patterns that run taught, none without a run id; with ``fleet``, the patterns that
         recurred in at least ``min_runs`` runs (kept without the run TTL), most first, counted
-        and never naming a run (:meth:`pipeline.store.base.PatternStore.lessons`)."""
+        and never naming a run (:meth:`pipeline.store.redis.RedisPatternStore.lessons`)."""
         return riding.ride(
             lambda: runtime.stores().patterns.lessons(limit, min_runs, run_id=run_id)
         )
