@@ -31,10 +31,11 @@ from pipeline.models import LessonScope, check_identifier
 # --- environment -----------------------------------------------------------------------------
 
 # (the variables themselves: pipeline.settings)
-DEFAULT_PREFIX = "critique"  # key prefix when CRITIQUE_KEY_PREFIX is unset
-DEFAULT_RUN_TTL_S = 7 * 24 * 3600  # a run's keys live 7 days after their last write
-DEFAULT_LIVE_TTL_S = 24 * 3600  # a live pass's steps and first message, after their last write
-DEFAULT_LESSONS_TTL_S = 30 * 24 * 3600  # lessons live 30 days after the last run that taught one
+# The defaults, as pipeline.settings declares them (one place: its table and docs/configuration.md).
+DEFAULT_PREFIX = settings.value(settings.KEY_PREFIX, {})  # critique
+DEFAULT_RUN_TTL_S = settings.integer(settings.RUN_TTL_S, {})  # 7 days after a run's last write
+DEFAULT_LIVE_TTL_S = settings.integer(settings.LIVE_TTL_S, {})  # 1 day: a live pass's steps
+DEFAULT_LESSONS_TTL_S = settings.integer(settings.LESSONS_TTL_S, {})  # 30 days after a lesson
 LESSONS_SCOPES = ("run", "fleet")  # a run's lessons are its own, or shared by the whole fleet
 
 # --- queues and tasks (celeryconfig and workers.routing route by these names) ----------------

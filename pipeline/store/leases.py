@@ -40,8 +40,8 @@ from pipeline.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-DEFAULT_LEASE_BEAT_S = 5.0
-DEFAULT_LEASE_DEAD_S = 20.0
+DEFAULT_LEASE_BEAT_S = settings.number(settings.LEASE_BEAT_S, {})  # 5 s (pipeline.settings)
+DEFAULT_LEASE_DEAD_S = settings.number(settings.LEASE_DEAD_S, {})  # 20 s
 """Four beats: a holder whose beats fail three times in a row (a Redis blip, a stalled
 thread) keeps its leases; a dead one's come back within 20 s, plus a waiting repair's next
 ask (about a second)."""

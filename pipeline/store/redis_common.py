@@ -507,7 +507,7 @@ def resolve_prefix(prefix: str | None) -> str:
 
 
 # -- acknowledged writes on a replica ------------------------------------------------------------
-DEFAULT_REPLICA_WAIT_MS = 2000
+DEFAULT_REPLICA_WAIT_MS = settings.integer(settings.STORE_REPLICA_WAIT_MS, {})  # 2 s
 
 
 def replicas_required(env: Mapping[str, str] | None = None) -> tuple[int, int]:
