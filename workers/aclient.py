@@ -31,7 +31,7 @@ import redis.asyncio
 from pipeline.errors import StoreUnavailableError, SubmissionError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
-from pipeline.store.redis_common import dead_peer_options, is_unavailable, sentinel_kwargs
+from pipeline.store.redis_common import is_unavailable, sentinel_kwargs, store_socket_options
 from pipeline.store.runs import Failure, pass_member
 from pipeline.store.urls import (
     cannot_reach,
@@ -59,25 +59,16 @@ def async_store_client(url: str) -> Any:
     a Redis Cluster URL. Bytes replies, the sync client's timeouts."""
     import os
 
-    opts: dict[str, Any] = {
-        "socket_connect_timeout": 5,
-        "socket_timeout": 30,
-        "socket_keepalive": True,
-        "socket_keepalive_options": dead_peer_options(),
-    }
+    opts = store_socket_options()
     setting = runtime.store_setting()
     if is_cluster_url(url):
         from redis.asyncio.cluster import ClusterNode, RedisCluster
 
         parsed = parse_cluster_url(url, setting=setting)
-        if parsed.username:
-            opts["username"] = parsed.username
-        if parsed.password is not None:
-            opts["password"] = parsed.password
         if parsed.ssl:
             opts["ssl"] = True
         nodes = [ClusterNode(h, p) for h, p in parsed.nodes]
-        return RedisCluster(startup_nodes=nodes, **opts)
+        return RedisCluster(startup_nodes=nodes, **parsed.auth(), **opts)
     if is_sentinel_url(url):
         from redis.asyncio.sentinel import Sentinel
 
@@ -85,12 +76,8 @@ def async_store_client(url: str) -> Any:
         sentinel = Sentinel(  # type: ignore[no-untyped-call]
             list(sent.sentinels), sentinel_kwargs=sentinel_kwargs(os.environ)
         )
-        creds: dict[str, Any] = {"db": sent.db}
-        if sent.username:
-            creds["username"] = sent.username
-        if sent.password is not None:
-            creds["password"] = sent.password
-        return sentinel.master_for(sentinel_master(os.environ, setting=setting), **creds, **opts)
+        master = sentinel_master(os.environ, setting=setting)
+        return sentinel.master_for(master, db=sent.db, **sent.auth(), **opts)
     return redis.asyncio.from_url(url, **opts)
 
 

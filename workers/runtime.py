@@ -43,7 +43,7 @@ from pipeline.state_packing import compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache
 from pipeline.store.metrics import FleetMetrics
-from pipeline.store.redis_common import StoreClient, store_client_from_url
+from pipeline.store.redis_common import STORE_TIMEOUTS, StoreClient, store_client_from_url
 from pipeline.store.urls import DEFAULT_REDIS_URL
 from pipeline.store.urls import store_setting as store_setting_of
 from pipeline.store.urls import store_url as store_url_of
@@ -150,8 +150,7 @@ def client() -> StoreClient:
     return store_client_from_url(
         store_url(),
         setting=store_setting(),
-        socket_connect_timeout=5,
-        socket_timeout=30,
+        **STORE_TIMEOUTS,
         health_check_interval=30,
     )
 

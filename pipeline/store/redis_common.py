@@ -88,6 +88,21 @@ dropped after this long: a command unacknowledged at the TCP level for 10 s
 reply from a live server is not cut short (its kernel acknowledged the command)."""
 
 
+STORE_TIMEOUTS: dict[str, Any] = {"socket_connect_timeout": 5, "socket_timeout": 30}
+"""Every store client's timeouts (seconds): a connect within 5, a reply within 30 (the longest
+blocking read a store call makes is shorter)."""
+
+
+def store_socket_options() -> dict[str, Any]:
+    """A store client's socket options: :data:`STORE_TIMEOUTS`, and keepalive probes that find
+    a silent peer dead within :data:`DEAD_PEER_S` (sync and asyncio clients alike)."""
+    return {
+        **STORE_TIMEOUTS,
+        "socket_keepalive": True,
+        "socket_keepalive_options": dead_peer_options(),
+    }
+
+
 def dead_peer_options() -> dict[int, int]:
     """The TCP options of :data:`DEAD_PEER_S` (``socket_keepalive_options``), those this platform
     has: Linux all of them."""
@@ -335,16 +350,12 @@ def client_from_url(
     sentinel = redis.sentinel.Sentinel(  # type: ignore[no-untyped-call]
         list(parsed.sentinels), sentinel_kwargs=sentinel_kwargs(env)
     )
-    creds: dict[str, Any] = {"db": parsed.db}
-    if parsed.username:
-        creds["username"] = parsed.username
-    if parsed.password is not None:
-        creds["password"] = parsed.password
     client: redis.Redis = sentinel.master_for(  # type: ignore[no-untyped-call]
         master,
         redis_class=redis.Redis,
         connection_class=FailoverSSLConnection if ssl else FailoverConnection,
-        **creds,
+        db=parsed.db,
+        **parsed.auth(),
         **kwargs,
     )
     return client
@@ -368,12 +379,7 @@ def store_client_from_url(
     if not is_cluster_url(url):
         return client_from_url(url, setting=setting, env=env, **kwargs)
     parsed = parse_cluster_url(url, setting=setting)
-    if parsed.username:
-        kwargs.setdefault("username", parsed.username)
-    if parsed.password is not None:
-        kwargs.setdefault("password", parsed.password)
-    if parsed.ssl:
-        kwargs.setdefault("ssl", True)
+    kwargs = {**parsed.auth(), **({"ssl": True} if parsed.ssl else {}), **kwargs}
     nodes = [redis.cluster.ClusterNode(h, p) for h, p in parsed.nodes]  # type: ignore[no-untyped-call]
     try:
         return redis.cluster.RedisCluster(startup_nodes=nodes, **kwargs)

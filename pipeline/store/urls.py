@@ -22,6 +22,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 from pipeline import settings
@@ -103,6 +104,15 @@ def is_sentinel_url(url: str | None) -> bool:
     return (url or "").strip().lower().startswith(SENTINEL_SCHEME + "://")
 
 
+def _auth(username: str | None, password: str | None) -> dict[str, Any]:
+    """``username`` and ``password`` as client options, each only when the URL sets it (an
+    empty password, ``user:@``, is a password)."""
+    auth: dict[str, Any] = {"username": username} if username else {}
+    if password is not None:
+        auth["password"] = password
+    return auth
+
+
 @dataclass(frozen=True)
 class SentinelURL:
     """A parsed ``sentinel://`` URL: the Sentinels' addresses, and the master's database and
@@ -112,6 +122,10 @@ class SentinelURL:
     db: int
     username: str | None = None
     password: str | None = None
+
+    def auth(self) -> dict[str, Any]:
+        """The master's credentials the URL sets, as ``username``/``password`` options."""
+        return _auth(self.username, self.password)
 
     def url(self) -> str:
         """The URL with the database and credentials on every part, the one form that kombu (it
@@ -257,6 +271,10 @@ class ClusterURL:
     username: str | None = None
     password: str | None = None
     ssl: bool = False
+
+    def auth(self) -> dict[str, Any]:
+        """The credentials the URL sets, as a client's ``username``/``password`` options."""
+        return _auth(self.username, self.password)
 
     def redacted(self) -> str:
         """The URL without its credentials (for messages)."""

@@ -46,7 +46,7 @@ from pipeline.errors import CritiqueError, PermanentError, StoreUnavailableError
 from pipeline.posture import fresh_for, posture_of
 from pipeline.store import keys
 from pipeline.store.fleet import RedisFleetPosture
-from pipeline.store.redis_common import StoreClient, store_client_from_url
+from pipeline.store.redis_common import STORE_TIMEOUTS, StoreClient, store_client_from_url
 from workers import runtime, telemetry
 from workers.app import app
 from workers.archiving import archive_due_runs
@@ -440,8 +440,7 @@ class SweeperThread(threading.Thread):
             client = store_client_from_url(
                 runtime.store_url(),
                 setting=runtime.store_setting(),
-                socket_connect_timeout=5,
-                socket_timeout=30,
+                **STORE_TIMEOUTS,
             )
         except StoreUnavailableError:
             self.report()
