@@ -27,12 +27,10 @@ import json
 import logging
 import os
 import secrets
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -44,6 +42,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import _fake_llm  # noqa: E402
+from bench._fake_llm import ServerProcess  # noqa: E402
 from bench._provenance import git_commit  # noqa: E402
 from bench._redis import add_redis_option, redis_url  # noqa: E402
 
@@ -63,37 +63,9 @@ VERSIONED = ("awp-agents", "celery", "kombu", "redis", "litellm", "openai", "htt
 
 def serve(latency_s: float) -> int:
     """The fake critic alone (``--serve``): prints its URL, answers until SIGTERM."""
-    from tests.fakes.openai_server import FakeOpenAIServer, reply
+    from tests.fakes.openai_server import reply
 
-    server = FakeOpenAIServer()
-    server.set_default(lambda body: reply(ACCEPT, delay_s=latency_s))
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    server.start()
-    print(server.url, flush=True)
-    done.wait()
-    server.stop()
-    return 0
-
-
-class Server:
-    def __init__(self, latency_s: float) -> None:
-        argv = [sys.executable, __file__, "--serve", "--latency-ms", str(latency_s * 1000)]
-        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        self.url = self.proc.stdout.readline().strip()
-        if not self.url:
-            raise RuntimeError("the fake critic did not start")
-        from tests.fakes.openai_server import FakeLLMAdmin
-
-        self.admin = FakeLLMAdmin(self.url)
-
-    def calls(self) -> int:
-        return sum(1 for r in self.admin.requests() if r.get("path") == "/chat/completions")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=10)
+    return _fake_llm.serve(lambda body: reply(ACCEPT, delay_s=latency_s))
 
 
 def results(n: int, nonce: str) -> list[dict[str, Any]]:
@@ -113,7 +85,9 @@ def results(n: int, nonce: str) -> list[dict[str, Any]]:
     ]
 
 
-def timed(engine: Any, server: Server, n: int, repeat: int) -> tuple[float, list[float], int]:
+def timed(
+    engine: Any, server: ServerProcess, n: int, repeat: int
+) -> tuple[float, list[float], int]:
     """Median wall seconds of ``critique_results`` (after a warm-up), each run, calls per run."""
     engine.critique_results(results(n, uuid.uuid4().hex), "Survey the project.", 1)
     walls: list[float] = []
@@ -198,7 +172,7 @@ def main() -> int:
         return 2
     logging.getLogger("workers.adapters.awp").setLevel(logging.ERROR)
     url = redis_url(args.redis)
-    server = Server(latency_s)
+    server = ServerProcess(__file__, ["--latency-ms", str(latency_s * 1000)])
     env = dict(os.environ)
     env.update(
         REDIS_URL=url,

@@ -56,12 +56,10 @@ import argparse
 import json
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -70,6 +68,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import _fake_llm  # noqa: E402
+from bench._fake_llm import ServerProcess  # noqa: E402
 from bench._provenance import git_commit  # noqa: E402
 from bench.peer import HostMeter  # noqa: E402
 
@@ -156,56 +156,16 @@ def responder(body: dict[str, Any]) -> str:
 
 
 def serve(latency_s: float, backlog: int = SERVER_BACKLOG) -> int:
-    from http.server import ThreadingHTTPServer
+    """The fake server alone (``--serve``): the bench's replies after ``latency_s``."""
+    from tests.fakes.openai_server import reply
 
-    from tests.fakes.openai_server import FakeOpenAIServer, reply
-
-    # this process only: the listen backlog the server binds with (5 by default: the peer's
-    # and the workers' connection bursts overflowed it, each drop a 1 s SYN retry)
-    ThreadingHTTPServer.request_queue_size = backlog
-    server = FakeOpenAIServer()
-    server.set_default(lambda body: reply(responder(body), delay_s=latency_s))
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    server.start()
-    print(server.url, flush=True)
-    done.wait()
-    server.stop()
-    return 0
+    return _fake_llm.serve(lambda body: reply(responder(body), delay_s=latency_s), backlog)
 
 
-class ServerProcess:
-    """``bench/llm.py --serve`` in a child process (so its threads never share a GIL with the
-    pipeline or the peer)."""
-
-    def __init__(self, latency_s: float, backlog: int = SERVER_BACKLOG) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--serve",
-             "--latency-ms", str(latency_s * 1000.0), "--server-backlog", str(backlog)],
-            cwd=ROOT, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        self.url = self.proc.stdout.readline().strip()
-        if not self.url:
-            raise RuntimeError("the fake server did not start")
-        from tests.fakes.openai_server import FakeLLMAdmin
-
-        self.admin = FakeLLMAdmin(self.url)
-
-    @property
-    def api_base(self) -> str:
-        return self.url + "/v1"
-
-    def completions(self) -> list[dict[str, Any]]:
-        return [r for r in self.admin.requests() if r.get("path") == "/chat/completions"]
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+def server_process(latency_s: float, backlog: int = SERVER_BACKLOG) -> ServerProcess:
+    """``bench/llm.py --serve`` in a child process."""
+    args = ["--latency-ms", str(latency_s * 1000.0), "--server-backlog", str(backlog)]
+    return ServerProcess(__file__, args)
 
 
 # --- outputs ------------------------------------------------------------------------------------
@@ -435,7 +395,7 @@ def run_row(
     from tests.integration.workers import client_on
     from workers.client import CritiqueClient
 
-    server = ServerProcess(latency_s, args.server_backlog)
+    server = server_process(latency_s, args.server_backlog)
     try:
         extra = {
             "CRITIQUE_LLM_API_KEY": "sk-test",

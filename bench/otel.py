@@ -140,7 +140,7 @@ def main() -> int:
           f"{'worker cpu s':>12} {'cpu ms/output':>13} {'on/off':>6}  statuses")  # fmt: skip
     ratios: list[float] = []
     per_output: dict[str, list[float]] = {"off": [], "on": []}
-    server = llm.ServerProcess(args.latency_ms / 1000.0)
+    server = llm.server_process(args.latency_ms / 1000.0)
     try:
         with OTLPReceiver() as receiver, tempfile.TemporaryDirectory(prefix="bench-otel-") as tmp:
             for rnd in range(1, args.rounds + 1):
