@@ -382,11 +382,7 @@ class CritiqueClient:
                         continue
                 except StoreUnavailableError as exc:
                     listener.lost()
-                    pause = outage.failed(exc, began)
-                    left = outage.left(deadline)
-                    if left <= 0:
-                        raise outage.error(riding.gave_up("wait", timeout)) from exc
-                    time.sleep(min(pause, left))
+                    outage.back_off(exc, deadline, riding.gave_up("wait", timeout), began)
                     continue
                 if isinstance(got, SubmissionError):
                     raise got
@@ -502,11 +498,7 @@ class CritiqueClient:
                 except StoreUnavailableError as exc:  # ridden out: the round starts again
                     listener.lost()
                     due = None
-                    pause = outage.failed(exc)
-                    remaining = outage.left(deadline)
-                    if remaining <= 0:
-                        raise outage.error(riding.gave_up("wait", timeout)) from exc
-                    time.sleep(min(pause, remaining))
+                    outage.back_off(exc, deadline, riding.gave_up("wait", timeout))
                     continue
                 if not left:
                     return

@@ -77,6 +77,22 @@ class Outage:
         self._delay = min(MAX_DELAY_S, self._delay * 2)
         return delay
 
+    def back_off(
+        self,
+        exc: StoreUnavailableError,
+        deadline: float | None,
+        why: str,
+        began: float | None = None,
+    ) -> None:
+        """A failed read (:meth:`failed`), then the pause before the next one, cut to what is
+        :meth:`left` before ``deadline``; when nothing is left, the outage's :meth:`error`
+        (``why``: why the loop stopped retrying) is raised instead."""
+        pause = self.failed(exc, began)
+        left = self.left(deadline)
+        if left <= 0:
+            raise self.error(why) from exc
+        time.sleep(min(pause, left))
+
     def ok(self) -> None:
         """A read answered: the outage (if any) is over."""
         self.since = None
@@ -133,12 +149,8 @@ def ride(
         try:
             return read()
         except StoreUnavailableError as exc:
-            pause = outage.failed(exc, began)
-            left = limit - time.monotonic()
-            if left <= 0:
-                why = "retried until the read's deadline" if deadline else gave_up("read", None)
-                raise outage.error(why) from exc
-            time.sleep(min(pause, left))
+            why = "retried until the read's deadline" if deadline else gave_up("read", None)
+            outage.back_off(exc, limit, why, began)
 
 
 def ride_iter(
@@ -159,7 +171,4 @@ def ride_iter(
         except StoreUnavailableError as exc:
             if time.monotonic() - began > STREAM_UP_S:  # it followed the stream a while: was up
                 outage.ok()
-            pause = outage.failed(exc)
-            if outage.left(None) <= 0:
-                raise outage.error(gave_up("read", None)) from exc
-            time.sleep(pause)
+            outage.back_off(exc, None, gave_up("read", None))

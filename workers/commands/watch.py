@@ -298,11 +298,7 @@ def watch(run_id: str, *, as_json: bool, timeout: float | None, block_ms: int = 
                 finished = w.done(caught_up=True)
                 outage.ok()
             except StoreUnavailableError as exc:  # a failover, a restart: go on after last_id
-                pause = outage.failed(exc)
-                left = outage.left(deadline)
-                if left <= 0:
-                    raise outage.error(riding.gave_up("watch", timeout)) from exc
-                time.sleep(min(pause, left))
+                outage.back_off(exc, deadline, riding.gave_up("watch", timeout))
                 continue
             if finished:
                 return w.end(True)
