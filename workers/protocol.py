@@ -347,8 +347,8 @@ class StageJob:
 
     @functools.cached_property
     def passed(self) -> LoopState:
-        """The state under its pass id (a message from before pass ids
-        carries it only as its ``sid`` field)."""
+        """The state under its pass id (a state built without one, as ``runner.start(sub)``
+        builds it, travels with its pass id in the message's ``sid`` only)."""
         if self.state.pass_id == self.pass_id:
             return self.state
         return self.state.model_copy(update={"pass_id": self.pass_id})
@@ -457,7 +457,7 @@ class StageTask(StageProtocol, ReplacingStage):
             setattr(self.request, routing.FIRST_ATTEMPT, state.attempt)
         else:
             state, overrides = prev.state, prev.overrides
-        pass_id = _pass_id(self, msg, state)
+        pass_id = _pass_id(self, msg, state, stage)
         sub = state.submission
         _attribute(self, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), stage)
         return StageJob(msg, stage, state, overrides, pass_id, prev)
@@ -468,17 +468,14 @@ class StageTask(StageProtocol, ReplacingStage):
             boundary_config(
                 self, job.overrides, job.stage, sub.run_id, sub.iteration, sub.worker_id, sub.model
             )
+            _check_stage(self, job.state, job.stage)
         return job
 
     def replay(self, job: StageJob) -> Step | None:
-        """A message for a later stage than this task's passes through to it (e.g. critique
-        disabled: the gate). A step whose re-run would spend tokens (:func:`_spends_tokens`),
+        """A step whose re-run would spend tokens (:func:`_spends_tokens`),
         a ``decide`` that may reserve budget, and any repeated message read the step's record
         first and replay it; a step of a finished pass ends the chain (:meth:`end_finished`).
         Other first runs read nothing: they cost nothing to run again."""
-        if job.state.next != job.stage:
-            out = routing.addressed(self, job.msg, job.state, job.overrides)
-            return Step(out, job.state.next, job.state, job.overrides)
         # A step run on the output this task just recorded first (a repair after its decide)
         # cannot have a record yet: no read; nor can a decide after a step this task holds.
         # Any other token-free stage runs without one: its record (or, when the pass ends in
@@ -643,13 +640,10 @@ class StageTask(StageProtocol, ReplacingStage):
         return dict(FINISHED)
 
     def hand_on(self, step: Step) -> dict[str, Any]:
-        """Send the state to the stage this task does not run: an older client's chain takes
-        it on (its next task is what ``step.out`` is addressed to); else this task is replaced
-        by that stage's task (:func:`workers.routing.stage_signature`) under its own id. Under
-        a worker the replaced task returns REPLACED (:meth:`ReplacingStage.on_replace`);
-        eagerly, the replacement's answer."""
-        if step.next != "repair" and self.request.chain:
-            return step.out
+        """Send the state to the stage this task does not run: this task is replaced by that
+        stage's task (:func:`workers.routing.stage_signature`) under its own id. Under a worker
+        the replaced task returns REPLACED (:meth:`ReplacingStage.on_replace`); eagerly, the
+        replacement's answer."""
         config = runtime.config_for(step.overrides)
         sig = routing.stage_signature(step.next, step.out, config, step.state.submission)
         replaced: dict[str, Any] = self.replace(sig.set(task_id=str(self.request.id)))
@@ -702,14 +696,27 @@ def _parked_state(doc: dict[str, Any] | None) -> LoopState | None:
         return None
 
 
-def _pass_id(task: Task, msg: dict[str, Any], state: LoopState) -> str:
-    """The message's pass: the state's ``pass_id``, else the message's ``sid``; a message with
-    neither (a chain sent without the client) gets one derived from its task id, which a
-    redelivery keeps, so its first stage runs as one pass however often it is delivered."""
+def _pass_id(task: Task, msg: dict[str, Any], state: LoopState, stage: str) -> str:
+    """The message's pass: the state's ``pass_id``, else the message's ``sid`` (which
+    :func:`workers.runtime.encode` always writes). A message with neither is refused."""
     pass_id = state.pass_id or str(msg.get("sid") or "")
-    if not pass_id and task.request.id:
-        pass_id = "t" + str(task.request.id).replace("-", "")[:15]
+    if not pass_id:
+        exc = SubmissionError("stage message: no pass id ('sid')")
+        refuse(task, msg, stage, exc)
+        raise exc
     return pass_id
+
+
+def _check_stage(task: Task, state: LoopState, stage: str) -> None:
+    """Refuse a message whose state is not at the task's stage: every sender (the client, the
+    entry task, a replacement, a re-driven pass) sends a state to the task of its next stage."""
+    if state.next == stage:
+        return
+    sub = state.submission
+    exc = SubmissionError(f"a {stage} message carries a state at {state.next!r}")
+    where = {"worker_id": sub.worker_id, "iteration": sub.iteration}
+    record_refusal(task, stage, exc, sub.run_id, exc.message, verified=True, **where)
+    raise exc
 
 
 def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
@@ -775,7 +782,7 @@ def _finish(
 ) -> tuple[dict[str, Any], bool]:
     """:func:`finish_pass`, and whether this call stored the pass's result (the first);
     ``before``: trace events of steps this task ran and holds, written with the result."""
-    pass_id = _pass_id(task, msg, state)
+    pass_id = _pass_id(task, msg, state, "gate")
     sub = state.submission
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
     if state.pass_id != pass_id:

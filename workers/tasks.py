@@ -14,9 +14,7 @@ replacement too. Replacements keep the task's id, as Celery's own replace does, 
 client sent the submission under ends up holding the summary in Celery's result backend. No
 task ever waits on another. The stage tasks (``critique.critic``, ``critique.decide``,
 ``critique.repair``, ``critique.gate``) each take a message for their stage, so a pass resumed
-at any stage (:func:`workers.routing.continuation`) goes on the same way, and chains sent by
-older clients (``l0 → critic → gate``) still run: a task hands on to the next task of its chain
-instead of running the gate itself.
+at any stage (:func:`workers.routing.continuation`) goes on the same way.
 """
 
 from __future__ import annotations
@@ -64,7 +62,7 @@ RETRY = {
 # The loop's stages hand their state to the next stage in the message, and each stage's first
 # output is already recorded in the run's steps hash: storing it again in the result backend
 # (plus a STARTED state) would cost two Redis writes per stage for nothing. Errors are still
-# stored, and Celery propagates them down the chain to the gate task the client waits on.
+# stored, under the task id the client holds.
 STAGE = {**RETRY, "ignore_result": True, "store_errors_even_if_ignored": True}
 log = get_task_logger(__name__)
 
@@ -109,16 +107,15 @@ def repair(self: StageTask, msg: dict[str, Any]) -> dict[str, Any]:
 def decide(self: StageTask, msg: dict[str, Any]) -> dict[str, Any]:
     """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``).
 
-    The task that ran the critic runs this stage itself; the task stays for a pass resumed
-    between the two (a continuation from a recorded critic step) and for messages already
-    queued."""
+    The task that ran the critic runs this stage itself; this task is for a pass resumed
+    between the two (a continuation from a recorded critic step)."""
     return self.drive(msg, "decide")
 
 
 @app.task(name=keys.TASK_GATE, bind=True, base=CritiqueTask, **RETRY)
 def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """Finish the submission pass (:func:`finish_pass`): the end of a chain sent by an older
-    client, and of a pass resumed after its last stage.
+    """Finish the submission pass (:func:`finish_pass`) of a pass resumed after its last
+    stage.
 
     Only from a message that passed its signature check (``CRITIQUE_SECRET``): a forged
     finished state is refused before anything is stored."""
