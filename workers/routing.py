@@ -55,12 +55,12 @@ def critic_queue(config: CritiqueConfig, submission: Submission) -> str:
     return keys.QUEUE_CPU
 
 
-def repair_queue(msg: dict[str, Any], submission: Submission) -> str | None:
+def repair_queue(overrides: dict[str, Any] | None, submission: Submission) -> str | None:
     """The queue of the submission's repair when it is not celeryconfig's route (the LLM
-    queue): the CPU queue when the reviser that serves it is token-free (deterministic), so a
-    token-free repair never waits for LLM workers (KEDA scales the LLM queue to zero). ``msg``
-    carries the submission's configuration overrides."""
-    reviser = runtime.context_for(msg.get("config")).reviser
+    queue): the CPU queue when the reviser that serves it (under the submission's
+    configuration ``overrides``) is token-free (deterministic), so a token-free repair never
+    waits for LLM workers (KEDA scales the LLM queue to zero)."""
+    reviser = runtime.context_for(overrides).reviser
     return keys.QUEUE_CPU if resolve_for(reviser, submission).token_free else None
 
 
@@ -70,7 +70,7 @@ def repair_queue_here(task: Task, state: LoopState, overrides: dict[str, Any]) -
     here = queue_here(task)
     if here is None:
         return False
-    queue = repair_queue({"config": overrides}, state.submission)
+    queue = repair_queue(overrides, state.submission)
     if queue is None:
         queue = (app.conf.task_routes or {}).get(keys.TASK_REPAIR, {}).get("queue")
     return here == queue
@@ -152,7 +152,7 @@ def stage_signature(
     if stage in ("l0", "critic"):
         sig = sig.set(queue=critic_queue(config, submission))
     elif stage == "repair":
-        queue = repair_queue(msg, submission)
+        queue = repair_queue(msg.get("config"), submission)
         if queue:
             sig = sig.set(queue=queue)
     return sig
