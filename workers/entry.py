@@ -131,13 +131,6 @@ def _check_depth(msg: dict[str, Any]) -> None:
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
 
 
-def claimed_run_id(msg: Any) -> Any:
-    """The run id an entry message's submission names (unchecked), or None."""
-    if isinstance(msg, dict) and isinstance(msg.get("submission"), dict):
-        return msg["submission"].get("run_id")
-    return None
-
-
 def _problems(exc: ValidationError) -> str:
     """A validation error in one line, without the input values (never echo a payload)."""
     errors = exc.errors(include_input=False, include_url=False)

@@ -1,20 +1,22 @@
-"""The protocol every stage run follows, in one template (:meth:`StageProtocol.process`), and
-the task bases that say what its steps mean: :class:`StageTask` for the loop's stages,
-:class:`CompletionGateTask` for the manager's completion gate. The tasks themselves are
-declarations in :mod:`workers.tasks`.
+"""How every task of the pipeline runs: one Task base, :class:`PipelineTask`, and plain
+functions for what a task does with its message. The tasks themselves are declarations in
+:mod:`workers.tasks`.
 
-The steps: *decode* the message (it must be addressed to this task and verify), check it at the
-*trust boundary* (its configuration overrides and model against this worker's own), *replay* the
-step's recorded output if it has one, else *run* the stage, *record* its output (the first
-record of a step wins: a duplicate returns that one), and *refund* a budget reservation the
-recorded output does not hold. Step records, pattern records, budget leases, trace events and
-the result are keyed by the submission's pass (a fresh pass id per submit: the state's
-``pass_id``, the message's ``sid``; see docs/client.md, "Passes: submitting the same submission
-again"), step records and leases also by round and attempt, so a redelivered task writes nothing
-again. Once the pass's result has landed its step records are gone (Redis holds live state, not
-history): a step of it delivered late records nothing and ends its chain there
+A loop stage's task (:func:`drive`) *takes* its message off the broker (:func:`take`: it must
+be addressed to this task and verify, carry a pass id, pass the *trust boundary*, its
+configuration overrides and model checked against this worker's own, and be at the task's
+stage), then runs stage after stage (:func:`run_step`): it *replays* a step's recorded output if
+it has one, else *runs* the stage, *records* its output (the first record of a step wins: a
+duplicate returns that one), and *refunds* a budget reservation the recorded output does not
+hold. Step records, pattern records, budget leases, trace events and the result are keyed by
+the submission's pass (a fresh pass id per submit: the state's ``pass_id``, the message's
+``sid``; see docs/client.md, "Passes: submitting the same submission again"), step records and
+leases also by round and attempt, so a redelivered task writes nothing again. Once the pass's
+result has landed its step records are gone (Redis holds live state, not history): a step of
+it delivered late records nothing and ends its task there
 (:class:`pipeline.store.runs.PassFinished`). Transient errors (Redis, LLM) are retried with
-exponential backoff and jitter; permanent ones fail the task at once.
+exponential backoff and jitter; permanent ones fail the task at once. The manager's completion
+gate (:func:`run_completion_gate`) follows the same steps over a request.
 
 A message that cannot be trusted or read (unsigned, forged or altered while ``CRITIQUE_SECRET``
 is set, addressed to another task or task id, or malformed) is refused
@@ -31,14 +33,14 @@ any task id. See docs/security.md, "Signed messages".
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from celery import Task
-from celery.backends.base import BaseKeyValueStoreBackend
+from celery import Signature, Task
+from celery.app.task import Context
+from celery.backends.base import Backend, BaseKeyValueStoreBackend
 from celery.utils.log import get_task_logger
 
 from pipeline.config import CritiqueConfig, check_submission_model
@@ -67,13 +69,10 @@ from workers.app import app, task_events_off
 log = get_task_logger(__name__)
 
 REPLACED: dict[str, Any] = {"replaced": True}
-"""What a stage task that handed its chain to a repair round returns (nothing receives it)."""
+"""What a task that replaced itself returns (nothing receives it)."""
 
 FINISHED: dict[str, Any] = {"pass_finished": True}
 """What a stage task of a pass that already has its result returns (nothing receives it)."""
-
-OVER = "over"
-"""The pseudo-stage after a step of a pass that already has its result: nothing runs next."""
 
 BUDGET_WAIT_HEADER = "critique_budget_wait"
 """A message header marking a task sent again to ask the repair budget once more."""
@@ -88,22 +87,56 @@ _CLAIM_LIMIT = 1 << 20
 T = TypeVar("T")
 
 
-# --- failures and refusals -------------------------------------------------------------------
+# --- the task base ---------------------------------------------------------------------------
 
 
-class CritiqueTask(Task):  # type: ignore[misc]
-    """A pipeline task: a failure for good (not a retry) is recorded in the store against the
-    pass (or completion-gate request) the task's message was attributed to, if any
-    (:func:`_record_failure`)."""
+class PipelineTask(Task):  # type: ignore[misc]
+    """Every task of the pipeline.
+
+    Its body runs with its acknowledged store writes applied again on the current master if a
+    Sentinel failover happened meanwhile (:func:`fenced_writes`). A failure for good (not a
+    retry) is recorded in the store against the pass (or completion-gate request) its message
+    was attributed to, if any (:func:`_record_failure`).
+
+    ``Task.replace`` builds the replacement (the rest of the chain, callbacks, errbacks and ids
+    moved onto it) and calls :meth:`on_replace`, which publishes it and, in Celery's own,
+    raises ``Ignore``; Celery then builds two ``ExceptionInfo`` of that exception (formatted
+    tracebacks: milliseconds each, on every repair round). Here the task ends normally
+    instead: the replacement is published the same way, then this task's own chain and
+    callbacks are dropped (the replacement carries them), so Celery sends nothing after it and,
+    with ``ignore_result``, stores nothing. Run eagerly (``apply``), Celery's own runs the
+    replacement in place."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The task's body, its acknowledged store writes applied again on the current master
-        if a Sentinel failover happened while it ran (:func:`fenced_writes`)."""
         with fenced_writes():
             return super().__call__(*args, **kwargs)
 
-    def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+    def on_failure(
+        self,
+        exc: BaseException,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        einfo: Any,
+    ) -> None:
         _record_failure(self, exc)
+
+    def on_replace(self, sig: Signature) -> Any:
+        if self.request.is_eager:
+            return super().on_replace(sig)
+        sig.delay()
+        _send_nothing_after(self)
+        return dict(REPLACED)
+
+
+def _send_nothing_after(task: Task) -> None:
+    """Drop the rest of this task's chain and its callbacks: Celery sends nothing after it
+    (a replacement or a re-sent message carries them, or the pass is over)."""
+    task.request.chain = None
+    task.request.callbacks = None
+
+
+# --- failures and refusals -------------------------------------------------------------------
 
 
 def _attribute(task: Task, run_id: str, field: str, stage: str) -> None:
@@ -258,51 +291,27 @@ def boundary_config(
     return config
 
 
-# --- the protocol ----------------------------------------------------------------------------
+def _pass_id(task: Task, msg: dict[str, Any], state: LoopState, stage: str) -> str:
+    """The message's pass: the state's ``pass_id``, else the message's ``sid`` (which
+    :func:`workers.runtime.encode` always writes). A message with neither is refused."""
+    pass_id = state.pass_id or str(msg.get("sid") or "")
+    if not pass_id:
+        exc = SubmissionError("stage message: no pass id ('sid')")
+        refuse(task, msg, stage, exc)
+        raise exc
+    return pass_id
 
 
-class StageProtocol(CritiqueTask):
-    """The one protocol every stage run follows (:meth:`process`); a task base declares its
-    steps. Each step is a method, so the order is read in one place and a kind of task (a loop
-    stage, the completion gate) only says what each step means for it."""
-
-    def process(self, msg: Any, stage: str, prev: Any = None) -> Any:
-        """decode → boundary → replay → run → record → refund; returns what the run hands on
-        (a replayed output, or the output it recorded, or the one recorded first)."""
-        job = self.decode(msg, stage, prev)
-        job = self.boundary(job)
-        replayed = self.replay(job)
-        if replayed is not None:
-            return replayed
-        run = self.run_stage(job)
-        handed = self.record(job, run)
-        self.refund(job, run, handed)
-        return handed
-
-    def decode(self, msg: Any, stage: str, prev: Any) -> Any:
-        """The message, verified and decoded, as this kind's job; a refusal fails the task."""
-        raise NotImplementedError
-
-    def boundary(self, job: Any) -> Any:
-        """The job past the trust boundary (its configuration checked); a refusal fails it."""
-        raise NotImplementedError
-
-    def replay(self, job: Any) -> Any:
-        """What the job hands on without running: its recorded output, if any; else None."""
-        raise NotImplementedError
-
-    def run_stage(self, job: Any) -> Any:
-        """Run the job's stage (nothing is written to the store yet)."""
-        raise NotImplementedError
-
-    def record(self, job: Any, run: Any) -> Any:
-        """Record the run's output unless a record of the step is there already; returns the
-        output that stands (the first recorded)."""
-        raise NotImplementedError
-
-    def refund(self, job: Any, run: Any, handed: Any) -> None:
-        """Give back what the run reserved and the standing output does not hold (nothing by
-        default)."""
+def _check_stage(task: Task, state: LoopState, stage: str) -> None:
+    """Refuse a message whose state is not at the task's stage: every sender (the client, the
+    entry task, a replacement, a re-driven pass) sends a state to the task of its next stage."""
+    if state.next == stage:
+        return
+    sub = state.submission
+    exc = SubmissionError(f"a {stage} message carries a state at {state.next!r}")
+    where = {"worker_id": sub.worker_id, "iteration": sub.iteration}
+    record_refusal(task, stage, exc, sub.run_id, exc.message, verified=True, **where)
+    raise exc
 
 
 # --- the loop's stages -----------------------------------------------------------------------
@@ -310,385 +319,307 @@ class StageProtocol(CritiqueTask):
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-    """What one stage run hands on: the message for the next stage (``out``, addressed to its
-    consumer), that stage's name, and the message's decoded state and overrides. ``fresh``:
-    this run produced and recorded the output first, so no record of the next step can exist
-    yet (a duplicate racing it is settled when that step is recorded)."""
+    """A pass between two of its stages: the message carrying its state to the next stage
+    (``out``, addressed to its consumer), that state (under its pass id) and the message's
+    configuration overrides. ``fresh``: this task produced and recorded the output first, so no
+    record of the next step can exist yet (a duplicate racing it is settled when that step is
+    recorded)."""
 
     out: dict[str, Any]
-    next: str
     state: LoopState
     overrides: dict[str, Any]
     fresh: bool = False
     held: tuple[StepRecord, ...] = ()
     """Records of this task's steps not written yet (this one's last): token-free steps whose
     next stage runs in this task too are written with the next record this task makes, or,
-    when the pass ends here, only their trace events, with its result
-    (:meth:`StageTask.record`)."""
+    when the pass ends here, only their trace events, with its result (:func:`record`)."""
 
-
-@dataclasses.dataclass(frozen=True)
-class StageJob:
-    """One stage to run on one message: the message, its decoded ``state`` and ``overrides``,
-    its pass id ``pass_id``, and ``prev``, the step this task just ran (whose ``out`` is the
-    message: it is not decoded nor checked at the trust boundary again, this task made it from
-    one that was)."""
-
-    msg: dict[str, Any]
-    stage: str
-    state: LoopState
-    overrides: dict[str, Any]
-    pass_id: str
-    prev: Step | None
+    @property
+    def next(self) -> str:
+        """The stage the state goes to next (``done``: the gate)."""
+        return self.state.next
 
     @property
     def run_id(self) -> str:
         return self.state.submission.run_id
 
-    @functools.cached_property
-    def passed(self) -> LoopState:
-        """The state under its pass id (a message from before pass ids
-        carries it only as its ``sid`` field)."""
-        if self.state.pass_id == self.pass_id:
-            return self.state
-        return self.state.model_copy(update={"pass_id": self.pass_id})
 
-    @functools.cached_property
-    def step(self) -> str:
-        """The step id this run is recorded under (:func:`keys.step_id`)."""
-        sub = self.state.submission
-        member = pass_member(sub.iteration, sub.worker_id, self.pass_id)
-        return keys.step_id(member, self.state.round, self.state.attempt, self.stage)
+def drive(task: PipelineTask, msg: dict[str, Any], stage: str) -> dict[str, Any]:
+    """A loop stage's task: run ``stage`` on ``msg``, then every stage after it that runs in
+    this task (:func:`workers.routing.runs_here`), each with its own step record, replay and
+    trace events; then hand the state on (:func:`hand_on`), or, when the pass is over, finish
+    it here (the gate) and return its summary.
 
-    @functools.cached_property
-    def context(self) -> StageContext:
-        """The stage context of the message's configuration (built once per process)."""
-        return runtime.context_for(self.overrides)
-
-
-@dataclasses.dataclass(frozen=True)
-class StageRun:
-    """One stage run's output, not yet recorded: the new state, the message that carries it to
-    its consumer, and the trace events the stage buffered."""
-
-    state: LoopState
-    out: dict[str, Any]
-    events: Sequence[str]
-
-
-class ReplacingStage(CritiqueTask):
-    """A task that may hand its chain on to a replacement (``Task.replace``).
-
-    ``Task.replace`` builds the replacement (the rest of the chain, callbacks, errbacks and ids
-    moved onto it) and calls :meth:`on_replace`, which publishes it and, in Celery's own,
-    raises ``Ignore``; Celery then builds two ``ExceptionInfo`` of that exception (formatted
-    tracebacks: milliseconds each, on every repair round). Here the task ends normally
-    instead: the replacement is published the same way, then this task's own chain and
-    callbacks are dropped (the replacement carries them), so Celery sends nothing after it and,
-    with ``ignore_result``, stores nothing. Run eagerly (``apply``), Celery's own runs the
-    replacement in place."""
-
-    def on_replace(self, sig: Any) -> Any:
-        if self.request.is_eager:
-            return super().on_replace(sig)
-        sig.delay()
-        _send_nothing_after(self)
-        return dict(REPLACED)
-
-
-def _send_nothing_after(task: Task) -> None:
-    """Drop the rest of this task's chain and its callbacks: Celery sends nothing after it
-    (a replacement or a re-sent message carries them, or the pass is over)."""
-    task.request.chain = None
-    task.request.callbacks = None
-
-
-class StageTask(StageProtocol, ReplacingStage):
-    """A task of the loop's stages (``l0``, ``critic``, ``decide``, ``repair``): runs its stage
-    by the protocol, then every stage after it that runs here (:meth:`drive`).
-
-    At-least-once delivery can hand a step to a second worker after the first one ran it
-    (e.g. killed between finishing and acknowledging). The first completed output of each
-    step is recorded in the pass's step records, atomically with the step's trace events; a
-    repeat returns that output unchanged (and writes no event), so every duplicate downstream
-    of it replays too and the result is the same."""
-
-    def drive(self, msg: dict[str, Any], stage: str) -> dict[str, Any]:
-        """Run ``stage`` on ``msg``, then every stage after it that runs in this task
-        (:func:`workers.routing.runs_here`), each with its own step record, replay and trace
-        events; then hand the state on (:meth:`hand_on`), or, when the pass is over, finish it
-        here (the gate) and return its summary.
-
-        While a repair's budget reservation waits for held tokens, the task is handed back to
-        the broker (:meth:`wait_for_budget`); run eagerly (no broker), it waits here."""
-        step: Step | None = None
-        nxt, out = stage, msg
-        while True:
-            try:
-                step = self.process(out, nxt, step)
-            except BudgetWait as wait:
-                # The message is sent again from its first stage: what this run holds is
-                # made again by the re-run.
-                if not self.request.is_eager:
-                    return self.wait_for_budget(wait)
-                time.sleep(wait.retry_s)
-                continue
-            except PassCancelled:
-                return self.end_cancelled(nxt)
-            except Exception:
-                self.write_held(step)
-                raise
-            nxt, out = step.next, step.out
-            if nxt == OVER:
-                return out
-            if not routing.runs_here(self, nxt, step.state, step.overrides):
-                self.write_held(step)  # none: a step is held only before a stage run here
-                return self.hand_on(step)
-            if nxt == "done":
-                return self.finish_here(out, step.state, step.held)
-
-    # The protocol's steps, for one loop stage.
-
-    def decode(self, msg: dict[str, Any], stage: str, prev: Step | None) -> StageJob:
-        """The message's state and overrides (``prev``'s when this task made the message),
-        its pass; from here a failure of the task is the pass's (:func:`_attribute`)."""
-        if prev is None:
-            state, overrides = from_broker(self, msg, stage, runtime.decode)
-            setattr(self.request, routing.FIRST_ATTEMPT, state.attempt)
-        else:
-            state, overrides = prev.state, prev.overrides
-        pass_id = _pass_id(self, msg, state)
-        sub = state.submission
-        _attribute(self, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), stage)
-        return StageJob(msg, stage, state, overrides, pass_id, prev)
-
-    def boundary(self, job: StageJob) -> StageJob:
-        if job.prev is None:
-            sub = job.state.submission
-            boundary_config(
-                self, job.overrides, job.stage, sub.run_id, sub.iteration, sub.worker_id, sub.model
-            )
-        return job
-
-    def replay(self, job: StageJob) -> Step | None:
-        """A message for a later stage than this task's passes through to it (e.g. critique
-        disabled: the gate). A step whose re-run would spend tokens (:func:`_spends_tokens`),
-        a ``decide`` that may reserve budget, and any repeated message read the step's record
-        first and replay it; a step of a finished pass ends the chain (:meth:`end_finished`).
-        Other first runs read nothing: they cost nothing to run again."""
-        if job.state.next != job.stage:
-            out = routing.addressed(self, job.msg, job.state, job.overrides)
-            return Step(out, job.state.next, job.state, job.overrides)
-        # A step run on the output this task just recorded first (a repair after its decide)
-        # cannot have a record yet: no read; nor can a decide after a step this task holds.
-        # Any other token-free stage runs without one: its record (or, when the pass ends in
-        # this task, its result) is first-wins, so a duplicate replays there and a pass that
-        # has its result by then (cancelled while the message waited) writes nothing.
-        prev = job.prev
-        if prev is not None and prev.fresh and (job.stage == "decide" or not prev.held):
-            return None
+    While a repair's budget reservation waits for held tokens, the task is handed back to the
+    broker (:func:`wait_for_budget`); run eagerly (no broker), it waits here. A pass that ended
+    meanwhile (its result landed, or it was cancelled) ends the task: nothing is recorded or
+    sent on."""
+    before = take(task, msg, stage)
+    while True:
         try:
-            if (
-                job.stage == "decide"
-                or _spends_tokens(job.stage, job.context, job.passed)
-                or _repeated(self)
-            ):
-                recorded = runtime.stores().runs.step_output(job.run_id, job.step)
-                if recorded is not None:
-                    return self.replayed(recorded)
-        except PassFinished:
-            return self.end_finished(job)
+            after = run_step(task, stage, before)
+        except BudgetWait as wait:
+            # The message is sent again from its first stage: what this run holds is made
+            # again by the re-run.
+            if not task.request.is_eager:
+                return wait_for_budget(task, wait)
+            time.sleep(wait.retry_s)
+            continue
+        except (PassFinished, PassCancelled) as over:
+            return _end_over(task, stage, over)
+        except Exception:
+            write_held(task, before)
+            raise
+        stage = after.next
+        if not routing.runs_here(task, stage, after.state, after.overrides):
+            write_held(task, after)  # none: a step is held only before a stage run here
+            return hand_on(task, after)
+        if stage == "done":
+            return finish_here(task, after)
+        before = after
+
+
+def take(task: PipelineTask, msg: dict[str, Any], stage: str) -> Step:
+    """The message off the broker as the step before ``stage``: verified and addressed to this
+    task (:func:`from_broker`), with its pass id, past the trust boundary
+    (:func:`boundary_config`) and at the task's stage. From here a failure of the task is the
+    pass's (:func:`_attribute`)."""
+    state, overrides = from_broker(task, msg, stage, runtime.decode)
+    setattr(task.request, routing.FIRST_ATTEMPT, state.attempt)
+    pass_id = _pass_id(task, msg, state, stage)
+    if state.pass_id != pass_id:
+        state = state.model_copy(update={"pass_id": pass_id})
+    sub = state.submission
+    _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), stage)
+    boundary_config(task, overrides, stage, sub.run_id, sub.iteration, sub.worker_id, sub.model)
+    _check_stage(task, state, stage)
+    return Step(msg, state, overrides)
+
+
+def run_step(task: PipelineTask, stage: str, before: Step) -> Step:
+    """One stage on the step before it: its recorded output replayed (:func:`replay`), else
+    the stage run (:func:`run_stage`) and its output recorded (:func:`record`); a budget
+    lease the run reserved and the output that stands does not hold is refunded
+    (:func:`refund`). Returns the step that stands."""
+    sub = before.state.submission
+    member = pass_member(sub.iteration, sub.worker_id, before.state.pass_id)
+    _attribute(task, sub.run_id, member, stage)
+    replayed = replay(task, stage, before)
+    if replayed is not None:
+        return replayed
+    ran = run_stage(task, stage, before)
+    try:
+        stood = record(task, stage, ran)
+    except PassFinished:
+        refund(stage, ran, None)
+        raise
+    refund(stage, ran, stood)
+    return stood
+
+
+def _step_id(state: LoopState, stage: str) -> str:
+    """The id ``stage`` run on ``state`` is recorded under (:func:`keys.step_id`)."""
+    sub = state.submission
+    member = pass_member(sub.iteration, sub.worker_id, state.pass_id)
+    return keys.step_id(member, state.round, state.attempt, stage)
+
+
+def replay(task: PipelineTask, stage: str, before: Step) -> Step | None:
+    """The output recorded for ``stage`` on ``before``, addressed to its consumer; None when
+    there is none (or none is read). A step whose re-run would spend tokens
+    (:func:`_spends_tokens`), a ``decide`` that may reserve budget, and any repeated message
+    read the step's record first; a step of a finished pass raises ``PassFinished``. Other
+    first runs read nothing: they cost nothing to run again."""
+    # A step run on the output this task just recorded first (a repair after its decide)
+    # cannot have a record yet: no read; nor can a decide after a step this task holds.
+    # Any other token-free stage runs without one: its record (or, when the pass ends in
+    # this task, its result) is first-wins, so a duplicate replays there and a pass that
+    # has its result by then (cancelled while the message waited) writes nothing.
+    if before.fresh and (stage == "decide" or not before.held):
         return None
+    context = runtime.context_for(before.overrides)
+    if not (stage == "decide" or _spends_tokens(stage, context, before.state) or _repeated(task)):
+        return None
+    recorded = runtime.stores().runs.step_output(before.run_id, _step_id(before.state, stage))
+    return None if recorded is None else replayed(task, recorded)
 
-    def run_stage(self, job: StageJob) -> StageRun:
-        """The stage function on the state, its trace events buffered for the record; a
-        repair sends a ``task-progress`` event (Flower)."""
-        buffer = BufferedTraceSink()
-        sub = job.state.submission
-        runs = runtime.stores().runs
-        ctx = dataclasses.replace(
-            job.context,
-            trace=buffer,
-            max_budget_wait_s=_budget_wait_cap(self),
-            cancelled=lambda: runs.pass_finished(
-                sub.run_id, sub.iteration, sub.worker_id, job.pass_id
-            ),
-            park=lambda state, ttl_s: runs.park(
-                sub.run_id, state.pass_id, state.model_dump_json(), ttl_s
-            ),
-            parked=lambda pass_id: _parked_state(runs.parked(sub.run_id, pass_id)),
+
+def replayed(task: PipelineTask, recorded: str) -> Step:
+    """A step's recorded output, addressed to this run's consumer of it (a duplicate
+    delivery's next task may have another id)."""
+    out = dict(json.loads(recorded))
+    state, overrides = runtime.decode(out)
+    telemetry.event("critique.replayed", next=state.next, round=state.round)
+    return Step(routing.addressed(task, out, state, overrides), state, overrides)
+
+
+def run_stage(task: PipelineTask, stage: str, before: Step) -> Step:
+    """The stage function on ``before``'s state, nothing written yet: the new step, its own
+    record held last (with its trace events, buffered); a repair sends a ``task-progress``
+    event (Flower)."""
+    state, overrides = before.state, before.overrides
+    sub = state.submission
+    buffer = BufferedTraceSink()
+    runs = runtime.stores().runs
+    ctx = dataclasses.replace(
+        runtime.context_for(overrides),
+        trace=buffer,
+        max_budget_wait_s=_budget_wait_cap(task),
+        cancelled=lambda: runs.pass_finished(
+            sub.run_id, sub.iteration, sub.worker_id, state.pass_id
+        ),
+        park=lambda waiting, ttl_s: runs.park(
+            sub.run_id, waiting.pass_id, waiting.model_dump_json(), ttl_s
+        ),
+        parked=lambda pass_id: _parked_state(runs.parked(sub.run_id, pass_id)),
+    )
+    began = time.monotonic()
+    with telemetry.stage_span(stage, state, state.pass_id) as traced:
+        new = STAGES[stage](state, ctx)
+        traced.ran(stage, new, lambda: buffer.read(sub.run_id))
+    runtime.metrics().observe(stage, time.monotonic() - began)
+    if stage == "repair" and not task_events_off():
+        task.send_event(
+            "task-progress",
+            run_id=sub.run_id,
+            worker_id=new.submission.worker_id,
+            attempt=new.attempt,
         )
-        began = time.monotonic()
-        with telemetry.stage_span(job.stage, job.passed, job.pass_id) as traced:
-            new = STAGES[job.stage](job.passed, ctx)
-            traced.ran(job.stage, new, lambda: buffer.read(job.run_id))
-        runtime.metrics().observe(job.stage, time.monotonic() - began)
-        if job.stage == "repair" and not task_events_off():
-            self.send_event(
-                "task-progress",
-                run_id=job.run_id,
-                worker_id=new.submission.worker_id,
-                attempt=new.attempt,
-            )
-        to, to_id = routing.consumer(self, new.next, new, job.overrides)
-        out = runtime.encode(
-            new, job.overrides, pass_id=job.pass_id or None, task=to, task_id=to_id
-        )
-        return StageRun(new, out, buffer.payloads.get(job.run_id, ()))
+    to, to_id = routing.consumer(task, new.next, new, overrides)
+    out = runtime.encode(new, overrides, pass_id=state.pass_id or None, task=to, task_id=to_id)
+    events = tuple(buffer.payloads.get(sub.run_id, ()))
+    mine = StepRecord(_step_id(state, stage), json.dumps(out), events)
+    return Step(out, new, overrides, fresh=True, held=(*before.held, mine))
 
-    def record(self, job: StageJob, run: StageRun) -> Step:
-        """The step's output and events recorded in one atomic step, unless another delivery
-        recorded first: then that output stands (replayed).
 
-        A step whose re-run costs nothing (:meth:`holds`) is held instead, and written with
-        the next record this task makes, in the same script (each step first-wins in turn: at
-        one recorded already, the output recorded first is replayed and the held steps after it
-        are dropped); when the pass ends in this task, its result is the record and the held
-        steps' trace events go with it (their records would be deleted with the result). A task
-        that ends any other way (a failure included) writes what it holds first, so every
-        task's steps are recorded before it ends, as the stall rule assumes."""
-        held = job.prev.held if job.prev is not None else ()
-        mine = StepRecord(job.step, json.dumps(run.out), tuple(run.events))
-        if self.holds(job, run):
-            return Step(
-                run.out, run.state.next, run.state, job.overrides, fresh=True, held=(*held, mine)
-            )
-        try:
-            stood = runtime.stores().runs.record_steps(job.run_id, (*held, mine))
-        except PassFinished:
-            return self.end_finished(job)
-        if stood is None:
-            return Step(run.out, run.state.next, run.state, job.overrides, fresh=True)
-        return self.replayed(stood[1])
+def record(task: PipelineTask, stage: str, ran: Step) -> Step:
+    """The records ``ran`` holds (its own last) written in one atomic step, unless another
+    delivery recorded first: then that output stands (replayed).
 
-    def holds(self, job: StageJob, run: StageRun) -> bool:
-        """Whether the step's record may wait for this task's next one: its re-run spends no
-        tokens, it holds no budget lease, its next stage runs in this task (the gate
-        included), and the operator does not keep step records for inspection
-        (``CRITIQUE_STEPS_GRACE_S``)."""
-        nxt = run.state.next
-        return (
-            nxt != OVER
-            and run.state.lease_id is None
-            and not runtime.stores().runs.keeps_steps
-            and not _spends_tokens(job.stage, job.context, job.passed)
-            and routing.runs_here(self, nxt, run.state, job.overrides)
-        )
+    A step whose re-run costs nothing (:func:`holds`) is held instead, and written with the
+    next record this task makes, in the same script (each step first-wins in turn: at one
+    recorded already, the output recorded first is replayed and the held steps after it are
+    dropped); when the pass ends in this task, its result is the record and the held steps'
+    trace events go with it (their records would be deleted with the result). A task that
+    ends any other way (a failure included) writes what it holds first (:func:`write_held`),
+    so every task's steps are recorded before it ends, as the stall rule assumes."""
+    if holds(task, stage, ran):
+        return ran
+    return settle(task, ran)
 
-    def settle(self, step: Step) -> Step:
-        """``step`` with what it holds written (:meth:`record`): the step that stands."""
-        if not step.held:
-            return step
-        run_id = step.state.submission.run_id
-        try:
-            stood = runtime.stores().runs.record_steps(run_id, step.held)
-        except PassFinished:
-            log.info("steps %s belong to a finished pass: its chain ends here", self.request.id)
-            _send_nothing_after(self)
-            return Step(dict(FINISHED), OVER, step.state, step.overrides)
-        if stood is None:
-            return dataclasses.replace(step, held=())
-        return self.replayed(stood[1])
 
-    def write_held(self, step: Step | None) -> None:
-        """Write the records ``step`` holds (a task ending before its next record: a stage
-        that raised). Best effort: the task's own failure is what it reports."""
-        if step is None:
-            return
-        try:
-            self.settle(step)
-        except Exception as exc:  # the stage's own error is the one raised
-            log.warning("could not record the steps %s held: %s", self.request.id, one_line(exc))
+def holds(task: PipelineTask, stage: str, ran: Step) -> bool:
+    """Whether the step's record may wait for this task's next one: its re-run spends no
+    tokens, it holds no budget lease, its next stage runs in this task (the gate included),
+    and the operator does not keep step records for inspection (``CRITIQUE_STEPS_GRACE_S``)."""
+    context = runtime.context_for(ran.overrides)
+    return (
+        ran.state.lease_id is None
+        and not runtime.stores().runs.keeps_steps
+        and not _spends_tokens(stage, context, ran.state)
+        and routing.runs_here(task, ran.next, ran.state, ran.overrides)
+    )
 
-    def refund(self, job: StageJob, run: StageRun, handed: Step) -> None:
-        """A budget lease the run reserved that the standing output does not hold is refunded:
-        the pass is over, or another delivery of this decide recorded first without it (it was
-        refused the budget, say). A repair that ran for a pass over by now (cancelled while it
-        called its model) is charged what it spent instead: the tokens were spent (a commit is
-        once per lease, so a duplicate of a committed repair charges nothing more)."""
-        lease = run.state.lease_id
-        if lease is None:
-            return
-        if handed.next == OVER and job.stage == "repair":
-            job.context.budget.commit(job.run_id, lease, run.state.pending_repair_tokens)
-        elif handed.next == OVER or handed.state.lease_id != lease:
-            job.context.budget.refund(job.run_id, lease)
 
-    # What the protocol's steps hand on.
+def settle(task: PipelineTask, step: Step) -> Step:
+    """``step`` with what it holds written (:func:`record`): the step that stands. A step of
+    a finished pass raises ``PassFinished``."""
+    if not step.held:
+        return step
+    stood = runtime.stores().runs.record_steps(step.run_id, step.held)
+    if stood is None:
+        return dataclasses.replace(step, held=())
+    return replayed(task, stood[1])
 
-    def replayed(self, recorded: str) -> Step:
-        """A step's recorded output, addressed to this run's consumer of it (a duplicate
-        chain's next task has another id)."""
-        out = dict(json.loads(recorded))
-        state, overrides = runtime.decode(out)
-        telemetry.event("critique.replayed", next=state.next, round=state.round)
-        return Step(routing.addressed(self, out, state, overrides), state.next, state, overrides)
 
-    def end_finished(self, job: StageJob) -> Step:
-        """End this task's chain here: its pass has its result already (this is a late
-        redelivery, or a duplicate chain), and its step records were released with it. Nothing
-        is recorded or sent on, so the stored result and the trace stay as they are."""
-        log.info("step %s belongs to a finished pass: its chain ends here", job.step)
-        _send_nothing_after(self)
-        return Step(dict(FINISHED), OVER, job.passed, job.overrides)
+def write_held(task: PipelineTask, step: Step) -> None:
+    """Write the records ``step`` holds (a task ending before its next record: a stage that
+    raised). Best effort: the task's own failure is what it reports."""
+    try:
+        settle(task, step)
+    except PassFinished:
+        log.info("steps %s belong to a finished pass: not recorded", task.request.id)
+    except Exception as exc:  # the stage's own error is the one raised
+        log.warning("could not record the steps %s held: %s", task.request.id, one_line(exc))
 
-    def end_cancelled(self, stage: str) -> dict[str, Any]:
-        """End this task's chain before a model call: the pass was cancelled while the stage
-        ran (:class:`pipeline.runner.PassCancelled`). The cancel wrote the pass's result, so
-        nothing is recorded or sent on (the stage released its own budget hold)."""
-        log.info(
-            "task %s: its pass was cancelled during %s: its chain ends here", self.request.id, stage
-        )
-        _send_nothing_after(self)
-        return dict(FINISHED)
 
-    def hand_on(self, step: Step) -> dict[str, Any]:
-        """Send the state to the stage this task does not run: an older client's chain takes
-        it on (its next task is what ``step.out`` is addressed to); else this task is replaced
-        by that stage's task (:func:`workers.routing.stage_signature`) under its own id. Under
-        a worker the replaced task returns REPLACED (:meth:`ReplacingStage.on_replace`);
-        eagerly, the replacement's answer."""
-        if step.next != "repair" and self.request.chain:
-            return step.out
-        config = runtime.config_for(step.overrides)
-        sig = routing.stage_signature(step.next, step.out, config, step.state.submission)
-        replaced: dict[str, Any] = self.replace(sig.set(task_id=str(self.request.id)))
-        return replaced
+def refund(stage: str, ran: Step, stood: Step | None) -> None:
+    """A budget lease the run reserved that the standing output does not hold is refunded:
+    the pass is over (``stood`` None), or another delivery of this decide recorded first
+    without it (it was refused the budget, say). A repair that ran for a pass over by now
+    (cancelled while it called its model) is charged what it spent instead: the tokens were
+    spent (a commit is once per lease, so a duplicate of a committed repair charges nothing
+    more)."""
+    lease = ran.state.lease_id
+    if lease is None:
+        return
+    budget = runtime.context_for(ran.overrides).budget
+    if stood is None and stage == "repair":
+        budget.commit(ran.run_id, lease, ran.state.pending_repair_tokens)
+    elif stood is None or stood.state.lease_id != lease:
+        budget.refund(ran.run_id, lease)
 
-    def finish_here(
-        self, msg: dict[str, Any], state: LoopState, held: Sequence[StepRecord] = ()
-    ) -> dict[str, Any]:
-        """The gate, run by the task that finished the loop: store the pass's result
-        (:func:`finish_pass`) and, under this task's id (the one the client's signature was
-        sent with, kept by every replacement), the summary in Celery's result backend, as the
-        gate task stores its own, so any Celery client's ``AsyncResult`` of it returns it."""
-        summary, first = _finish(self, msg, state, [e for s in held for e in s.events])
-        if not self.request.is_eager and self.request.id:
-            store_summary(self.backend, str(self.request.id), summary, self.request, first=first)
-        return summary
 
-    def wait_for_budget(self, wait: BudgetWait) -> dict[str, Any]:
-        """Send this task's message again to run in ``wait.retry_s`` (the same message, task
-        id, chain and retry count), then end this run without handing anything on: no worker
-        thread is held while held budget tokens settle, waiting never uses up the retries
-        transient errors get, and nothing is stored for it (a Celery retry would store a RETRY
-        state, traceback included, for days). The re-run replays the critic's recorded step
-        before asking the budget again; the ledger bounds the total wait (it keeps when the
-        lease began to wait)."""
-        request = self.request
-        log.info(
-            "task %s asks the repair budget again in %.1f s: %s", request.id, wait.retry_s, wait
-        )
-        sig = self.signature_from_request(
-            request,
-            countdown=wait.retry_s,
-            retries=request.retries,
-            headers={BUDGET_WAIT_HEADER: 1},
-        )
-        sig.apply_async()
-        # The re-sent message carries the rest of the chain: this run sends nothing after it.
-        _send_nothing_after(self)
-        return {"waiting_for_budget_s": round(wait.retry_s, 3), "reason": wait.reason}
+def _end_over(task: PipelineTask, stage: str, over: Exception) -> dict[str, Any]:
+    """End this task here: its pass has its result already (a late redelivery, a duplicate
+    delivery, or a cancel, seen before a model call: :class:`pipeline.runner.PassCancelled`),
+    and its step records were released with it. Nothing is recorded or sent on, so the stored
+    result and the trace stay as they are (a cancelled stage released its own budget hold)."""
+    log.info(
+        "task %s: its pass is over (%s) at %s: it ends here",
+        task.request.id,
+        "cancelled" if isinstance(over, PassCancelled) else "finished",
+        stage,
+    )
+    _send_nothing_after(task)
+    return dict(FINISHED)
+
+
+def hand_on(task: PipelineTask, step: Step) -> dict[str, Any]:
+    """Send the state to the stage this task does not run: this task is replaced by that
+    stage's task (:func:`workers.routing.stage_signature`) under its own id. Under a worker
+    the replaced task returns REPLACED (:meth:`PipelineTask.on_replace`); eagerly, the
+    replacement's answer."""
+    config = runtime.config_for(step.overrides)
+    sig = routing.stage_signature(step.next, step.out, config, step.state.submission)
+    replaced: dict[str, Any] = task.replace(sig.set(task_id=str(task.request.id)))
+    return replaced
+
+
+def finish_here(task: PipelineTask, step: Step) -> dict[str, Any]:
+    """The gate, run by the task that finished the loop: store the pass's result
+    (:func:`finish_pass`, with the trace events of the steps ``step`` holds) and, under this
+    task's id (the one the client's signature was sent with, kept by every replacement), the
+    summary in Celery's result backend, as the gate task stores its own, so any Celery
+    client's ``AsyncResult`` of it returns it."""
+    held = [event for record in step.held for event in record.events]
+    summary, first = _finish(task, step.out, step.state, held)
+    request = task.request
+    if not request.is_eager and request.id:
+        store_summary(task.backend, str(request.id), summary, request, first=first)
+    return summary
+
+
+def wait_for_budget(task: PipelineTask, wait: BudgetWait) -> dict[str, Any]:
+    """Send this task's message again to run in ``wait.retry_s`` (the same message, task id,
+    chain and retry count), then end this run without handing anything on: no worker thread
+    is held while held budget tokens settle, waiting never uses up the retries transient
+    errors get, and nothing is stored for it (a Celery retry would store a RETRY state,
+    traceback included, for days). The re-run replays the critic's recorded step before
+    asking the budget again; the ledger bounds the total wait (it keeps when the lease began
+    to wait)."""
+    request = task.request
+    log.info("task %s asks the repair budget again in %.1f s: %s", request.id, wait.retry_s, wait)
+    sig = task.signature_from_request(
+        request,
+        countdown=wait.retry_s,
+        retries=request.retries,
+        headers={BUDGET_WAIT_HEADER: 1},
+    )
+    sig.apply_async()
+    # The re-sent message carries the rest of the chain: this run sends nothing after it.
+    _send_nothing_after(task)
+    return {"waiting_for_budget_s": round(wait.retry_s, 3), "reason": wait.reason}
 
 
 def _parked_state(doc: dict[str, Any] | None) -> LoopState | None:
@@ -700,16 +631,6 @@ def _parked_state(doc: dict[str, Any] | None) -> LoopState | None:
     except ValueError:
         log.warning("a parked pass state does not validate: ignored")
         return None
-
-
-def _pass_id(task: Task, msg: dict[str, Any], state: LoopState) -> str:
-    """The message's pass: the state's ``pass_id``, else the message's ``sid``; a message with
-    neither (a chain sent without the client) gets one derived from its task id, which a
-    redelivery keeps, so its first stage runs as one pass however often it is delivered."""
-    pass_id = state.pass_id or str(msg.get("sid") or "")
-    if not pass_id and task.request.id:
-        pass_id = "t" + str(task.request.id).replace("-", "")[:15]
-    return pass_id
 
 
 def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
@@ -727,7 +648,7 @@ def _spends_tokens(stage: str, ctx: StageContext, state: LoopState) -> bool:
 
 def _repeated(task: Task) -> bool:
     """True when Celery says this message was delivered or tried before (or it is a task
-    handed back to wait for the repair budget, :meth:`StageTask.wait_for_budget`)."""
+    handed back to wait for the repair budget, :func:`wait_for_budget`)."""
     request = task.request
     info = request.delivery_info or {}
     return (
@@ -754,7 +675,14 @@ def finish_pass(task: Task, msg: dict[str, Any], state: LoopState) -> dict[str, 
     return _finish(task, msg, state)[0]
 
 
-def store_summary(backend: Any, task_id: str, summary: Any, request: Any, *, first: bool) -> None:
+def store_summary(
+    backend: Backend,
+    task_id: str,
+    summary: dict[str, Any],
+    request: Context | None,
+    *,
+    first: bool,
+) -> None:
     """The pass's summary under ``task_id`` in Celery's result backend (``store_result``:
     ``mark_as_done`` would honour the stage tasks' ``ignore_result``). The first store of the
     pass's result writes it at once; Celery's ``store_result`` reads the key first (a stored
@@ -775,7 +703,7 @@ def _finish(
 ) -> tuple[dict[str, Any], bool]:
     """:func:`finish_pass`, and whether this call stored the pass's result (the first);
     ``before``: trace events of steps this task ran and holds, written with the result."""
-    pass_id = _pass_id(task, msg, state)
+    pass_id = _pass_id(task, msg, state, "gate")
     sub = state.submission
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
     if state.pass_id != pass_id:
@@ -824,73 +752,56 @@ def _count_result(result: CritiqueResult) -> None:
 # --- the completion gate ---------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class GateJob:
-    """One completion-gate request, and its configuration once past the trust boundary."""
-
-    req: runtime.GateRequest
-    config: CritiqueConfig | None = None
-
-
-class CompletionGateTask(StageProtocol):
-    """The manager's completion gate by the protocol: the first decision per ``request_id`` is
-    recorded (signed) and replayed on redelivery, and a rejection is counted once per request,
-    so ``max_rejected_completions`` → partial is never double-counted; the client reads the
+def run_completion_gate(task: PipelineTask, msg: Any) -> dict[str, Any]:
+    """The manager's completion gate, by the same steps as a stage: the request taken off the
+    broker and past the trust boundary; the first decision per ``request_id`` is recorded
+    (signed) and replayed on redelivery, and a rejection is counted once per request, so
+    ``max_rejected_completions`` → partial is never double-counted; the client reads the
     recorded decision, not this task's result in Celery's backend."""
-
-    def decode(self, msg: Any, stage: str, prev: Any) -> GateJob:
-        req = from_broker(self, msg, stage, runtime.decode_gate_request)
-        _attribute(self, req.run_id, completion_member(req.request_id), stage)
-        return GateJob(req)
-
-    def boundary(self, job: GateJob) -> GateJob:
-        req = job.req
-        config = boundary_config(self, req.config, "complete_gate", req.run_id, req.iteration)
-        return dataclasses.replace(job, config=config)
-
-    def replay(self, job: GateJob) -> dict[str, Any] | None:
-        recorded: dict[str, Any] | None = runtime.stores().runs.completion(
-            job.req.run_id, job.req.request_id
-        )
+    stage = "complete_gate"
+    req = from_broker(task, msg, stage, runtime.decode_gate_request)
+    _attribute(task, req.run_id, completion_member(req.request_id), stage)
+    config = boundary_config(task, req.config, stage, req.run_id, req.iteration)
+    runs = runtime.stores().runs
+    recorded: dict[str, Any] | None = runs.completion(req.run_id, req.request_id)
+    if recorded is not None:
         return recorded
+    out, events = _completion(req, config)
+    first = runs.record_completion(req.run_id, req.request_id, out, events)
+    if first:
+        out = first
+    if out["verdict"] != "complete":
+        runs.count_rejection_once(req.run_id, req.request_id)
+    return dict(out)
 
-    def run_stage(self, job: GateJob) -> tuple[dict[str, Any], list[str]]:
-        """The decision over the run's stored results, as JSON, with its trace events."""
-        req, runs = job.req, runtime.stores().runs
-        assert job.config is not None  # set by boundary
-        decision = evaluate_completion(
-            run_id=req.run_id,
-            iteration=req.iteration,
-            final_result=req.final_result,
-            results=runs.results(req.run_id, req.iteration),
-            files=req.files,
-            task=req.task,
-            deliverable_expected=req.deliverable_expected,
-            config=job.config,
-            previous_rejections=runs.rejections(req.run_id),
-            read_bytes=runtime.file_bytes,
-        )
-        events = [
-            encode_event({"type": "gate", "stage": "complete_gate", **e.model_dump(mode="json")})
-            for e in decision.events
-        ]
-        completion = {
-            "type": "completion",
-            "stage": "complete_gate",
-            "iteration": req.iteration,
-            "verdict": decision.verdict,
-            "reasons": list(decision.reasons),
-        }
-        events.append(encode_event(completion))
-        return json.loads(decision.model_dump_json()), events
 
-    def record(self, job: GateJob, run: tuple[dict[str, Any], list[str]]) -> dict[str, Any]:
-        """The first decision per request stands; a rejection is counted once per request."""
-        req, runs = job.req, runtime.stores().runs
-        out, events = run
-        first = runs.record_completion(req.run_id, req.request_id, out, events)
-        if first:
-            out = first
-        if out["verdict"] != "complete":
-            runs.count_rejection_once(req.run_id, req.request_id)
-        return dict(out)
+def _completion(
+    req: runtime.GateRequest, config: CritiqueConfig
+) -> tuple[dict[str, Any], list[str]]:
+    """The decision over the run's stored results, as JSON, with its trace events."""
+    runs = runtime.stores().runs
+    decision = evaluate_completion(
+        run_id=req.run_id,
+        iteration=req.iteration,
+        final_result=req.final_result,
+        results=runs.results(req.run_id, req.iteration),
+        files=req.files,
+        task=req.task,
+        deliverable_expected=req.deliverable_expected,
+        config=config,
+        previous_rejections=runs.rejections(req.run_id),
+        read_bytes=runtime.file_bytes,
+    )
+    events = [
+        encode_event({"type": "gate", "stage": "complete_gate", **e.model_dump(mode="json")})
+        for e in decision.events
+    ]
+    completion = {
+        "type": "completion",
+        "stage": "complete_gate",
+        "iteration": req.iteration,
+        "verdict": decision.verdict,
+        "reasons": list(decision.reasons),
+    }
+    events.append(encode_event(completion))
+    return json.loads(decision.model_dump_json()), events

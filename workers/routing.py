@@ -10,10 +10,9 @@ holds the state now:
   resumed at any stage is sent as the task of that stage (:func:`continuation`).
 - **Consumers.** After each stage the task either runs the next stage itself
   (:func:`runs_here`: Layer-0 and ``decide`` anywhere, the critic where its queue is, the first
-  repair round where its queue is, the gate once nothing follows) or hands the state on: to
-  the next task of a chain sent by an older client, else to the task that replaces it under
-  the same id. The message it hands on is addressed (signed) to that consumer
-  (:func:`addressed`).
+  repair round where its queue is, and the gate) or hands the state on to the task that
+  replaces it under the same id. The message it hands on is addressed (signed) to that
+  consumer (:func:`addressed`).
 
 Signatures are built from the registered stage tasks (``app.tasks``), which every process gets
 by importing :mod:`workers.tasks` (a caller imports it before it calls these builders).
@@ -56,12 +55,12 @@ def critic_queue(config: CritiqueConfig, submission: Submission) -> str:
     return keys.QUEUE_CPU
 
 
-def repair_queue(msg: dict[str, Any], submission: Submission) -> str | None:
+def repair_queue(overrides: dict[str, Any] | None, submission: Submission) -> str | None:
     """The queue of the submission's repair when it is not celeryconfig's route (the LLM
-    queue): the CPU queue when the reviser that serves it is token-free (deterministic), so a
-    token-free repair never waits for LLM workers (KEDA scales the LLM queue to zero). ``msg``
-    carries the submission's configuration overrides."""
-    reviser = runtime.context_for(msg.get("config")).reviser
+    queue): the CPU queue when the reviser that serves it (under the submission's
+    configuration ``overrides``) is token-free (deterministic), so a token-free repair never
+    waits for LLM workers (KEDA scales the LLM queue to zero)."""
+    reviser = runtime.context_for(overrides).reviser
     return keys.QUEUE_CPU if resolve_for(reviser, submission).token_free else None
 
 
@@ -71,7 +70,7 @@ def repair_queue_here(task: Task, state: LoopState, overrides: dict[str, Any]) -
     here = queue_here(task)
     if here is None:
         return False
-    queue = repair_queue({"config": overrides}, state.submission)
+    queue = repair_queue(overrides, state.submission)
     if queue is None:
         queue = (app.conf.task_routes or {}).get(keys.TASK_REPAIR, {}).get("queue")
     return here == queue
@@ -79,7 +78,7 @@ def repair_queue_here(task: Task, state: LoopState, overrides: dict[str, Any]) -
 
 FIRST_ATTEMPT = "critique_first_attempt"
 """The request attribute holding the repair attempt of the state a task took off the broker
-(set by :meth:`workers.protocol.StageTask.decode`): a task whose state is still at it has run
+(set by :func:`workers.protocol.take`): a task whose state is still at it has run
 no repair yet."""
 
 
@@ -93,32 +92,18 @@ def queue_here(task: Task) -> str | None:
 # --- consumers -------------------------------------------------------------------------------
 
 
-def next_in_chain(task: Task) -> tuple[str, str]:
-    """``(task name, task id)`` of the task after this one in its chain (its id was fixed when
-    the chain was frozen); ``("", "")`` when the chain ends here."""
-    steps = task.request.chain
-    if not steps:
-        return "", ""
-    nxt = steps[-1]
-    options = nxt.get("options") or {}
-    return str(nxt.get("task") or ""), str(options.get("task_id") or "")
-
-
 def runs_here(task: Task, next_stage: str, state: LoopState, overrides: dict[str, Any]) -> bool:
     """Whether ``task`` runs ``next_stage`` itself, after the stage it just ran.
 
     Layer-0 and ``decide`` are token-free and cheap: they run wherever the state is. The
     critic runs here when this task came from the critic's queue (an LLM critic never runs on
-    the CPU workers, nor a deterministic one on the LLM workers). The gate (``done``) runs here
-    when no task follows in the chain (a chain sent by an older client ends in its gate task:
-    it is left to that). A repair runs here when it would be sent to the queue this task came
+    the CPU workers, nor a deterministic one on the LLM workers). The gate (``done``) always
+    runs here. A repair runs here when it would be sent to the queue this task came
     from and this task has run no repair yet (its state is at the attempt it arrived with), so
     a task makes at most one repair round: a later round, a repair routed to another queue,
     and any repair of a pass run eagerly replace the task (``Task.replace``)."""
-    if next_stage in ("l0", "decide"):
+    if next_stage in ("l0", "decide", "done"):
         return True
-    if next_stage == "done":
-        return not task.request.chain
     if next_stage == "critic":
         here = queue_here(task)
         return here is None or here == critic_queue(runtime.config_for(overrides), state.submission)
@@ -134,16 +119,12 @@ def consumer(
 ) -> tuple[str, str]:
     """``(task name, task id)`` the message a stage hands on (its state's next stage
     ``next_stage``) is addressed to: this task itself when it runs that stage too
-    (:func:`runs_here`); else the next task of the chain, when a chain sent by an older client
-    has one; else the task that replaces this one (``Task.replace``), which keeps this task's
-    id, as Celery's own replace does, so the id the client holds ends up with the result."""
+    (:func:`runs_here`); else the task that replaces this one (``Task.replace``), which keeps
+    this task's id, as Celery's own replace does, so the id the client holds ends up with the
+    result."""
     own = str(task.request.id or "")
     if runs_here(task, next_stage, state, overrides):
         return task.name, own
-    if next_stage != "repair":
-        name, task_id = next_in_chain(task)
-        if name:
-            return name, task_id
     return STAGE_TASKS[next_stage], own
 
 
@@ -171,7 +152,7 @@ def stage_signature(
     if stage in ("l0", "critic"):
         sig = sig.set(queue=critic_queue(config, submission))
     elif stage == "repair":
-        queue = repair_queue(msg, submission)
+        queue = repair_queue(msg.get("config"), submission)
         if queue:
             sig = sig.set(queue=queue)
     return sig

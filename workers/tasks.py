@@ -1,9 +1,10 @@
-"""The Celery tasks, each a declaration over the pure stages: the protocol every stage runs by
-(decode, boundary, replay, run, record, refund) is :mod:`workers.protocol`; where a stage runs
-and what is sent next, :mod:`workers.routing`.
+"""The Celery tasks, each a declaration over the pure stages, all on one base
+(:class:`workers.protocol.PipelineTask`): what a stage task does with its message (take,
+replay, run, record, refund) is :mod:`workers.protocol`; where a stage runs and what is sent
+next, :mod:`workers.routing`.
 
 A submission is sent as one task, ``critique.l0``, on its critic's queue. A task runs its stage
-and then every stage after it that belongs on its queue (:meth:`StageTask.drive`): Layer-0 and
+and then every stage after it that belongs on its queue (:func:`drive`): Layer-0 and
 ``decide`` anywhere (both token-free and cheap, so ``decide`` runs inside the task that ran the
 critic), the critic where its queue is, and the gate once nothing follows. So an accepted
 output is one task (``l0 → critic → decide → gate``); a repair round is a task of its own: the
@@ -14,9 +15,7 @@ replacement too. Replacements keep the task's id, as Celery's own replace does, 
 client sent the submission under ends up holding the summary in Celery's result backend. No
 task ever waits on another. The stage tasks (``critique.critic``, ``critique.decide``,
 ``critique.repair``, ``critique.gate``) each take a message for their stage, so a pass resumed
-at any stage (:func:`workers.routing.continuation`) goes on the same way, and chains sent by
-older clients (``l0 → critic → gate``) still run: a task hands on to the next task of its chain
-instead of running the gate itself.
+at any stage (:func:`workers.routing.continuation`) goes on the same way.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from celery import Task, states
+from celery import states
 from celery.exceptions import Ignore
 from celery.signals import task_postrun
 from celery.utils.log import get_task_logger
@@ -38,17 +37,18 @@ from pipeline.store.runs import EntryIdTaken, RunOwnedError
 from workers import entry, runtime, telemetry
 from workers.app import app
 from workers.protocol import (
-    CompletionGateTask,
-    CritiqueTask,
-    ReplacingStage,
-    StageTask,
-    Step,
+    PipelineTask,
     boundary_config,
+    drive,
     finish_pass,
     from_broker,
     one_line,
     record_refusal,
     refuse,
+    run_completion_gate,
+    run_step,
+    settle,
+    take,
 )
 from workers.routing import submission_signature
 
@@ -64,7 +64,7 @@ RETRY = {
 # The loop's stages hand their state to the next stage in the message, and each stage's first
 # output is already recorded in the run's steps hash: storing it again in the result backend
 # (plus a STARTED state) would cost two Redis writes per stage for nothing. Errors are still
-# stored, and Celery propagates them down the chain to the gate task the client waits on.
+# stored, under the task id the client holds.
 STAGE = {**RETRY, "ignore_result": True, "store_errors_even_if_ignored": True}
 log = get_task_logger(__name__)
 
@@ -83,42 +83,40 @@ def _flush_metrics(**_: Any) -> None:
 # --- the tasks -------------------------------------------------------------------------------
 
 
-@app.task(name=keys.TASK_L0, bind=True, base=StageTask, **STAGE)
-def l0(self: StageTask, msg: dict[str, Any]) -> dict[str, Any]:
-    """Layer-0 contract checks (token-free), then what runs after them here
-    (:meth:`StageTask.drive`): a submission's first task, sent to its critic's queue."""
-    return self.drive(msg, "l0")
+@app.task(name=keys.TASK_L0, bind=True, base=PipelineTask, **STAGE)
+def l0(self: PipelineTask, msg: dict[str, Any]) -> dict[str, Any]:
+    """Layer-0 contract checks (token-free), then what runs after them here (:func:`drive`):
+    a submission's first task, sent to its critic's queue."""
+    return drive(self, msg, "l0")
 
 
-@app.task(name=keys.TASK_CRITIC, bind=True, base=StageTask, **STAGE)
-def critic(self: StageTask, msg: dict[str, Any]) -> dict[str, Any]:
+@app.task(name=keys.TASK_CRITIC, bind=True, base=PipelineTask, **STAGE)
+def critic(self: PipelineTask, msg: dict[str, Any]) -> dict[str, Any]:
     """The configured critic (heuristic, rubric, LLM), then ``decide`` and, for an accepted or
-    stopped output, the gate (:meth:`StageTask.drive`)."""
-    return self.drive(msg, "critic")
+    stopped output, the gate (:func:`drive`)."""
+    return drive(self, msg, "critic")
 
 
-@app.task(name=keys.TASK_REPAIR, bind=True, base=StageTask, **STAGE)
-def repair(self: StageTask, msg: dict[str, Any]) -> dict[str, Any]:
+@app.task(name=keys.TASK_REPAIR, bind=True, base=PipelineTask, **STAGE)
+def repair(self: PipelineTask, msg: dict[str, Any]) -> dict[str, Any]:
     """One targeted repair attempt, charged to the run's budget; then Layer-0 again, the
-    re-critique when its critic runs on this queue, decide and the gate
-    (:meth:`StageTask.drive`)."""
-    return self.drive(msg, "repair")
+    re-critique when its critic runs on this queue, decide and the gate (:func:`drive`)."""
+    return drive(self, msg, "repair")
 
 
-@app.task(name=keys.TASK_DECIDE, bind=True, base=StageTask, **STAGE)
-def decide(self: StageTask, msg: dict[str, Any]) -> dict[str, Any]:
+@app.task(name=keys.TASK_DECIDE, bind=True, base=PipelineTask, **STAGE)
+def decide(self: PipelineTask, msg: dict[str, Any]) -> dict[str, Any]:
     """Accept, stop, escalate, or loop into another repair round (via ``Task.replace``).
 
-    The task that ran the critic runs this stage itself; the task stays for a pass resumed
-    between the two (a continuation from a recorded critic step) and for messages already
-    queued."""
-    return self.drive(msg, "decide")
+    The task that ran the critic runs this stage itself; this task is for a pass resumed
+    between the two (a continuation from a recorded critic step)."""
+    return drive(self, msg, "decide")
 
 
-@app.task(name=keys.TASK_GATE, bind=True, base=CritiqueTask, **RETRY)
-def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
-    """Finish the submission pass (:func:`finish_pass`): the end of a chain sent by an older
-    client, and of a pass resumed after its last stage.
+@app.task(name=keys.TASK_GATE, bind=True, base=PipelineTask, **RETRY)
+def gate(self: PipelineTask, msg: dict[str, Any]) -> dict[str, Any]:
+    """Finish the submission pass (:func:`finish_pass`) of a pass resumed after its last
+    stage.
 
     Only from a message that passed its signature check (``CRITIQUE_SECRET``): a forged
     finished state is refused before anything is stored."""
@@ -126,22 +124,22 @@ def gate(self: Task, msg: dict[str, Any]) -> dict[str, Any]:
     return finish_pass(self, msg, state)
 
 
-@app.task(name=keys.TASK_COMPLETE_GATE, bind=True, base=CompletionGateTask, **RETRY)
-def complete_gate(self: CompletionGateTask, msg: dict[str, Any]) -> dict[str, Any]:
-    """The manager's completion gate over the run's stored results (:class:`CompletionGateTask`;
-    see docs/client.md, "The Python client (for the manager)").
+@app.task(name=keys.TASK_COMPLETE_GATE, bind=True, base=PipelineTask, **RETRY)
+def complete_gate(self: PipelineTask, msg: dict[str, Any]) -> dict[str, Any]:
+    """The manager's completion gate over the run's stored results
+    (:func:`run_completion_gate`; see docs/client.md, "The Python client (for the manager)").
 
     Message: ``{"v": 1, "request_id", "run_id", "iteration", "final_result", "task", "files",
     "deliverable_expected", "config", "task_name", "task_id"}`` (the last two: this task, as
     addressed by the signer). Returns the ``CompletionDecision`` as JSON."""
-    decision: dict[str, Any] = self.process(msg, "complete_gate")
-    return decision
+    return run_completion_gate(self, msg)
 
 
-def _stage(task: StageTask, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any], str]:
-    """One stage's body alone, as ``task`` runs it (:meth:`StageTask.process`): the message it
-    hands on and its next stage. Tests run single stages with it."""
-    step: Step = task.settle(task.process(msg, stage))  # a task that ends after the stage
+def _stage(task: PipelineTask, msg: dict[str, Any], stage: str) -> tuple[dict[str, Any], str]:
+    """One stage's body alone, as ``task`` runs it: the message it hands on and its next
+    stage, its step recorded (a task that ends after the stage). Tests run single stages with
+    it."""
+    step = settle(task, run_step(task, stage, take(task, msg, stage)))
     return step.out, step.next
 
 
@@ -162,22 +160,22 @@ ENTRY = {
 }
 
 
-class EntryTask(ReplacingStage):
-    """``critique.submit``: a failure for good is stored in Celery's result backend under the
-    task's id as ``FAILURE`` with a one-line reason and no traceback (``result.exc_type``,
+class EntryTask(PipelineTask):
+    """``critique.submit``: a failure for good is also stored in Celery's result backend under
+    the task's id as ``FAILURE`` with a one-line reason and no traceback (``result.exc_type``,
     ``result.exc_message[0]``), so a manager in any language reads why; never over a result
     already there (a message forged under a live submission's id cannot hide its verdict)."""
 
-    def on_failure(self, exc: Any, task_id: str, args: Any, kwargs: Any, einfo: Any) -> None:
+    def on_failure(
+        self,
+        exc: BaseException,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        einfo: Any,
+    ) -> None:
         super().on_failure(exc, task_id, args, kwargs, einfo)
         _store_entry_failure(self, exc, task_id)
-
-    def on_replace(self, sig: Any) -> Any:
-        """Celery's own: publish the replacement, then ``Ignore``, so nothing of this task's is
-        stored even when its message asks for results (a hand-built message's
-        ``ignore_result: false`` header overrides the task's): the replacement stores the
-        summary under this id."""
-        return Task.on_replace(self, sig)
 
 
 _ENTRY_OF = "critique_entry"
@@ -185,7 +183,7 @@ _ENTRY_OF = "critique_entry"
 iteration, worker id)``, set once it decoded (:func:`_store_entry_failure` reads it)."""
 
 
-def _store_entry_failure(task: Task, exc: BaseException, task_id: str) -> None:
+def _store_entry_failure(task: PipelineTask, exc: BaseException, task_id: str) -> None:
     """The one-line ``FAILURE`` of a refused entry message under its task id: never over a
     verdict (garbage sent under a finished submission's id), and never under an id another
     submission's entry claimed (:meth:`RedisRunStore.claim_entry`): that id holds, or will
@@ -213,7 +211,7 @@ def _store_entry_failure(task: Task, exc: BaseException, task_id: str) -> None:
         log.warning("could not store the failure of entry task %s: %s", task_id, store_exc)
 
 
-def _check_owner(task: Task, sub: Any, signer: str | None) -> None:
+def _check_owner(task: PipelineTask, sub: Any, signer: str | None) -> None:
     """Bind the run to the identity that signed its first entry message, and refuse an entry
     signed by another identity (``RunOwnedError``, one line naming the run only) before any
     pass record is written. Unsigned fleets (no key) enforce no owner. The refusal is logged
@@ -228,7 +226,7 @@ def _check_owner(task: Task, sub: Any, signer: str | None) -> None:
 
 
 @app.task(name=keys.TASK_SUBMIT, bind=True, base=EntryTask, **ENTRY)
-def submit(self: Task, msg: Any) -> dict[str, Any]:
+def submit(self: EntryTask, msg: Any) -> dict[str, Any]:
     """The entry task: one submission as plain JSON (:mod:`workers.entry`), from a manager in
     any language. Does on the worker what ``CritiqueClient.submit`` does (check the message
     and the trust boundary, admit, start the pass, register it), then replaces itself with the

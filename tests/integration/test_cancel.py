@@ -238,14 +238,14 @@ def test_a_signed_run_is_not_cancelled_without_the_workers_secret(
 def test_a_worker_stage_asks_its_own_pass_before_the_model_call(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A critic stage run as a worker runs it (StageTask.run_stage, this process, the real
+    """A critic stage run as a worker runs it (protocol.run_stage, this process, the real
     store): once its pass was cancelled the stage raises PassCancelled before its LLM critic
     is called; another pass of the same submission, not cancelled, is critiqued."""
     from pipeline.runner import PassCancelled, start
     from pipeline.wiring import make_context
     from tests.unit.test_runner import SpendingCritic
     from workers import cancelling, runtime, tasks
-    from workers.protocol import StageJob
+    from workers.protocol import Step, run_stage
 
     critic = SpendingCritic()
     ctx = make_context(runtime.config_for({"enabled": True}), critic=critic)
@@ -253,15 +253,15 @@ def test_a_worker_stage_asks_its_own_pass_before_the_model_call(
     run_id = f"cx-{uuid.uuid4().hex[:8]}"
     sub = _sub(run_id, "cx-001").model_copy(update={"model": None})
 
-    def job(pass_id: str) -> StageJob:
+    def before(pass_id: str) -> Step:
         state = start(sub, pass_id).model_copy(update={"next": "critic"})
-        return StageJob({}, "critic", state, {"enabled": True}, pass_id, None)
+        return Step({}, state, {"enabled": True})
 
     cancelling.cancel_pass(run_id, 1, "cx-001", "p-cancelled", by="test")
     with pytest.raises(PassCancelled):
-        tasks.critic.run_stage(job("p-cancelled"))
+        run_stage(tasks.critic, "critic", before("p-cancelled"))
     assert critic.rounds == []
-    tasks.critic.run_stage(job("p-live"))
+    run_stage(tasks.critic, "critic", before("p-live"))
     assert critic.rounds == [1]
 
 

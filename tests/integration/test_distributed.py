@@ -137,8 +137,9 @@ def test_redelivered_task_bodies_change_no_count_or_charge(
         assert again == first
         m = first
     assert s.patterns.top(run_id, 100)[0].frequency == 1
-    m, next_stage = tasks._stage(tasks.decide, m, "decide")
-    assert tasks._stage(tasks.decide, m, "decide") == (m, "repair")
+    critiqued = m
+    m, next_stage = tasks._stage(tasks.decide, critiqued, "decide")
+    assert tasks._stage(tasks.decide, critiqued, "decide") == (m, "repair")
     assert next_stage == runtime.decode(m)[0].next == "repair"
 
     def recheck(repaired: dict[str, object]) -> dict[str, object]:

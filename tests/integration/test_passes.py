@@ -299,3 +299,24 @@ def test_store_keeps_the_latest_pass_in_results(env: dict[str, str]) -> None:
     old = runs.pass_result(run_id, 1, "w1", "p1")
     assert old is not None and old.best_score == 0.7
     assert len(runtime.stores().trace.read(run_id)) == 2
+
+
+def test_a_stage_message_at_another_stage_or_without_a_pass_is_refused(
+    env: dict[str, str],
+) -> None:
+    """Every sender sends a state to the task of its next stage, under a pass id: a message
+    at another stage (Layer-0's output sent to decide), or one with no pass id, is refused
+    before any stage runs, and the refusal is traced in the run it names."""
+    from pipeline.errors import SubmissionError
+    from workers import runtime, tasks
+
+    run_id = _run_id("refused")
+    sub = make_sub(run_id, "w1", 1, "clean")
+    at_critic = tasks._stage(tasks.l0, runtime.encode(start(sub, "p1"), CONFIG), "l0")[0]
+    with pytest.raises(SubmissionError, match="a decide message carries a state at 'critic'"):
+        tasks._stage(tasks.decide, at_critic, "decide")
+    no_pass = runtime.sign({"v": 1, "config": CONFIG, "state": start(sub).model_dump_json()})
+    with pytest.raises(SubmissionError, match="no pass id"):
+        tasks._stage(tasks.l0, no_pass, "l0")
+    refused = [e for e in runtime.stores().trace.read(run_id) if e["type"] == "refused"]
+    assert [e["stage"] for e in refused] == ["decide", "l0"]

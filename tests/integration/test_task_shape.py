@@ -1,7 +1,6 @@
 """The tasks a submission costs, through a real worker: the loop's stages run inside the tasks
 (an accepted output is one task, and so is its first repair round), the id the client sent the
-submission under holds the summary in Celery's result backend, and a chain an older client
-built (``l0 → critic → gate``) still finishes."""
+submission under holds the summary in Celery's result backend."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ from typing import Any
 
 import pytest
 
-from pipeline.runner import start
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.submissions import CONFIG, make_sub
@@ -86,38 +84,6 @@ def test_an_output_and_its_first_repair_round_cost_one_task(
     )
     tasks = Counter({keys.TASK_L0: 1})
     assert _settled_count(before, tasks) == tasks
-
-
-def test_a_chain_sent_by_an_older_client_still_finishes(worker: WorkerProcess) -> None:
-    """``l0 → critic → gate`` as clients before the fused tasks sent it: the l0 task runs the
-    stages it can, hands the state down the chain instead of finishing the pass itself, and
-    the gate at the end stores the one result under its own id."""
-    from celery import chain
-    from celery.result import AsyncResult
-
-    from workers import runtime, tasks
-    from workers.app import app
-    from workers.client import CritiqueClient
-
-    client = CritiqueClient(CONFIG)
-    sub = make_sub(f"older-{uuid.uuid4().hex[:8]}", "w1", 1, "clean")
-    first = uuid.uuid4().hex
-    msg = runtime.encode(
-        start(sub, runtime.new_pass_id()), CONFIG, task=keys.TASK_L0, task_id=first
-    )
-    older = chain(tasks.l0.s(msg).set(task_id=first), tasks.critic.s(), tasks.gate.s())
-    before = _tasks_run()
-    handle = client._enqueue(sub, msg, older)
-    result = client.wait(handle, timeout=60)
-    assert result.status == "accepted"
-    # The gate task's return value reaches the backend after the store's result: wait for it.
-    stored = AsyncResult(handle.task_id, app=app)
-    assert stored.get(timeout=10)["status"] == "accepted"
-    assert stored.state == "SUCCESS"
-    expected = Counter({keys.TASK_L0: 1, keys.TASK_CRITIC: 1, keys.TASK_GATE: 1})
-    assert _settled_count(before, expected) == expected
-    events = [e for e in client.trace(sub.run_id) if e["type"] == "result"]
-    assert len(events) == 1
 
 
 def test_a_started_worker_has_frozen_what_it_loaded(worker: WorkerProcess) -> None:
