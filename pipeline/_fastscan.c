@@ -4,7 +4,7 @@
  * a character offset) yields what the six default checks need: placeholder hits, paragraph spans
  * with their 64-bit word-3-gram simhash, heading title spans and delimiter statistics outside
  * strings, comments, code fences and inline code spans. The pure-Python reference with identical
- * semantics is pipeline/contract/_scan.py (and pipeline/simhash.py); tests cross-check the two.
+ * semantics is pipeline/contract/_scan.py (and pipeline/text/simhash.py); tests cross-check the two.
  * Definitions (whitespace, word characters, strings per format) are documented there.
  */
 #define PY_SSIZE_T_CLEAN

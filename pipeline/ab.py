@@ -45,7 +45,6 @@ from pydantic import Field, ValidationError, field_validator
 from pipeline.contract import build_suite, output_text
 from pipeline.contract.models import ContractInput
 from pipeline.errors import SubmissionError
-from pipeline.escaping import md_text
 from pipeline.llm import ChatMessage, LLMRequest
 from pipeline.models import (
     CritiqueResult,
@@ -62,6 +61,7 @@ from pipeline.sandbox import (
     temp_workspace,
     write_workspace,
 )
+from pipeline.text.escaping import md_text
 
 Kind = Literal["json", "markdown", "python"]
 Mode = Literal["A", "B"]

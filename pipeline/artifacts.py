@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PathEscapeError, SubmissionError
-from pipeline.escaping import md_cell
 from pipeline.gates import mean_best_score, not_counted
 from pipeline.models import (
     SCHEMA_VERSION,
@@ -33,6 +32,7 @@ from pipeline.models import (
     Pattern,
     check_identifier,
 )
+from pipeline.text.escaping import md_cell
 
 TOP_PRESCRIPTIONS = 10
 _CELL_MAX = 200

@@ -1,7 +1,7 @@
 """The injection scan: deterministic detection of text that tries to instruct a critic.
 
 :func:`detect_injection` scans a whole text with bounded, linear-time patterns, whatever a
-model makes of it: the text as sent, the text as a reader sees it (:mod:`pipeline.textnorm`:
+model makes of it: the text as sent, the text as a reader sees it (:mod:`pipeline.text.textnorm`:
 ANSI escapes and zero-width characters removed, NFKC, look-alike letters mapped to Latin),
 base64-encoded text (bounded decoding), and JSON objects shaped like an accepting critic verdict
 (:func:`looks_like_verdict`: "forged verdict"). Each hit is a critical ``policy_violation``
@@ -14,7 +14,7 @@ Used by the runner on every critic's envelope (:func:`pipeline.runner.checked_en
 heuristic, rubric and command critics and the Layer-0 path are capped too), by the LLM critic
 (:mod:`pipeline.critics.llm`, on the output and its file names; applying the hits twice adds
 them once) and by pattern memory (:mod:`pipeline.pitfalls`, which drops lessons that would
-carry an instruction into later prompts). It depends only on :mod:`pipeline.textnorm` and
+carry an instruction into later prompts). It depends only on :mod:`pipeline.text.textnorm` and
 :mod:`pipeline.models`.
 """
 
@@ -25,13 +25,13 @@ import json
 import re
 from collections.abc import Collection, Sequence
 
-from pipeline import textnorm
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
     ReusablePattern,
     Submission,
 )
+from pipeline.text import textnorm
 
 INJECTION_SCORE_CAP = 0.59
 """Highest score an output that tries to instruct the critic can get (the repair band)."""
@@ -390,9 +390,9 @@ def _scan(text: str, data_keys: Collection[str] = ()) -> list[tuple[int, str]]:
     """(offset, label) of each non-overlapping injection hit, in text order.
 
     The patterns run on the text and, when it has anything to undo, on its normalised form
-    (:func:`pipeline.textnorm.normalize`: escapes and zero-width characters removed, NFKC,
+    (:func:`pipeline.text.textnorm.normalize`: escapes and zero-width characters removed, NFKC,
     look-alike letters mapped to Latin) and in display order where bidi controls reverse a
-    run (:func:`pipeline.textnorm.display_order`), with offsets mapped back; then
+    run (:func:`pipeline.text.textnorm.display_order`), with offsets mapped back; then
     base64-encoded text (bounded, :data:`B64_MAX_RUNS`) and forged verdicts
     (:func:`looks_like_verdict`). Offsets are the original text's.
     """

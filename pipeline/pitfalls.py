@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from pipeline.escaping import md_text
 from pipeline.injection import detect_injection
 from pipeline.models import (
     CritiqueEnvelope,
@@ -34,6 +33,7 @@ from pipeline.models import (
 )
 from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
 from pipeline.store.keys import pattern_key
+from pipeline.text.escaping import md_text
 
 PITFALLS_HEADER = (
     "## Known Pitfalls\n"
@@ -340,7 +340,7 @@ def render_lessons(
     A lesson is labelled with how many runs taught it and whether this run did; no other run
     is named. Every stored string is shown as pattern memory keeps it (no control characters,
     capped: a row a Redis writer planted cannot carry more) and literally
-    (:func:`pipeline.escaping.md_text`)."""
+    (:func:`pipeline.text.escaping.md_text`)."""
     lines = ["# Lessons", ""]
     if run_id is not None:
         lines += [f"Run {md_text(run_id)}.", ""]

@@ -46,7 +46,6 @@ from pipeline.runner import (
     L0Outcome,
     StageContext,
 )
-from pipeline.simhash import is_fixpoint
 from pipeline.store.base import BudgetLedger, CritiqueCache, PatternStore, TraceSink
 from pipeline.store.blobs import RedisBlobStore
 from pipeline.store.leases import process_holder
@@ -56,6 +55,7 @@ from pipeline.store.memory import (
     MemoryPatternStore,
     MemoryTraceSink,
 )
+from pipeline.text.simhash import is_fixpoint
 
 if TYPE_CHECKING:
     from pipeline.store.redis_common import StoreClient
@@ -101,10 +101,10 @@ def contract_l0(
 
 
 def simhash_fixpoint(*, eager: bool = False) -> FixpointFn:
-    """The real fixpoint test, :func:`pipeline.simhash.is_fixpoint` (imported on the first call,
-    or now with ``eager``)."""
+    """The real fixpoint test, :func:`pipeline.text.simhash.is_fixpoint` (imported on the first
+    call, or now with ``eager``)."""
     if eager:
-        import pipeline.simhash  # noqa: F401
+        import pipeline.text.simhash  # noqa: F401
 
     def fixpoint(previous_text: str, current_text: str) -> bool:
         return bool(is_fixpoint(previous_text, current_text))

@@ -13,7 +13,7 @@ JSON-object outputs (a worker's result dict):
 
 Blank means a reader sees nothing: empty, whitespace, or only invisible characters (zero-width,
 the braille blank, Hangul fillers, bidi controls, escape sequences;
-:func:`pipeline.textnorm.looks_blank`), so ``"\\u200b"`` is as empty as ``""``.
+:func:`pipeline.text.textnorm.looks_blank`), so ``"\\u200b"`` is as empty as ``""``.
 
 A non-numeric confidence is a format problem, not a missing value: the worker did report one.
 ``confidence`` is never double-counted as a required field, and a blank ``error`` string counts
@@ -53,7 +53,7 @@ from pipeline.models import (
     Submission,
 )
 from pipeline.pitfalls import name_token
-from pipeline.textnorm import looks_blank
+from pipeline.text.textnorm import looks_blank
 
 MISSING_CONFIDENCE = 0.3
 NON_NUMERIC_CONFIDENCE = 0.2

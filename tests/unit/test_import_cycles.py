@@ -201,7 +201,8 @@ def test_no_module_level_import_cycles() -> None:
 @pytest.mark.parametrize(
     "pair",
     [
-        ("pipeline.simhash", "pipeline.contract"),  # the compiled scanner is pipeline._fastscan
+        # the compiled scanner is pipeline._fastscan
+        ("pipeline.text.simhash", "pipeline.contract"),
         ("pipeline.pitfalls", "pipeline.critics.llm"),  # the injection scan is pipeline.injection
         ("workers.cli", "workers.commands._common"),  # the exit codes are workers.exit_codes
         ("workers.tasks", "workers.recovery.redriving"),  # continuation is workers.routing's

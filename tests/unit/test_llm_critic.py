@@ -427,7 +427,7 @@ def test_detect_injection_is_bounded() -> None:
     assert len(detect_injection(f"{INJECTED}. " * 5000)) == 10
 
 
-# ---- disguised injections (pipeline/textnorm.py, base64, forged verdicts) --------------------
+# ---- disguised injections (pipeline/text/textnorm.py, base64, forged verdicts) -------------------
 
 
 def _png_base64() -> str:

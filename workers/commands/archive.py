@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeline.archive import RunRecord, archive_dir, iso
 from pipeline.errors import PathEscapeError
-from pipeline.escaping import escape_controls
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     UnknownRunError,

@@ -34,9 +34,9 @@ from pathlib import Path
 
 from pipeline import settings
 from pipeline.errors import PathEscapeError
-from pipeline.escaping import escape_controls
 from pipeline.models import CritiqueResult
 from pipeline.store.keys import lessons_scope
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     add_json_argument,

@@ -63,9 +63,9 @@ from typing import Any
 
 from pipeline.config import read_workflow
 from pipeline.errors import CritiqueError, SubmissionError
-from pipeline.escaping import escape_controls
 from pipeline.models import Submission, check_json_value
 from pipeline.store.urls import redact_url
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     above,
