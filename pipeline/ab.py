@@ -15,8 +15,8 @@ real critique pipeline on it. This module holds everything that needs no broker:
   heading of that title, and for ``python`` every ruff violation in ``solution.py`` (``ruff check
   --isolated --select E4,E7,E9,F``: ruff's classic defaults, pinned so counts do not drift with
   ruff's version) plus every failing or erroring test of the input's own test files (pytest,
-  confined like the command critic: :mod:`pipeline.sandbox`); a pytest run that fails without a
-  test report (nothing collected, a time-out) counts one.
+  confined like the command critic: :mod:`pipeline.security.sandbox`); a pytest run that fails
+  without a test report (nothing collected, a time-out) counts one.
 - :class:`ABRow`, :data:`CSV_COLUMNS`, :func:`write_csv` — ``ab.csv`` with exactly
   ``run_id,mode,input_id,defects,latency_s,tokens_in,tokens_out,loops``.
 - :func:`summarize` — the verdict: ``reduction = (mean A − mean B) / mean A``, pass when it is at
@@ -53,7 +53,7 @@ from pipeline.models import (
     Frozen,
     check_identifier,
 )
-from pipeline.sandbox import (
+from pipeline.security.sandbox import (
     Isolation,
     minimal_path,
     run_confined,

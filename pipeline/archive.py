@@ -21,7 +21,7 @@ One JSON object per line, each with a ``"kind"``, in this order::
     {"kind": "end", "run_id", "lines", "sha256", "sig"?}   # always the last line
 
 The ``end`` line counts the lines before it and carries the SHA-256 of their bytes; with
-``CRITIQUE_SECRET`` set it is signed (:func:`pipeline.signing.sign_record`, kind
+``CRITIQUE_SECRET`` set it is signed (:func:`pipeline.security.signing.sign_record`, kind
 ``archive``), and a reader holding the secret refuses a file that does not verify, so write
 access to the archive directory is not enough to forge a verdict either. Only records that
 verified in the store are archived (``signed_store`` says whether the store was signed).
@@ -44,9 +44,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pipeline import settings, signing
+from pipeline import settings
 from pipeline.errors import ForgedMessageError, PermanentError
 from pipeline.models import CritiqueResult, Lesson, Pattern, check_identifier
+from pipeline.security import signing
 
 SCHEMA = 1
 """The archive format's version (the header's ``schema``); a reader refuses a newer one."""

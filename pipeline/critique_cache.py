@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-from pipeline import signing
 from pipeline.config import CacheConfig, CritiqueConfig
 from pipeline.critics.base import Critic, resolve_for
 from pipeline.errors import ForgedMessageError
 from pipeline.models import CritiqueEnvelope, Submission, Usage
+from pipeline.security import signing
 from pipeline.store.base import CritiqueCache
 
 CacheUse = Literal["hit", "miss", ""]

@@ -10,8 +10,8 @@ Confinement is enforced where a path enters: :class:`~pipeline.models.FileRef` r
 empty, absolute or ``..`` path (and control characters) when a submission is validated, so
 every path here is already relative to the workspace. Files travel by content (inline or as
 a blob), never as a path on the worker's disk, so there is no symlink to follow; where they are
-written out again (the command critic's sandbox, :func:`pipeline.sandbox.write_workspace`) a
-symlink or an escaping path raises :class:`~pipeline.errors.PathEscapeError`.
+written out again (the command critic's sandbox, :func:`pipeline.security.sandbox.write_workspace`)
+a symlink or an escaping path raises :class:`~pipeline.errors.PathEscapeError`.
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.model_policy import in_key_scope, key_scope
 from pipeline.models import Frozen, Usage
 from pipeline.providers import call_scope, check_keys, load_litellm
-from pipeline.redaction import provider_error
+from pipeline.security.redaction import provider_error
 from pipeline.tokens import CHARS_PER_TOKEN, estimate_tokens
 
 Purpose = Literal["critic", "repair", "adjudicate", "generate"]
@@ -319,7 +319,7 @@ def retry_after_s(exc: BaseException, *, now: float | None = None) -> float | No
 def _describe(exc: BaseException, key: str | None = None) -> str:
     """The provider's error as a manager may read it (a failure reason, a fallback note): its
     type, HTTP status and a short message with the call's ``key`` and anything key-like hidden
-    (:func:`pipeline.redaction.provider_error`): an error body can echo the request. The
+    (:func:`pipeline.security.redaction.provider_error`): an error body can echo the request. The
     errors built from it are raised ``from None``: Celery stores a failed stage's traceback,
     chained causes included, where managers can read it (the result backend)."""
     return provider_error(exc, (key,))

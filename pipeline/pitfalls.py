@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from pipeline.injection import detect_injection
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -31,6 +30,7 @@ from pipeline.models import (
     Pattern,
     ReusablePattern,
 )
+from pipeline.security.injection import detect_injection
 from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
 from pipeline.store.keys import pattern_key
 from pipeline.text.escaping import md_text

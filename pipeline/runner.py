@@ -72,7 +72,6 @@ from pipeline.critique_cache import CacheUse, critique_cache_key, critique_throu
 from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
 from pipeline.errors import SubmissionError, TransientError
 from pipeline.files import FileReader, inline_bytes
-from pipeline.injection import apply_injections, submission_injections
 from pipeline.llm import token_allowance
 from pipeline.models import (
     UNSCORED,
@@ -94,6 +93,7 @@ from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
 from pipeline.repair import RepairBound, RepairOrder, is_acceptable, repair_growth
 from pipeline.repair_sizing import order_repair
 from pipeline.result_bounds import NOTE_CHARS, bound_result
+from pipeline.security.injection import apply_injections, submission_injections
 from pipeline.store.base import (
     BudgetAnswer,
     BudgetLedger,
@@ -495,8 +495,8 @@ def checked_envelope(
 ) -> CritiqueEnvelope:
     """What the loop keeps of any critic's envelope (the post-critique hook, every critic and
     the Layer-0 path alike): the injection scan's hits added and the score capped at 0.59
-    (:func:`~pipeline.injection.apply_injections`: idempotent, so the LLM critic's own scan is
-    not counted twice), then the per-critique bounds
+    (:func:`~pipeline.security.injection.apply_injections`: idempotent, so the LLM critic's own scan
+    is not counted twice), then the per-critique bounds
     (:func:`~pipeline.critics.base.bound_envelope`)."""
     hits = submission_injections(text_of(output), submission)
     return bound_envelope(apply_injections(envelope, hits))

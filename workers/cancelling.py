@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import settings, signing
+from pipeline import settings
 from pipeline.errors import ConfigError, ForgedMessageError, SubmissionError
 from pipeline.models import CritiqueResult, cancelled_result
 from pipeline.runner import pass_lease_prefix
+from pipeline.security import signing
 from pipeline.store.base import encode_event
 from pipeline.store.pending import parse_member
 from pipeline.store.runs import member, pass_member

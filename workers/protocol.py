@@ -47,7 +47,6 @@ from pipeline.config import CritiqueConfig, check_submission_model
 from pipeline.errors import ConfigError, CritiqueError, PermanentError, SubmissionError
 from pipeline.gates import evaluate_completion
 from pipeline.models import CritiqueResult, check_identifier
-from pipeline.redaction import scrub
 from pipeline.runner import (
     STAGES,
     BudgetWait,
@@ -57,6 +56,7 @@ from pipeline.runner import (
     finish,
     is_token_free,
 )
+from pipeline.security.redaction import scrub
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink

@@ -10,10 +10,11 @@ The state goes by reference (a content-addressed blob) once its JSON passes ``IN
 so a 5 MB output never rides in a broker message.
 
 With ``CRITIQUE_SECRET`` set, every message (stage messages and ``complete_gate`` requests)
-also carries ``"sig": "hmac-sha256:<hex>"`` over all its other fields (:mod:`pipeline.signing`),
-and :func:`decode` / :func:`decode_gate_request` refuse one that is unsigned, altered or signed
-with another key (``ForgedMessageError``). A ``state_ref`` is covered by the signature and the
-blob must hash to it, so neither the reference nor the bytes behind it can be swapped.
+also carries ``"sig": "hmac-sha256:<hex>"`` over all its other fields
+(:mod:`pipeline.security.signing`), and :func:`decode` / :func:`decode_gate_request` refuse one that
+is unsigned, altered or signed with another key (``ForgedMessageError``). A ``state_ref`` is covered
+by the signature and the blob must hash to it, so neither the reference nor the bytes behind it can
+be swapped.
 
 Every message also names the Celery task it is addressed to, ``"task_name"`` and ``"task_id"``
 (signed with the rest): the sender picks the next task's id before it signs, and a worker
@@ -33,12 +34,13 @@ from typing import Any
 
 from pydantic import Field
 
-from pipeline import settings, signing
+from pipeline import settings
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.lru import LRU
 from pipeline.models import FileRef, Frozen
 from pipeline.runner import LoopState, StageContext
+from pipeline.security import signing
 from pipeline.state_packing import compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.cache import RedisCritiqueCache

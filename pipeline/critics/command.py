@@ -2,7 +2,7 @@
 
 ``critic: command`` runs the argv of the worker's ``command`` setting (worker-only, see
 docs/security.md, 'Who may set what': a submission may choose the critic, never the argv) with
-``command_timeout_s``, confined by :mod:`pipeline.sandbox`: a fresh temp dir, a scrubbed
+``command_timeout_s``, confined by :mod:`pipeline.security.sandbox`: a fresh temp dir, a scrubbed
 environment, resource limits, the process group killed at the limit, no network where
 ``unshare -rn`` works.
 
@@ -63,7 +63,7 @@ from pipeline.models import (
     ReusablePattern,
     Submission,
 )
-from pipeline.sandbox import (
+from pipeline.security.sandbox import (
     Isolation,
     Limits,
     RunResult,

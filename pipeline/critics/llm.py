@@ -3,16 +3,16 @@
 All three take an injected :class:`~pipeline.llm.Completer` (tests pass a fake); nothing
 here imports litellm. The pieces they are built from live beside them:
 :mod:`pipeline.critics.llm_prompts` (the messages), :mod:`pipeline.critics.llm_reply` (what
-the model must reply and how a reply is parsed) and :mod:`pipeline.injection` (the injection
-scan, which pattern memory uses too). Rules:
+the model must reply and how a reply is parsed) and :mod:`pipeline.security.injection` (the
+injection scan, which pattern memory uses too). Rules:
 
 - **Replies.** An unusable reply (:class:`~pipeline.critics.llm_reply.EnvelopeParseError`) is
   re-asked once; a second unusable reply, or an :class:`~pipeline.errors.LLMTransientError`
   (retries already spent in the completer), hands over to the fallback critic (the heuristic)
   with ``fallback_reason``. :class:`~pipeline.errors.LLMPermanentError` propagates. Usage is
   the sum of every reply that arrived.
-- **Injection.** :func:`~pipeline.injection.detect_injection` scans the whole output (and the
-  file names) whatever the LLM says; each hit is a critical ``policy_violation`` defect and any
+- **Injection.** :func:`~pipeline.security.injection.detect_injection` scans the whole output (and
+  the file names) whatever the LLM says; each hit is a critical ``policy_violation`` defect and any
   hit caps the score at 0.59 (never above the critic's own).
 - **Grounding.** After parsing, :func:`~pipeline.grounding.ground_envelope` downgrades
   ``missing_data`` claims about files the snapshot lists (docs/llm.md, "How the LLM critic
@@ -48,7 +48,6 @@ from pipeline.critics.llm_reply import (
 )
 from pipeline.errors import LLMTransientError
 from pipeline.grounding import downgrade_defects, ground_envelope
-from pipeline.injection import INJECTION_MARK, apply_injections, submission_injections
 from pipeline.llm import (
     AllowanceSpent,
     ChatMessage,
@@ -60,6 +59,7 @@ from pipeline.llm import (
 )
 from pipeline.models import CritiqueEnvelope, Defect, RepairAttempt, Submission, Usage
 from pipeline.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
+from pipeline.security.injection import INJECTION_MARK, apply_injections, submission_injections
 from pipeline.tokens import CHARS_PER_TOKEN, text_of
 
 NO_MODEL_REASON = "no critic model configured (set critique.model or the submission's model)"

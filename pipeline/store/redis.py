@@ -17,8 +17,8 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pipeline import signing
 from pipeline.models import Lesson, LessonScope, Pattern, ReusablePattern
+from pipeline.security import signing
 from pipeline.store import keys
 from pipeline.store.base import (
     MAX_LESSONS,

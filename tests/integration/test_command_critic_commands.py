@@ -30,7 +30,7 @@ from pipeline.errors import ConfigError
 from pipeline.models import FileRef, Submission
 from pipeline.repair import build_repair_prompt
 from pipeline.runner import run_submission
-from pipeline.sandbox import NO_ISOLATION
+from pipeline.security.sandbox import NO_ISOLATION
 from pipeline.wiring import make_context
 
 PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider")

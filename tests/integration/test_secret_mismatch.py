@@ -1,6 +1,6 @@
 """A client whose CRITIQUE_SECRET is not the workers' (another one, or none) is refused at the
 door, on a real Redis and real workers: before it begins a pass or enqueues anything, from the
-posture the workers publish (pipeline.posture), so the run's finished results stay finished
+posture the workers publish (pipeline.security.posture), so the run's finished results stay finished
 instead of turning into passes no worker will ever run; and a message the workers refuse never
 turns a finished pass back into pending either."""
 

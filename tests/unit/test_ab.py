@@ -24,7 +24,7 @@ from pipeline.ab import (
     write_csv,
 )
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Defect
-from pipeline.sandbox import NO_ISOLATION
+from pipeline.security.sandbox import NO_ISOLATION
 from tests.fakes.ab_models import ADD_TEST, INPUTS
 
 JSONL = "".join(json.dumps(i) + "\n" for i in INPUTS)

@@ -23,14 +23,6 @@ from pipeline.critics.base import (
 )
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.errors import SubmissionError
-from pipeline.injection import (
-    _INJECTION_PATTERNS,
-    _NEEDLES,
-    INJECTION_SCORE_CAP,
-    _pattern_hits,
-    apply_injections,
-    detect_injection,
-)
 from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,
@@ -50,6 +42,14 @@ from pipeline.runner import (
     l0_stage,
     run_submission,
     start,
+)
+from pipeline.security.injection import (
+    _INJECTION_PATTERNS,
+    _NEEDLES,
+    INJECTION_SCORE_CAP,
+    _pattern_hits,
+    apply_injections,
+    detect_injection,
 )
 from pipeline.state_packing import compact_state, expand_state
 from pipeline.wiring import make_context

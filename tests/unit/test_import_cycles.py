@@ -179,7 +179,7 @@ def test_the_graph_sees_function_level_and_package_edges() -> None:
     package depends on the sibling only; ``workers`` modules are read, with their edges into
     ``pipeline`` and into ``workers.commands``, ``workers.recovery`` and ``workers.adapters``."""
     top, nested = import_graphs()
-    assert {"pipeline.injection", "pipeline.store", "pipeline.store.keys"} <= top[
+    assert {"pipeline.security.injection", "pipeline.store", "pipeline.store.keys"} <= top[
         "pipeline.pitfalls"
     ]
     assert "pipeline.store.redis_common" in nested["pipeline.store.blobs"]
@@ -203,7 +203,8 @@ def test_no_module_level_import_cycles() -> None:
     [
         # the compiled scanner is pipeline._fastscan
         ("pipeline.text.simhash", "pipeline.contract"),
-        ("pipeline.pitfalls", "pipeline.critics.llm"),  # the injection scan is pipeline.injection
+        # the injection scan is pipeline.security.injection
+        ("pipeline.pitfalls", "pipeline.critics.llm"),
         ("workers.cli", "workers.commands._common"),  # the exit codes are workers.exit_codes
         ("workers.tasks", "workers.recovery.redriving"),  # continuation is workers.routing's
     ],

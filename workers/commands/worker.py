@@ -97,7 +97,7 @@ from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.model_policy import ALLOWED_MODELS_ENV, held_keys
-from pipeline.signing import parse_named_secrets, parse_secrets
+from pipeline.security.signing import parse_named_secrets, parse_secrets
 from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
 from pipeline.store.urls import DEFAULT_REDIS_URL, store_url
 from workers.commands._common import CommandError, check_redis, service_guard

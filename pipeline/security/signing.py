@@ -127,7 +127,7 @@ def key_id(secret: bytes) -> str:
     """A short, non-secret name of ``secret``: the first :data:`KEY_ID_CHARS` hex characters of
     HMAC-SHA256(secret, :data:`KEY_ID_DOMAIN`). The same secret always has the same id, in any
     language, so a client can tell whether it holds a key the workers accept without either
-    side showing the key (the fleet's posture, :mod:`pipeline.posture`)."""
+    side showing the key (the fleet's posture, :mod:`pipeline.security.posture`)."""
     return hmac.new(secret, KEY_ID_DOMAIN, hashlib.sha256).hexdigest()[:KEY_ID_CHARS]
 
 

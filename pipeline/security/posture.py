@@ -6,7 +6,7 @@ a client learns that only at its timeout. So every worker publishes what it requ
 sends anything: :func:`refusal` says why its messages would not run (one line naming the
 variable to set), before a pass begins, so a finished run is never turned back into pending.
 
-Nothing secret is published: a key appears as its :func:`pipeline.signing.key_id` (8 hex
+Nothing secret is published: a key appears as its :func:`pipeline.security.signing.key_id` (8 hex
 characters of an HMAC of the key), an entry key by its identity's name too (``fleet``,
 ``entry``, ``entry:<name>``). The record is advisory and unsigned (a client without the key is
 exactly the reader it serves): a forged posture can only refuse a client or leave it as it was
@@ -19,8 +19,9 @@ from collections.abc import Iterable, Sequence
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pipeline import settings, signing
+from pipeline import settings
 from pipeline.errors import ConfigError
+from pipeline.security import signing
 
 POSTURE_VERSION = 1
 """A posture record's ``v``."""
