@@ -45,7 +45,7 @@ from pydantic import Field, ValidationError, field_validator
 from pipeline.contract import build_suite, output_text
 from pipeline.contract.models import ContractInput
 from pipeline.errors import SubmissionError
-from pipeline.llm import ChatMessage, LLMRequest
+from pipeline.llm.completion import ChatMessage, LLMRequest
 from pipeline.models import (
     CritiqueResult,
     Defect,

@@ -12,8 +12,8 @@ from pipeline.config import CritiqueConfig
 from pipeline.errors import SubmissionError
 from pipeline.files import FileReader
 from pipeline.files import read_file as read_file_bytes
+from pipeline.llm.tokens import text_of
 from pipeline.models import Submission
-from pipeline.tokens import text_of
 
 
 def _utf8_len(text: str) -> int:

@@ -7,7 +7,8 @@ critic configuration and the critic that serves it), never who sent it.
 :func:`critique_through_cache` serves a critique from the cache, or critiques once and stores
 the envelope; of several concurrent identical critiques the first
 claims the key and the others poll for its envelope. Where the envelopes live (memory, Redis)
-is the store's side: :class:`~pipeline.store.base.CritiqueCache`, :mod:`pipeline.store.cache`.
+is the store's side: :class:`~pipeline.store.base.CritiqueCache`,
+:mod:`pipeline.store.critique_entries`.
 
 A hit becomes a verdict the worker signs, so a shared store's entry is sealed like a record
 (:func:`seal_entry`: signed under :data:`CACHE_KIND` with the key it is filed under) and served

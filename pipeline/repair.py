@@ -28,6 +28,7 @@ from typing import Any
 
 from pydantic import Field
 
+from pipeline.llm.tokens import estimate_tokens, text_of
 from pipeline.models import (
     CritiqueEnvelope,
     Frozen,
@@ -35,7 +36,6 @@ from pipeline.models import (
     Submission,
 )
 from pipeline.pitfalls import pitfalls_block
-from pipeline.tokens import estimate_tokens, text_of
 
 ESCALATE_BELOW = 0.3
 """Scores under this are escalated to the manager without repair (the escalate band)."""

@@ -72,7 +72,8 @@ from pipeline.critique_cache import CacheUse, critique_cache_key, critique_throu
 from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
 from pipeline.errors import SubmissionError, TransientError
 from pipeline.files import FileReader, inline_bytes
-from pipeline.llm import token_allowance
+from pipeline.llm.completion import token_allowance
+from pipeline.llm.tokens import text_of
 from pipeline.models import (
     UNSCORED,
     CritiqueEnvelope,
@@ -103,7 +104,6 @@ from pipeline.store.base import (
     RepairUsage,
     TraceSink,
 )
-from pipeline.tokens import text_of
 
 Next = Literal["l0", "critic", "decide", "repair", "done"]
 

@@ -36,9 +36,9 @@ from pipeline.critics.rubric import DeterministicReviser, RubricCritic
 from pipeline.critics.worker import WorkerReviser
 from pipeline.errors import ExtensionLoadError
 from pipeline.files import FileReader, inline_bytes
-from pipeline.llm import Completer, LiteLLMCompleter
+from pipeline.llm.completion import Completer, LiteLLMCompleter
+from pipeline.llm.providers import configured_models
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
-from pipeline.providers import configured_models
 from pipeline.runner import (
     REPAIR_LEASE_TTL_S,
     FixpointFn,

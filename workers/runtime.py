@@ -43,7 +43,7 @@ from pipeline.runner import LoopState, StageContext
 from pipeline.security import signing
 from pipeline.state_packing import compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
-from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.critique_entries import RedisCritiqueCache
 from pipeline.store.metrics import FleetMetrics
 from pipeline.store.redis_common import STORE_TIMEOUTS, StoreClient, store_client_from_url
 from pipeline.store.urls import DEFAULT_REDIS_URL

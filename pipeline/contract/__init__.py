@@ -31,8 +31,8 @@ from pipeline.contract.models import (
 from pipeline.errors import ConfigError, ExtensionLoadError
 from pipeline.files import FileReader, file_text
 from pipeline.files import read_file as read_file_bytes
+from pipeline.llm.tokens import text_of
 from pipeline.models import Submission
-from pipeline.tokens import text_of
 
 __all__ = [
     "DEFAULT_CHECKS",
@@ -230,7 +230,7 @@ def run_contract(suite: ContractSuite, items: Sequence[ContractInput]) -> Contra
 
 def output_text(output: str | dict[str, Any]) -> str:
     """The canonical text of an output: the string itself, or the dict as indented JSON
-    (:func:`pipeline.tokens.text_of`)."""
+    (:func:`pipeline.llm.tokens.text_of`)."""
     return text_of(output)
 
 

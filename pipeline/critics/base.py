@@ -211,7 +211,7 @@ class SizedCritic(Protocol):
         """Tokens one critique of ``output`` grown to ``output_tokens`` may spend; with
         ``reply_tokens``, its reply counted at that many tokens when that is less than its own
         bound (a round sized from what the run's repairs used: the call is then made within
-        what the reservation leaves, :func:`pipeline.llm.complete_within`)."""
+        what the reservation leaves, :func:`pipeline.llm.completion.complete_within`)."""
         ...
 
 

@@ -1,6 +1,6 @@
 """The LLM critic, the LLM reviser and the paired critic (docs/llm.md).
 
-All three take an injected :class:`~pipeline.llm.Completer` (tests pass a fake); nothing
+All three take an injected :class:`~pipeline.llm.completion.Completer` (tests pass a fake); nothing
 here imports litellm. The pieces they are built from live beside them:
 :mod:`pipeline.critics.llm_prompts` (the messages), :mod:`pipeline.critics.llm_reply` (what
 the model must reply and how a reply is parsed) and :mod:`pipeline.security.injection` (the
@@ -48,7 +48,7 @@ from pipeline.critics.llm_reply import (
 )
 from pipeline.errors import LLMTransientError
 from pipeline.grounding import downgrade_defects, ground_envelope
-from pipeline.llm import (
+from pipeline.llm.completion import (
     AllowanceSpent,
     ChatMessage,
     Completer,
@@ -57,10 +57,10 @@ from pipeline.llm import (
     complete_within,
     count_prompt_tokens,
 )
+from pipeline.llm.tokens import CHARS_PER_TOKEN, text_of
 from pipeline.models import CritiqueEnvelope, Defect, RepairAttempt, Submission, Usage
 from pipeline.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
 from pipeline.security.injection import INJECTION_MARK, apply_injections, submission_injections
-from pipeline.tokens import CHARS_PER_TOKEN, text_of
 
 NO_MODEL_REASON = "no critic model configured (set critique.model or the submission's model)"
 REASK_ECHO_CHARS = 4000
@@ -189,7 +189,7 @@ class LLMCritic:
         (at most what the prompt shows of it, ``llm.max_output_chars``), plus the reply's
         ``max_tokens`` (:meth:`reply_tokens`: a re-critique's short envelope bound; the lower
         ``reply_tokens`` when given: a round sized from what the run's repairs used, whose
-        call :func:`~pipeline.llm.complete_within` makes within what is left). 0 when no
+        call :func:`~pipeline.llm.completion.complete_within` makes within what is left). 0 when no
         model resolves (the heuristic answers, token-free). A re-ask is not reserved: it is
         made only within what the first call left."""
         model = self._config.critic_model(submission.model)

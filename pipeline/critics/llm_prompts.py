@@ -23,10 +23,10 @@ from typing import Any
 from pipeline.config import CritiqueConfig
 from pipeline.critics.llm_reply import AdjudicatorReply, EnvelopeParseError, critic_schema
 from pipeline.grounding import render_ground_truth
-from pipeline.llm import ChatMessage
+from pipeline.llm.completion import ChatMessage
+from pipeline.llm.tokens import text_of
 from pipeline.models import Defect, Submission
 from pipeline.pitfalls import pitfalls_block
-from pipeline.tokens import text_of
 
 REPAIR_SYSTEM = (
     "You are repairing one worker's output before the manager sees it. Fix only the defects "

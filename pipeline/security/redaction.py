@@ -10,11 +10,11 @@ ids and digests alone, covers any other error text a manager can read (a failed 
 ``workers.protocol.one_line``).
 
 What counts as key-like: the values of the worker's own credentials (every variable
-:func:`pipeline.model_policy.held_keys` names, the signing secrets, and the key a call carried),
-``Bearer …`` and ``Basic …`` credentials, well-known key shapes (``sk-…``, ``hf_…``, ``AKIA…``,
-``AIza…``, ``ghp_…``, ``xox…-``) and a URL's ``user:password@``; in a provider's text also the
-value of a ``key=``/``"api_key": …``/``Authorization:`` pair and any run of 32 or more letters
-and digits mixed. It errs on the side of hiding: a long request id is hidden too.
+:func:`pipeline.security.model_policy.held_keys` names, the signing secrets, and the key a call
+carried), ``Bearer …`` and ``Basic …`` credentials, well-known key shapes (``sk-…``, ``hf_…``,
+``AKIA…``, ``AIza…``, ``ghp_…``, ``xox…-``) and a URL's ``user:password@``; in a provider's text
+also the value of a ``key=``/``"api_key": …``/``Authorization:`` pair and any run of 32 or more
+letters and digits mixed. It errs on the side of hiding: a long request id is hidden too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import re
 from collections.abc import Iterable, Mapping
 
 from pipeline import settings
-from pipeline.model_policy import held_keys
+from pipeline.security.model_policy import held_keys
 
 SHOWN = "***"
 MAX_PROVIDER_MESSAGE = 200

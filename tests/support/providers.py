@@ -9,7 +9,7 @@ import re
 from typing import Any
 
 from pipeline.config import CritiqueConfig
-from pipeline.llm import (
+from pipeline.llm.completion import (
     LLMReply,
     LLMRequest,
 )

@@ -9,8 +9,8 @@ from typing import Any
 
 from pipeline.critics.base import RevisionResult
 from pipeline.critics.heuristic import HeuristicReviser
+from pipeline.llm.tokens import estimate_tokens, text_of
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Usage
-from pipeline.tokens import estimate_tokens, text_of
 
 
 class _HeuristicWith:

@@ -23,7 +23,7 @@ BLOCKED = ("redis", "celery", "kombu", "litellm", "hiredis", "billiard", "httpx"
 REDIS_ADAPTERS = frozenset(
     {
         "pipeline.store.archive_index",
-        "pipeline.store.cache",
+        "pipeline.store.critique_entries",
         "pipeline.store.fleet",
         "pipeline.store.metrics",
         "pipeline.store.pending",

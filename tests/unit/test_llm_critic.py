@@ -13,7 +13,7 @@ from pipeline.critics.llm import NO_MODEL_REASON, LLMCritic, LLMReviser, PairedC
 from pipeline.critics.llm_prompts import build_critic_messages
 from pipeline.critics.llm_reply import EnvelopeParseError, parse_envelope
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.llm import LLMReply, LLMRequest
+from pipeline.llm.completion import LLMReply, LLMRequest
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,

@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import RevisionResult
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.llm import (
+from pipeline.llm.completion import (
     AllowanceSpent,
     ChatMessage,
     LLMReply,

@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.llm import ChatMessage, LiteLLMCompleter, LLMRequest
+from pipeline.llm.completion import ChatMessage, LiteLLMCompleter, LLMRequest
 from pipeline.security.redaction import MAX_PROVIDER_MESSAGE, provider_error, scrub, scrub_provider
 
 

@@ -13,7 +13,8 @@ import pytest
 from pipeline.config import CritiqueConfig
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.critics.llm import LLMCritic, LLMReviser
-from pipeline.llm import LLMReply, LLMRequest, count_prompt_tokens
+from pipeline.llm.completion import LLMReply, LLMRequest, count_prompt_tokens
+from pipeline.llm.tokens import estimate_tokens, text_of
 from pipeline.models import CritiqueEnvelope, Defect, Submission, Usage
 from pipeline.repair import (
     TIGHT_MARGIN,
@@ -25,7 +26,6 @@ from pipeline.repair import (
 )
 from pipeline.repair_sizing import order_repair, tight_bound
 from pipeline.store.base import RepairUsage
-from pipeline.tokens import estimate_tokens, text_of
 
 # --- the pure rule -----------------------------------------------------------------------------
 

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipeline.ab import ABInput, ABRow, DefectCount, DefectCounter
-    from pipeline.llm import Completer
+    from pipeline.llm.completion import Completer
     from pipeline.models import CritiqueResult
     from workers.client import CritiqueClient
 
@@ -175,9 +175,9 @@ def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[st
         )
     _start_pipeline(args, stack, say, configured_command=bool(config.command), python=python_inputs)
 
-    # lazy: pipeline.llm is not loaded by `critique --help`, which imports this module and stays
-    # fast
-    from pipeline.llm import LiteLLMCompleter
+    # lazy: pipeline.llm.completion is not loaded by `critique --help`, which imports this module
+    # and stays fast
+    from pipeline.llm.completion import LiteLLMCompleter
 
     completer = LiteLLMCompleter(config.llm, key_models=(model,))  # the researcher's model
     completer.warm()  # litellm loads here, not inside the first row's latency

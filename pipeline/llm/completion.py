@@ -13,7 +13,7 @@ Error contract of every completer:
   :class:`~pipeline.errors.LLMPermanentError` at once, with a message that says what to fix;
 - a provider key missing from the environment (litellm's own completion only) raises
   :class:`~pipeline.errors.ConfigError` naming the variable before any call is made
-  (:mod:`pipeline.providers`): a configuration error, never a transient one.
+  (:mod:`pipeline.llm.providers`): a configuration error, never a transient one.
 
 An empty reply (content ``""`` or ``null``, or no choices at all) is *not* an error: the reply's
 text is ``""`` and the caller decides what that means.
@@ -42,7 +42,7 @@ than was reserved for it. Outside an allowance (the first critique) calls are un
     anything else         propagates unchanged (a bug, not a provider failure)
 
 What litellm does besides the call is kept to what someone reads: with no litellm success
-callback configured, its success logging is skipped (:func:`pipeline.providers.call_scope`),
+callback configured, its success logging is skipped (:func:`pipeline.llm.providers.call_scope`),
 and a model its cost map does not price is looked up once per process, not per call
 (:class:`CostMapMisses`); litellm's own HTTP client, timeouts, error mapping and response
 parsing are what runs in every case.
@@ -65,11 +65,11 @@ from pydantic import Field
 from pipeline import settings
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.model_policy import in_key_scope, key_scope
+from pipeline.llm.providers import call_scope, check_keys, load_litellm
+from pipeline.llm.tokens import CHARS_PER_TOKEN, estimate_tokens
 from pipeline.models import Frozen, Usage
-from pipeline.providers import call_scope, check_keys, load_litellm
+from pipeline.security.model_policy import in_key_scope, key_scope
 from pipeline.security.redaction import provider_error
-from pipeline.tokens import CHARS_PER_TOKEN, estimate_tokens
 
 Purpose = Literal["critic", "repair", "adjudicate", "generate"]
 
@@ -355,7 +355,7 @@ class LiteLLMCompleter:
     ``completion``, ``sleep`` and ``rng`` are injectable (tests). ``api_key``, when given, is
     sent with every call (the caller's own choice). Otherwise ``$CRITIQUE_LLM_API_KEY`` is sent
     only with a call whose provider is the provider of one of ``key_models`` (the operator's
-    configured models: :func:`pipeline.providers.configured_models`); without ``key_models``,
+    configured models: :func:`pipeline.llm.providers.configured_models`); without ``key_models``,
     only when ``llm.api_base`` is set (every call then goes to the operator's endpoint). A call
     that does not carry it gets the provider's own variable from litellm, so a model a
     submission names can never take the operator's key to another provider or address.
@@ -480,7 +480,7 @@ class LiteLLMCompleter:
         completion = self._backend()
         if self._checks_keys:
             # A missing provider key is a configuration error (ConfigError, permanent), never
-            # a transient failure that ends in the heuristic fallback (pipeline.providers).
+            # a transient failure that ends in the heuristic fallback (pipeline.llm.providers).
             check_keys(
                 (request.model,),
                 api_base=self.config.api_base,

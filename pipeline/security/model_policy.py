@@ -17,7 +17,7 @@ A model name chooses more than a model: litellm routes ``ollama/x`` to ``localho
 
 ``CRITIQUE_LLM_API_KEY`` (:data:`pipeline.settings.LLM_API_KEY`) belongs to the providers of
 the models the operator configured (:func:`key_scope`, used by
-:class:`pipeline.llm.LiteLLMCompleter`). Pure: names and the environment only, no litellm
+:class:`pipeline.llm.completion.LiteLLMCompleter`). Pure: names and the environment only, no litellm
 (``tests/unit/test_provider_keys.py`` pins these tables against litellm's own provider list).
 """
 

@@ -8,11 +8,11 @@ litellm knows which environment variables each provider reads (``OPENAI_API_KEY`
 ``ANTHROPIC_API_KEY``, ``AWS_ACCESS_KEY_ID`` …) and names the missing ones
 (``litellm.validate_environment``). ``CRITIQUE_LLM_API_KEY`` — the product's own variable —
 belongs to the providers of the models the operator configured (``model``, ``paired_model``,
-``allowed_models``: :func:`configured_models`, :func:`pipeline.model_policy.key_scope`): it
+``allowed_models``: :func:`configured_models`, :func:`pipeline.security.model_policy.key_scope`): it
 counts as a key for those providers only, and a call to another provider never carries it
-(:class:`pipeline.llm.LiteLLMCompleter`). ``llm.api_base`` counts where litellm says an address
-is what the provider needs (e.g. ``ollama``). litellm is imported only when there is a model to
-check, so commands without one stay fast. A variable set to the empty string counts as set
+(:class:`pipeline.llm.completion.LiteLLMCompleter`). ``llm.api_base`` counts where litellm says an
+address is what the provider needs (e.g. ``ollama``). litellm is imported only when there is a model
+to check, so commands without one stay fast. A variable set to the empty string counts as set
 (litellm's rule).
 
 Where it is checked:
@@ -23,9 +23,9 @@ Where it is checked:
   (:func:`llm_models`), against the *client's* environment — the best information a client
   has, since the workers' environment cannot be seen from it (``--no-key-check`` when only the
   workers hold the keys);
-- on a worker, before every litellm call (:class:`pipeline.llm.LiteLLMCompleter`): the stage
-  fails permanently with the same message (the chain ends ``failed``, never a silent
-  heuristic verdict).
+- on a worker, before every litellm call (:class:`pipeline.llm.completion.LiteLLMCompleter`): the
+  stage fails permanently with the same message (the chain ends ``failed``, never a silent heuristic
+  verdict).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Any
 from pipeline import settings
 from pipeline.config import CritiqueConfig
 from pipeline.errors import ConfigError
-from pipeline.model_policy import in_key_scope, key_scope
+from pipeline.security.model_policy import in_key_scope, key_scope
 
 
 def llm_models(config: CritiqueConfig, submission_model: str | None) -> tuple[str, ...]:
