@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pipeline.config import CritiqueConfig
 from pipeline.errors import SubmissionError
-from pipeline.files import FileReader
-from pipeline.files import read_file as read_file_bytes
 from pipeline.llm.tokens import text_of
 from pipeline.models import Submission
+from pipeline.records.files import FileReader
+from pipeline.records.files import read_file as read_file_bytes
 
 
 def _utf8_len(text: str) -> int:
@@ -33,8 +33,8 @@ def admit(
     ``subtask_signature``, ``required_fields``, ``model``, file paths and digests), since each
     is carried and stored with the submission too. Files are read only while the total is
     within the limit, so an oversized submission costs at most one read past it. A file that
-    cannot be read raises :class:`~pipeline.files.UnreadableFileError`. The client calls this
-    before it enqueues; the worker calls it again at the first Layer-0 stage of every pass
+    cannot be read raises :class:`~pipeline.records.files.UnreadableFileError`. The client calls
+    this before it enqueues; the worker calls it again at the first Layer-0 stage of every pass
     (:func:`pipeline.runner.l0_stage`), so a chain sent without the client is bounded too.
     """
     limit = config.max_output_bytes

@@ -25,8 +25,8 @@ from typing import Any, Literal
 
 from pipeline.config import CritiqueConfig, OutputContractConfig
 from pipeline.errors import SubmissionError
-from pipeline.files import FileReader, file_text, inline_bytes, read_file
 from pipeline.models import UNSCORED, ClaimedFormat, CritiqueResult, FileRef, Frozen, GateEvent
+from pipeline.records.files import FileReader, file_text, inline_bytes, read_file
 
 DELIVERABLE_MIN_BYTES = 512
 # A mean exactly at the threshold passes even when float arithmetic lands a hair below it.
@@ -139,7 +139,7 @@ class GateContext(Frozen):
 
 EvaluationHook = Callable[[GateContext], GateEvent]
 BytesReader = FileReader
-"""Reads a file's bytes (:mod:`pipeline.files`): inline content, else its blob."""
+"""Reads a file's bytes (:mod:`pipeline.records.files`): inline content, else its blob."""
 
 
 class CompletionDecision(Frozen):
@@ -413,7 +413,8 @@ def _final_text(final_result: str | dict[str, Any]) -> TextItem:
 def _text_items(
     final: TextItem, files: Sequence[FileRef], content: dict[str, bytes | None]
 ) -> list[TextItem]:
-    """The final result and every text file (inline or read; :func:`pipeline.files.file_text`)."""
+    """The final result and every text file (inline or read;
+    :func:`pipeline.records.files.file_text`)."""
     items = [final]
     for f in files:
         text = file_text(f, content.get(f.path))

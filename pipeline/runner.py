@@ -16,7 +16,7 @@ decide stage is a row of named steps: keep the best output, gather the round's f
 record the repair attempt, diff the defects, trace the round. What the stages run with (critic,
 reviser, stores, the real Layer-0 step) is built from configuration by :mod:`pipeline.wiring`,
 the composition root. A submission is admitted (its size limit) by :mod:`pipeline.admission`;
-a finished pass's result is bounded by :mod:`pipeline.result_bounds`.
+a finished pass's result is bounded by :mod:`pipeline.records.result_bounds`.
 
 Layer-0 rule: when L0 reports an error, the configured critic is not called (no critic tokens):
 the envelope is a token-free critic's (the configured one if it is token-free, else the
@@ -29,7 +29,7 @@ Bounds (what a pass keeps grows with its input, never faster): every critique go
 bounds of :func:`pipeline.critics.base.bound_envelope`); a Layer-0 outcome is folded the same
 way and traces at most :data:`MAX_L0_GATE_EVENTS` gate events; :func:`finish` bounds what a
 result holds besides its output (:func:`bound_result`); a worker stores a large state with its
-parts by reference (:func:`pipeline.state_packing.compact_state`), so an output carried by
+parts by reference (:func:`pipeline.records.state_refs.compact_state`), so an output carried by
 every stage is stored once.
 """
 
@@ -71,7 +71,6 @@ from pipeline.critics.worker import WorkerReviser
 from pipeline.critique_cache import CacheUse, critique_cache_key, critique_through_cache
 from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
 from pipeline.errors import SubmissionError, TransientError
-from pipeline.files import FileReader, inline_bytes
 from pipeline.llm.completion import token_allowance
 from pipeline.llm.tokens import text_of
 from pipeline.models import (
@@ -91,9 +90,10 @@ from pipeline.models import (
     Usage,
 )
 from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
+from pipeline.records.files import FileReader, inline_bytes
+from pipeline.records.result_bounds import NOTE_CHARS, bound_result
 from pipeline.repair import RepairBound, RepairOrder, is_acceptable, repair_growth
 from pipeline.repair_sizing import order_repair
-from pipeline.result_bounds import NOTE_CHARS, bound_result
 from pipeline.security.injection import apply_injections, submission_injections
 from pipeline.store.base import (
     BudgetAnswer,
@@ -145,8 +145,8 @@ class StageContext:
     Leases are ``f"{lease_prefix}:{attempt}"``; an empty prefix becomes
     ``f"{worker_id}:{iteration}:{pass_id}"`` (:func:`lease_for`), so two submissions, or two
     passes of one, never share a lease.
-    ``read_file`` reads a submission's files (:mod:`pipeline.files`) for :func:`admit` and the
-    real Layer-0 step; the default follows no blob reference (a worker passes its store's).
+    ``read_file`` reads a submission's files (:mod:`pipeline.records.files`) for :func:`admit` and
+    the real Layer-0 step; the default follows no blob reference (a worker passes its store's).
     """
 
     config: CritiqueConfig

@@ -35,10 +35,10 @@ from pipeline.critics.llm import LLMCritic, PairedCritic
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
 from pipeline.critics.worker import WorkerReviser
 from pipeline.errors import ExtensionLoadError
-from pipeline.files import FileReader, inline_bytes
 from pipeline.llm.completion import Completer, LiteLLMCompleter
 from pipeline.llm.providers import configured_models
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
+from pipeline.records.files import FileReader, inline_bytes
 from pipeline.runner import (
     REPAIR_LEASE_TTL_S,
     FixpointFn,
@@ -71,7 +71,7 @@ def contract_l0(
     (a worker builds it before its first message, so a bad contract fails at start).
 
     Every file of the submission is read through ``read_file`` (default: inline content only,
-    so a file held by reference raises :class:`~pipeline.files.UnreadableFileError`).
+    so a file held by reference raises :class:`~pipeline.records.files.UnreadableFileError`).
     """
     built: list[Any] = []
 
@@ -406,7 +406,7 @@ def make_context(
     Defaults: critic and reviser from ``config.critic`` / ``config.repairer`` (LLM calls through
     ``complete``, litellm by default), in-memory stores, the real L0 and fixpoint functions
     (loaded on first use), ``time.monotonic``, and a file reader that follows no blob reference
-    (:func:`pipeline.files.inline_bytes`). A critic or reviser given explicitly must declare
+    (:func:`pipeline.records.files.inline_bytes`). A critic or reviser given explicitly must declare
     its capabilities (``token_free``, ``reads_pitfalls``); a ``TypeError`` says which is
     missing.
     """

@@ -39,9 +39,9 @@ from pipeline.config import CritiqueConfig, check_submission_overrides, load_con
 from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.lru import LRU
 from pipeline.models import FileRef, Frozen
+from pipeline.records.state_refs import compact_state, expand_state
 from pipeline.runner import LoopState, StageContext
 from pipeline.security import signing
-from pipeline.state_packing import compact_state, expand_state
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.critique_entries import RedisCritiqueCache
 from pipeline.store.metrics import FleetMetrics
@@ -360,7 +360,7 @@ def encode(
         msg["state"] = raw
     else:
         # Its large parts (submission, outputs, envelopes) by reference too: stored once per
-        # pass, not once per stage (pipeline.state_packing.compact_state).
+        # pass, not once per stage (pipeline.records.state_refs.compact_state).
         # Only the live chain reads them: they expire with the live TTL (CRITIQUE_LIVE_TTL_S).
         blobs = stores().blobs
 
@@ -494,7 +494,7 @@ def decode_gate_request(
 
 
 def file_bytes(file: FileRef) -> bytes | None:
-    """A file's bytes (the :data:`pipeline.files.FileReader` of this process, used by admit,
+    """A file's bytes (the :data:`pipeline.records.files.FileReader` of this process, used by admit,
     Layer-0 and the gates): inline content, else its blob, else None. A missing or expired
     blob raises ``BlobMissingError`` (permanent); an unreachable Redis is transient."""
     if file.content is not None:

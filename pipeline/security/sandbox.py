@@ -51,8 +51,8 @@ from pathlib import PurePosixPath
 from typing import IO
 
 from pipeline import settings
-from pipeline.archive import archive_dir
 from pipeline.errors import ConfigError, PathEscapeError
+from pipeline.records.archive_file import archive_dir
 
 SYSTEM_PATH: tuple[str, ...] = ("/usr/local/bin", "/usr/bin", "/bin")
 """Directories after the virtual environment's ``bin`` on the command's ``PATH``."""

@@ -17,7 +17,7 @@ import redis
 
 from pipeline.errors import SubmissionError
 from pipeline.models import Submission
-from pipeline.result_bounds import RESULT_EXTRA_BYTES
+from pipeline.records.result_bounds import RESULT_EXTRA_BYTES
 from pipeline.runner import start
 from pipeline.security.injection import INJECTION_SCORE_CAP
 from tests.support.hostile import ENABLED, HOSTILE_WORKER, send_signed

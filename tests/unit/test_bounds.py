@@ -34,7 +34,8 @@ from pipeline.models import (
     RoundTrace,
     Submission,
 )
-from pipeline.result_bounds import RESULT_EXTRA_BYTES, bound_result
+from pipeline.records.result_bounds import RESULT_EXTRA_BYTES, bound_result
+from pipeline.records.state_refs import compact_state, expand_state
 from pipeline.runner import (
     MAX_L0_GATE_EVENTS,
     L0Outcome,
@@ -51,7 +52,6 @@ from pipeline.security.injection import (
     apply_injections,
     detect_injection,
 )
-from pipeline.state_packing import compact_state, expand_state
 from pipeline.wiring import make_context
 
 TASK = "Summarise the Q3 sales report."

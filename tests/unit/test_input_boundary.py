@@ -16,7 +16,6 @@ from pipeline.admission import admit
 from pipeline.config import CritiqueConfig
 from pipeline.contract import build_suite, check_submission
 from pipeline.errors import PermanentError, StoreUnavailableError, SubmissionError
-from pipeline.files import UnreadableFileError, file_text, inline_bytes, read_file
 from pipeline.gates import evaluate_completion
 from pipeline.models import (
     MAX_OUTPUT_DEPTH,
@@ -24,6 +23,7 @@ from pipeline.models import (
     Submission,
     check_identifier,
 )
+from pipeline.records.files import UnreadableFileError, file_text, inline_bytes, read_file
 from pipeline.runner import L0Outcome, LoopState, l0_stage, run_submission, start
 from pipeline.store.blobs import BlobMissingError, parse_ref
 from pipeline.wiring import make_context

@@ -27,8 +27,8 @@ access to the archive directory is not enough to forge a verdict either. Only re
 verified in the store are archived (``signed_store`` says whether the store was signed).
 
 Pure: no Redis here (``workers.archiving`` reads the store); the file is written atomically
-(temp file + rename), never through a symlink (:func:`pipeline.artifacts.atomic_write_many`),
-and read without following one.
+(temp file + rename), never through a symlink
+(:func:`pipeline.records.artifacts.atomic_write_many`), and read without following one.
 """
 
 from __future__ import annotations
@@ -327,9 +327,9 @@ def write(directory: Path, record: RunRecord, secrets: Sequence[bytes] = ()) -> 
     any earlier archive of the run whole; ``PathEscapeError`` (nothing written) when the file,
     or a folder on the way under ``directory``, is a symlink; ``OSError`` when the directory
     cannot be created or written."""
-    # lazy: pipeline.artifacts is not loaded by `critique --help`, which imports this module and
-    # stays fast
-    from pipeline.artifacts import atomic_write_many
+    # lazy: pipeline.records.artifacts is not loaded by `critique --help`, which imports this module
+    # and stays fast
+    from pipeline.records.artifacts import atomic_write_many
 
     path = archive_path(directory, record.run_id)
     if not directory.exists():  # only the worker's user may list or open other runs' archives
