@@ -14,7 +14,7 @@ Everything that turns configuration into behaviour is here, and only here:
   (:class:`RedisStores`);
 - the stage context that holds them all (:func:`make_context`).
 
-:mod:`pipeline.runner` holds only the stages and the loop and imports nothing from here.
+:mod:`pipeline.loop.stages` holds only the stages and the loop and imports nothing from here.
 Nothing heavy is imported at module level: litellm, the LLM critics, the contract suite, the
 simhash scanner and the Redis stores load inside the functions that build them, so
 ``import pipeline.wiring`` needs neither redis nor litellm.
@@ -37,15 +37,15 @@ from pipeline.critics.worker import WorkerReviser
 from pipeline.errors import ExtensionLoadError
 from pipeline.llm.completion import Completer, LiteLLMCompleter
 from pipeline.llm.providers import configured_models
-from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
-from pipeline.records.files import FileReader, inline_bytes
-from pipeline.runner import (
+from pipeline.loop.stages import (
     REPAIR_LEASE_TTL_S,
     FixpointFn,
     L0Fn,
     L0Outcome,
     StageContext,
 )
+from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
+from pipeline.records.files import FileReader, inline_bytes
 from pipeline.store.base import BudgetLedger, CritiqueCache, PatternStore, TraceSink
 from pipeline.store.blobs import RedisBlobStore
 from pipeline.store.leases import process_holder

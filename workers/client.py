@@ -32,14 +32,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline import settings
-from pipeline.admission import admit
 from pipeline.config import check_submission_model
 from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
-from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
+from pipeline.loop.admission import admit
+from pipeline.loop.gates import CompletionDecision, mean_best_score, redundancy_guard
+from pipeline.loop.pitfalls import render_pitfalls
+from pipeline.loop.stages import start
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Pattern, Submission
-from pipeline.pitfalls import render_pitfalls
 from pipeline.records.artifacts import manager_summary
-from pipeline.runner import start
 from pipeline.security import signing
 from pipeline.security.posture import refusal
 from pipeline.store import keys

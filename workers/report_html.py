@@ -15,8 +15,8 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipeline.gates import not_counted
 from pipeline.llm.tokens import text_of
+from pipeline.loop.gates import not_counted
 from pipeline.models import UNCHECKED_LINE, CritiqueResult, DefectRef, Pattern, RoundTrace, Status
 
 TOP_DEFECTS = 15

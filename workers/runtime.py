@@ -37,13 +37,13 @@ from pydantic import Field
 from pipeline import settings
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
-from pipeline.lru import LRU
+from pipeline.loop.stages import LoopState, StageContext
 from pipeline.models import FileRef, Frozen
 from pipeline.records.state_refs import compact_state, expand_state
-from pipeline.runner import LoopState, StageContext
 from pipeline.security import signing
 from pipeline.store.blobs import BlobCorruptError
 from pipeline.store.critique_entries import RedisCritiqueCache
+from pipeline.store.lru import LRU
 from pipeline.store.metrics import FleetMetrics
 from pipeline.store.redis_common import STORE_TIMEOUTS, StoreClient, store_client_from_url
 from pipeline.store.urls import DEFAULT_REDIS_URL
@@ -208,7 +208,8 @@ CONFIG_CACHE_MAX = 256
 """Most configurations (and stage contexts) a process keeps besides its own: each distinct
 overrides JSON a submission carries builds one (a context holds its critic, reviser and Layer-0
 suite, ~30 KB), and submissions come from the broker, so the caches forget the least recently
-used beyond this many (:class:`pipeline.lru.LRU`); an evicted one is rebuilt on its next use."""
+used beyond this many (:class:`pipeline.store.lru.LRU`); an evicted one is rebuilt on its next
+use."""
 OWN_CONFIG_KEY = "{}"
 """The cache key of a process's own configuration (no overrides): pinned, never evicted."""
 

@@ -49,8 +49,8 @@ from celery.exceptions import Ignore, TaskPredicate
 from pipeline import __version__
 from pipeline.errors import CritiqueError
 from pipeline.llm.completion import Completer, LLMReply, LLMRequest
+from pipeline.loop.stages import BudgetWait, LoopState, PassCancelled
 from pipeline.models import CritiqueResult, defect_line
-from pipeline.runner import BudgetWait, LoopState, PassCancelled
 from pipeline.security.model_policy import provider_of
 from pipeline.store import keys
 

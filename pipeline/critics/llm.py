@@ -14,7 +14,7 @@ injection scan, which pattern memory uses too). Rules:
 - **Injection.** :func:`~pipeline.security.injection.detect_injection` scans the whole output (and
   the file names) whatever the LLM says; each hit is a critical ``policy_violation`` defect and any
   hit caps the score at 0.59 (never above the critic's own).
-- **Grounding.** After parsing, :func:`~pipeline.grounding.ground_envelope` downgrades
+- **Grounding.** After parsing, :func:`~pipeline.critics.grounding.ground_envelope` downgrades
   ``missing_data`` claims about files the snapshot lists (docs/llm.md, "How the LLM critic
   works"); the injection cap is applied after it, so a grounding refund cannot lift an
   injected output.
@@ -31,6 +31,7 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import Critic, Planner, Reviser, RevisionResult, SizedCritic
+from pipeline.critics.grounding import downgrade_defects, ground_envelope
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.llm_prompts import (
     REPAIR_SYSTEM,
@@ -47,7 +48,6 @@ from pipeline.critics.llm_reply import (
     unfence,
 )
 from pipeline.errors import LLMTransientError
-from pipeline.grounding import downgrade_defects, ground_envelope
 from pipeline.llm.completion import (
     AllowanceSpent,
     ChatMessage,
@@ -58,8 +58,8 @@ from pipeline.llm.completion import (
     count_prompt_tokens,
 )
 from pipeline.llm.tokens import CHARS_PER_TOKEN, text_of
+from pipeline.loop.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
 from pipeline.models import CritiqueEnvelope, Defect, RepairAttempt, Submission, Usage
-from pipeline.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
 from pipeline.security.injection import INJECTION_MARK, apply_injections, submission_injections
 
 NO_MODEL_REASON = "no critic model configured (set critique.model or the submission's model)"
@@ -367,7 +367,7 @@ class LLMReviser:
         """The repair call :meth:`revise` makes (None without a repair model): the repair
         prompt, and ``max_tokens`` sized to the output (:func:`repair_reply_tokens`), or the
         lower ``max_tokens`` given (a round sized from what the run's repairs used,
-        :func:`~pipeline.repair.tight_output_tokens`)."""
+        :func:`~pipeline.loop.repair.tight_output_tokens`)."""
         model = submission.model or self._config.model
         if not model:
             return None

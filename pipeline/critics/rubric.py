@@ -29,10 +29,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.config import RUBRIC_DIMENSIONS, RubricConfig
-from pipeline.convergence import weighted_mean
 from pipeline.critics.base import RevisionResult, clamp_score
 from pipeline.errors import ConfigError, SubmissionError
 from pipeline.llm.tokens import text_of
+from pipeline.loop.convergence import weighted_mean
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,

@@ -2,7 +2,7 @@
 
 :func:`estimate_tokens` (about one token per four characters, never less than one) sizes what
 cannot be counted by a tokenizer: repair reservations for revisers and critics that cannot size
-their own calls (:mod:`pipeline.repair`). It is never usage: usage is what providers reported,
+their own calls (:mod:`pipeline.loop.repair`). It is never usage: usage is what providers reported,
 so a deterministic (token-free) stage reports 0 tokens, and results, the repair
 budget and ``critique ab`` add up.
 """

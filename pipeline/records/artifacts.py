@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PathEscapeError, SubmissionError
-from pipeline.gates import mean_best_score, not_counted
+from pipeline.loop.gates import mean_best_score, not_counted
 from pipeline.models import (
     SCHEMA_VERSION,
     UNCHECKED_LINE,

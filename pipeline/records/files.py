@@ -3,7 +3,7 @@ passed in, so tests and the worker read files the same way).
 
 A :class:`~pipeline.models.FileRef` carries its content inline (``content``) or by reference
 (``blob``, a content-addressed store key), or neither (metadata only). The pure domain never
-opens a store itself: Layer-0, the completion gates and :func:`pipeline.runner.admit` take a
+opens a store itself: Layer-0, the completion gates and :func:`pipeline.loop.stages.admit` take a
 :data:`FileReader` — ``workers.runtime.file_bytes`` on a worker (inline content, else the blob),
 :func:`inline_bytes` by default — and read every file through it, so a file sent by reference is
 checked exactly like one sent inline.

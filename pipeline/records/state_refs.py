@@ -1,6 +1,6 @@
 """A stage's state as a worker stores it: large parts by reference, each stored once per pass.
 
-A :class:`~pipeline.runner.LoopState` repeats its submission, output and envelope in every
+A :class:`~pipeline.loop.stages.LoopState` repeats its submission, output and envelope in every
 stage's message. :func:`compact_state` swaps each large part for the reference a
 content-addressed store (the blob store) gives its JSON, so a pass stores each distinct part
 once; :func:`expand_state` reads one back, each part through a getter that checks its bytes
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.runner import LoopState
+    from pipeline.loop.stages import LoopState
 
 STATE_PART_BYTES = 4096
 """A part of a state (:data:`STATE_PARTS`, or a field of its submission) whose JSON is at least

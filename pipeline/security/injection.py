@@ -10,10 +10,10 @@ its score at :data:`INJECTION_SCORE_CAP` (never above the critic's own). Hit des
 fixed vocabulary and never quote the text, so the hostile text does not travel on into pattern
 memory.
 
-Used by the runner on every critic's envelope (:func:`pipeline.runner.checked_envelope`: the
+Used by the runner on every critic's envelope (:func:`pipeline.loop.stages.checked_envelope`: the
 heuristic, rubric and command critics and the Layer-0 path are capped too), by the LLM critic
 (:mod:`pipeline.critics.llm`, on the output and its file names; applying the hits twice adds
-them once) and by pattern memory (:mod:`pipeline.pitfalls`, which drops lessons that would
+them once) and by pattern memory (:mod:`pipeline.loop.pitfalls`, which drops lessons that would
 carry an instruction into later prompts). It depends only on :mod:`pipeline.text.textnorm` and
 :mod:`pipeline.models`.
 """

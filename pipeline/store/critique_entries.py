@@ -6,8 +6,8 @@ critiques run while the others wait for its envelope instead of calling the LLM 
 
 A hit becomes a verdict that the worker signs, so an entry is a record like a result: with
 secrets (``CRITIQUE_SECRET``) it is stored signed together with the key it is filed under
-(:func:`~pipeline.critique_cache.seal_entry`), and a reader serves only an entry that
-verifies and names its own key (:func:`~pipeline.critique_cache.open_entry`). Anything else
+(:func:`~pipeline.loop.critique_cache.seal_entry`), and a reader serves only an entry that
+verifies and names its own key (:func:`~pipeline.loop.critique_cache.open_entry`). Anything else
 (unsigned, altered, copied from another key, not JSON) is a miss, logged and counted
 (``cache_refused``), and the critique that follows overwrites it. Without secrets
 (development) entries are stored and read unsigned.
@@ -19,7 +19,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 
-from pipeline.critique_cache import CacheEntryRefused, open_entry, seal_entry
+from pipeline.loop.critique_cache import CacheEntryRefused, open_entry, seal_entry
 from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, store_errors, text
 

@@ -17,8 +17,8 @@ import redis
 from celery.result import AsyncResult
 
 from pipeline.errors import SubmissionError
+from pipeline.loop.stages import start
 from pipeline.models import CritiqueResult
-from pipeline.runner import start
 from pipeline.security import signing
 from pipeline.store import keys
 from pipeline.store.runs import pass_member

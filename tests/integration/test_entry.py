@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.runner import start
+from pipeline.loop.stages import start
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.entry import (

@@ -385,7 +385,7 @@ EXERCISE = """
     import json, sys
     import workers.app, workers.tasks, workers.client  # what a worker and a client import
     from pipeline.llm.completion import LLMReply, LLMRequest, ChatMessage
-    from pipeline.runner import start
+    from pipeline.loop.stages import start
     from pipeline.models import Submission
     from workers import telemetry
 
@@ -476,7 +476,7 @@ def test_waits_cache_hits_and_errors_are_span_events_and_attributes_without_fore
         from pipeline.errors import SubmissionError
         from pipeline.llm.completion import LLMReply, LLMRequest, ChatMessage
         from pipeline.models import Submission
-        from pipeline.runner import BudgetWait, PassCancelled, start
+        from pipeline.loop.stages import BudgetWait, PassCancelled, start
         from workers import telemetry
         assert telemetry.setup()
         state = start(Submission(run_id="r", worker_id="w", task="t", output="o"))

@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from pipeline.errors import ConfigError
+from pipeline.loop.stages import start
 from pipeline.models import Submission
-from pipeline.runner import start
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.rawcelery import entry_body, push

@@ -13,8 +13,8 @@ from pipeline.llm.completion import (
     LLMReply,
     LLMRequest,
 )
+from pipeline.loop.stages import L0Outcome
 from pipeline.models import Submission, Usage
-from pipeline.runner import L0Outcome
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore
 from pipeline.wiring import make_context
 

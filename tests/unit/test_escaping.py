@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ab import ABRow, DefectCount, escalation_markdown
+from pipeline.loop.ab import ABRow, DefectCount, escalation_markdown
+from pipeline.loop.pitfalls import render_lessons
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Defect, Lesson
-from pipeline.pitfalls import render_lessons
 from pipeline.text.escaping import escape_controls, md_cell, md_text
 from workers.cli import main
 from workers.commands._common import service_guard

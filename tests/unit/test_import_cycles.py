@@ -180,12 +180,12 @@ def test_the_graph_sees_function_level_and_package_edges() -> None:
     ``pipeline`` and into ``workers.commands``, ``workers.recovery`` and ``workers.adapters``."""
     top, nested = import_graphs()
     assert {"pipeline.security.injection", "pipeline.store", "pipeline.store.keys"} <= top[
-        "pipeline.pitfalls"
+        "pipeline.loop.pitfalls"
     ]
     assert "pipeline.store.redis_common" in nested["pipeline.store.blobs"]
     assert "pipeline.store.keys" in top["pipeline.store.blobs"]
     assert "pipeline.store" not in top["pipeline.store.blobs"]
-    assert {"workers.app", "pipeline.runner"} <= top["workers.tasks"]
+    assert {"workers.app", "pipeline.loop.stages"} <= top["workers.tasks"]
     assert "workers.recovery.base" in top["workers.recovery.sweeper"]
     assert "workers.commands._common" in top["workers.commands.submit"]
     assert "workers.adapters.verdicts" in top["workers.adapters.langgraph"]
@@ -204,7 +204,7 @@ def test_no_module_level_import_cycles() -> None:
         # the compiled scanner is pipeline._fastscan
         ("pipeline.text.simhash", "pipeline.contract"),
         # the injection scan is pipeline.security.injection
-        ("pipeline.pitfalls", "pipeline.critics.llm"),
+        ("pipeline.loop.pitfalls", "pipeline.critics.llm"),
         ("workers.cli", "workers.commands._common"),  # the exit codes are workers.exit_codes
         ("workers.tasks", "workers.recovery.redriving"),  # continuation is workers.routing's
     ],

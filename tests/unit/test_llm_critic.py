@@ -14,6 +14,7 @@ from pipeline.critics.llm_prompts import build_critic_messages
 from pipeline.critics.llm_reply import EnvelopeParseError, parse_envelope
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.llm.completion import LLMReply, LLMRequest
+from pipeline.loop.repair import REPAIR_INSTRUCTION
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -22,7 +23,6 @@ from pipeline.models import (
     Submission,
     Usage,
 )
-from pipeline.repair import REPAIR_INSTRUCTION
 from pipeline.security.injection import INJECTION_MARK, INJECTION_SCORE_CAP, detect_injection
 
 CATEGORIES = ("missing_data", "wrong_format", "incomplete", "hallucinated", "stale")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError, ForgedMessageError, PermanentError, SubmissionError
+from pipeline.loop.stages import start
 from pipeline.models import Submission
-from pipeline.runner import start
 from pipeline.security import signing
 
 KEY = b"k" * 32

@@ -8,7 +8,7 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import merge_l0
-from pipeline.gates import CompletionDecision, evaluate_completion
+from pipeline.loop.gates import CompletionDecision, evaluate_completion
 from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,

@@ -148,17 +148,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _loop(args: argparse.Namespace) -> int:
-    # lazy: pipeline.convergence is not loaded by `critique --help`, which imports this module and
-    # stays fast
-    from pipeline.convergence import STOP_TEXT
-
+    # lazy: pipeline.loop.convergence is not loaded by `critique --help`, which imports this module
+    # and stays fast
     # lazy: pipeline.critics.rubric is not loaded by `critique --help`, which imports this module
     # and stays fast
     from pipeline.critics.rubric import parse_paper
+    from pipeline.loop.convergence import STOP_TEXT
 
-    # lazy: pipeline.runner is not loaded by `critique --help`, which imports this module and stays
-    # fast
-    from pipeline.runner import run_submission
+    # lazy: pipeline.loop.stages is not loaded by `critique --help`, which imports this module and
+    # stays fast
+    from pipeline.loop.stages import run_submission
 
     # lazy: pipeline.wiring is not loaded by `critique --help`, which imports this module and stays
     # fast

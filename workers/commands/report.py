@@ -74,9 +74,9 @@ def write_report(
     """
     # lazy: pipeline.records.artifacts is not loaded by `critique --help`, which imports this module
     # and stays fast
-    # lazy: pipeline.pitfalls is not loaded by `critique --help`, which imports this module and
+    # lazy: pipeline.loop.pitfalls is not loaded by `critique --help`, which imports this module and
     # stays fast
-    from pipeline.pitfalls import render_lessons
+    from pipeline.loop.pitfalls import render_lessons
     from pipeline.records.artifacts import artifact_files, atomic_write_many
 
     # lazy: workers.runtime loads celery; `critique --help` imports this module

@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.gates import not_counted_text
+from pipeline.loop.gates import not_counted_text
 from pipeline.models import CritiqueResult, score_text
 from pipeline.text.escaping import escape_controls
 from workers import riding

@@ -1,20 +1,20 @@
 """The repair policy's pieces: the band thresholds, the repair prompt, its cost (see
 docs/pipeline.md, "The repair budget").
 
-The round's decision itself (accept / repair / stop) is :func:`pipeline.convergence.decide_round`,
-which uses the thresholds here. ``build_repair_prompt`` is the exact text an LLM repairer is sent
-(targeted: only critical and warning defects, and the instruction to change nothing else);
-``repair_reply_tokens`` is the ``max_tokens`` of a repair call (lower in a round sized from what
-the run's repairs used: :func:`tight_output_tokens`). A repair round is ordered once,
-in the decide stage, as a :class:`RepairOrder`: the Known Pitfalls the reviser gets, the
-prompt rendered once (for a reviser that sends it to a model), and the :class:`RepairBound`
-the round reserves in the repair-budget semaphore — the repair call's counted prompt plus its
-``max_tokens``, and the re-critique's counted prompt (with the repaired output at its largest)
-plus its reply's ``max_tokens`` (a short envelope: ``llm.recritique_max_tokens``); each part
-is 0 when the reviser or critic that serves the submission is token-free. LLM revisers and
-critics size their own parts (``repair_bound`` / ``critique_bound``,
+The round's decision itself (accept / repair / stop) is
+:func:`pipeline.loop.convergence.decide_round`, which uses the thresholds here.
+``build_repair_prompt`` is the exact text an LLM repairer is sent (targeted: only critical and
+warning defects, and the instruction to change nothing else); ``repair_reply_tokens`` is the
+``max_tokens`` of a repair call (lower in a round sized from what the run's repairs used:
+:func:`tight_output_tokens`). A repair round is ordered once, in the decide stage, as a
+:class:`RepairOrder`: the Known Pitfalls the reviser gets, the prompt rendered once (for a reviser
+that sends it to a model), and the :class:`RepairBound` the round reserves in the repair-budget
+semaphore — the repair call's counted prompt plus its ``max_tokens``, and the re-critique's counted
+prompt (with the repaired output at its largest) plus its reply's ``max_tokens`` (a short envelope:
+``llm.recritique_max_tokens``); each part is 0 when the reviser or critic that serves the submission
+is token-free. LLM revisers and critics size their own parts (``repair_bound`` / ``critique_bound``,
 :mod:`pipeline.critics.llm`); for any other (a configured ``module:function`` repairer, a
-custom critic) :mod:`pipeline.repair_sizing` falls back to :func:`estimated_repair_tokens` and
+custom critic) :mod:`pipeline.loop.repair_sizing` falls back to :func:`estimated_repair_tokens` and
 :func:`estimated_critique_tokens`. The repair stage then
 hands the same pitfalls and prompt to the reviser, so what was sized is what is sent.
 """
@@ -29,13 +29,13 @@ from typing import Any
 from pydantic import Field
 
 from pipeline.llm.tokens import estimate_tokens, text_of
+from pipeline.loop.pitfalls import pitfalls_block
 from pipeline.models import (
     CritiqueEnvelope,
     Frozen,
     RepairAttempt,
     Submission,
 )
-from pipeline.pitfalls import pitfalls_block
 
 ESCALATE_BELOW = 0.3
 """Scores under this are escalated to the manager without repair (the escalate band)."""
@@ -80,7 +80,7 @@ class RepairBound(Frozen):
 class RepairOrder(Frozen):
     """One repair round as the decide stage ordered it, carried to the repair stage: what the
     reviser is handed, and what the round reserved. Built once per round
-    (:func:`pipeline.repair_sizing.order_repair`)."""
+    (:func:`pipeline.loop.repair_sizing.order_repair`)."""
 
     pitfalls: str = ""
     """The Known Pitfalls text the serving reviser gets ("" when it does not read them)."""
@@ -152,7 +152,7 @@ def build_repair_prompt(
 
     Carries the original task (always), the previous output (delimited as data), only the
     critical and warning defects, the prescriptions, the known pitfalls (in a block marked as
-    data, :func:`pipeline.pitfalls.pitfalls_block`), the history of earlier attempts, and the
+    data, :func:`pipeline.loop.pitfalls.pitfalls_block`), the history of earlier attempts, and the
     sentence "Fix ONLY these defects. Keep everything else unchanged."
     """
     defects = envelope.actionable

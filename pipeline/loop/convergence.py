@@ -4,7 +4,7 @@
 the configuration, and answers a :class:`RoundDecision` — ``accept``, ``repair`` or ``stop``
 (with the stop reason, the result status and a one-line reason), or ``ask`` for one more fact
 it needs and was not given (``fixpoint``, ``plan``, ``budget``). The decide stage
-(:func:`pipeline.runner.decide_stage`) gathers what is asked (the fixpoint test, the reviser's
+(:func:`pipeline.loop.stages.decide_stage`) gathers what is asked (the fixpoint test, the reviser's
 plan, the budget's answer to the repair's reservation) and decides again, so each fact is
 looked up only when the rules get to it, in the order below. First match wins.
 
@@ -48,8 +48,8 @@ from typing import Literal
 from pydantic import Field
 
 from pipeline.config import CritiqueConfig, RubricConfig
+from pipeline.loop.repair import ACCEPT_CLEAN_FROM, ESCALATE_BELOW, REPAIR_BELOW
 from pipeline.models import Frozen, Status, StopReason, Verdict
-from pipeline.repair import ACCEPT_CLEAN_FROM, ESCALATE_BELOW, REPAIR_BELOW
 
 STOP_VERDICT: dict[StopReason, Verdict] = {
     "accepted": "accepted",

@@ -8,15 +8,16 @@ stages across workers, carrying ``LoopState`` in its messages::
     l0 → critic → decide → (repair → l0 → critic → decide)* → done
 
 This module only sequences the stages. Each mechanism a stage uses lives in its own module:
-the round decision in :mod:`pipeline.convergence` (:func:`~pipeline.convergence.decide_round`,
-pure), the repair prompt and estimates in :mod:`pipeline.repair`, the sizing of a repair round
-in :mod:`pipeline.repair_sizing`, the critique cache's claim and poll in
-:mod:`pipeline.critique_cache`, the round's defect diff in :mod:`pipeline.defect_diff`. The
-decide stage is a row of named steps: keep the best output, gather the round's facts, decide,
-record the repair attempt, diff the defects, trace the round. What the stages run with (critic,
-reviser, stores, the real Layer-0 step) is built from configuration by :mod:`pipeline.wiring`,
-the composition root. A submission is admitted (its size limit) by :mod:`pipeline.admission`;
-a finished pass's result is bounded by :mod:`pipeline.records.result_bounds`.
+the round decision in :mod:`pipeline.loop.convergence`
+(:func:`~pipeline.loop.convergence.decide_round`, pure), the repair prompt and estimates in
+:mod:`pipeline.loop.repair`, the sizing of a repair round in :mod:`pipeline.loop.repair_sizing`, the
+critique cache's claim and poll in :mod:`pipeline.loop.critique_cache`, the round's defect diff in
+:mod:`pipeline.loop.defect_diff`. The decide stage is a row of named steps: keep the best output,
+gather the round's facts, decide, record the repair attempt, diff the defects, trace the round. What
+the stages run with (critic, reviser, stores, the real Layer-0 step) is built from configuration by
+:mod:`pipeline.wiring`, the composition root. A submission is admitted (its size limit) by
+:mod:`pipeline.loop.admission`; a finished pass's result is bounded by
+:mod:`pipeline.records.result_bounds`.
 
 Layer-0 rule: when L0 reports an error, the configured critic is not called (no critic tokens):
 the envelope is a token-free critic's (the configured one if it is token-free, else the
@@ -43,17 +44,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from pipeline.admission import admit
 from pipeline.config import CritiqueConfig
-from pipeline.convergence import (
-    Ask,
-    RoundDecision,
-    RoundFacts,
-    decide_round,
-    target_met,
-    verdict_for,
-    weighted_mean,
-)
 from pipeline.critics.base import (
     Critic,
     Planner,
@@ -68,11 +59,24 @@ from pipeline.critics.base import (
 )
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.critics.worker import WorkerReviser
-from pipeline.critique_cache import CacheUse, critique_cache_key, critique_through_cache
-from pipeline.defect_diff import defect_diff, defect_refs, sorted_refs
 from pipeline.errors import SubmissionError, TransientError
 from pipeline.llm.completion import token_allowance
 from pipeline.llm.tokens import text_of
+from pipeline.loop.admission import admit
+from pipeline.loop.convergence import (
+    Ask,
+    RoundDecision,
+    RoundFacts,
+    decide_round,
+    target_met,
+    verdict_for,
+    weighted_mean,
+)
+from pipeline.loop.critique_cache import CacheUse, critique_cache_key, critique_through_cache
+from pipeline.loop.defect_diff import defect_diff, defect_refs, sorted_refs
+from pipeline.loop.pitfalls import patterns_from_envelope, render_pitfalls
+from pipeline.loop.repair import RepairBound, RepairOrder, is_acceptable, repair_growth
+from pipeline.loop.repair_sizing import order_repair
 from pipeline.models import (
     UNSCORED,
     CritiqueEnvelope,
@@ -89,11 +93,8 @@ from pipeline.models import (
     Submission,
     Usage,
 )
-from pipeline.pitfalls import patterns_from_envelope, render_pitfalls
 from pipeline.records.files import FileReader, inline_bytes
 from pipeline.records.result_bounds import NOTE_CHARS, bound_result
-from pipeline.repair import RepairBound, RepairOrder, is_acceptable, repair_growth
-from pipeline.repair_sizing import order_repair
 from pipeline.security.injection import apply_injections, submission_injections
 from pipeline.store.base import (
     BudgetAnswer,
@@ -237,7 +238,7 @@ class LoopState(Frozen):
     pending_repair_tokens: int = Field(0, ge=0)
     repair_growth: int = Field(0, ge=0)
     """The growth the repair in flight showed, in thousandths
-    (:func:`~pipeline.repair.repair_growth`; 0: no model wrote it), brought to the run's
+    (:func:`~pipeline.loop.repair.repair_growth`; 0: no model wrote it), brought to the run's
     :class:`~pipeline.store.base.RepairUsage` by its commit."""
     budget_charged: int = Field(0, ge=0)
     """Tokens this pass's committed repairs charged to the run's budget so far."""
@@ -665,7 +666,7 @@ def next_repair_order(
     usage: RepairUsage | None = None,
 ) -> RepairOrder:
     """The state's next repair round, ordered and (with ``sized``) sized once by the reviser
-    and critic that serve its submission (:func:`pipeline.repair_sizing.order_repair`); with
+    and critic that serve its submission (:func:`pipeline.loop.repair_sizing.order_repair`); with
     ``usage``, sized from what the run's committed repairs used when that is smaller."""
     sub = state.submission
     return order_repair(
@@ -809,7 +810,7 @@ def _lost_lease_note(attempt: int, what: str) -> str:
 
 @dataclass
 class _Gathered:
-    """What :func:`decide_stage` looked up for :func:`~pipeline.convergence.decide_round`, and
+    """What :func:`decide_stage` looked up for :func:`~pipeline.loop.convergence.decide_round`, and
     what the lookups left behind (notes, the reservation, the repair order)."""
 
     notes: tuple[str, ...]
@@ -972,7 +973,7 @@ def _keep_best(state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore) -> 
 def _round_facts(
     state: LoopState, envelope: CritiqueEnvelope, r: _RoundScore, best: dict[str, Any]
 ) -> RoundFacts:
-    """What :func:`~pipeline.convergence.decide_round` is given up front (the rest it asks)."""
+    """What :func:`~pipeline.loop.convergence.decide_round` is given up front (the rest it asks)."""
     return RoundFacts(
         round=state.round,
         repairs_done=state.attempt,
@@ -992,7 +993,7 @@ def _round_facts(
 def _decide(
     facts: RoundFacts, ctx: StageContext, state: LoopState, envelope: CritiqueEnvelope
 ) -> tuple[RoundDecision, _Gathered]:
-    """Ask :func:`~pipeline.convergence.decide_round` until it needs no further fact, looking
+    """Ask :func:`~pipeline.loop.convergence.decide_round` until it needs no further fact, looking
     up each fact it asks for (:func:`_answer`); returns the decision and what the lookups left."""
     gathered = _Gathered(notes=state.notes)
     decision: RoundDecision = decide_round(facts, ctx.config)
@@ -1058,7 +1059,7 @@ def _trace_round(
 def decide_stage(state: LoopState, ctx: StageContext) -> LoopState:
     """Keep the best output, decide the round, reserve the next repair's budget.
 
-    The decision is :func:`~pipeline.convergence.decide_round` (pure); this stage gathers the
+    The decision is :func:`~pipeline.loop.convergence.decide_round` (pure); this stage gathers the
     facts it asks for, in its order: the fixpoint test, the serving reviser's plan (a reviser
     with a ``plan`` that fixes nothing stops the loop ``needs_model``, status ``escalated``,
     with the defects it left listed in the notes: no round is spent on a repair that cannot

@@ -3,19 +3,19 @@
 
 :func:`order_repair` reads the Known Pitfalls the serving reviser gets once, renders the repair
 prompt once (only for a token-spending reviser), and sizes the round's
-:class:`~pipeline.repair.RepairBound`: the repair call plus the re-critique of its output, each
+:class:`~pipeline.loop.repair.RepairBound`: the repair call plus the re-critique of its output, each
 part from the reviser or critic that serves the submission. The decide stage reserves that
 bound in the repair budget; the repair stage hands the same pitfalls and prompt to the
 reviser, so what was sized is what is sent. The policy's pieces (the prompt, the estimates)
-are :mod:`pipeline.repair`'s.
+are :mod:`pipeline.loop.repair`'s.
 
 Given what the run's committed repairs used (a :class:`~pipeline.store.base.RepairUsage`), the
 round is sized tighter when it can be: the repaired output's bound (the repair call's
 ``max_tokens``, and the size the re-critique counts it at) follows the largest growth they
 showed and the re-critique's reply the longest reply they got, each with a margin
-(:func:`~pipeline.repair.tight_output_tokens`, :func:`~pipeline.repair.tight_reply_tokens`).
-Only a round whose every LLM call is made within the reservation can be sized so (a
-:class:`~pipeline.critics.base.PromptedReviser`, and a
+(:func:`~pipeline.loop.repair.tight_output_tokens`,
+:func:`~pipeline.loop.repair.tight_reply_tokens`). Only a round whose every LLM call is made within
+the reservation can be sized so (a :class:`~pipeline.critics.base.PromptedReviser`, and a
 :class:`~pipeline.critics.base.SizedCritic` or a token-free critic): what it may spend is then
 bounded by the smaller reservation too.
 """
@@ -26,8 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.critics.base import Critic, PromptedReviser, Reviser, SizedCritic, resolve_for
-from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
-from pipeline.repair import (
+from pipeline.loop.repair import (
     RepairBound,
     RepairOrder,
     build_repair_prompt,
@@ -37,6 +36,7 @@ from pipeline.repair import (
     tight_output_tokens,
     tight_reply_tokens,
 )
+from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
 from pipeline.store.base import RepairUsage
 
 PitfallsFn = Callable[[Critic | Reviser], str]
@@ -63,7 +63,7 @@ def order_repair(
     bound is 0 when the serving reviser or critic is token-free; its own count when it can size
     its calls (:class:`~pipeline.critics.base.PromptedReviser` /
     :class:`~pipeline.critics.base.SizedCritic`: counted prompt + the ``max_tokens`` it will
-    call with); else the estimates of :mod:`pipeline.repair`. The order keeps the rendered
+    call with); else the estimates of :mod:`pipeline.loop.repair`. The order keeps the rendered
     prompt only for a prompted reviser (any other renders its own: the prompt only sized it).
 
     With ``usage`` (what the run's committed repairs used), the round is sized from it when
@@ -197,9 +197,9 @@ def tight_bound(
     """The round's bound sized from what the run's committed repairs used, or None.
 
     The repaired output's bound follows the largest growth they showed
-    (:func:`~pipeline.repair.tight_output_tokens`, never above ``full.output_tokens``) and, when
-    the round has a re-critique to pay for, the reply's the longest re-critique reply they got
-    (:func:`~pipeline.repair.tight_reply_tokens`); ``resize`` counts the round again with them.
+    (:func:`~pipeline.loop.repair.tight_output_tokens`, never above ``full.output_tokens``) and,
+    when the round has a re-critique to pay for, the reply's the longest re-critique reply they got
+    (:func:`~pipeline.loop.repair.tight_reply_tokens`); ``resize`` counts the round again with them.
     None without that history (no model-written repair committed, or no re-critique reply
     when there is a re-critique), or when the result is not smaller than ``full`` in total
     and no larger in each part (it never is larger: each bound is the lesser)."""

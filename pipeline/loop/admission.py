@@ -2,7 +2,7 @@
 
 ``max_output_bytes`` bounds the whole submission, not only its output (see docs/pipeline.md,
 "Files by reference and the size limit"). The client checks it before it enqueues; the worker
-checks it again at the first Layer-0 stage of every pass (:func:`pipeline.runner.l0_stage`), so
+checks it again at the first Layer-0 stage of every pass (:func:`pipeline.loop.stages.l0_stage`), so
 a chain sent without the client is bounded too.
 """
 
@@ -35,7 +35,7 @@ def admit(
     within the limit, so an oversized submission costs at most one read past it. A file that
     cannot be read raises :class:`~pipeline.records.files.UnreadableFileError`. The client calls
     this before it enqueues; the worker calls it again at the first Layer-0 stage of every pass
-    (:func:`pipeline.runner.l0_stage`), so a chain sent without the client is bounded too.
+    (:func:`pipeline.loop.stages.l0_stage`), so a chain sent without the client is bounded too.
     """
     limit = config.max_output_bytes
     output = _utf8_len(text_of(submission.output))
