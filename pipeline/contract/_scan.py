@@ -145,7 +145,7 @@ class ScanResult:
 
 def _ext() -> Any:
     try:
-        from pipeline import _fastscan
+        from pipeline.text import _fastscan
     except ImportError:
         return None
     return _fastscan

@@ -9,7 +9,7 @@ paragraphs of real prose share most of their vocabulary but few of their word tr
 single words, distinct paragraphs of ordinary license texts came within Hamming 5–9 of each
 other; with word 3-grams the closest distinct pairs sit at 16 or more.
 
-The compiled module ``pipeline._fastscan`` computes the same numbers when it is built;
+The compiled module ``pipeline.text._fastscan`` computes the same numbers when it is built;
 this module is the reference (numpy is imported lazily, only for large inputs without it).
 
 Near duplicates (:func:`near_duplicate_pairs`, :func:`nearest_earlier`) use multi-index
@@ -48,7 +48,7 @@ _BRUTE_FORCE_MAX = 256
 def _ext() -> Any:
     """The compiled accelerator, or None when it is not built."""
     try:
-        from pipeline import _fastscan
+        from pipeline.text import _fastscan
     except ImportError:
         return None
     return _fastscan

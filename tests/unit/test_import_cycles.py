@@ -201,7 +201,7 @@ def test_no_module_level_import_cycles() -> None:
 @pytest.mark.parametrize(
     "pair",
     [
-        # the compiled scanner is pipeline._fastscan
+        # the compiled scanner is pipeline.text._fastscan
         ("pipeline.text.simhash", "pipeline.contract"),
         # the injection scan is pipeline.security.injection
         ("pipeline.loop.pitfalls", "pipeline.critics.llm"),

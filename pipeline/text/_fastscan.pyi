@@ -1,4 +1,4 @@
-"""Types of the compiled Layer-0 scanner (pipeline/_fastscan.c)."""
+"""Types of the compiled Layer-0 scanner (pipeline/text/_fastscan.c)."""
 
 def scan(
     text: str, mode: int, want: int, min_words: int, max_hits: int, /
