@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from pipeline import simhash
 from pipeline.contract import ContractSuite, build_suite, compiled_available
 from pipeline.contract.checks import BUILTIN_CHECKS
 from pipeline.contract.models import ContractInput
+from pipeline.text import simhash
 
 MB = 1_000_000
 

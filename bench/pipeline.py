@@ -294,7 +294,7 @@ def run_bare(
     from celery import chain
 
     from bench.noop_tasks import noop
-    from pipeline.runner import start
+    from pipeline.loop.stages import start
     from workers import runtime
 
     msgs = {s.worker_id: runtime.encode(start(s), CONFIG) for s in subs}

@@ -32,8 +32,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from pipeline import settings
 from pipeline.errors import ConfigError, RefusedOverrideError
-from pipeline.model_policy import model_refusal
 from pipeline.models import DEFAULT_DEFECT_CATEGORIES
+from pipeline.security.model_policy import model_refusal
 
 BUILTIN_CHECK_NAMES: tuple[str, ...] = (
     "no_placeholder",
@@ -237,7 +237,7 @@ class CritiqueConfig(_Block):
     allowed_models: tuple[str, ...] = ()
     """Worker-only: the models a submission may name (``model``, ``paired_model``, the
     submission's own ``model``). Empty, on a worker that holds no API key, allows a hosted
-    provider's model only (:mod:`pipeline.model_policy`); empty on a worker that holds one
+    provider's model only (:mod:`pipeline.security.model_policy`); empty on a worker that holds one
     allows none."""
     max_output_bytes: int = Field(16 * 1024 * 1024, ge=1)
     max_rejected_completions: int = Field(3, ge=1)
@@ -608,7 +608,7 @@ def submitted_model_refusal(
 ) -> str | None:
     """Why a submission may not name ``model`` (its own, or as ``model`` / ``paired_model``)
     on a worker with configuration ``worker`` and environment ``env`` (default: this
-    process's), completing "model '…' …"; None when it may (:mod:`pipeline.model_policy`:
+    process's), completing "model '…' …"; None when it may (:mod:`pipeline.security.model_policy`:
     ``allowed_models`` when the worker holds a key; never an address, a local server without
     a configured endpoint, or the worker's own credentials)."""
     return model_refusal(

@@ -14,7 +14,7 @@ Everything that turns configuration into behaviour is here, and only here:
   (:class:`RedisStores`);
 - the stage context that holds them all (:func:`make_context`).
 
-:mod:`pipeline.runner` holds only the stages and the loop and imports nothing from here.
+:mod:`pipeline.loop.stages` holds only the stages and the loop and imports nothing from here.
 Nothing heavy is imported at module level: litellm, the LLM critics, the contract suite, the
 simhash scanner and the Redis stores load inside the functions that build them, so
 ``import pipeline.wiring`` needs neither redis nor litellm.
@@ -35,18 +35,17 @@ from pipeline.critics.llm import LLMCritic, PairedCritic
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
 from pipeline.critics.worker import WorkerReviser
 from pipeline.errors import ExtensionLoadError
-from pipeline.files import FileReader, inline_bytes
-from pipeline.llm import Completer, LiteLLMCompleter
-from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
-from pipeline.providers import configured_models
-from pipeline.runner import (
+from pipeline.llm.completion import Completer, LiteLLMCompleter
+from pipeline.llm.providers import configured_models
+from pipeline.loop.stages import (
     REPAIR_LEASE_TTL_S,
     FixpointFn,
     L0Fn,
     L0Outcome,
     StageContext,
 )
-from pipeline.simhash import is_fixpoint
+from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
+from pipeline.records.files import FileReader, inline_bytes
 from pipeline.store.base import BudgetLedger, CritiqueCache, PatternStore, TraceSink
 from pipeline.store.blobs import RedisBlobStore
 from pipeline.store.leases import process_holder
@@ -56,6 +55,7 @@ from pipeline.store.memory import (
     MemoryPatternStore,
     MemoryTraceSink,
 )
+from pipeline.text.simhash import is_fixpoint
 
 if TYPE_CHECKING:
     from pipeline.store.redis_common import StoreClient
@@ -71,7 +71,7 @@ def contract_l0(
     (a worker builds it before its first message, so a bad contract fails at start).
 
     Every file of the submission is read through ``read_file`` (default: inline content only,
-    so a file held by reference raises :class:`~pipeline.files.UnreadableFileError`).
+    so a file held by reference raises :class:`~pipeline.records.files.UnreadableFileError`).
     """
     built: list[Any] = []
 
@@ -101,10 +101,10 @@ def contract_l0(
 
 
 def simhash_fixpoint(*, eager: bool = False) -> FixpointFn:
-    """The real fixpoint test, :func:`pipeline.simhash.is_fixpoint` (imported on the first call,
-    or now with ``eager``)."""
+    """The real fixpoint test, :func:`pipeline.text.simhash.is_fixpoint` (imported on the first
+    call, or now with ``eager``)."""
     if eager:
-        import pipeline.simhash  # noqa: F401
+        import pipeline.text.simhash  # noqa: F401
 
     def fixpoint(previous_text: str, current_text: str) -> bool:
         return bool(is_fixpoint(previous_text, current_text))
@@ -406,7 +406,7 @@ def make_context(
     Defaults: critic and reviser from ``config.critic`` / ``config.repairer`` (LLM calls through
     ``complete``, litellm by default), in-memory stores, the real L0 and fixpoint functions
     (loaded on first use), ``time.monotonic``, and a file reader that follows no blob reference
-    (:func:`pipeline.files.inline_bytes`). A critic or reviser given explicitly must declare
+    (:func:`pipeline.records.files.inline_bytes`). A critic or reviser given explicitly must declare
     its capabilities (``token_free``, ``reads_pitfalls``); a ``TypeError`` says which is
     missing.
     """

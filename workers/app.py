@@ -27,7 +27,7 @@ from kombu.utils.objects import cached_property
 
 from pipeline import settings
 from pipeline.errors import ConfigError
-from pipeline.providers import load_litellm
+from pipeline.llm.providers import load_litellm
 from pipeline.store import keys
 from pipeline.store.urls import check_urls, is_sentinel_url, parse_sentinel_url, sentinel_master
 from workers import logs, telemetry

@@ -1,5 +1,5 @@
 """Archiving runs before Redis lets them go, and reading them back after (docs/operations.md,
-'The run archive'; the file format: :mod:`pipeline.archive`).
+'The run archive'; the file format: :mod:`pipeline.records.archive_file`).
 
 :func:`archive_run` reads a run's full record from the store (every verified result with its
 rounds, attempts and notes, failures, completion-gate decisions, the trace, the pattern counts
@@ -24,10 +24,11 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import archive, settings
-from pipeline.archive import ArchiveError, RunRecord
+from pipeline import settings
 from pipeline.errors import ConfigError, CritiqueError, PathEscapeError
 from pipeline.models import CritiqueResult
+from pipeline.records import archive_file as archive
+from pipeline.records.archive_file import ArchiveError, RunRecord
 from pipeline.store import keys
 from pipeline.store.archive_index import RedisArchiveIndex, RunState
 from pipeline.store.base import MAX_LESSONS, MAX_PATTERNS_PER_RUN
@@ -146,8 +147,8 @@ def archive_run(
     why: str = "requested",
 ) -> Archived:
     """Write the run's full record to ``<directory>/<run-id>.jsonl`` (default
-    :func:`pipeline.archive.archive_dir`), replacing an earlier archive of it whole, and
-    record that this state of the run is archived. ``NothingToArchiveError`` when the store
+    :func:`pipeline.records.archive_file.archive_dir`), replacing an earlier archive of it whole,
+    and record that this state of the run is archived. ``NothingToArchiveError`` when the store
     holds nothing of the run; ``PathEscapeError`` or ``OSError`` when the file cannot be
     written (nothing is written then)."""
     idx = index or default_index()
@@ -269,8 +270,8 @@ def _next_look(state: RunState, now: float, quiet: float, margin: float) -> floa
 
 def read_archived(run_id: str, directory: Path | None = None) -> tuple[Path, RunRecord] | None:
     """The run's archive (path, record) in ``directory`` (default
-    :func:`pipeline.archive.archive_dir`), or None when there is none; ``ArchiveError`` when
-    it exists but cannot be trusted or read (with ``CRITIQUE_SECRET``: it must verify), or is
+    :func:`pipeline.records.archive_file.archive_dir`), or None when there is none; ``ArchiveError``
+    when it exists but cannot be trusted or read (with ``CRITIQUE_SECRET``: it must verify), or is
     older than the run's last archive the archive index knows of."""
     folder = archive.archive_dir() if directory is None else directory
     got = archive.read(folder, run_id, runtime.secrets())

@@ -7,8 +7,8 @@ with a ``cancelled`` trace event naming who cancelled it and the pass's ``result
 one write is what stops the pass everywhere: ``status``, ``wait`` and ``results`` read it; the
 pass leaves the pending index (the sweeper never re-drives it); a stage message of it that
 arrives later finds the result and ends its chain; a stage in flight asks before its next model
-call (:attr:`pipeline.runner.StageContext.cancelled`) and stops; and no later result replaces it
-(a result is stored once per pass). Then the budget leases the cancelled passes hold, or wait
+call (:attr:`pipeline.loop.stages.StageContext.cancelled`) and stops; and no later result replaces
+it (a result is stored once per pass). Then the budget leases the cancelled passes hold, or wait
 for, are refunded, and the summary is stored under the pass's task id in Celery's result
 backend, so a manager reading ``AsyncResult(entry id).get()`` gets ``cancelled`` too.
 
@@ -22,10 +22,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import settings, signing
+from pipeline import settings
 from pipeline.errors import ConfigError, ForgedMessageError, SubmissionError
+from pipeline.loop.stages import pass_lease_prefix
 from pipeline.models import CritiqueResult, cancelled_result
-from pipeline.runner import pass_lease_prefix
+from pipeline.security import signing
 from pipeline.store.base import encode_event
 from pipeline.store.pending import parse_member
 from pipeline.store.runs import member, pass_member

@@ -31,16 +31,17 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import settings, signing
-from pipeline.admission import admit
-from pipeline.artifacts import manager_summary
+from pipeline import settings
 from pipeline.config import check_submission_model
 from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
-from pipeline.gates import CompletionDecision, mean_best_score, redundancy_guard
+from pipeline.loop.admission import admit
+from pipeline.loop.gates import CompletionDecision, mean_best_score, redundancy_guard
+from pipeline.loop.pitfalls import render_pitfalls
+from pipeline.loop.stages import start
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Pattern, Submission
-from pipeline.pitfalls import render_pitfalls
-from pipeline.posture import refusal
-from pipeline.runner import start
+from pipeline.records.artifacts import manager_summary
+from pipeline.security import signing
+from pipeline.security.posture import refusal
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.fleet import RedisFleetPosture
@@ -83,8 +84,8 @@ def _check_secret_matches(subs: Sequence[Submission]) -> None:
 
 def _enter_runs(subs: Sequence[Submission]) -> None:
     """Bind each run submitted into to the workers' key, ``fleet`` (the identity this path
-    signs as, :data:`pipeline.signing.FLEET_IDENTITY`), as an entry message binds a run to its
-    manager's key; a run another manager opened through ``critique.submit`` is refused
+    signs as, :data:`pipeline.security.signing.FLEET_IDENTITY`), as an entry message binds a run to
+    its manager's key; a run another manager opened through ``critique.submit`` is refused
     (:class:`pipeline.store.runs.RunOwnedError`) before anything is sent. Without
     ``CRITIQUE_SECRET`` no run has an owner."""
     if not runtime.secrets():
@@ -226,14 +227,14 @@ class CritiqueClient:
 
     def check_fleet(self) -> None:
         """Raise ``ConfigError`` (one line naming ``CRITIQUE_SECRET``, nothing sent) when the
-        live workers' posture (:mod:`pipeline.posture`, which every worker publishes) says they
-        would refuse what this process sends, or write results it cannot verify: they require
-        a secret this process lacks or holds another of, or this process holds one they lack.
+        live workers' posture (:mod:`pipeline.security.posture`, which every worker publishes) says
+        they would refuse what this process sends, or write results it cannot verify: they require a
+        secret this process lacks or holds another of, or this process holds one they lack.
         ``submit``, ``complete_gate`` and ``resume`` call it before they send anything; with no
-        posture in the store (an older fleet, no worker started yet) there is nothing to check.
-        A check that found nothing to refuse stands for :data:`POSTURE_CHECK_S` in this client
-        while its secrets stay the same (the posture is advisory: each worker refuses what it
-        cannot verify itself)."""
+        posture in the store (an older fleet, no worker started yet) there is nothing to check. A
+        check that found nothing to refuse stands for :data:`POSTURE_CHECK_S` in this client while
+        its secrets stay the same (the posture is advisory: each worker refuses what it cannot
+        verify itself)."""
         now, secrets = time.monotonic(), runtime.secrets()
         checked_at, checked_for = self._fleet_checked
         if now - checked_at < POSTURE_CHECK_S and checked_for == secrets:

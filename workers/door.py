@@ -1,6 +1,7 @@
-"""The worker's door: every message a worker consumes is checked (:mod:`pipeline.envelope`)
-before kombu or Celery parses it, and one that is not a well-formed message of a task the
-worker runs is moved aside instead of reaching code that can raise out of the consumer.
+"""The worker's door: every message a worker consumes is checked
+(:mod:`pipeline.security.message_checks`) before kombu or Celery parses it, and one that is not a
+well-formed message of a task the worker runs is moved aside instead of reaching code that can raise
+out of the consumer.
 
 Two layers. The Redis transport's channels (:mod:`workers.recovery.transport`) check the bytes
 they pop (:func:`check_item`); Celery's consumer (:class:`workers.recovery.transport.Consumer`)
@@ -34,7 +35,8 @@ from typing import Any
 
 from celery.signals import worker_init
 
-from pipeline.envelope import (
+from pipeline.errors import SubmissionError
+from pipeline.security.message_checks import (
     Admitted,
     Policy,
     Refusal,
@@ -43,8 +45,7 @@ from pipeline.envelope import (
     safe_name,
     valid_task_id,
 )
-from pipeline.envelope import excerpt as _excerpt
-from pipeline.errors import SubmissionError
+from pipeline.security.message_checks import excerpt as _excerpt
 from pipeline.store import keys
 from workers import runtime
 from workers.app import app

@@ -12,7 +12,7 @@ An entry message is the one argument of a ``critique.submit`` task on ``critique
 
 ``sig`` is HMAC-SHA256, keyed with the managers' key, over the canonical JSON of every other
 field: ``json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)`` encoded
-as UTF-8 (:func:`pipeline.signing.canonical`), in lower-case hex after ``hmac-sha256:``.
+as UTF-8 (:func:`pipeline.security.signing.canonical`), in lower-case hex after ``hmac-sha256:``.
 
 The worker checks the signature, the address, the submission and its overrides (the trust
 boundary, as for the Python client), then starts the pass under the entry task's own id: the
@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from pipeline import signing
 from pipeline.errors import SubmissionError
 from pipeline.models import MAX_OUTPUT_DEPTH, Submission
+from pipeline.security import signing
 from pipeline.store import keys
 from workers import runtime
 

@@ -45,10 +45,8 @@ from celery.utils.log import get_task_logger
 
 from pipeline.config import CritiqueConfig, check_submission_model
 from pipeline.errors import ConfigError, CritiqueError, PermanentError, SubmissionError
-from pipeline.gates import evaluate_completion
-from pipeline.models import CritiqueResult, check_identifier
-from pipeline.redaction import scrub
-from pipeline.runner import (
+from pipeline.loop.gates import evaluate_completion
+from pipeline.loop.stages import (
     STAGES,
     BudgetWait,
     LoopState,
@@ -57,6 +55,8 @@ from pipeline.runner import (
     finish,
     is_token_free,
 )
+from pipeline.models import CritiqueResult, check_identifier
+from pipeline.security.redaction import scrub
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink

@@ -15,9 +15,9 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pipeline.gates import not_counted
+from pipeline.llm.tokens import text_of
+from pipeline.loop.gates import not_counted
 from pipeline.models import UNCHECKED_LINE, CritiqueResult, DefectRef, Pattern, RoundTrace, Status
-from pipeline.tokens import text_of
 
 TOP_DEFECTS = 15
 TOP_PRESCRIPTIONS = 10

@@ -24,11 +24,11 @@ from typing import Any
 
 from celery import Task
 
-from pipeline import signing
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import resolve_for
+from pipeline.loop.stages import LoopState
 from pipeline.models import Submission
-from pipeline.runner import LoopState
+from pipeline.security import signing
 from pipeline.store import keys
 from workers import runtime
 from workers.app import app

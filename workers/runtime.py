@@ -10,10 +10,11 @@ The state goes by reference (a content-addressed blob) once its JSON passes ``IN
 so a 5 MB output never rides in a broker message.
 
 With ``CRITIQUE_SECRET`` set, every message (stage messages and ``complete_gate`` requests)
-also carries ``"sig": "hmac-sha256:<hex>"`` over all its other fields (:mod:`pipeline.signing`),
-and :func:`decode` / :func:`decode_gate_request` refuse one that is unsigned, altered or signed
-with another key (``ForgedMessageError``). A ``state_ref`` is covered by the signature and the
-blob must hash to it, so neither the reference nor the bytes behind it can be swapped.
+also carries ``"sig": "hmac-sha256:<hex>"`` over all its other fields
+(:mod:`pipeline.security.signing`), and :func:`decode` / :func:`decode_gate_request` refuse one that
+is unsigned, altered or signed with another key (``ForgedMessageError``). A ``state_ref`` is covered
+by the signature and the blob must hash to it, so neither the reference nor the bytes behind it can
+be swapped.
 
 Every message also names the Celery task it is addressed to, ``"task_name"`` and ``"task_id"``
 (signed with the rest): the sender picks the next task's id before it signs, and a worker
@@ -33,15 +34,16 @@ from typing import Any
 
 from pydantic import Field
 
-from pipeline import settings, signing
+from pipeline import settings
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
 from pipeline.errors import ForgedMessageError, SubmissionError
-from pipeline.lru import LRU
+from pipeline.loop.stages import LoopState, StageContext
 from pipeline.models import FileRef, Frozen
-from pipeline.runner import LoopState, StageContext
-from pipeline.state_packing import compact_state, expand_state
+from pipeline.records.state_refs import compact_state, expand_state
+from pipeline.security import signing
 from pipeline.store.blobs import BlobCorruptError
-from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.critique_entries import RedisCritiqueCache
+from pipeline.store.lru import LRU
 from pipeline.store.metrics import FleetMetrics
 from pipeline.store.redis_common import STORE_TIMEOUTS, StoreClient, store_client_from_url
 from pipeline.store.urls import DEFAULT_REDIS_URL
@@ -206,7 +208,8 @@ CONFIG_CACHE_MAX = 256
 """Most configurations (and stage contexts) a process keeps besides its own: each distinct
 overrides JSON a submission carries builds one (a context holds its critic, reviser and Layer-0
 suite, ~30 KB), and submissions come from the broker, so the caches forget the least recently
-used beyond this many (:class:`pipeline.lru.LRU`); an evicted one is rebuilt on its next use."""
+used beyond this many (:class:`pipeline.store.lru.LRU`); an evicted one is rebuilt on its next
+use."""
 OWN_CONFIG_KEY = "{}"
 """The cache key of a process's own configuration (no overrides): pinned, never evicted."""
 
@@ -358,7 +361,7 @@ def encode(
         msg["state"] = raw
     else:
         # Its large parts (submission, outputs, envelopes) by reference too: stored once per
-        # pass, not once per stage (pipeline.state_packing.compact_state).
+        # pass, not once per stage (pipeline.records.state_refs.compact_state).
         # Only the live chain reads them: they expire with the live TTL (CRITIQUE_LIVE_TTL_S).
         blobs = stores().blobs
 
@@ -492,7 +495,7 @@ def decode_gate_request(
 
 
 def file_bytes(file: FileRef) -> bytes | None:
-    """A file's bytes (the :data:`pipeline.files.FileReader` of this process, used by admit,
+    """A file's bytes (the :data:`pipeline.records.files.FileReader` of this process, used by admit,
     Layer-0 and the gates): inline content, else its blob, else None. A missing or expired
     blob raises ``BlobMissingError`` (permanent); an unreachable Redis is transient."""
     if file.content is not None:

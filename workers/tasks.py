@@ -29,9 +29,9 @@ from celery.signals import task_postrun
 from celery.utils.log import get_task_logger
 from kombu.exceptions import OperationalError
 
-from pipeline.admission import admit
 from pipeline.errors import PermanentError, TransientError
-from pipeline.runner import start
+from pipeline.loop.admission import admit
+from pipeline.loop.stages import start
 from pipeline.store import keys
 from pipeline.store.runs import EntryIdTaken, RunOwnedError
 from workers import entry, runtime, telemetry

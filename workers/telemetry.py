@@ -48,10 +48,10 @@ from celery.exceptions import Ignore, TaskPredicate
 
 from pipeline import __version__
 from pipeline.errors import CritiqueError
-from pipeline.llm import Completer, LLMReply, LLMRequest
-from pipeline.model_policy import provider_of
+from pipeline.llm.completion import Completer, LLMReply, LLMRequest
+from pipeline.loop.stages import BudgetWait, LoopState, PassCancelled
 from pipeline.models import CritiqueResult, defect_line
-from pipeline.runner import BudgetWait, LoopState, PassCancelled
+from pipeline.security.model_policy import provider_of
 from pipeline.store import keys
 
 log = logging.getLogger(__name__)
@@ -606,8 +606,8 @@ def metric_histograms(counts: Mapping[str, int]) -> tuple[Histograms, Histograms
 
 
 class ObservedCompleter:
-    """A :class:`~pipeline.llm.Completer` whose calls are counted in the fleet's GenAI metrics
-    (``count(field, n)``: :func:`metric_fields`) and, while tracing, each a GenAI span
+    """A :class:`~pipeline.llm.completion.Completer` whose calls are counted in the fleet's GenAI
+    metrics (``count(field, n)``: :func:`metric_fields`) and, while tracing, each a GenAI span
     ``chat <model>`` (CLIENT) with the usage as the provider reported it. Anything else
     (``count_tokens``, ``warm``…) is the inner completer's."""
 

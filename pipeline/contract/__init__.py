@@ -29,10 +29,10 @@ from pipeline.contract.models import (
     OutputContractCheck,
 )
 from pipeline.errors import ConfigError, ExtensionLoadError
-from pipeline.files import FileReader, file_text
-from pipeline.files import read_file as read_file_bytes
+from pipeline.llm.tokens import text_of
 from pipeline.models import Submission
-from pipeline.tokens import text_of
+from pipeline.records.files import FileReader, file_text
+from pipeline.records.files import read_file as read_file_bytes
 
 __all__ = [
     "DEFAULT_CHECKS",
@@ -230,7 +230,7 @@ def run_contract(suite: ContractSuite, items: Sequence[ContractInput]) -> Contra
 
 def output_text(output: str | dict[str, Any]) -> str:
     """The canonical text of an output: the string itself, or the dict as indented JSON
-    (:func:`pipeline.tokens.text_of`)."""
+    (:func:`pipeline.llm.tokens.text_of`)."""
     return text_of(output)
 
 
@@ -244,11 +244,11 @@ def check_submission(
     """Check a submission's output (or ``output``, e.g. a repair's) and every text file.
 
     A dict output is checked as JSON. ``previous_size`` applies to the output only. Every file
-    is read through ``read_file`` (:mod:`pipeline.files`; default: inline content only), so a
-    file held by reference is checked exactly like an inline one; binary files (bytes that are
+    is read through ``read_file`` (:mod:`pipeline.records.files`; default: inline content only), so
+    a file held by reference is checked exactly like an inline one; binary files (bytes that are
     not UTF-8, unless the name says text) are not scanned. A file whose content cannot be read
     (a missing or expired blob, or a blob and no reader that follows it) raises
-    :class:`~pipeline.files.UnreadableFileError`: never skipped in silence.
+    :class:`~pipeline.records.files.UnreadableFileError`: never skipped in silence.
     """
     out = submission.output if output is None else output
     claimed = "json" if isinstance(out, dict) else submission.claimed_format

@@ -24,9 +24,9 @@ Definitions shared by both implementations:
   whitespace. ``???`` is any run of three or more question marks, reported once per run.
   Placeholders are searched everywhere, code and strings included.
 * disguised placeholders: :func:`scan` also searches the text as a reader sees it
-  (:func:`pipeline.textnorm.normalize`: ANSI escapes and zero-width characters removed,
+  (:func:`pipeline.text.textnorm.normalize`: ANSI escapes and zero-width characters removed,
   NFKC-folded, look-alike letters mapped to Latin; and in display order where bidi controls
-  reverse a run, :func:`pipeline.textnorm.display_order`), so ``\\x1b[31mTODO``,
+  reverse a run, :func:`pipeline.text.textnorm.display_order`), so ``\\x1b[31mTODO``,
   ``TO\\u200bDO``, ``ＴＯＤＯ``, ``ꓔꓳꓓꓳ`` and ``RLO ODOT`` are found too, at their offsets in
   the original text; in JSON mode ``\\u001b`` (how JSON writes ESC) counts as ESC too. Pure
   ASCII text without ESC skips this entirely (the hot path is unchanged); :func:`scan_py` is
@@ -61,8 +61,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pipeline import textnorm
-from pipeline.simhash import fingerprints
+from pipeline.text import textnorm
+from pipeline.text.simhash import fingerprints
 
 MODE_OTHER, MODE_MD, MODE_LATEX, MODE_PY, MODE_JSON = 0, 1, 2, 3, 4
 WANT_PLACEHOLDERS, WANT_PARAS, WANT_HEADINGS, WANT_DELIMS = 1, 2, 4, 8
@@ -145,7 +145,7 @@ class ScanResult:
 
 def _ext() -> Any:
     try:
-        from pipeline import _fastscan
+        from pipeline.text import _fastscan
     except ImportError:
         return None
     return _fastscan
@@ -196,7 +196,7 @@ def _add_disguised(
 ) -> ScanResult:
     """``raw`` plus the placeholders only the text as a reader sees it shows (ANSI-wrapped,
     split by zero-width characters, fullwidth, look-alike letters; and, where bidi controls
-    reverse part of it, in display order: :func:`pipeline.textnorm.display_order`), at their
+    reverse part of it, in display order: :func:`pipeline.text.textnorm.display_order`), at their
     offsets in ``text``.
 
     A hit that overlaps one already found is the same placeholder and is not counted twice;

@@ -12,11 +12,11 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from pipeline import simhash, textnorm
 from pipeline.config import BUILTIN_CHECK_NAMES
 from pipeline.contract import _scan
 from pipeline.contract._scan import ScanResult
 from pipeline.contract.models import ContractFailure, ContractInput, L0Severity
+from pipeline.text import simhash, textnorm
 
 MAX_FAILURES_PER_CHECK = 20
 """Failures listed per check and document; one more failure then says how many were left out."""
@@ -90,7 +90,7 @@ class NoPlaceholder(BuiltinCheck):
     """Placeholder text (TODO, Lorem ipsum, ???, …) left in the output.
 
     Also when disguised (ANSI colours, zero-width characters, fullwidth or look-alike letters:
-    see :func:`pipeline.textnorm.normalize`); the reason then says how it reads, and the
+    see :func:`pipeline.text.textnorm.normalize`); the reason then says how it reads, and the
     offset is still the original text's.
     """
 
@@ -137,7 +137,7 @@ class NoTextLoop(BuiltinCheck):
     within simhash Hamming distance 9 (similarity > 0.85).
 
     Prose formats only (markdown, text, LaTeX): in code, near-identical blocks (tests, handlers)
-    are normal. Candidates come from :func:`pipeline.simhash.nearest_earlier` (linear); each is
+    are normal. Candidates come from :func:`pipeline.text.simhash.nearest_earlier` (linear); each is
     confirmed by word-3-gram overlap (:data:`LOOP_CONFIRM_MIN_JACCARD`) so that chance
     fingerprint collisions in very long documents are not reported.
     """

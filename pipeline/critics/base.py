@@ -31,7 +31,7 @@ Optional capabilities are protocols of their own, checked with ``isinstance``:
   (``repair_bound(..., prompt=...) -> (tokens, output_tokens)``) and takes it ready-made
   (``revise(..., prompt=...)``), so the runner renders it once per round; a critic's
   ``critique_bound(submission, output, *, output_tokens, pitfalls, round) -> tokens`` sizes a
-  re-critique. Without them the runner estimates (:mod:`pipeline.repair`).
+  re-critique. Without them the runner estimates (:mod:`pipeline.loop.repair`).
 """
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class Planner(Protocol):
 @runtime_checkable
 class PromptedReviser(Protocol):
     """A reviser that sends the repair prompt to a model: the runner renders the
-    prompt once per round (:func:`pipeline.repair.build_repair_prompt`), sizes the call with
+    prompt once per round (:func:`pipeline.loop.repair.build_repair_prompt`), sizes the call with
     :meth:`repair_bound` and hands the same prompt to ``revise(..., prompt=...)``."""
 
     def repair_bound(
@@ -211,7 +211,7 @@ class SizedCritic(Protocol):
         """Tokens one critique of ``output`` grown to ``output_tokens`` may spend; with
         ``reply_tokens``, its reply counted at that many tokens when that is less than its own
         bound (a round sized from what the run's repairs used: the call is then made within
-        what the reservation leaves, :func:`pipeline.llm.complete_within`)."""
+        what the reservation leaves, :func:`pipeline.llm.completion.complete_within`)."""
         ...
 
 

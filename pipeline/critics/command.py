@@ -2,13 +2,13 @@
 
 ``critic: command`` runs the argv of the worker's ``command`` setting (worker-only, see
 docs/security.md, 'Who may set what': a submission may choose the critic, never the argv) with
-``command_timeout_s``, confined by :mod:`pipeline.sandbox`: a fresh temp dir, a scrubbed
+``command_timeout_s``, confined by :mod:`pipeline.security.sandbox`: a fresh temp dir, a scrubbed
 environment, resource limits, the process group killed at the limit, no network where
 ``unshare -rn`` works.
 
 **The workspace.** Every file of the submission (inline, or by reference through the injected
-reader, :mod:`pipeline.files`) at its relative path, plus the output being critiqued written as
-a file: ``solution.py`` for ``claimed_format: python`` (so tests ``from solution import …``),
+reader, :mod:`pipeline.records.files`) at its relative path, plus the output being critiqued written
+as a file: ``solution.py`` for ``claimed_format: python`` (so tests ``from solution import …``),
 ``output.json`` for JSON (and any dict output), ``output.md``, ``output.tex``, else
 ``output.txt``. A submission file with that same name is left out (the output — the thing
 being repaired — takes its place; a note says so). Metadata-only files have nothing to write.
@@ -55,15 +55,15 @@ from pipeline.critics.toolparse import (
     prepare_argv,
 )
 from pipeline.errors import ConfigError
-from pipeline.files import FileReader, inline_bytes
-from pipeline.files import read_file as read_file_bytes
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
     ReusablePattern,
     Submission,
 )
-from pipeline.sandbox import (
+from pipeline.records.files import FileReader, inline_bytes
+from pipeline.records.files import read_file as read_file_bytes
+from pipeline.security.sandbox import (
     Isolation,
     Limits,
     RunResult,

@@ -13,7 +13,7 @@ JSON-object outputs (a worker's result dict):
 
 Blank means a reader sees nothing: empty, whitespace, or only invisible characters (zero-width,
 the braille blank, Hangul fillers, bidi controls, escape sequences;
-:func:`pipeline.textnorm.looks_blank`), so ``"\\u200b"`` is as empty as ``""``.
+:func:`pipeline.text.textnorm.looks_blank`), so ``"\\u200b"`` is as empty as ``""``.
 
 A non-numeric confidence is a format problem, not a missing value: the worker did report one.
 ``confidence`` is never double-counted as a required field, and a blank ``error`` string counts
@@ -24,7 +24,7 @@ as a required heading (a Markdown ``#`` heading or a LaTeX ``\\section``-family 
 field case-insensitively, underscores read as spaces); absent −0.2 critical ``missing_data``.
 
 Names in findings: a field or section name appears in a defect's location and description
-only as :func:`pipeline.pitfalls.name_token` gives it (a plain name of at most 40 characters as
+only as :func:`pipeline.loop.pitfalls.name_token` gives it (a plain name of at most 40 characters as
 written, anything else a stand-in such as ``field#3f2a0c1d``), and a rule names only a plain
 name (any other gets the generic rule of its kind, so twenty odd keys are one pattern, not
 twenty). An output key therefore never carries its text into pattern memory, lessons or a
@@ -45,6 +45,7 @@ from typing import Any
 
 from pipeline.critics.base import Refusal, RevisionResult, clamp_score
 from pipeline.critics.edits import numeric_confidence, revise_text
+from pipeline.loop.pitfalls import name_token
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -52,8 +53,7 @@ from pipeline.models import (
     ReusablePattern,
     Submission,
 )
-from pipeline.pitfalls import name_token
-from pipeline.textnorm import looks_blank
+from pipeline.text.textnorm import looks_blank
 
 MISSING_CONFIDENCE = 0.3
 NON_NUMERIC_CONFIDENCE = 0.2

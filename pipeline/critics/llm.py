@@ -1,20 +1,20 @@
 """The LLM critic, the LLM reviser and the paired critic (docs/llm.md).
 
-All three take an injected :class:`~pipeline.llm.Completer` (tests pass a fake); nothing
+All three take an injected :class:`~pipeline.llm.completion.Completer` (tests pass a fake); nothing
 here imports litellm. The pieces they are built from live beside them:
 :mod:`pipeline.critics.llm_prompts` (the messages), :mod:`pipeline.critics.llm_reply` (what
-the model must reply and how a reply is parsed) and :mod:`pipeline.injection` (the injection
-scan, which pattern memory uses too). Rules:
+the model must reply and how a reply is parsed) and :mod:`pipeline.security.injection` (the
+injection scan, which pattern memory uses too). Rules:
 
 - **Replies.** An unusable reply (:class:`~pipeline.critics.llm_reply.EnvelopeParseError`) is
   re-asked once; a second unusable reply, or an :class:`~pipeline.errors.LLMTransientError`
   (retries already spent in the completer), hands over to the fallback critic (the heuristic)
   with ``fallback_reason``. :class:`~pipeline.errors.LLMPermanentError` propagates. Usage is
   the sum of every reply that arrived.
-- **Injection.** :func:`~pipeline.injection.detect_injection` scans the whole output (and the
-  file names) whatever the LLM says; each hit is a critical ``policy_violation`` defect and any
+- **Injection.** :func:`~pipeline.security.injection.detect_injection` scans the whole output (and
+  the file names) whatever the LLM says; each hit is a critical ``policy_violation`` defect and any
   hit caps the score at 0.59 (never above the critic's own).
-- **Grounding.** After parsing, :func:`~pipeline.grounding.ground_envelope` downgrades
+- **Grounding.** After parsing, :func:`~pipeline.critics.grounding.ground_envelope` downgrades
   ``missing_data`` claims about files the snapshot lists (docs/llm.md, "How the LLM critic
   works"); the injection cap is applied after it, so a grounding refund cannot lift an
   injected output.
@@ -31,6 +31,7 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import Critic, Planner, Reviser, RevisionResult, SizedCritic
+from pipeline.critics.grounding import downgrade_defects, ground_envelope
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.llm_prompts import (
     REPAIR_SYSTEM,
@@ -47,9 +48,7 @@ from pipeline.critics.llm_reply import (
     unfence,
 )
 from pipeline.errors import LLMTransientError
-from pipeline.grounding import downgrade_defects, ground_envelope
-from pipeline.injection import INJECTION_MARK, apply_injections, submission_injections
-from pipeline.llm import (
+from pipeline.llm.completion import (
     AllowanceSpent,
     ChatMessage,
     Completer,
@@ -58,9 +57,10 @@ from pipeline.llm import (
     complete_within,
     count_prompt_tokens,
 )
+from pipeline.llm.tokens import CHARS_PER_TOKEN, text_of
+from pipeline.loop.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
 from pipeline.models import CritiqueEnvelope, Defect, RepairAttempt, Submission, Usage
-from pipeline.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
-from pipeline.tokens import CHARS_PER_TOKEN, text_of
+from pipeline.security.injection import INJECTION_MARK, apply_injections, submission_injections
 
 NO_MODEL_REASON = "no critic model configured (set critique.model or the submission's model)"
 REASK_ECHO_CHARS = 4000
@@ -189,7 +189,7 @@ class LLMCritic:
         (at most what the prompt shows of it, ``llm.max_output_chars``), plus the reply's
         ``max_tokens`` (:meth:`reply_tokens`: a re-critique's short envelope bound; the lower
         ``reply_tokens`` when given: a round sized from what the run's repairs used, whose
-        call :func:`~pipeline.llm.complete_within` makes within what is left). 0 when no
+        call :func:`~pipeline.llm.completion.complete_within` makes within what is left). 0 when no
         model resolves (the heuristic answers, token-free). A re-ask is not reserved: it is
         made only within what the first call left."""
         model = self._config.critic_model(submission.model)
@@ -367,7 +367,7 @@ class LLMReviser:
         """The repair call :meth:`revise` makes (None without a repair model): the repair
         prompt, and ``max_tokens`` sized to the output (:func:`repair_reply_tokens`), or the
         lower ``max_tokens`` given (a round sized from what the run's repairs used,
-        :func:`~pipeline.repair.tight_output_tokens`)."""
+        :func:`~pipeline.loop.repair.tight_output_tokens`)."""
         model = submission.model or self._config.model
         if not model:
             return None

@@ -21,12 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.config import CritiqueConfig
+from pipeline.critics.grounding import render_ground_truth
 from pipeline.critics.llm_reply import AdjudicatorReply, EnvelopeParseError, critic_schema
-from pipeline.grounding import render_ground_truth
-from pipeline.llm import ChatMessage
+from pipeline.llm.completion import ChatMessage
+from pipeline.llm.tokens import text_of
+from pipeline.loop.pitfalls import pitfalls_block
 from pipeline.models import Defect, Submission
-from pipeline.pitfalls import pitfalls_block
-from pipeline.tokens import text_of
 
 REPAIR_SYSTEM = (
     "You are repairing one worker's output before the manager sees it. Fix only the defects "
@@ -76,7 +76,8 @@ def _contract(submission: Submission, output: str | dict[str, Any], round: int) 
 
 
 def _pitfalls_section(pitfalls: str) -> str | None:
-    """The Known Pitfalls inside their data block (:func:`pipeline.pitfalls.pitfalls_block`)."""
+    """The Known Pitfalls inside their data block
+    (:func:`pipeline.loop.pitfalls.pitfalls_block`)."""
     return pitfalls_block(pitfalls) or None
 
 

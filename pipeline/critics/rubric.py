@@ -29,9 +29,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.config import RUBRIC_DIMENSIONS, RubricConfig
-from pipeline.convergence import weighted_mean
 from pipeline.critics.base import RevisionResult, clamp_score
 from pipeline.errors import ConfigError, SubmissionError
+from pipeline.llm.tokens import text_of
+from pipeline.loop.convergence import weighted_mean
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -40,7 +41,6 @@ from pipeline.models import (
     Submission,
     Suggestion,
 )
-from pipeline.tokens import text_of
 
 Originality = Literal["low", "medium", "high"]
 NOVELTY: dict[str, float] = {"low": 3.0, "medium": 6.0, "high": 9.0}

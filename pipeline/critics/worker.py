@@ -8,7 +8,7 @@ then, instead of calling a model, the repair stage hands the pass back (stop rea
 ``worker_repair``) and parks its state. The worker's new output, submitted with
 ``repair_of``, resumes that state at Layer-0 as the repair's result: re-critique, keep-best,
 the fixpoint test, the attempt cap and the budget's charge run as they would after a repair the
-service made (:func:`pipeline.runner.l0_stage`).
+service made (:func:`pipeline.loop.stages.l0_stage`).
 """
 
 from __future__ import annotations

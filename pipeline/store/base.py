@@ -19,7 +19,7 @@ def encode_event(event: Mapping[str, Any]) -> str:
 
 MAX_PATTERNS_PER_CRITIQUE = 20
 """Pattern memory records at most this many patterns per critique. Which ones is
-decided by :func:`pipeline.pitfalls.patterns_from_envelope`; the stores keep the first this
+decided by :func:`pipeline.loop.pitfalls.patterns_from_envelope`; the stores keep the first this
 many distinct patterns they are given (a guard for any other caller)."""
 MAX_PATTERNS_PER_RUN = 1000
 """At most this many distinct patterns are kept per run. A new pattern arriving when the run is
@@ -105,7 +105,7 @@ class BudgetSnapshot:
 class RepairUsage:
     """What a run's committed repair rounds really used, as their commits recorded it: the
     history a round is sized from when its full bound would pass the cap (docs/pipeline.md,
-    "The repair budget"; :func:`pipeline.repair.tight_output_tokens`). Each commit brings its
+    "The repair budget"; :func:`pipeline.loop.repair.tight_output_tokens`). Each commit brings its
     round's figures once; the run keeps the largest of each."""
 
     rounds: int = 0

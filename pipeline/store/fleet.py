@@ -1,12 +1,11 @@
-"""The fleet's posture in Redis (:mod:`pipeline.posture`): one hash, one field per worker.
+"""The fleet's posture in Redis (:mod:`pipeline.security.posture`): one hash, one field per worker.
 
 ``<prefix>:fleet:posture`` (:data:`pipeline.store.keys.FLEET_POSTURE`) maps each worker's node
-name to its :class:`~pipeline.posture.WorkerPosture` as JSON. Every worker writes its own field
-on each sweeper tick (:mod:`workers.recovery.sweeper`) and removes it as it stops, drops the
-fields of workers gone quiet, and keeps the hash alive as long as the freshest record: a fleet
-with no live worker leaves no posture, and clients proceed as they did before postures existed.
-A reader keeps only the records that parse and are still current; one key, read alone (one
-cluster slot).
+name to its :class:`~pipeline.security.posture.WorkerPosture` as JSON. Every worker writes its own
+field on each sweeper tick (:mod:`workers.recovery.sweeper`) and removes it as it stops, drops the
+fields of workers gone quiet, and keeps the hash alive as long as the freshest record: a fleet with
+no live worker leaves no posture, and clients proceed as they did before postures existed. A reader
+keeps only the records that parse and are still current; one key, read alone (one cluster slot).
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
-from pipeline.posture import WorkerPosture
+from pipeline.security.posture import WorkerPosture
 from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, resolve_prefix, store_errors, text
 

@@ -70,7 +70,7 @@ BUDGET_LIVE = "budget:live"  # sorted set: undone lease id -> when it stops hold
 BUDGET_WAITING = "budget:waiting"  # sorted set: waiting lease id -> last ask + grace (µs)
 TRACE = "trace"  # stream: the run's single trace channel, one JSON "event" field per entry
 TRACE_EVENT_FIELD = "event"  # the field of each trace stream entry holding its event
-TRACE_SIG_FIELD = "sig"  # with CRITIQUE_SECRET: the event's tag (pipeline.signing.trace_mac)
+TRACE_SIG_FIELD = "sig"  # with CRITIQUE_SECRET: the event's tag (security.signing.trace_mac)
 TRACE_MAXLEN = 100_000  # approximate cap on a run's trace stream (XADD MAXLEN ~)
 TRACE_CAPPED = "trace:capped"  # hash: kind -> how many capped events (unverified refusals) came
 TRACE_OPS = "trace:ops"  # sorted set: ids of the latest appends (a re-sent append adds nothing)
@@ -88,7 +88,7 @@ PENDING = "pending"  # sorted set: "<iteration>:<worker>:<sid>" -> last progress
 RESUMES = "resumes"  # hash: "<iteration>:<worker>:<sid>" -> times the pass was re-driven as stalled
 SUSPECTS = "suspects"  # hash: "<iteration>:<worker>:<sid>" -> "<progress>@<t>": no message at t
 FAILURES = "failures"  # hash: pass member or "complete_gate:<request id>" -> a worker's failure
-OWNER = "owner"  # string: the identity whose key opened the run (pipeline.signing.entry_identity)
+OWNER = "owner"  # string: the identity whose key opened the run (security.signing.entry_identity)
 DONE = "done"  # pub/sub channel ``…:done`` (no key): a pass member published as its result or
 # failure lands; a waiting client reads then instead of at its next poll (a hint, never trusted)
 PARKED = (
@@ -152,7 +152,7 @@ ENTRY_CLAIM = "entry"  # string ``<prefix>:entry:<sha256 of a task id>``: JSON {
 DEADLETTER = "deadletter"  # list: broker messages refused at a worker's door (workers.door),
 # newest first, JSON {reason, detail, queue, at, task, id, excerpt}; capped, expires like a run
 DEADLETTER_MAX = 1000  # entries the dead-letter list keeps (LPUSH + LTRIM)
-FLEET_POSTURE = "fleet:posture"  # hash: worker node name -> JSON posture (pipeline.posture): the
+FLEET_POSTURE = "fleet:posture"  # hash: worker node name -> JSON posture (security.posture): the
 # keys it requires, as key ids, never keys; refreshed every sweeper tick, expires once none is
 
 # --- broker keys (in the Redis broker's database, beside kombu's own) -------------------------

@@ -334,8 +334,8 @@ def _ttl(seconds: float) -> float:
 
 class MemoryCritiqueCache:
     """In-process :class:`~pipeline.store.base.CritiqueCache` (the broker-free loop): the
-    entry and claim rules of :class:`~pipeline.store.cache.RedisCritiqueCache` (SET NX PX),
-    unsigned (no secrets broker-free)."""
+    entry and claim rules of :class:`~pipeline.store.critique_entries.RedisCritiqueCache`
+    (SET NX PX), unsigned (no secrets broker-free)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()

@@ -31,7 +31,7 @@ _EVENT_V1 = b"\x01"
 """The version byte of an event packed with :data:`_EVENT_DICT_V1`."""
 _JSON_START = (b"{", b"[", b" ", b"\n", b"\t", b"\r")
 
-# The words trace events repeat (pipeline.runner's stage, round and result events, the gates'
+# The words trace events repeat (pipeline.loop.stages's stage, round and result events, the gates'
 # events): deflate finds them here instead of spelling them out in every event. Later bytes
 # are the cheapest to refer to, so the most common come last. Frozen: see the module doc.
 _EVENT_DICT_V1 = (

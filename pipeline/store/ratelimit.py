@@ -161,7 +161,7 @@ class RedisRateLimiter:
         limit_for: Callable[[str], RateLimit | None],
         on_wait: Callable[[str, float], None] | None = None,
     ) -> Callable[[str, int], float]:
-        """A callable for :class:`pipeline.llm.LiteLLMCompleter`'s ``wait_for_slot``:
+        """A callable for :class:`pipeline.llm.completion.LiteLLMCompleter`'s ``wait_for_slot``:
         ``(model, tokens) -> seconds waited``; models without a limit pass at once."""
 
         def wait_for_slot(model: str, tokens: int) -> float:

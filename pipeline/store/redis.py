@@ -17,8 +17,8 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from pipeline import signing
 from pipeline.models import Lesson, LessonScope, Pattern, ReusablePattern
+from pipeline.security import signing
 from pipeline.store import keys
 from pipeline.store.base import (
     MAX_LESSONS,
@@ -827,7 +827,7 @@ class RedisBudgetLedger:
 
     def refund_passes(self, run_id: str, prefixes: Sequence[str]) -> int:
         """Refund every live or waiting lease whose id starts with one of ``prefixes`` (each
-        a cancelled pass's, :func:`pipeline.runner.pass_lease_prefix` plus ``":"``), in one
+        a cancelled pass's, :func:`pipeline.loop.stages.pass_lease_prefix` plus ``":"``), in one
         atomic step; returns how many were. A later commit of one still charges what its
         holder really spent (the tokens were spent)."""
         if not prefixes:

@@ -30,8 +30,8 @@ will have no result. Celery's result backend is not read for it: anyone who can 
 broker can make a task id's state ``FAILURE``.
 
 With secrets (``CRITIQUE_SECRET``, given as a callable), every result, failure and completion
-decision is stored signed (:func:`pipeline.signing.sign_record`), and a reader trusts only a
-record that verifies and names the run, submission and pass it is filed under; any other is
+decision is stored signed (:func:`pipeline.security.signing.sign_record`), and a reader trusts only
+a record that verifies and names the run, submission and pass it is filed under; any other is
 treated as absent and logged (once per record), never as a verdict. Without secrets records are
 stored and read unsigned, as before.
 """
@@ -50,9 +50,9 @@ from typing import Any
 import redis
 import redis.cluster
 
-from pipeline import signing
 from pipeline.errors import ForgedMessageError, SubmissionError
 from pipeline.models import CritiqueResult
+from pipeline.security import signing
 from pipeline.store import keys
 from pipeline.store.packing import pack_event, pack_record, unpack
 from pipeline.store.redis_common import (
@@ -491,8 +491,8 @@ class RedisRunStore:
 
     def _packed(self, run_id: str, events: Sequence[str]) -> list[bytes | str]:
         """Encoded trace events as the scripts take them: per event its packed form
-        (:func:`pack_event`) and its tag (:func:`pipeline.signing.trace_mac`, ``""`` without
-        secrets), so a reader with the secret trusts only events a key holder wrote."""
+        (:func:`pack_event`) and its tag (:func:`pipeline.security.signing.trace_mac`, ``""``
+        without secrets), so a reader with the secret trusts only events a key holder wrote."""
         secrets = self._secrets()
         out: list[bytes | str] = []
         for e in events:

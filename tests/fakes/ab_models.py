@@ -40,7 +40,7 @@ from tests.fakes.openai_server import (
 )
 
 GENERATE = "You are the worker"
-"""The marker of the worker's generation prompt (``pipeline.ab.GENERATE_SYSTEM``)."""
+"""The marker of the worker's generation prompt (``pipeline.loop.ab.GENERATE_SYSTEM``)."""
 SCRIPTED_MODEL = "openai/scripted-weak"
 """The worker model ``main`` passes to ``critique ab`` (listed in the workers' allowed_models)."""
 TOKENS = {"generate": (100, 50), "critic": (300, 60), "repair": (400, 80)}

@@ -16,10 +16,10 @@ import pytest
 import redis
 
 from pipeline.errors import SubmissionError
-from pipeline.injection import INJECTION_SCORE_CAP
+from pipeline.loop.stages import start
 from pipeline.models import Submission
-from pipeline.result_bounds import RESULT_EXTRA_BYTES
-from pipeline.runner import start
+from pipeline.records.result_bounds import RESULT_EXTRA_BYTES
+from pipeline.security.injection import INJECTION_SCORE_CAP
 from tests.support.hostile import ENABLED, HOSTILE_WORKER, send_signed
 from tests.support.workers import WorkerProcess
 

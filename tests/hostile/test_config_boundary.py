@@ -27,8 +27,8 @@ from typing import Any
 import pytest
 
 from pipeline.errors import RefusedOverrideError, SubmissionError
+from pipeline.loop.stages import LoopState, start
 from pipeline.models import Submission
-from pipeline.runner import LoopState, start
 from pipeline.store import keys
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support.hostile import (

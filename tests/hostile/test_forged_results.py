@@ -16,10 +16,10 @@ import pytest
 import redis
 from celery.result import AsyncResult
 
-from pipeline import signing
 from pipeline.errors import SubmissionError
+from pipeline.loop.stages import start
 from pipeline.models import CritiqueResult
-from pipeline.runner import start
+from pipeline.security import signing
 from pipeline.store import keys
 from pipeline.store.runs import pass_member
 from tests.support import run_steps, wait_until

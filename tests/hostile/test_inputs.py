@@ -18,8 +18,8 @@ import pytest
 import redis
 
 from pipeline.errors import SubmissionError
+from pipeline.loop.stages import start
 from pipeline.models import FileRef, Submission
-from pipeline.runner import start
 from tests.support.hostile import (
     ENABLED,
     HOSTILE_WORKER,

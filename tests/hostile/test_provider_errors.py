@@ -18,7 +18,7 @@ import redis
 
 from pipeline.errors import SubmissionError
 from pipeline.models import Submission
-from pipeline.redaction import MAX_PROVIDER_MESSAGE
+from pipeline.security.redaction import MAX_PROVIDER_MESSAGE
 from tests.fakes.openai_server import CRITIC, FakeOpenAIServer, error
 from tests.support.hostile import ENABLED
 from tests.support.workers import ROOT, WorkerProcess, WorkerSpec

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from pipeline.errors import RefusedOverrideError, SubmissionError
-from pipeline.runner import start
+from pipeline.loop.stages import start
 from tests.support.provider_keys import (
     LLM_CRITIC,
     LOCAL_MODELS,

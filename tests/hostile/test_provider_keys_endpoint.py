@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from pipeline.errors import RefusedOverrideError
-from pipeline.runner import start
+from pipeline.loop.stages import start
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support.provider_keys import (
     KEY,

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline import signing
+from pipeline.loop.stages import LoopState, start
 from pipeline.models import CritiqueEnvelope, Submission
-from pipeline.runner import LoopState, start
+from pipeline.security import signing
 from pipeline.store import keys
 from tests.support import run_steps, wait_until
 from tests.support.hostile import (

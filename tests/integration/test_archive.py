@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import redis
 
-from pipeline import archive, settings
+from pipeline import settings
 from pipeline.models import CritiqueEnvelope, CritiqueResult, ReusablePattern
+from pipeline.records import archive_file
 from pipeline.store import keys
 from pipeline.store.archive_index import RedisArchiveIndex
 from pipeline.store.base import encode_event
@@ -276,14 +277,14 @@ def test_status_refuses_a_symlinked_or_forged_archive(
     """Once Redis holds nothing of the run, a symlinked or altered archive is refused in one
     line (exit 2), never shown as the run's verdicts."""
     env.mkdir()
-    good = archive.RunRecord(
+    good = archive_file.RunRecord(
         run_id="run-s",
         archived_at=1.0,
         signed_store=True,
         passes=(_result("run-s", "w1", "s1"),),
-        latest=archive.latest_members([_result("run-s", "w1", "s1")]),
+        latest=archive_file.latest_members([_result("run-s", "w1", "s1")]),
     )
-    text = archive.encode(good, (SECRET.encode(),))
+    text = archive_file.encode(good, (SECRET.encode(),))
     (env / "run-s.jsonl").write_text(text.replace('"best_score":0.9', '"best_score":1.0'))
     rc, out, err = _cli(capsys, "status", "run-s")
     assert rc == 2 and out == "" and "do not match" in err
@@ -340,5 +341,5 @@ def test_an_older_signed_archive_put_back_is_refused(env: Path) -> None:
     assert (os.stat(env).st_mode & 0o777, os.stat(latest.path).st_mode & 0o777) == (0o700, 0o600)
     assert archiving.read_archived("run-o") is not None
     first.path.write_bytes(older)
-    with pytest.raises(archive.ArchiveError, match="older archive of run 'run-o'"):
+    with pytest.raises(archive_file.ArchiveError, match="older archive of run 'run-o'"):
         archiving.read_archived("run-o")

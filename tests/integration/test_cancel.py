@@ -241,7 +241,7 @@ def test_a_worker_stage_asks_its_own_pass_before_the_model_call(
     """A critic stage run as a worker runs it (protocol.run_stage, this process, the real
     store): once its pass was cancelled the stage raises PassCancelled before its LLM critic
     is called; another pass of the same submission, not cancelled, is critiqued."""
-    from pipeline.runner import PassCancelled, start
+    from pipeline.loop.stages import PassCancelled, start
     from pipeline.wiring import make_context
     from tests.unit.test_runner import SpendingCritic
     from workers import cancelling, runtime, tasks

@@ -192,7 +192,7 @@ def test_a_submission_cannot_set_the_argv(worker: WorkerProcess, tmp_path: Path)
     argv = ["sh", "-c", f"touch {marker}"]
     with pytest.raises(RefusedOverrideError, match="'command'"):
         CritiqueClient({**CONFIG, "command": argv})
-    from pipeline.runner import start
+    from pipeline.loop.stages import start
 
     sub = python_sub("X = 1\n", ("test_x.py", "def test_x():\n    pass\n"))
     state = start(sub).model_copy(update={"next": "critic"})

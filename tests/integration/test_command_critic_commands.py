@@ -27,10 +27,10 @@ from pipeline.critics.command import (
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.llm import LLMReviser
 from pipeline.errors import ConfigError
+from pipeline.loop.repair import build_repair_prompt
+from pipeline.loop.stages import run_submission
 from pipeline.models import FileRef, Submission
-from pipeline.repair import build_repair_prompt
-from pipeline.runner import run_submission
-from pipeline.sandbox import NO_ISOLATION
+from pipeline.security.sandbox import NO_ISOLATION
 from pipeline.wiring import make_context
 
 PYTEST = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider")

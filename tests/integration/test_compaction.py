@@ -255,7 +255,7 @@ def test_a_stage_message_delivered_after_its_pass_finished_writes_nothing(
     from celery.result import AsyncResult
 
     import workers.tasks  # noqa: F401  (registers the stage tasks the signature is built from)
-    from pipeline.runner import start
+    from pipeline.loop.stages import start
     from workers import runtime
     from workers.app import app
     from workers.client import CritiqueClient

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from pipeline.models import Submission
-from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.critique_entries import RedisCritiqueCache
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support import wait_until
 from tests.support.workers import ACCEPTING_CRITIQUE, WorkerStarter, llm_env

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import redis
 
+from pipeline.loop.stages import start
 from pipeline.models import Submission
-from pipeline.runner import start
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.submissions import CONFIG, KINDS, LOOP, make_sub, reference

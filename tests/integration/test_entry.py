@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.runner import start
+from pipeline.loop.stages import start
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.entry import (
@@ -164,9 +164,9 @@ class TestTheDocsJavaScriptExample:
     """docs/examples/node/submit.js, the manager docs/entry.md shows, run with ``node``."""
 
     def test_its_signature_is_the_python_one(self) -> None:
-        """docs/entry.md's signEntry gives the signature pipeline.signing computes, for a body
-        with non-ASCII text, nesting, decimals, null and booleans."""
-        from pipeline import signing
+        """docs/entry.md's signEntry gives the signature pipeline.security.signing computes, for a
+        body with non-ASCII text, nesting, decimals, null and booleans."""
+        from pipeline.security import signing
 
         body = {
             "v": 1,

@@ -215,7 +215,7 @@ class _LostInTheBroker:
 def test_a_redrive_is_counted_once(fleet: tuple[dict[str, str], str]) -> None:
     """A pass whose first message was lost, resumed from the store: one re-drive counted, and
     its verdict counted as an output."""
-    from pipeline.runner import start
+    from pipeline.loop.stages import start
     from pipeline.store import keys
     from workers import runtime
     from workers.client import CritiqueClient

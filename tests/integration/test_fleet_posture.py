@@ -8,7 +8,7 @@ import time
 import pytest
 import redis
 
-from pipeline.posture import WorkerPosture, posture_of
+from pipeline.security.posture import WorkerPosture, posture_of
 from pipeline.store import keys
 from pipeline.store.fleet import RedisFleetPosture
 

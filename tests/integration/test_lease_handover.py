@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from pipeline.config import load_config
-from pipeline.runner import STAGES, BudgetWait, LoopState, StageContext, start
+from pipeline.loop.stages import STAGES, BudgetWait, LoopState, StageContext, start
 from pipeline.store.leases import LeaseHolder
 from pipeline.store.redis import RedisBudgetLedger
 from pipeline.wiring import make_context

@@ -19,7 +19,7 @@ import pytest
 from pipeline import settings
 from pipeline.config import LLMConfig, load_config
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.llm import (
+from pipeline.llm.completion import (
     ChatMessage,
     LiteLLMCompleter,
     LLMRequest,
@@ -143,7 +143,7 @@ def test_litellm_logs_no_line_per_call(
     logging callbacks."""
     import logging
 
-    from pipeline.providers import LITELLM_LOGGERS, load_litellm
+    from pipeline.llm.providers import LITELLM_LOGGERS, load_litellm
 
     litellm = load_litellm()
     assert litellm.turn_off_message_logging is True

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline import envelope
+from pipeline.security import message_checks
 from pipeline.store import keys
 from tests.support.workers import client_on, worker_db_url
 
@@ -63,8 +63,8 @@ def test_a_submitted_message_shows_monitors_a_summary_never_the_output(
     assert ("state=by reference" in shown) == (repeat > 1)
     assert headers["kwargsrepr"] == "{}"
     raw = json.dumps(message).encode()
-    got = envelope.check_raw(raw, keys.QUEUE_CPU, door.policy(), time.time())
-    assert isinstance(got, envelope.Admitted), got
+    got = message_checks.check_raw(raw, keys.QUEUE_CPU, door.policy(), time.time())
+    assert isinstance(got, message_checks.Admitted), got
 
 
 def test_the_task_sent_event_carries_the_summary_too(db_url: str) -> None:

@@ -286,7 +286,7 @@ def _failed_chain(run_id: str, worker_id: str) -> None:
     """A registered submission whose chain fails on the worker: its first stage message (sent
     without the client, which would refuse it) asks for a worker-only setting, so the worker
     refuses it and records the failure for the pass (the only failure status believes)."""
-    from pipeline.runner import start
+    from pipeline.loop.stages import start
     from workers import runtime
     from workers.app import app
 

@@ -384,8 +384,8 @@ def _fresh(code: str, **env: str) -> dict[str, Any]:
 EXERCISE = """
     import json, sys
     import workers.app, workers.tasks, workers.client  # what a worker and a client import
-    from pipeline.llm import LLMReply, LLMRequest, ChatMessage
-    from pipeline.runner import start
+    from pipeline.llm.completion import LLMReply, LLMRequest, ChatMessage
+    from pipeline.loop.stages import start
     from pipeline.models import Submission
     from workers import telemetry
 
@@ -449,7 +449,7 @@ def test_the_content_opt_in_puts_the_prompt_and_reply_in_the_exported_span() -> 
     """With OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true the exported chat span (the
     console exporter's) holds the prompt and the reply; without it, neither."""
     code = f"""
-        from pipeline.llm import LLMReply, LLMRequest, ChatMessage
+        from pipeline.llm.completion import LLMReply, LLMRequest, ChatMessage
         from pipeline.models import Usage
         from workers import telemetry
         assert telemetry.setup()
@@ -474,9 +474,9 @@ def test_waits_cache_hits_and_errors_are_span_events_and_attributes_without_fore
     with its type only (its message may quote the output), the product's own with its message."""
     code = f"""
         from pipeline.errors import SubmissionError
-        from pipeline.llm import LLMReply, LLMRequest, ChatMessage
+        from pipeline.llm.completion import LLMReply, LLMRequest, ChatMessage
         from pipeline.models import Submission
-        from pipeline.runner import BudgetWait, PassCancelled, start
+        from pipeline.loop.stages import BudgetWait, PassCancelled, start
         from workers import telemetry
         assert telemetry.setup()
         state = start(Submission(run_id="r", worker_id="w", task="t", output="o"))

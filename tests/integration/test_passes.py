@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from pipeline.config import load_config
+from pipeline.loop.stages import run_submission, start
 from pipeline.models import Submission
-from pipeline.runner import run_submission, start
 from pipeline.store import keys
 from pipeline.store.memory import MemoryPatternStore
 from pipeline.wiring import make_context

@@ -10,8 +10,8 @@ from pipeline.config import (
     LLMConfig,
 )
 from pipeline.errors import ConfigError
-from pipeline.llm import LiteLLMCompleter, LLMRequest
-from pipeline.providers import missing_keys
+from pipeline.llm.completion import LiteLLMCompleter, LLMRequest
+from pipeline.llm.providers import missing_keys
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support.provider_keys import clear_provider_env
 

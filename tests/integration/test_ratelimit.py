@@ -10,7 +10,7 @@ import redis
 
 from pipeline.config import LLMConfig, RateLimit
 from pipeline.errors import LLMTransientError
-from pipeline.llm import ChatMessage, LiteLLMCompleter, LLMRequest
+from pipeline.llm.completion import ChatMessage, LiteLLMCompleter, LLMRequest
 from pipeline.store import keys
 from pipeline.store.ratelimit import RedisRateLimiter
 

@@ -130,8 +130,8 @@ def test_the_manager_users_read_the_fleets_posture_and_check_their_key_before_pu
     """Both manager users may HGETALL the fleet's posture (docs/entry.md), which says entry
     messages must be signed and lists the managers' key by id: with that key the check passes,
     without one it names CRITIQUE_ENTRY_SECRET; the workers' key ids are there, never a key."""
-    from pipeline import signing
-    from pipeline.posture import WorkerPosture, entry_refusal
+    from pipeline.security import signing
+    from pipeline.security.posture import WorkerPosture, entry_refusal
     from tests.support import wait_until
 
     kw = manager.connection_pool.connection_kwargs

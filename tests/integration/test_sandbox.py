@@ -1,5 +1,6 @@
-"""The command sandbox (:mod:`pipeline.sandbox`): the scrubbed environment, path confinement,
-resource limits, the time limit killing the whole process group, and the network namespace.
+"""The command sandbox (:mod:`pipeline.security.sandbox`): the scrubbed environment, path
+confinement, resource limits, the time limit killing the whole process group, and the network
+namespace.
 
 These run real (tiny) processes: the limits and the kill are the kernel's, not a mock's."""
 
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.errors import ConfigError, PathEscapeError
-from pipeline.sandbox import (
+from pipeline.security.sandbox import (
     NO_ISOLATION,
     Limits,
     RunResult,

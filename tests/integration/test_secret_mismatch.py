@@ -1,6 +1,6 @@
 """A client whose CRITIQUE_SECRET is not the workers' (another one, or none) is refused at the
 door, on a real Redis and real workers: before it begins a pass or enqueues anything, from the
-posture the workers publish (pipeline.posture), so the run's finished results stay finished
+posture the workers publish (pipeline.security.posture), so the run's finished results stay finished
 instead of turning into passes no worker will ever run; and a message the workers refuse never
 turns a finished pass back into pending either."""
 
@@ -19,8 +19,8 @@ import pytest
 import redis
 
 from pipeline.errors import ConfigError
+from pipeline.loop.stages import start
 from pipeline.models import Submission
-from pipeline.runner import start
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.rawcelery import entry_body, push

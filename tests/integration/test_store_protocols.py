@@ -1,9 +1,9 @@
 """The store contract: one suite for every stateful rule that has an in-memory version.
 
 Each rule's one source is the Redis store (``pipeline.store.redis``, its Lua scripts;
-``pipeline.store.cache``); ``pipeline.store.memory`` implements the operations the broker-free
-``critique loop`` calls, the same way. Every case of the pattern memory (record, top), the
-budget ledger without holders (ask, commit, refund, park, usage), the trace and the critique
+``pipeline.store.critique_entries``); ``pipeline.store.memory`` implements the operations the
+broker-free ``critique loop`` calls, the same way. Every case of the pattern memory (record, top),
+the budget ledger without holders (ask, commit, refund, park, usage), the trace and the critique
 cache runs against both, and the same random programs run on both with every answer compared,
 so the two cannot drift. What the distributed runtime alone uses runs against Redis only, here
 (lessons, run and fleet scope; blobs) and in test_lease_liveness.py / test_lease_handover.py
@@ -34,7 +34,7 @@ from pipeline.store.base import (
     TraceSink,
 )
 from pipeline.store.blobs import BlobCorruptError, BlobMissingError, RedisBlobStore, blob_ref
-from pipeline.store.cache import RedisCritiqueCache
+from pipeline.store.critique_entries import RedisCritiqueCache
 from pipeline.store.memory import (
     MemoryBudgetLedger,
     MemoryCritiqueCache,

@@ -102,7 +102,7 @@ def send_signed(
 ) -> Any:
     """Publish ``msg`` as a holder of the deploy secret would without the client: addressed to
     the task (and a task id) it is sent as, and signed; returns the AsyncResult."""
-    from pipeline import signing
+    from pipeline.security import signing
     from workers import runtime
     from workers.app import app
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from pipeline.loop.stages import LoopState
 from pipeline.models import Submission
-from pipeline.runner import LoopState
 from pipeline.store import keys
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support.hostile import SECRET, send_signed

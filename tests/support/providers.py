@@ -9,12 +9,12 @@ import re
 from typing import Any
 
 from pipeline.config import CritiqueConfig
-from pipeline.llm import (
+from pipeline.llm.completion import (
     LLMReply,
     LLMRequest,
 )
+from pipeline.loop.stages import L0Outcome
 from pipeline.models import Submission, Usage
-from pipeline.runner import L0Outcome
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore
 from pipeline.wiring import make_context
 

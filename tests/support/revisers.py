@@ -9,8 +9,8 @@ from typing import Any
 
 from pipeline.critics.base import RevisionResult
 from pipeline.critics.heuristic import HeuristicReviser
+from pipeline.llm.tokens import estimate_tokens, text_of
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Usage
-from pipeline.tokens import estimate_tokens, text_of
 
 
 class _HeuristicWith:
@@ -74,7 +74,8 @@ class _Recording(_HeuristicWith):
 
 estimating_revise = _HeuristicWith("estimating_revise")
 """The heuristic reviser, not declared token-free: a stand-in for a token-spending reviser (the
-runner reserves the estimate of :mod:`pipeline.repair`; it reports a model's usage, charged)."""
+runner reserves the estimate of :mod:`pipeline.loop.repair`; it reports a model's usage,
+charged)."""
 slow_revise = _Slow("slow_revise")
 """The heuristic reviser after a pause (``SLOW_REVISE_S``)."""
 recording_revise = _Recording("recording_revise")

@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.config import load_config
+from pipeline.loop.stages import run_submission
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Submission
-from pipeline.runner import run_submission
 from pipeline.store.memory import MemoryPatternStore
 from pipeline.wiring import make_context
 

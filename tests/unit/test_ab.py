@@ -1,4 +1,4 @@
-"""The A/B experiment's domain (:mod:`pipeline.ab`): the workload parser, the worker's prompt,
+"""The A/B experiment's domain (:mod:`pipeline.loop.ab`): the workload parser, the worker's prompt,
 the independent defect counter, the CSV, the verdict and the escalation file."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ab import (
+from pipeline.loop.ab import (
     CSV_COLUMNS,
     ABInput,
     ABInputError,
@@ -24,7 +24,7 @@ from pipeline.ab import (
     write_csv,
 )
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Defect
-from pipeline.sandbox import NO_ISOLATION
+from pipeline.security.sandbox import NO_ISOLATION
 from tests.fakes.ab_models import ADD_TEST, INPUTS
 
 JSONL = "".join(json.dumps(i) + "\n" for i in INPUTS)

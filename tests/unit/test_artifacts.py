@@ -8,13 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.artifacts import (
-    atomic_write_many,
-    manager_summary,
-    render_critique_md,
-    write_artifacts,
-    write_delegation_artifacts,
-)
 from pipeline.errors import PathEscapeError, SubmissionError
 from pipeline.models import (
     CritiqueEnvelope,
@@ -23,6 +16,13 @@ from pipeline.models import (
     Pattern,
     RepairAttempt,
     Usage,
+)
+from pipeline.records.artifacts import (
+    atomic_write_many,
+    manager_summary,
+    render_critique_md,
+    write_artifacts,
+    write_delegation_artifacts,
 )
 
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from pipeline.admission import admit
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import (
     DESCRIPTION_CHARS,
@@ -23,13 +22,14 @@ from pipeline.critics.base import (
 )
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.errors import SubmissionError
-from pipeline.injection import (
-    _INJECTION_PATTERNS,
-    _NEEDLES,
-    INJECTION_SCORE_CAP,
-    _pattern_hits,
-    apply_injections,
-    detect_injection,
+from pipeline.loop.admission import admit
+from pipeline.loop.stages import (
+    MAX_L0_GATE_EVENTS,
+    L0Outcome,
+    LoopState,
+    l0_stage,
+    run_submission,
+    start,
 )
 from pipeline.models import (
     CritiqueEnvelope,
@@ -42,16 +42,16 @@ from pipeline.models import (
     RoundTrace,
     Submission,
 )
-from pipeline.result_bounds import RESULT_EXTRA_BYTES, bound_result
-from pipeline.runner import (
-    MAX_L0_GATE_EVENTS,
-    L0Outcome,
-    LoopState,
-    l0_stage,
-    run_submission,
-    start,
+from pipeline.records.result_bounds import RESULT_EXTRA_BYTES, bound_result
+from pipeline.records.state_refs import compact_state, expand_state
+from pipeline.security.injection import (
+    _INJECTION_PATTERNS,
+    _NEEDLES,
+    INJECTION_SCORE_CAP,
+    _pattern_hits,
+    apply_injections,
+    detect_injection,
 )
-from pipeline.state_packing import compact_state, expand_state
 from pipeline.wiring import make_context
 
 TASK = "Summarise the Q3 sales report."
@@ -336,7 +336,7 @@ def test_compact_states_store_a_large_output_once_across_stages() -> None:
     blobs = _Blobs()
     states = [start(sub, "p1")]
     while states[-1].next != "done":
-        from pipeline.runner import STAGES
+        from pipeline.loop.stages import STAGES
 
         states.append(STAGES[states[-1].next](states[-1], ctx))
     compacted = [compact_state(s, blobs.put) for s in states]

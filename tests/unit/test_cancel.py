@@ -11,7 +11,7 @@ import pytest
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import RevisionResult
-from pipeline.runner import (
+from pipeline.loop.stages import (
     PassCancelled,
     critic_stage,
     decide_stage,

@@ -98,7 +98,7 @@ def test_placeholder_failures_are_capped_with_a_summary() -> None:
     assert failures[-1].reason.startswith("280 more")
 
 
-# ---- disguised placeholders (pipeline/textnorm.py) ------------------------------------------
+# ---- disguised placeholders (pipeline/text/textnorm.py) ------------------------------------------
 
 DISGUISED = [
     ("Intro \x1b[31mTODO\x1b[0m later.", "TODO"),  # ANSI colour around the word

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline import simhash
 from pipeline.contract import build_suite
 from pipeline.contract.models import ContractInput
+from pipeline.text import simhash
 from tests.support import require_fastscan
 
 PROSE = [

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from pipeline.config import RUBRIC_DIMENSIONS, CritiqueConfig, RubricConfig
-from pipeline.convergence import (
+from pipeline.critics.base import RevisionResult
+from pipeline.loop.convergence import (
     RoundDecision,
     RoundFacts,
     decide_round,
@@ -16,9 +17,8 @@ from pipeline.convergence import (
     target_met,
     weighted_mean,
 )
-from pipeline.critics.base import RevisionResult
+from pipeline.loop.stages import L0Outcome, run_submission
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Suggestion
-from pipeline.runner import L0Outcome, run_submission
 from pipeline.wiring import make_context
 
 

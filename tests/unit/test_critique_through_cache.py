@@ -1,4 +1,4 @@
-"""pipeline.critique_cache on its own: serve from the cache, critique once, wait on a claim,
+"""pipeline.loop.critique_cache on its own: serve from the cache, critique once, wait on a claim,
 never store a fallback."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from pipeline.config import CacheConfig
-from pipeline.critique_cache import critique_through_cache
+from pipeline.loop.critique_cache import critique_through_cache
 from pipeline.models import CritiqueEnvelope, Usage
 from pipeline.store.memory import MemoryCritiqueCache
 

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from pipeline.config import CritiqueConfig, RubricConfig
-from pipeline.convergence import STOP_TEXT, Ask, RoundDecision, RoundFacts, decide_round
+from pipeline.loop.convergence import STOP_TEXT, Ask, RoundDecision, RoundFacts, decide_round
+from pipeline.loop.pitfalls import pitfalls_block, render_pitfalls
+from pipeline.loop.stages import critic_stage, decide_stage, repair_stage, start
 from pipeline.models import ReusablePattern
-from pipeline.pitfalls import pitfalls_block, render_pitfalls
-from pipeline.runner import critic_stage, decide_stage, repair_stage, start
 from pipeline.store.memory import MemoryPatternStore
 from tests.support.providers import Provider, budget_sub, llm_context
 

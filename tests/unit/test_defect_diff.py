@@ -8,9 +8,9 @@ from typing import Any
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import RevisionResult
-from pipeline.defect_diff import defect_diff
+from pipeline.loop.defect_diff import defect_diff
+from pipeline.loop.stages import L0Outcome, run_submission
 from pipeline.models import CritiqueEnvelope, Defect, DefectRef, RepairAttempt, Submission
-from pipeline.runner import L0Outcome, run_submission
 from pipeline.wiring import make_context
 
 MISSING = ("missing_data", "summary")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import signing
 from pipeline.config import did_you_mean, load_config
 from pipeline.errors import ConfigError, ForgedMessageError
+from pipeline.security import signing
 from workers.cli import main
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from pipeline import signing
 from pipeline.errors import ConfigError, ForgedMessageError, SubmissionError
 from pipeline.models import MAX_ITERATION
+from pipeline.security import signing
 
 ALICE, ALICE_OLD, BOB = "a" * 32, "o" * 32, "b" * 32
 SUB = {

@@ -1,6 +1,6 @@
-"""The worker's door (pipeline.envelope): a well-formed protocol-2 message of a task the worker
-runs is admitted (with its delivery tag and info rewritten), anything else is a refusal with a
-bounded reason, and no input at all makes the check raise."""
+"""The worker's door (pipeline.security.message_checks): a well-formed protocol-2 message of a task
+the worker runs is admitted (with its delivery tag and info rewritten), anything else is a refusal
+with a bounded reason, and no input at all makes the check raise."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import envelope as env
+from pipeline.security import message_checks as env
 from tests.support.rawcelery import protocol2
 
 QUEUE = "critique.cpu"

@@ -1,5 +1,5 @@
 """Worker-made text stays text where it is shown (issue 28 item 6): escaped for the terminal by
-one helper (pipeline.escaping, workers.commands._text), escaped for Markdown in every .md
+one helper (pipeline.text.escaping, workers.commands._text), escaped for Markdown in every .md
 artifact, and a closed stdout ends the CLI quietly instead of being blamed on Redis."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.ab import ABRow, DefectCount, escalation_markdown
-from pipeline.escaping import escape_controls, md_cell, md_text
+from pipeline.loop.ab import ABRow, DefectCount, escalation_markdown
+from pipeline.loop.pitfalls import render_lessons
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Defect, Lesson
-from pipeline.pitfalls import render_lessons
+from pipeline.text.escaping import escape_controls, md_cell, md_text
 from workers.cli import main
 from workers.commands._common import service_guard
 from workers.commands._text import json_line, printable

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pipeline.config import CritiqueConfig, OutputContractConfig
-from pipeline.gates import (
+from pipeline.loop.gates import (
     COMPLETION_GATES,
     GATE_ORDER,
     Completion,

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pipeline.config import CritiqueConfig, OutputContractConfig
-from pipeline.gates import (
+from pipeline.loop.gates import (
     GATE_ORDER,
     GateContext,
     L0Finding,

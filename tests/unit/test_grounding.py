@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.grounding import (
+from pipeline.critics.grounding import (
     GROUNDING_MARK,
     contradicted_by,
     ground_envelope,

@@ -15,9 +15,9 @@ from pipeline.config import CritiqueConfig, load_config
 from pipeline.critics.base import merge_l0
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DEMO_NOTE
+from pipeline.llm.tokens import text_of
+from pipeline.loop.stages import run_submission
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Submission
-from pipeline.runner import run_submission
-from pipeline.tokens import text_of
 from pipeline.wiring import contract_l0, make_context
 
 TASK = "Summarise the Q3 sales report for the south region."

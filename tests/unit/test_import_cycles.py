@@ -179,13 +179,13 @@ def test_the_graph_sees_function_level_and_package_edges() -> None:
     package depends on the sibling only; ``workers`` modules are read, with their edges into
     ``pipeline`` and into ``workers.commands``, ``workers.recovery`` and ``workers.adapters``."""
     top, nested = import_graphs()
-    assert {"pipeline.injection", "pipeline.store", "pipeline.store.keys"} <= top[
-        "pipeline.pitfalls"
+    assert {"pipeline.security.injection", "pipeline.store", "pipeline.store.keys"} <= top[
+        "pipeline.loop.pitfalls"
     ]
     assert "pipeline.store.redis_common" in nested["pipeline.store.blobs"]
     assert "pipeline.store.keys" in top["pipeline.store.blobs"]
     assert "pipeline.store" not in top["pipeline.store.blobs"]
-    assert {"workers.app", "pipeline.runner"} <= top["workers.tasks"]
+    assert {"workers.app", "pipeline.loop.stages"} <= top["workers.tasks"]
     assert "workers.recovery.base" in top["workers.recovery.sweeper"]
     assert "workers.commands._common" in top["workers.commands.submit"]
     assert "workers.adapters.verdicts" in top["workers.adapters.langgraph"]
@@ -201,8 +201,10 @@ def test_no_module_level_import_cycles() -> None:
 @pytest.mark.parametrize(
     "pair",
     [
-        ("pipeline.simhash", "pipeline.contract"),  # the compiled scanner is pipeline._fastscan
-        ("pipeline.pitfalls", "pipeline.critics.llm"),  # the injection scan is pipeline.injection
+        # the compiled scanner is pipeline.text._fastscan
+        ("pipeline.text.simhash", "pipeline.contract"),
+        # the injection scan is pipeline.security.injection
+        ("pipeline.loop.pitfalls", "pipeline.critics.llm"),
         ("workers.cli", "workers.commands._common"),  # the exit codes are workers.exit_codes
         ("workers.tasks", "workers.recovery.redriving"),  # continuation is workers.routing's
     ],

@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from pipeline.admission import admit
 from pipeline.config import CritiqueConfig
 from pipeline.contract import build_suite, check_submission
 from pipeline.errors import PermanentError, StoreUnavailableError, SubmissionError
-from pipeline.files import UnreadableFileError, file_text, inline_bytes, read_file
-from pipeline.gates import evaluate_completion
+from pipeline.loop.admission import admit
+from pipeline.loop.gates import evaluate_completion
+from pipeline.loop.stages import L0Outcome, LoopState, l0_stage, run_submission, start
 from pipeline.models import (
     MAX_OUTPUT_DEPTH,
     FileRef,
     Submission,
     check_identifier,
 )
-from pipeline.runner import L0Outcome, LoopState, l0_stage, run_submission, start
+from pipeline.records.files import UnreadableFileError, file_text, inline_bytes, read_file
 from pipeline.store.blobs import BlobMissingError, parse_ref
 from pipeline.wiring import make_context
 from tests.support.submissions import accepted_result

@@ -5,7 +5,7 @@ Redis ledger's, pinned in tests/integration/test_lease_handover.py."""
 from __future__ import annotations
 
 from pipeline.config import load_config
-from pipeline.runner import STAGES, LoopState, StageContext, start
+from pipeline.loop.stages import STAGES, LoopState, StageContext, start
 from pipeline.store.memory import MemoryBudgetLedger
 from pipeline.wiring import make_context
 from tests.support.revisers import estimating_revise

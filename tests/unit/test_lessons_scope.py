@@ -11,8 +11,8 @@ import pytest
 from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
+from pipeline.loop.pitfalls import MAX_RULE_CHARS, render_lessons
 from pipeline.models import Lesson
-from pipeline.pitfalls import MAX_RULE_CHARS, render_lessons
 from pipeline.store import keys
 
 

@@ -14,8 +14,18 @@ from typing import Any
 import pytest
 
 from pipeline.config import LLMConfig
-from pipeline.llm import UNPRICED, UNPRICED_KWARGS, ChatMessage, LiteLLMCompleter, LLMRequest
-from pipeline.providers import SUCCESS_CALLBACK_LISTS, load_litellm, success_callbacks_configured
+from pipeline.llm.completion import (
+    UNPRICED,
+    UNPRICED_KWARGS,
+    ChatMessage,
+    LiteLLMCompleter,
+    LLMRequest,
+)
+from pipeline.llm.providers import (
+    SUCCESS_CALLBACK_LISTS,
+    load_litellm,
+    success_callbacks_configured,
+)
 from tests.fakes.openai_server import FakeOpenAIServer, reply
 
 SECRET = "prompt-text-7f3a91 that no logging callback may see"

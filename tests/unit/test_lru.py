@@ -1,10 +1,10 @@
-"""pipeline.lru: the bound on a worker's per-configuration caches (issue 33, item 5)."""
+"""pipeline.store.lru: the bound on a worker's per-configuration caches (issue 33, item 5)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.lru import LRU
+from pipeline.store.lru import LRU
 
 
 def test_inserting_past_the_bound_evicts_the_least_recently_used() -> None:

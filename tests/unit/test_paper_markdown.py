@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.critics.rubric import parse_paper
-from pipeline.paper_markdown import MarkdownPaperError, paper_from_markdown
+from pipeline.text.paper_markdown import MarkdownPaperError, paper_from_markdown
 from workers.cli import main
 
 DRAFT = """---

@@ -15,7 +15,7 @@ import pytest
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import RevisionResult
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.llm import (
+from pipeline.llm.completion import (
     AllowanceSpent,
     ChatMessage,
     LLMReply,
@@ -25,10 +25,9 @@ from pipeline.llm import (
     estimate_prompt_tokens,
     token_allowance,
 )
-from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Usage
-from pipeline.pitfalls import render_pitfalls
-from pipeline.repair import repair_reply_tokens
-from pipeline.runner import (
+from pipeline.loop.pitfalls import render_pitfalls
+from pipeline.loop.repair import repair_reply_tokens
+from pipeline.loop.stages import (
     LoopState,
     budget_wait_s,
     critic_stage,
@@ -39,6 +38,7 @@ from pipeline.runner import (
     run_submission,
     start,
 )
+from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Usage
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore, MemoryTraceSink
 from pipeline.wiring import make_context

@@ -1,5 +1,5 @@
-"""The fleet's posture (pipeline.posture): key ids, the published record, and the refusals a
-client gets at the door instead of at its timeout."""
+"""The fleet's posture (pipeline.security.posture): key ids, the published record, and the refusals
+a client gets at the door instead of at its timeout."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from pipeline import signing
 from pipeline.errors import ConfigError
-from pipeline.posture import (
+from pipeline.security import signing
+from pipeline.security.posture import (
     MIN_FRESH_S,
     WorkerPosture,
     entry_refusal,

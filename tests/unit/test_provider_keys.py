@@ -17,8 +17,9 @@ from pipeline.config import (
     check_submission_overrides,
 )
 from pipeline.errors import ConfigError, RefusedOverrideError
-from pipeline.llm import LiteLLMCompleter, LLMRequest
-from pipeline.model_policy import (
+from pipeline.llm.completion import LiteLLMCompleter, LLMRequest
+from pipeline.llm.providers import check_keys, configured_models, llm_models, missing_keys
+from pipeline.security.model_policy import (
     AMBIENT_PROVIDERS,
     HOSTED_PROVIDERS,
     LOCAL_PROVIDERS,
@@ -27,7 +28,6 @@ from pipeline.model_policy import (
     is_key_var,
     model_refusal,
 )
-from pipeline.providers import check_keys, configured_models, llm_models, missing_keys
 from tests.support.provider_keys import clear_provider_env
 from workers.cli import main
 from workers.commands.worker import unlisted_models_warning
@@ -300,7 +300,7 @@ def test_worker_warns_when_it_holds_a_key_and_lists_no_models(
 
 
 def _litellm() -> Any:
-    from pipeline.providers import load_litellm
+    from pipeline.llm.providers import load_litellm
 
     return load_litellm()
 

@@ -1,7 +1,7 @@
-"""Error text a manager reads keeps no secret (issue 33): pipeline.redaction hides the worker's
-own keys, key shapes, credentials and URL passwords, and a failed LLM call is reported as its
-type, HTTP status and a short scrubbed provider message, raised without the provider's
-exception chained (Celery stores a stage's traceback where managers can read it)."""
+"""Error text a manager reads keeps no secret (issue 33): pipeline.security.redaction hides the
+worker's own keys, key shapes, credentials and URL passwords, and a failed LLM call is reported as
+its type, HTTP status and a short scrubbed provider message, raised without the provider's exception
+chained (Celery stores a stage's traceback where managers can read it)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 
 from pipeline.config import LLMConfig
 from pipeline.errors import LLMPermanentError, LLMTransientError
-from pipeline.llm import ChatMessage, LiteLLMCompleter, LLMRequest
-from pipeline.redaction import MAX_PROVIDER_MESSAGE, provider_error, scrub, scrub_provider
+from pipeline.llm.completion import ChatMessage, LiteLLMCompleter, LLMRequest
+from pipeline.security.redaction import MAX_PROVIDER_MESSAGE, provider_error, scrub, scrub_provider
 
 
 class ProviderError(Exception):

@@ -5,8 +5,8 @@ a task runs its first repair round itself when that round's queue is the one it 
 from __future__ import annotations
 
 import workers.tasks  # registers the stage tasks the signature is built from
+from pipeline.loop.stages import LoopState, start
 from pipeline.models import Submission
-from pipeline.runner import LoopState, start
 from workers import runtime
 from workers.routing import FIRST_ATTEMPT, runs_here, stage_signature
 

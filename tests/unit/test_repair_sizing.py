@@ -1,6 +1,6 @@
 """The sizing rule of a round sized from what the run's repairs used (docs/pipeline.md, "The
 repair budget"): pure functions of the observed usage, never above the full bound, none without
-history; and :func:`pipeline.repair_sizing.order_repair` applying it with the LLM reviser and
+history; and :func:`pipeline.loop.repair_sizing.order_repair` applying it with the LLM reviser and
 critic, whose calls are then made within the smaller bound."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import pytest
 from pipeline.config import CritiqueConfig
 from pipeline.critics.heuristic import HeuristicCritic
 from pipeline.critics.llm import LLMCritic, LLMReviser
-from pipeline.llm import LLMReply, LLMRequest, count_prompt_tokens
-from pipeline.models import CritiqueEnvelope, Defect, Submission, Usage
-from pipeline.repair import (
+from pipeline.llm.completion import LLMReply, LLMRequest, count_prompt_tokens
+from pipeline.llm.tokens import estimate_tokens, text_of
+from pipeline.loop.repair import (
     TIGHT_MARGIN,
     TIGHT_SLACK_TOKENS,
     RepairBound,
@@ -23,9 +23,9 @@ from pipeline.repair import (
     tight_output_tokens,
     tight_reply_tokens,
 )
-from pipeline.repair_sizing import order_repair, tight_bound
+from pipeline.loop.repair_sizing import order_repair, tight_bound
+from pipeline.models import CritiqueEnvelope, Defect, Submission, Usage
 from pipeline.store.base import RepairUsage
-from pipeline.tokens import estimate_tokens, text_of
 
 # --- the pure rule -----------------------------------------------------------------------------
 

@@ -15,6 +15,15 @@ from pipeline.critics.base import RevisionResult
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.rubric import DeterministicReviser, RubricCritic
 from pipeline.errors import ConfigError, ExtensionLoadError, SubmissionError
+from pipeline.loop.stages import (
+    DISABLED_NOTE,
+    STAGES,
+    L0Outcome,
+    LoopState,
+    finish,
+    run_submission,
+    start,
+)
 from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,
@@ -23,15 +32,6 @@ from pipeline.models import (
     RepairAttempt,
     Submission,
     Usage,
-)
-from pipeline.runner import (
-    DISABLED_NOTE,
-    STAGES,
-    L0Outcome,
-    LoopState,
-    finish,
-    run_submission,
-    start,
 )
 from pipeline.wiring import make_context
 
@@ -486,8 +486,8 @@ def test_cli_bad_input_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_outputs_over_max_output_bytes_are_refused() -> None:
     """A submission (output + task + its required field name) over max_output_bytes is a
     SubmissionError naming the size and the limit."""
-    from pipeline.admission import admit
     from pipeline.errors import SubmissionError
+    from pipeline.loop.admission import admit
 
     limit = 100 + len(TASK.encode()) + len("summary")
     config = CritiqueConfig(enabled=True, max_output_bytes=limit)

@@ -10,8 +10,8 @@ import pytest
 from pipeline.config import load_config
 from pipeline.critics.base import RevisionResult
 from pipeline.critics.heuristic import HeuristicReviser
+from pipeline.loop.stages import run_submission
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
-from pipeline.runner import run_submission
 from pipeline.store.memory import MemoryPatternStore
 from pipeline.wiring import make_context
 from workers.samples import (

@@ -152,7 +152,7 @@ def test_every_relative_link_resolves(doc: str) -> None:
 # --- repository paths named in prose ----------------------------------------------------------
 
 CODE_PATH = re.compile(r"`((?:pipeline|workers|tests|bench|deploy|docs)/[A-Za-z0-9_./-]+)`")
-"""A repository path written as code in a doc (``pipeline/runner.py``); brace lists such as
+"""A repository path written as code in a doc (``pipeline/loop/stages.py``); brace lists such as
 ``pipeline/store/{redis,runs}.py`` are left to the reader."""
 
 

@@ -1,4 +1,5 @@
-"""Signed broker messages (pipeline.signing) and the codec around them (workers.runtime)."""
+"""Signed broker messages (pipeline.security.signing) and the codec around them
+(workers.runtime)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import signing
 from pipeline.errors import ConfigError, ForgedMessageError, PermanentError, SubmissionError
+from pipeline.loop.stages import start
 from pipeline.models import Submission
-from pipeline.runner import start
+from pipeline.security import signing
 
 KEY = b"k" * 32
 OTHER = b"o" * 32
@@ -489,7 +490,7 @@ def test_a_short_entry_secret_is_refused_naming_its_variable(
 def test_a_trace_tag_is_bound_to_its_run_and_its_bytes() -> None:
     """A trace event's tag verifies only for the same run, the same bytes and a known secret;
     a missing tag never does."""
-    from pipeline.signing import trace_mac, trace_mac_ok
+    from pipeline.security.signing import trace_mac, trace_mac_ok
 
     key, other = b"a" * 32, b"b" * 32
     tag = trace_mac("run-1", b'{"type":"l0"}', key)
@@ -508,7 +509,7 @@ def test_state_dirs_name_the_archive_and_workspace_but_never_the_commands_own(
     command's temp dir or its Python (here: /) is never hidden, nor a missing one."""
     import tempfile
 
-    from pipeline.sandbox import state_dirs
+    from pipeline.security.sandbox import state_dirs
 
     arch, ws = tmp_path / "arch", tmp_path / "ws"
     arch.mkdir()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pipeline import simhash
+from pipeline.text import simhash
 
 needs_c = pytest.mark.fastscan
 

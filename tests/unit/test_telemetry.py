@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pipeline.llm import ChatMessage, LLMReply, LLMRequest
+from pipeline.llm.completion import ChatMessage, LLMReply, LLMRequest
 from pipeline.models import CritiqueEnvelope, CritiqueResult, Defect, Usage
 from workers import telemetry as t
 

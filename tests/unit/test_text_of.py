@@ -1,4 +1,4 @@
-"""The canonical text of an output (pipeline.tokens.text_of, pipeline.contract.output_text):
+"""The canonical text of an output (pipeline.llm.tokens.text_of, pipeline.contract.output_text):
 indented JSON exactly as ``json.dumps(indent=2)`` writes it, kept per dict content, never stale
 after the dict changes."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pipeline.contract import output_text
-from pipeline.tokens import text_of
+from pipeline.llm.tokens import text_of
 
 CASES: list[Any] = [
     {"summary": "Sales rose 4%.", "findings": ["north", "south"], "confidence": 0.9},

@@ -1,4 +1,4 @@
-"""The text normaliser behind the placeholder and injection scans (pipeline/textnorm.py)."""
+"""The text normaliser behind the placeholder and injection scans (pipeline/text/textnorm.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from pipeline.textnorm import (
+from pipeline.text.textnorm import (
     CONFUSABLES,
     LOOKALIKES,
     display_order,

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.artifacts import manager_summary, render_critique_md
 from pipeline.config import CritiqueConfig
 from pipeline.critics.base import merge_l0
-from pipeline.gates import CompletionDecision, evaluate_completion
+from pipeline.loop.gates import CompletionDecision, evaluate_completion
 from pipeline.models import (
     CritiqueEnvelope,
     CritiqueResult,
@@ -17,6 +16,7 @@ from pipeline.models import (
     DefectRef,
     RoundTrace,
 )
+from pipeline.records.artifacts import manager_summary, render_critique_md
 
 MISSING = Defect(
     category="missing_data",

@@ -11,8 +11,8 @@ import pytest
 from pipeline.config import CritiqueConfig, check_submission_overrides
 from pipeline.critics.worker import WorkerRepairDue, WorkerReviser
 from pipeline.errors import SubmissionError
+from pipeline.loop.stages import LoopState, StageContext, run_submission
 from pipeline.models import CritiqueResult, Submission
-from pipeline.runner import LoopState, StageContext, run_submission
 from pipeline.store.memory import MemoryBudgetLedger, MemoryPatternStore
 from pipeline.wiring import make_context, pick_reviser
 

@@ -16,7 +16,7 @@ import stat
 import sys
 from typing import Any
 
-from pipeline.escaping import escape_controls
+from pipeline.text.escaping import escape_controls
 
 CONFIG_LIMIT = 1024 * 1024
 """Largest configuration file (``--config``) the commands read, in bytes."""

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.archive import RunRecord, archive_dir, iso
 from pipeline.config import did_you_mean
-from pipeline.escaping import escape_controls
 from pipeline.models import UNCHECKED_LINE, CritiqueResult, check_identifier
+from pipeline.records.archive_file import RunRecord, archive_dir, iso
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import UnknownRunError
 from workers.commands._text import printable
 

@@ -3,7 +3,7 @@
 File names, defect descriptions and locations, failure reasons and registry keys come from
 worker output (or from a Redis that anyone on the broker can write), so a terminal must never
 interpret them: an ESC sequence could retitle the window, clear the screen or hide a line.
-:func:`escape_controls` (:mod:`pipeline.escaping`) shows every control, format and
+:func:`escape_controls` (:mod:`pipeline.text.escaping`) shows every control, format and
 line-separator character as a visible escape (``\\x1b``, ``\\n``, ``\\u202e``) and keeps all
 other Unicode; :func:`json_line` does the same inside JSON (``\\u001b``), so ``--json`` output
 stays valid and decodes to the same values.
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pipeline.escaping import escape_controls, is_unsafe
+from pipeline.text.escaping import escape_controls, is_unsafe
 
 __all__ = ["json_line", "printable"]
 

@@ -9,7 +9,7 @@ that is the output. Mode **B**: the same generation, then the real pipeline thro
 in the worker's sandbox; repairs by the worker model), json and markdown inputs with the
 workers' configured critic (default ``auto``: the LLM critic on the worker model). Each row is
 its own run (``run_id``), so repetitions are independent. Defects are counted by
-:class:`pipeline.ab.DefectCounter`, never by the critic. Rows run ``--parallel`` at a time.
+:class:`pipeline.loop.ab.DefectCounter`, never by the critic. Rows run ``--parallel`` at a time.
 
 Where the pipeline runs: with ``REDIS_URL`` unset, an embedded Redis and an in-process worker
 (as ``critique demo``); when no ``command`` is configured, that worker runs the tests with
@@ -44,8 +44,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipeline.ab import ABInput, ABRow, DefectCount, DefectCounter
-    from pipeline.llm import Completer
+    from pipeline.llm.completion import Completer
+    from pipeline.loop.ab import ABInput, ABRow, DefectCount, DefectCounter
     from pipeline.models import CritiqueResult
     from workers.client import CritiqueClient
 
@@ -133,8 +133,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _read_inputs(path: str) -> list[ABInput]:
-    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
-    from pipeline.ab import ABInputError, parse_inputs
+    # lazy: pipeline.loop.ab is not loaded by `critique --help`, which imports this module and stays
+    # fast
+    from pipeline.loop.ab import ABInputError, parse_inputs
 
     try:
         return parse_inputs(read_text(path, INPUT_LIMIT, "the workload size limit"), label_of(path))
@@ -144,8 +145,9 @@ def _read_inputs(path: str) -> list[ABInput]:
 
 def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[str], None]) -> int:
     inputs = _read_inputs(args.inputs)
-    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
-    from pipeline.ab import DefectCounter
+    # lazy: pipeline.loop.ab is not loaded by `critique --help`, which imports this module and stays
+    # fast
+    from pipeline.loop.ab import DefectCounter
 
     try:
         config = load_config()
@@ -175,9 +177,9 @@ def _ab(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[st
         )
     _start_pipeline(args, stack, say, configured_command=bool(config.command), python=python_inputs)
 
-    # lazy: pipeline.llm is not loaded by `critique --help`, which imports this module and stays
-    # fast
-    from pipeline.llm import LiteLLMCompleter
+    # lazy: pipeline.llm.completion is not loaded by `critique --help`, which imports this module
+    # and stays fast
+    from pipeline.llm.completion import LiteLLMCompleter
 
     completer = LiteLLMCompleter(config.llm, key_models=(model,))  # the researcher's model
     completer.warm()  # litellm loads here, not inside the first row's latency
@@ -244,8 +246,9 @@ def _one(
     timeout: float,
 ) -> Done:
     """Generate (both modes), critique (B), count: one row."""
-    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
-    from pipeline.ab import ABRow, generation_request, output_from_reply
+    # lazy: pipeline.loop.ab is not loaded by `critique --help`, which imports this module and stays
+    # fast
+    from pipeline.loop.ab import ABRow, generation_request, output_from_reply
 
     item = job.item
     began = time.monotonic()
@@ -351,8 +354,9 @@ def _run_jobs(
 
 
 def _escalations(done: list[Done], args: argparse.Namespace, model: str, out: Path) -> list[Path]:
-    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
-    from pipeline.ab import escalation_markdown
+    # lazy: pipeline.loop.ab is not loaded by `critique --help`, which imports this module and stays
+    # fast
+    from pipeline.loop.ab import escalation_markdown
 
     written = []
     folder = out / "escalations"
@@ -410,8 +414,9 @@ def _table(done: list[Done]) -> str:
 def _report(
     done: list[Done], args: argparse.Namespace, model: str, out: Path, say: Callable[[str], None]
 ) -> int:
-    # lazy: pipeline.ab is not loaded by `critique --help`, which imports this module and stays fast
-    from pipeline.ab import summarize, verdict_line, write_csv
+    # lazy: pipeline.loop.ab is not loaded by `critique --help`, which imports this module and stays
+    # fast
+    from pipeline.loop.ab import summarize, verdict_line, write_csv
 
     rows = [d.row for d in done]
     csv_path = out / "ab.csv"

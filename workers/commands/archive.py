@@ -1,7 +1,7 @@
 """``critique archive RUN [--dir DIR] [--json]``: write a run's full record outside Redis.
 
-The record (:mod:`pipeline.archive`) is ``<dir>/<run-id>.jsonl``, JSON Lines: a header, every
-result the store holds (the latest pass's and superseded ones) with its rounds, attempts and
+The record (:mod:`pipeline.records.archive_file`) is ``<dir>/<run-id>.jsonl``, JSON Lines: a header,
+every result the store holds (the latest pass's and superseded ones) with its rounds, attempts and
 notes, the failures, the completion-gate decisions, the trace, the pattern counts and the
 shared lessons. ``<dir>`` is ``--dir``, else ``$CRITIQUE_ARCHIVE_DIR``, else
 ``<$CRITIQUE_WORKSPACE or ./workspace>/archive``. Archiving again rewrites the file whole. Only
@@ -22,9 +22,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.archive import RunRecord, archive_dir, iso
 from pipeline.errors import PathEscapeError
-from pipeline.escaping import escape_controls
+from pipeline.records.archive_file import RunRecord, archive_dir, iso
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     UnknownRunError,

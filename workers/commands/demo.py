@@ -231,9 +231,9 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     began = time.monotonic()
     _check_config()
     embedded, url = start_pipeline(stack, say, concurrency=args.workers)
-    # lazy: pipeline.pitfalls is not loaded by `critique --help`, which imports this module and
+    # lazy: pipeline.loop.pitfalls is not loaded by `critique --help`, which imports this module and
     # stays fast
-    from pipeline.pitfalls import render_pitfalls
+    from pipeline.loop.pitfalls import render_pitfalls
 
     # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime

@@ -258,9 +258,9 @@ class FleetCollector:
         for reason in m.REFUSALS:
             refused.add_metric([reason], counts.get(f"refused:{reason}", 0))
         yield refused
-        # lazy: pipeline.envelope is not loaded by `critique --help`, which imports this module and
-        # stays fast
-        from pipeline.envelope import REASONS
+        # lazy: pipeline.security.message_checks is not loaded by `critique --help`, which imports
+        # this module and stays fast
+        from pipeline.security.message_checks import REASONS
 
         moved = CounterMetricFamily(
             "critique_deadlettered",

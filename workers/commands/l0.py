@@ -19,7 +19,7 @@ from typing import Any
 
 from pipeline.config import load_config
 from pipeline.errors import CritiqueError
-from pipeline.escaping import escape_controls
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import CommandError, add_json_argument, at_least, service_guard
 from workers.commands._input import InputError, check_config_file, one_line, read_text
 from workers.commands._text import json_line

@@ -2,7 +2,7 @@
 
 With ``--critic rubric`` (the default) FILE is a paper draft — JSON (``{title, abstract,
 originality_tag, sections}``) or Markdown (``# Title``, the abstract, ``## Section`` headings:
-:mod:`pipeline.paper_markdown`) — and the deterministic rubric critic/reviser pair revises it
+:mod:`pipeline.text.paper_markdown`) — and the deterministic rubric critic/reviser pair revises it
 until the target, a plateau or the round cap; with ``--critic heuristic`` FILE is a worker
 result (a JSON object, or text) checked against ``--required`` fields and repaired by the
 deterministic reviser.
@@ -100,7 +100,7 @@ def _read_output(
                     raise ValueError(f"{path} is not a paper: not valid JSON ({exc})") from None
                 markdown = True  # not JSON at all: read it as a Markdown paper
         if markdown:
-            from pipeline.paper_markdown import MarkdownPaperError, paper_from_markdown
+            from pipeline.text.paper_markdown import MarkdownPaperError, paper_from_markdown
 
             try:
                 return paper_from_markdown(text), "json"
@@ -148,17 +148,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _loop(args: argparse.Namespace) -> int:
-    # lazy: pipeline.convergence is not loaded by `critique --help`, which imports this module and
-    # stays fast
-    from pipeline.convergence import STOP_TEXT
-
+    # lazy: pipeline.loop.convergence is not loaded by `critique --help`, which imports this module
+    # and stays fast
     # lazy: pipeline.critics.rubric is not loaded by `critique --help`, which imports this module
     # and stays fast
     from pipeline.critics.rubric import parse_paper
+    from pipeline.loop.convergence import STOP_TEXT
 
-    # lazy: pipeline.runner is not loaded by `critique --help`, which imports this module and stays
-    # fast
-    from pipeline.runner import run_submission
+    # lazy: pipeline.loop.stages is not loaded by `critique --help`, which imports this module and
+    # stays fast
+    from pipeline.loop.stages import run_submission
 
     # lazy: pipeline.wiring is not loaded by `critique --help`, which imports this module and stays
     # fast

@@ -5,7 +5,7 @@ result of it; then it prints ``(from the archive: <path>, archived <time>)`` fir
 
 For every iteration with results, the artifact tree
 ``<root>/runs/<run-id>/iterations/NNN/{critique.json, CRITIQUE.md, delegations/<worker>/…}``
-(:func:`pipeline.artifacts.write_artifacts`), plus ``<root>/runs/<run-id>/report.html`` (one
+(:func:`pipeline.records.artifacts.write_artifacts`), plus ``<root>/runs/<run-id>/report.html`` (one
 self-contained page with each worker's score trajectory as inline SVG) and
 ``<root>/runs/<run-id>/lessons.md`` (the patterns the run taught; with
 ``CRITIQUE_LESSONS_SCOPE=fleet``, those that recurred across the fleet's runs, counted, never
@@ -16,7 +16,7 @@ apart. Prints the files written, one per line, then a tally; ``--json`` prints `
 "root", "report", "files": [...], "finished", "failed": {key: reason}, "pending": [...]}``.
 
 Every file is written in one batch under the root without following a symlink anywhere below
-it (:func:`pipeline.artifacts.atomic_write_many`): a ``runs``, ``runs/<run-id>`` or
+it (:func:`pipeline.records.artifacts.atomic_write_many`): a ``runs``, ``runs/<run-id>`` or
 ``report.html`` that is a symlink is refused with one line naming it, before anything is
 written, also for a run with no finished result. Worker-made text is escaped in the Markdown
 files and in what is printed.
@@ -34,9 +34,9 @@ from pathlib import Path
 
 from pipeline import settings
 from pipeline.errors import PathEscapeError
-from pipeline.escaping import escape_controls
 from pipeline.models import CritiqueResult
 from pipeline.store.keys import lessons_scope
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     add_json_argument,
@@ -72,13 +72,12 @@ def write_report(
     root. Raises :class:`~workers.commands._common.UnknownRunError` when Redis holds nothing for
     the run, ``StoreUnavailableError`` when Redis cannot be reached.
     """
-    # lazy: pipeline.artifacts is not loaded by `critique --help`, which imports this module and
+    # lazy: pipeline.records.artifacts is not loaded by `critique --help`, which imports this module
+    # and stays fast
+    # lazy: pipeline.loop.pitfalls is not loaded by `critique --help`, which imports this module and
     # stays fast
-    from pipeline.artifacts import artifact_files, atomic_write_many
-
-    # lazy: pipeline.pitfalls is not loaded by `critique --help`, which imports this module and
-    # stays fast
-    from pipeline.pitfalls import render_lessons
+    from pipeline.loop.pitfalls import render_lessons
+    from pipeline.records.artifacts import artifact_files, atomic_write_many
 
     # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime

@@ -63,9 +63,9 @@ from typing import Any
 
 from pipeline.config import read_workflow
 from pipeline.errors import CritiqueError, SubmissionError
-from pipeline.escaping import escape_controls
 from pipeline.models import Submission, check_json_value
 from pipeline.store.urls import redact_url
+from pipeline.text.escaping import escape_controls
 from workers.commands._common import (
     CommandError,
     above,
@@ -309,9 +309,9 @@ def _emit(doc: dict[str, Any]) -> None:
 def check_keys_for(subs: list[Any], config: Any) -> None:
     """Raise ``ConfigError`` when a submission would call a model whose provider key is missing
     from this process's environment (litellm is imported only when there is a model)."""
-    # lazy: pipeline.providers is not loaded by `critique --help`, which imports this module and
+    # lazy: pipeline.llm.providers is not loaded by `critique --help`, which imports this module and
     # stays fast
-    from pipeline.providers import check_keys, llm_models
+    from pipeline.llm.providers import check_keys, llm_models
 
     models = dict.fromkeys(m for sub in subs for m in llm_models(config, sub.model))
     if models:

@@ -28,8 +28,8 @@ from collections import Counter
 from typing import Any
 
 from pipeline.errors import StoreUnavailableError
-from pipeline.escaping import escape_controls
 from pipeline.models import UNCHECKED_LINE, UNSCORED
+from pipeline.text.escaping import escape_controls
 from workers import riding
 from workers.commands._common import above, add_json_argument, add_run_argument, service_guard
 from workers.commands._progress import Progress

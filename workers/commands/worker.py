@@ -96,8 +96,8 @@ from pathlib import Path
 from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
-from pipeline.model_policy import ALLOWED_MODELS_ENV, held_keys
-from pipeline.signing import parse_named_secrets, parse_secrets
+from pipeline.security.model_policy import ALLOWED_MODELS_ENV, held_keys
+from pipeline.security.signing import parse_named_secrets, parse_secrets
 from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
 from pipeline.store.urls import DEFAULT_REDIS_URL, store_url
 from workers.commands._common import CommandError, check_redis, service_guard
@@ -403,7 +403,7 @@ def worker_environment(env: MutableMapping[str, str]) -> None:
 
 def unlisted_models_warning(allowed_models: tuple[str, ...]) -> str | None:
     """The start-up warning of a worker that holds an API key and lists no ``allowed_models``:
-    it refuses every submission that names a model (:mod:`pipeline.model_policy`)."""
+    it refuses every submission that names a model (:mod:`pipeline.security.model_policy`)."""
     held = held_keys(os.environ)
     if not held or allowed_models:
         return None
@@ -418,9 +418,9 @@ def check_own_config(*, keys: bool = True) -> tuple[str, ...]:
     """Raise ``ConfigError`` unless this worker's own configuration loads (workflow file and
     ``CRITIQUE_*`` environment) and, with ``keys`` (a worker that consumes an LLM queue), every
     model it names has its provider key. Returns its ``allowed_models``."""
-    # lazy: pipeline.providers is not loaded by `critique --help`, which imports this module and
+    # lazy: pipeline.llm.providers is not loaded by `critique --help`, which imports this module and
     # stays fast
-    from pipeline.providers import check_keys, configured_models
+    from pipeline.llm.providers import check_keys, configured_models
 
     try:
         config = load_config()

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipeline.errors import PermanentError, SubmissionError
-from pipeline.runner import LoopState
+from pipeline.loop.stages import LoopState
 from pipeline.store import keys
 from pipeline.store.pending import RedisPendingIndex, parse_member
 from pipeline.store.runs import pass_member

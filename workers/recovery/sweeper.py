@@ -43,7 +43,7 @@ from typing import Any
 from celery import bootsteps, shared_task
 
 from pipeline.errors import CritiqueError, PermanentError, StoreUnavailableError
-from pipeline.posture import fresh_for, posture_of
+from pipeline.security.posture import fresh_for, posture_of
 from pipeline.store import keys
 from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.redis_common import STORE_TIMEOUTS, StoreClient, store_client_from_url
@@ -327,8 +327,8 @@ _NO_EVENTS = _NoEvents()
 
 
 def publish_posture(fleet: RedisFleetPosture, worker: str, interval_s: float) -> None:
-    """This worker's posture (:mod:`pipeline.posture`: its keys' ids, never the keys), current
-    for a few of its ``interval_s`` ticks."""
+    """This worker's posture (:mod:`pipeline.security.posture`: its keys' ids, never the keys),
+    current for a few of its ``interval_s`` ticks."""
     posture = posture_of(
         worker,
         runtime.secrets(),

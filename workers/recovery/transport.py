@@ -46,7 +46,7 @@ from celery.signals import worker_ready
 from celery.worker import consumer as celery_consumer
 from kombu.transport import redis as kombu_redis
 
-from pipeline.envelope import Refusal, check_fanout
+from pipeline.security.message_checks import Refusal, check_fanout
 from pipeline.store import keys
 from pipeline.store.redis_common import FailoverConnection, FailoverSSLConnection, text
 from workers import door
