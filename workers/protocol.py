@@ -148,8 +148,9 @@ def _attribute(task: Task, run_id: str, field: str, stage: str) -> None:
 
 def one_line(exc: BaseException) -> str:
     """An error's message on one line (at most 500 characters), else its type's name, with
-    anything key-like hidden (:func:`pipeline.redaction.scrub`): managers read it (a failure
-    reason, an entry task's ``FAILURE``), and an error from a library may quote a provider."""
+    anything key-like hidden (:func:`pipeline.security.redaction.scrub`): managers read it (a
+    failure reason, an entry task's ``FAILURE``), and an error from a library may quote a
+    provider."""
     message = exc.message if isinstance(exc, CritiqueError) else str(exc)
     return scrub(" ".join(str(message).split()))[:500] or type(exc).__name__
 
@@ -562,7 +563,7 @@ def refund(stage: str, ran: Step, stood: Step | None) -> None:
 
 def _end_over(task: PipelineTask, stage: str, over: Exception) -> dict[str, Any]:
     """End this task here: its pass has its result already (a late redelivery, a duplicate
-    delivery, or a cancel, seen before a model call: :class:`pipeline.runner.PassCancelled`),
+    delivery, or a cancel, seen before a model call: :class:`pipeline.loop.stages.PassCancelled`),
     and its step records were released with it. Nothing is recorded or sent on, so the stored
     result and the trace stay as they are (a cancelled stage released its own budget hold)."""
     log.info(
