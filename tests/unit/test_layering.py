@@ -15,24 +15,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.support.layout import REDIS_STORE_MODULES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 BLOCKED = ("redis", "celery", "kombu", "litellm", "hiredis", "billiard", "httpx", "openai")
 """Top-level packages the probe's import system refuses."""
 
-REDIS_ADAPTERS = frozenset(
-    {
-        "pipeline.store.archive_index",
-        "pipeline.store.critique_entries",
-        "pipeline.store.fleet",
-        "pipeline.store.metrics",
-        "pipeline.store.pending",
-        "pipeline.store.ratelimit",
-        "pipeline.store.redis",
-        "pipeline.store.redis_common",
-        "pipeline.store.runs",
-    }
-)
+REDIS_ADAPTERS = REDIS_STORE_MODULES
 """The only pipeline modules allowed to need redis: the Redis halves of the store. The store's
 protocols, keys, in-process implementations and blob references import without it."""
 

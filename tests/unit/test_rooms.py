@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.layout import REDIS_STORE_MODULES
+
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE = ROOT / "pipeline"
 
@@ -22,18 +24,7 @@ root that imports every room."""
 
 ROOMS = {"contract", "critics", "llm", "loop", "records", "security", "store", "text"}
 
-REDIS_STORE = {
-    "pipeline.store.archive_index",
-    "pipeline.store.critique_entries",
-    "pipeline.store.fleet",
-    "pipeline.store.metrics",
-    "pipeline.store.pending",
-    "pipeline.store.ratelimit",
-    "pipeline.store.redis",
-    "pipeline.store.redis_common",
-    "pipeline.store.runs",
-}
-"""The Redis halves of the store (tests/unit/test_layering.py's exemption list)."""
+REDIS_STORE = REDIS_STORE_MODULES
 
 ALLOWED: dict[str, set[str]] = {
     "text": set(),
