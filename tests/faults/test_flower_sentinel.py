@@ -40,12 +40,12 @@ LOOP = (
     "new stores opened and the online shop doubled its monthly orders compared with last year."
 )
 LOOPING = f"# Q3\n\n## Summary\n\nSales rose.\n\n## Findings\n\n{LOOP}\n\n{LOOP}\n"
-"""A verbatim repeated paragraph: one honest repair round (``critique.repair``)."""
+"""A verbatim repeated paragraph: one honest repair round (run in its ``critique.l0`` task)."""
 
 
 def _subs(run_id: str) -> list[Submission]:
-    """Two submissions: one repaired (``critique.l0``, then ``critique.repair`` under the same
-    task id), one accepted (``critique.l0`` only)."""
+    """Two submissions: one repaired, one accepted (each one ``critique.l0`` task: a first repair
+    round runs in the task that decided it)."""
     common: dict[str, Any] = {
         "run_id": run_id,
         "task": "Summarise the quarterly sales report with findings.",
@@ -73,8 +73,8 @@ def _submit(run_id: str) -> list[str]:
 
 
 def _listed(flower: FlowerProcess, ids: list[str], timeout: float = 30.0) -> dict[str, Any]:
-    """Until Flower's ``/api/tasks`` lists both task ids as succeeded (the repaired one under
-    its repair round's name, the accepted one as ``critique.l0``) on our worker; the tasks."""
+    """Until Flower's ``/api/tasks`` lists both task ids as succeeded (each as ``critique.l0``)
+    on our worker; the tasks."""
 
     def both() -> dict[str, Any] | None:
         tasks = flower.json("/api/tasks?state=SUCCESS") or {}
@@ -82,7 +82,7 @@ def _listed(flower: FlowerProcess, ids: list[str], timeout: float = 30.0) -> dic
         return got if len(got) == len(ids) else None
 
     tasks = until(f"tasks {ids} in Flower's task list", both, timeout)
-    assert [tasks[i]["name"] for i in ids] == ["critique.repair", "critique.l0"]
+    assert [tasks[i]["name"] for i in ids] == ["critique.l0", "critique.l0"]
     assert all(str(t["worker"]).startswith("flowersw@") for t in tasks.values())
     return tasks
 
@@ -129,8 +129,8 @@ def test_flower_follows_a_sentinel_broker_through_a_failover(
     """Pins: Flower started with the ``sentinel://`` URL and ``CRITIQUE_REDIS_MASTER`` (what
     ``celeryconfig`` turns into ``master_name``) needs nothing more: ``/api/workers?refresh=1``
     lists the worker (critique.* tasks registered, both queues), ``/api/tasks`` lists the two
-    submissions' task ids (one each: ``critique.repair`` for the repaired one, ``critique.l0``
-    for the other), the broker tab's ``/api/queues/length`` answers for both queues. After the
+    submissions' task ids (one ``critique.l0`` each, the repaired one's repair round run in
+    it), the broker tab's ``/api/queues/length`` answers for both queues. After the
     master is SIGKILLed and a Sentinel promotes the replica, the same Flower process receives
     task events again within 60 s (a canary submission sent after the promotion), then lists the
     next two submissions' tasks and the worker. With the URL's first Sentinel down, the broker
