@@ -323,8 +323,8 @@ def test_critique_worker_consumes_every_queue(worker: WorkerProcess, db_url: str
 def test_cpu_only_worker_repairs_and_logs_one_line_per_stage(tmp_path: Path) -> None:
     """A `critique worker -Q critique.cpu` alone finishes a token-free repair (the repair is
     routed to critique.cpu, not to an LLM queue nobody consumes, and runs in the submission's
-    task), and its INFO log has one line per task with ids, timing and outcome but never the payload (Celery's "succeeded in …:
-    {state}")."""
+    task), and its INFO log has one line per task with ids, timing and outcome but never the
+    payload (Celery's "succeeded in …: {state}")."""
     from workers.embedded import EmbeddedRedis
 
     server = EmbeddedRedis().start()  # its own Redis: no other worker takes these tasks

@@ -41,10 +41,9 @@ def _repairs_here(queue: str | None, first_attempt: int | None, state: LoopState
     queue its message came from (None: run eagerly), ``first_attempt`` the attempt it took
     the state off the broker at (None: not recorded)."""
     task = workers.tasks.l0
-    request: dict[str, object] = {"delivery_info": {"routing_key": queue} if queue else {}}
-    if first_attempt is not None:
-        request[FIRST_ATTEMPT] = first_attempt
-    task.push_request(**request)
+    # push_request copies the current request's fields: name each one this test depends on
+    delivery = {"routing_key": queue} if queue else {}
+    task.push_request(**{"delivery_info": delivery, FIRST_ATTEMPT: first_attempt})
     try:
         return runs_here(task, "repair", state, {"enabled": True})
     finally:
