@@ -4,10 +4,8 @@ bench's hidden ``--serve``), :class:`ServerProcess` starts that child and talks 
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,13 +26,7 @@ def serve(answer: Callable[[dict[str, Any]], Any], backlog: int | None = None) -
         ThreadingHTTPServer.request_queue_size = backlog  # this process only
     server = FakeOpenAIServer()
     server.set_default(answer)
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    server.start()
-    print(server.url, flush=True)
-    done.wait()
-    server.stop()
+    server.serve_until_signalled(lambda s: s.url)
     return 0
 
 

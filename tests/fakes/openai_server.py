@@ -329,6 +329,17 @@ class FakeOpenAIServer:
         self._thread.start()
         return self
 
+    def serve_until_signalled(self, announce: Callable[[FakeOpenAIServer], str]) -> None:
+        """Start, print ``announce(self)`` (the address a parent process reads), answer until
+        SIGTERM or SIGINT, then stop: a fake server run as a process of its own."""
+        done = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: done.set())
+        signal.signal(signal.SIGINT, lambda *_: done.set())
+        self.start()
+        print(announce(self), flush=True)
+        done.wait()
+        self.stop()
+
     def stop(self) -> None:
         self._stopping.set()  # wakes delayed answers
         self._httpd.shutdown()
@@ -678,13 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.script:
         with open(args.script, encoding="utf-8") as fh:
             server.set_script(json.load(fh))
-    done = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: done.set())
-    signal.signal(signal.SIGINT, lambda *_: done.set())
-    server.start()
-    print(server.api_base, flush=True)
-    done.wait()
-    server.stop()
+    server.serve_until_signalled(lambda s: s.api_base)
     return 0
 
 
