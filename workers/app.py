@@ -27,7 +27,7 @@ from kombu.utils.objects import cached_property
 
 from pipeline import settings
 from pipeline.errors import ConfigError
-from pipeline.llm.providers import load_litellm
+from pipeline.llm.providers import configured_models, warm_up
 from pipeline.store import keys
 from pipeline.store.urls import check_urls, is_sentinel_url, parse_sentinel_url, sentinel_master
 from workers import logs, telemetry
@@ -225,13 +225,22 @@ def _load_litellm_on_llm_workers(sender: Any = None, **_: Any) -> None:
     message: otherwise its first LLM calls would all wait seconds on the import (every thread
     blocked on the import lock). Only stages that may call a model are routed to these queues,
     so such a worker needs litellm for its first message. Other processes (``critique --help``,
-    ``critique l0``, a ``critique.cpu`` worker) never import it."""
+    ``critique l0``, a ``critique.cpu`` worker) never import it. The tokenizers of the models
+    the operator configured and litellm's first-call imports load here too
+    (:func:`pipeline.llm.providers.warm_up`); a prefork pool's children inherit them."""
     queues = getattr(getattr(getattr(sender, "app", None), "amqp", None), "queues", None)
     consumed = set(getattr(queues, "consume_from", None) or ())
     if not consumed & set(LLM_QUEUES):
         return
 
-    load_litellm()
+    # lazy: workers.runtime loads redis, which importing workers.app does not
+    from workers import runtime
+
+    try:
+        models = configured_models(runtime.own_config())
+    except ConfigError:  # the worker's start reports it; warm litellm's default tokenizer
+        models = ()
+    warm_up(models)
 
 
 @worker_init.connect

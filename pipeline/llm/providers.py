@@ -42,6 +42,8 @@ from pipeline.config import CritiqueConfig
 from pipeline.errors import ConfigError
 from pipeline.security.model_policy import in_key_scope, key_scope
 
+_log = logging.getLogger(__name__)
+
 
 def llm_models(config: CritiqueConfig, submission_model: str | None) -> tuple[str, ...]:
     """The litellm models a submission whose own model is ``submission_model`` would call
@@ -155,6 +157,39 @@ def load_litellm() -> Any:
         if logger.getEffectiveLevel() < logging.WARNING:
             logger.setLevel(logging.WARNING)
     return litellm
+
+
+WARM_UP_MESSAGES = ({"role": "user", "content": "warm-up"},)
+"""What :func:`warm_up` counts and sends to litellm's mock (never to a provider)."""
+
+
+def warm_up(models: Iterable[str]) -> None:
+    """Load litellm and what its first calls would otherwise load inside the tasks: the
+    tokenizer of each model in ``models`` (litellm's default one when none is named: what it
+    counts an unknown model with) and the modules litellm imports on its first completion.
+
+    Measured on the LLM-bound bench: without it, a worker's first repairs built the tokenizer
+    once per thread that reached it at the same moment, and the first calls imported a few dozen
+    modules: ~1 s of CPU per worker process inside its first tasks (bench/README.md). The
+    completion is litellm's own mock (``mock_response``: no request leaves the process), run in
+    :func:`call_scope`; it is skipped when a success callback is configured, which would record
+    a call that never was. Nothing here may stop a worker: a model litellm cannot count, or a
+    litellm whose mock differs, only leaves that part cold."""
+    litellm = load_litellm()
+    named = list(dict.fromkeys(m for m in models if m)) or ["openai/critique-warm-up"]
+    messages = [dict(m) for m in WARM_UP_MESSAGES]
+    for model in named:
+        try:
+            litellm.token_counter(model=model, messages=messages)
+        except Exception as exc:  # a cold tokenizer is slower, never an error
+            _log.debug("no warm tokenizer for %s: %s", model, exc)
+    if success_callbacks_configured(litellm):
+        return
+    try:
+        with call_scope(litellm):
+            litellm.completion(model=named[0], messages=messages, mock_response="ok")
+    except Exception as exc:  # the first real call loads it instead
+        _log.debug("litellm's completion path not warmed: %s", exc)
 
 
 LITELLM_LOGGERS = ("LiteLLM", "LiteLLM Router", "LiteLLM Proxy")

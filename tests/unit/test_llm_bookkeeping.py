@@ -3,7 +3,8 @@
 Through litellm's real client path against the fake OpenAI server: with no success callback
 configured, litellm's success handler is not run at all; with one, it runs and never sees the
 prompt's text; a model litellm's cost map does not price is looked up once, not per call, and
-a model it prices keeps litellm's figure.
+a model it prices keeps litellm's figure. A worker's warm-up sends no request and reaches no
+callback.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pipeline.llm.providers import (
     SUCCESS_CALLBACK_LISTS,
     load_litellm,
     success_callbacks_configured,
+    warm_up,
 )
 from tests.fakes.openai_server import FakeOpenAIServer, reply
 
@@ -222,3 +224,41 @@ def test_a_model_registered_later_is_priced(litellm: Any, fake_llm: FakeOpenAISe
         litellm.model_cost.pop(bare, None)
     assert "input_cost_per_token" not in sent[-1]
     assert cost == pytest.approx(1000 * 1e-6)
+
+
+def test_warm_up_sends_no_request_and_runs_no_success_handler(
+    litellm: Any, fake_llm: FakeOpenAIServer, handler_runs: list[object]
+) -> None:
+    """A worker's warm-up (tokenizers, litellm's first-call imports) reaches no provider, even
+    one configured as ``api_base``, and runs no success handler."""
+    warm_up([MAPPED, UNMAPPED])
+    drain_logging(litellm)
+    assert fake_llm.completions == []
+    assert handler_runs == []
+
+
+def test_warm_up_skips_the_mock_call_when_a_callback_would_record_it(
+    litellm: Any, handler_runs: list[object]
+) -> None:
+    """With an operator's success callback configured, the warm-up makes no completion at all,
+    not even litellm's mock: the callback would record a call that never was."""
+    from litellm.integrations.custom_logger import CustomLogger
+
+    seen: list[object] = []
+
+    class Recorder(CustomLogger):  # type: ignore[misc]
+        def log_success_event(
+            self, kwargs: Any, response_obj: Any, start_time: Any, end_time: Any
+        ) -> None:
+            seen.append(response_obj)
+
+    litellm.callbacks = [Recorder()]
+    warm_up([UNMAPPED])
+    drain_logging(litellm)
+    assert (seen, handler_runs) == ([], [])
+
+
+def test_warm_up_never_raises_on_a_model_litellm_cannot_call(litellm: Any) -> None:
+    """A model without a provider prefix (litellm refuses it) leaves that part cold: the
+    warm-up returns; a worker's start never fails on it."""
+    warm_up(["no-provider-model"])
