@@ -50,9 +50,7 @@ from pipeline.store.urls import check_urls, new_lookalike_warnings
 from workers import cancelling, riding, runtime, telemetry
 from workers.archiving import results_if_expired
 from workers.cancelling import CancelReport
-from workers.recovery.base import default_stores
-from workers.recovery.base import stall_after_s as stall
-from workers.recovery.redriving import RedriveContext, redrive, redrive_if_stalled
+from workers.recovery.redriving import redrive
 from workers.unreachable import BrokerUnavailableError, is_unreachable, unreachable_errors
 
 log = logging.getLogger(__name__)
@@ -350,9 +348,9 @@ class CritiqueClient:
         A resubmission's handle never gets the earlier pass's result: until its own pass has
         finished, ``wait`` keeps waiting (and times out with :class:`CritiqueTimeout`).
 
-        A submission whose chain made no progress for :func:`stall_after_s` (no new step
-        recorded) is resumed from its last recorded step (:meth:`resume`): the Redis broker can
-        lose a message that a killed worker had popped but not yet registered as unacked.
+        ``wait`` only waits: a pass whose chain was lost (a killed worker, a broker that lost
+        its message) is re-driven by the workers' sweeper (:mod:`workers.recovery.sweeper`), or
+        by hand with :meth:`resume`; its result then ends the wait.
 
         Raises :class:`SubmissionError` when a worker recorded that the pass failed (refused
         by the worker, a stage that raised); only such a record counts, never the state of the
@@ -364,7 +362,6 @@ class CritiqueClient:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.01
-        progress = _Progress(self, handle, stall_after_s())
         outage = riding.Outage()
         listener = _Listener(handle.run_id)
         try:
@@ -372,8 +369,6 @@ class CritiqueClient:
                 began = time.monotonic()
                 try:
                     got = self._outcome(handle)
-                    if got is None:
-                        progress.check()
                     outage.ok()
                     listener.answered()
                     if got is None and listener.due():
@@ -466,12 +461,11 @@ class CritiqueClient:
         :class:`SubmissionError` saying why its chain failed (refused by a worker, a stage that
         raised: as a worker recorded it for the pass, as in :meth:`wait`). One failure never
         hides the others' results. Raises :class:`CritiqueTimeout` at ``timeout`` (one shared
-        deadline) while some are still pending; stalled chains are re-driven as in
-        :meth:`wait`. ``on_poll`` is called after each round of polls while some are pending
+        deadline) while some are still pending; as :meth:`wait`, it re-drives nothing.
+        ``on_poll`` is called after each round of polls while some are pending
         (at least every 0.25 s): a caller's progress line or hint, however quiet the wait."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        stall_s = stall_after_s()
-        left = {i: (h, _Progress(self, h, stall_s)) for i, h in enumerate(handles)}
+        left = dict(enumerate(handles))
         where: dict[tuple[str, int, str], list[int]] = {}
         for i, h in enumerate(handles):
             where.setdefault((h.run_id, h.iteration, h.worker_id), []).append(i)
@@ -486,16 +480,13 @@ class CritiqueClient:
                 try:
                     listener.open()  # before the reads: what lands after them wakes us
                     for i in list(left) if due is None else [i for i in due if i in left]:
-                        h, progress = left[i]
+                        h = left[i]
                         got = self._outcome(h)
                         outage.ok()
                         listener.answered()
                         if got is not None:
                             del left[i]
                             yield h, got
-                            continue
-                        if full:
-                            progress.check()
                 except StoreUnavailableError as exc:  # ridden out: the round starts again
                     listener.lost()
                     due = None
@@ -507,7 +498,7 @@ class CritiqueClient:
                     on_poll()
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
-                    pending = ", ".join(h.worker_id for h, _ in left.values())
+                    pending = ", ".join(h.worker_id for h in left.values())
                     raise CritiqueTimeout(
                         f"no result after {timeout} s for: {pending} "
                         "(is a worker consuming critique.cpu and critique.llm?)"
@@ -523,7 +514,7 @@ class CritiqueClient:
                     round_end = now + BACKSTOP_POLL_S
                 if deadline is not None:
                     round_end = min(round_end, deadline)
-                woke = listener.sleep(round_end - now, [h for h, _ in left.values()])
+                woke = listener.sleep(round_end - now, list(left.values()))
                 if woke:
                     due = [i for h in woke for i in where[(h.run_id, h.iteration, h.worker_id)]]
         finally:
@@ -691,13 +682,6 @@ class CritiqueClient:
             yield event
 
 
-def stall_after_s() -> float:
-    """Seconds without progress after which a submission counts as stalled (``wait`` and the
-    workers' sweeper use the same): ``$CRITIQUE_STALL_S``, else the task time limit + 30 s
-    (:func:`workers.recovery.base.stall_after_s`)."""
-    return stall()
-
-
 POSTURE_CHECK_S = 1.0
 """How long a fleet posture check that refused nothing stands in a client
 (:meth:`CritiqueClient.check_fleet`): a manager submitting one output at a time reads the
@@ -770,42 +754,6 @@ class _Listener:
         if self.inner is not None:
             self.inner.close()
             self.inner = None
-
-
-class _Progress:
-    """While ``wait`` polls: re-drives the handle's pass if it stalled, by the workers' sweeper's
-    rule (:func:`workers.recovery.redriving.redrive_if_stalled`, claimed atomically, so the two
-    never both re-drive it; traced ``by: wait``). A fallback: the sweeper usually gets there
-    first."""
-
-    def __init__(self, client: CritiqueClient, handle: Handle, stall_s: float) -> None:
-        self.client = client
-        self.handle = handle
-        self.stall_s = stall_s
-        self.every = max(0.5, stall_s / 4)
-        self.next_check = time.monotonic() + self.every
-        self.member: str | None = None
-
-    def check(self) -> None:
-        """Called on every poll; reads the store only every ``stall_s / 4``."""
-        now = time.monotonic()
-        if now < self.next_check:
-            return
-        self.next_check = now + self.every
-        stores = default_stores()
-        h = self.handle
-        if self.member is None:
-            pass_id = h.pass_id
-            if not pass_id:
-                doc = stores.runs.submission(h.run_id, h.iteration, h.worker_id) or {}
-                pass_id = str(doc.get("sid") or "")
-            if not pass_id:
-                return
-            self.member = pass_member(h.iteration, h.worker_id, pass_id)
-        seen = stores.pending.last_progress(h.run_id, self.member)
-        if seen is not None:
-            ctx = RedriveContext.start(by="wait", stall_s=self.stall_s, stores=stores)
-            redrive_if_stalled(ctx, h.run_id, self.member, seen)
 
 
 def failure_text(failure: Failure) -> str:

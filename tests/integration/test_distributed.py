@@ -41,7 +41,7 @@ def env(dist_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dic
         CRITIQUE_LEASE_TTL_S="2",
         RECORD_PITFALLS_TO=str(tmp_path_factory.mktemp("rec") / "pitfalls.txt"),
         SLOW_REVISE_S="0.4",
-        CRITIQUE_STALL_S="15",  # wait() resumes a chain whose message the broker lost
+        CRITIQUE_STALL_S="15",  # the sweeper's backstop; a lost message is proved lost sooner
     ) as e:
         saved = app.conf.broker_transport_options
         app.conf.broker_transport_options = {"visibility_timeout": 4}
@@ -408,9 +408,10 @@ def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(
     env: dict[str, str], worker: WorkerProcess, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Redis broker can lose a message a killed worker had popped but not yet registered
-    as unacked. Simulated: l0 ran and recorded its step, its successor message is gone. wait()
-    sees no progress for CRITIQUE_STALL_S, resumes from the recorded step (the critic), and the
-    result is the reference one, with one resume event in the trace."""
+    as unacked. Simulated: l0 ran and recorded its step, its successor message is gone. The
+    worker's sweeper re-drives the pass from the recorded step (the critic) while the client
+    only waits (its own stall rule, 1 s here, would have fired first); the result is the
+    reference one, with one resume event in the trace, by the sweeper."""
     from workers.client import CritiqueClient
 
     run_id = f"lost-{uuid.uuid4().hex[:8]}"
@@ -423,6 +424,7 @@ def test_a_lost_stage_message_is_resumed_from_the_last_recorded_step(
     assert (result.status, result.stop_reason) == (want.status, want.stop_reason)
     resumes = [e for e in client.trace(run_id) if e["type"] == "resume"]
     assert [(e["stage"], e["after_step"].rsplit(":", 1)[1]) for e in resumes] == [("critic", "l0")]
+    assert [e["by"] for e in resumes] == ["sweeper"]
 
 
 HONEST: dict[str, tuple[str, str]] = {

@@ -4,8 +4,8 @@ re-exports nothing):
 
 - :mod:`workers.recovery.redriving`: re-driving a pass from its last recorded step, by the stall
   rule (any broker) or by the proof that its message is lost (Redis and RabbitMQ brokers),
-  claimed atomically and given up on after a few tries. Also what ``CritiqueClient.resume`` and
-  ``wait`` call.
+  claimed atomically and given up on after a few tries. Also what ``CritiqueClient.resume`` calls
+  (a client's ``wait`` only waits).
 - :mod:`workers.recovery.census`: the proof on RabbitMQ: the workers' reports of what they hold
   and the queues' ready and consumer counts (a census), and the rule that proves a pass lost.
 - :mod:`workers.recovery.sweeper`: the thread in every worker process that reports the messages

@@ -25,12 +25,13 @@ All read each pass's last progress from the pending index (:mod:`pipeline.store.
 where a pass is registered before its chain is sent and whose score every first record of a
 step moves to now.
 
-All claim the pass atomically before publishing (two sweepers, or a sweeper and a waiting
-client, never both re-drive it) and give up after :func:`~workers.recovery.base.max_resumes`
-re-drives with a ``stalled`` trace event. :func:`redrive` is the unconditional re-drive that
-``CritiqueClient.resume`` calls. Re-driving is always safe: every stage replays its recorded
-output, every effect is idempotent, and the chain ends in the gate task with its original id.
-See docs/operations.md, "What survives what".
+Only the workers' sweeper applies these rules (a client's ``wait`` only waits). It claims the
+pass atomically before publishing (two sweepers never both re-drive it) and gives up after
+:func:`~workers.recovery.base.max_resumes` re-drives with a ``stalled`` trace event.
+:func:`redrive` is the unconditional re-drive that ``CritiqueClient.resume`` calls.
+Re-driving is always safe: every stage replays its recorded output, every effect is
+idempotent, and the chain ends in the gate task with its original id. See docs/operations.md,
+"What survives what".
 """
 
 from __future__ import annotations
@@ -361,10 +362,10 @@ def _give_up(ctx: RedriveContext, run_id: str, member: str, plan: _Plan, reason:
 def _claim_and_publish(
     ctx: RedriveContext, run_id: str, member: str, last_progress: float, plan: _Plan, reason: str
 ) -> str | None:
-    """Claim the pass for one re-drive (atomically: two sweepers, or a sweeper and a waiting
-    client, never both re-drive it) and publish its plan; None when someone else claimed it or
-    it progressed, or when it was re-driven :func:`max_resumes` times already (then it is given
-    up on, with a ``stalled`` trace event)."""
+    """Claim the pass for one re-drive (atomically: two sweepers never both re-drive it) and
+    publish its plan; None when someone else claimed it or it progressed, or when it was
+    re-driven :func:`max_resumes` times already (then it is given up on, with a ``stalled``
+    trace event)."""
     iteration, worker_id, _ = parse_member(member) or (0, "", "")
     claimed = ctx.stores.pending.claim(run_id, member, last_progress, ctx.now, max_resumes())
     if claimed < 0:
@@ -397,7 +398,7 @@ def redrive_if_stalled(
     ctx: RedriveContext, run_id: str, member: str, last_progress: float
 ) -> str | None:
     """Re-drive one pending pass if it is stalled (:func:`is_stalled`), claiming it atomically
-    first so that two sweepers (or a sweeper and a waiting client) never both re-drive it.
+    first so that two sweepers never both re-drive it.
     Returns the stage it resumed at, or None. A pass that can no longer be re-driven
     (superseded by a resubmission, its run expired, its chain failed) leaves the index. A pass
     whose queue ``ctx.queues`` knows is re-checked without reading its steps again."""
