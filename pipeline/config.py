@@ -18,11 +18,10 @@ what is allowed. Nothing here reads the network or imports heavy libraries.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -31,7 +30,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline import settings
-from pipeline.errors import ConfigError, RefusedOverrideError
+from pipeline.errors import ConfigError, RefusedOverrideError, did_you_mean
 from pipeline.models import DEFAULT_DEFECT_CATEGORIES
 from pipeline.security.model_policy import model_refusal
 
@@ -296,17 +295,6 @@ class CritiqueConfig(_Block):
 
 def _fields_help(model: type[BaseModel]) -> str:
     return ", ".join(sorted(model.model_fields))
-
-
-def did_you_mean(word: str, choices: Mapping[str, str] | Sequence[str], cutoff: float = 0.6) -> str:
-    """``"did you mean X? "`` for the choice closest to ``word`` (difflib, case-insensitive,
-    at least ``cutoff`` alike), else ``""``: the one helper behind every unknown-name message
-    (environment variables, ``--set`` keys, workflow-file keys). A mapping is compared by its
-    keys and answers with its values (``{"concurrency": "CRITIQUE_CONCURRENCY"}``)."""
-    named = dict(choices) if isinstance(choices, Mapping) else {c: c for c in choices}
-    lowered = {k.lower(): v for k, v in named.items()}
-    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
-    return f"did you mean {lowered[close[0]]}? " if close else ""
 
 
 def _env_names() -> dict[str, str]:

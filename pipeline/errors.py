@@ -21,6 +21,9 @@ An exception means "could not evaluate", and its branch says whether trying agai
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping, Sequence
+
 
 class CritiqueError(Exception):
     """Base of every error this product raises on purpose."""
@@ -98,3 +101,14 @@ class LLMTransientError(TransientError):
 
 class StoreUnavailableError(TransientError):
     """The Redis store could not be reached."""
+
+
+def did_you_mean(word: str, choices: Mapping[str, str] | Sequence[str], cutoff: float = 0.6) -> str:
+    """``"did you mean X? "`` for the choice closest to ``word`` (difflib, case-insensitive,
+    at least ``cutoff`` alike), else ``""``: the one helper behind every unknown-name message
+    (environment variables, ``--set`` keys, workflow-file keys). A mapping is compared by its
+    keys and answers with its values (``{"concurrency": "CRITIQUE_CONCURRENCY"}``)."""
+    named = dict(choices) if isinstance(choices, Mapping) else {c: c for c in choices}
+    lowered = {k.lower(): v for k, v in named.items()}
+    close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
+    return f"did you mean {lowered[close[0]]}? " if close else ""

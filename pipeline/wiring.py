@@ -77,6 +77,7 @@ def contract_l0(
 
     def suite() -> Any:
         if not built:
+            # lazy: the contract's scanners load with the first Layer-0 run (or eagerly)
             from pipeline.contract import build_suite
 
             built.append(build_suite(config.output_contract))
@@ -104,6 +105,7 @@ def simhash_fixpoint(*, eager: bool = False) -> FixpointFn:
     """The real fixpoint test, :func:`pipeline.text.simhash.is_fixpoint` (imported on the first
     call, or now with ``eager``)."""
     if eager:
+        # lazy: simhash loads with the first fixpoint test unless a worker asks for it now
         import pipeline.text.simhash  # noqa: F401
 
     def fixpoint(previous_text: str, current_text: str) -> bool:
@@ -316,6 +318,7 @@ def pick_critic(
     if config.critic == "rubric":
         return RubricCritic(config.rubric)
     if config.critic == "command":
+        # lazy: only a command critic loads the sandbox and subprocess runner
         from pipeline.critics.command import CommandCritic
 
         return CommandCritic(config, companion=HeuristicCritic(), read_file=read_file)
@@ -338,6 +341,7 @@ def pick_reviser(config: CritiqueConfig, complete: Completer | None = None) -> R
     if config.repairer == "worker":
         return WorkerReviser()
     if config.repairer in ("auto", "llm"):
+        # lazy: the LLM critic's prompts and reply parsing load only where a model may repair
         from pipeline.critics.llm import LLMReviser
 
         llm = LLMReviser(config, complete or default_completer(config), fallback=deterministic)

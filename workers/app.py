@@ -253,8 +253,6 @@ def _trace_a_worker_without_forks(sender: Any = None, **_: Any) -> None:
 
     pool = concurrency.get_implementation(getattr(sender, "pool_cls", None) or "prefork")
     if not (isinstance(pool, type) and issubclass(pool, Prefork)):
-        from workers import telemetry
-
         telemetry.setup()
 
 

@@ -46,8 +46,9 @@ from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.runs import DoneListener, Failure, announces, member, pass_member
-from pipeline.store.urls import check_urls, new_lookalike_warnings
+from pipeline.store.urls import cannot_reach, check_urls, new_lookalike_warnings
 from workers import cancelling, riding, runtime, telemetry
+from workers.app import app
 from workers.archiving import results_if_expired
 from workers.cancelling import CancelReport
 from workers.recovery.redriving import redrive
@@ -66,8 +67,6 @@ def _check_secret_matches(subs: Sequence[Submission]) -> None:
     for run_id, fields in by_run.items():
         bad = runtime.stores().runs.unverifiable(run_id, list(dict.fromkeys(fields)))
         if bad:
-            from pipeline.errors import ConfigError
-
             raise ConfigError(
                 f"run {run_id}'s stored result for {bad[0]}"
                 + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
@@ -274,9 +273,6 @@ class CritiqueClient:
                 raise refused from exc
             if not is_unreachable(exc):
                 raise
-            from pipeline.store.urls import cannot_reach
-            from workers.app import app
-
             broker = str(app.conf.broker_url or runtime.redis_url())
             hint = (
                 "start the broker there, or point CELERY_BROKER_URL (or REDIS_URL, which it "

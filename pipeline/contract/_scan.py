@@ -62,6 +62,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline.text import textnorm
+from pipeline.text.compiled import FASTSCAN
 from pipeline.text.simhash import fingerprints
 
 MODE_OTHER, MODE_MD, MODE_LATEX, MODE_PY, MODE_JSON = 0, 1, 2, 3, 4
@@ -143,17 +144,9 @@ class ScanResult:
     never closed (-1), offset of the first closer with nothing open (-1)."""
 
 
-def _ext() -> Any:
-    try:
-        from pipeline.text import _fastscan
-    except ImportError:
-        return None
-    return _fastscan
-
-
 def compiled_available() -> bool:
     """True when the C scanner is built and importable."""
-    return _ext() is not None
+    return FASTSCAN is not None
 
 
 def scan(
@@ -168,7 +161,7 @@ def scan(
     """Scan ``text`` once. ``engine``: ``auto`` (compiled if built), ``c`` or ``python``."""
     if engine not in ("auto", "c", "python"):
         raise ValueError(f"engine must be 'auto', 'c' or 'python', not {engine!r}")
-    ext = _ext() if engine != "python" else None
+    ext = FASTSCAN if engine != "python" else None
     if ext is None and engine == "c":
         raise RuntimeError("the compiled scanner is not built (python setup.py build_ext)")
     if ext is not None:

@@ -44,6 +44,7 @@ from pydantic import Field, ValidationError, field_validator
 
 from pipeline.contract import build_suite, output_text
 from pipeline.contract.models import ContractInput
+from pipeline.critics.llm_reply import EnvelopeParseError, json_object
 from pipeline.errors import SubmissionError
 from pipeline.llm.completion import ChatMessage, LLMRequest
 from pipeline.models import (
@@ -231,8 +232,6 @@ def output_from_reply(item: ABInput, text: str) -> str | dict[str, Any]:
     is not one — the contract then counts it), the text for ``markdown``, the module (a reply
     wrapped whole in a code fence unwrapped) for ``python``."""
     if item.kind == "json":
-        from pipeline.critics.llm_reply import EnvelopeParseError, json_object
-
         try:
             return json_object(text)
         except EnvelopeParseError:

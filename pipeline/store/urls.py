@@ -26,7 +26,7 @@ from typing import Any
 from urllib.parse import SplitResult, quote, unquote, urlsplit
 
 from pipeline import settings
-from pipeline.errors import ConfigError
+from pipeline.errors import ConfigError, did_you_mean
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -498,7 +498,6 @@ def unread_lookalikes(env: Mapping[str, str] | None = None) -> list[str]:
     for name in sorted(env):
         if name in known or not name.upper().startswith(LOOKALIKE_PREFIXES):
             continue
-        from pipeline.config import did_you_mean  # only when there is a name to compare
 
         guess = did_you_mean(name, settings, cutoff=LOOKALIKE_CUTOFF)
         if guess:

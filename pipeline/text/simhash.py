@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from itertools import combinations
 from typing import Any
 
+from pipeline.text.compiled import FASTSCAN
+
 MASK64 = (1 << 64) - 1
 WORD_SEED = 0xCBF29CE484222325
 WORD_MUL = 0x9E3779B97F4A7C15
@@ -43,15 +45,6 @@ FIXPOINT_MIN_SIMILARITY = 0.95
 """Consecutive repair outputs at least this similar are a fixpoint (Hamming ≤ 3)."""
 
 _BRUTE_FORCE_MAX = 256
-
-
-def _ext() -> Any:
-    """The compiled accelerator, or None when it is not built."""
-    try:
-        from pipeline.text import _fastscan
-    except ImportError:
-        return None
-    return _fastscan
 
 
 def fmix64(k: int) -> int:
@@ -127,7 +120,7 @@ def fingerprints(paragraphs: Sequence[Sequence[str]]) -> list[int]:
 
 def fingerprint(text: str) -> int:
     """64-bit simhash of ``text``'s word 3-gram shingles (word features under three words)."""
-    ext = _ext()
+    ext = FASTSCAN
     if ext is not None:
         return int(ext.fingerprint(text))
     return fingerprint_py(text)
@@ -308,7 +301,7 @@ def near_duplicate_pairs(
     Sorted. Linear work for distinct fingerprints (banded index, see the module docstring);
     the output itself is quadratic when many fingerprints are near each other.
     """
-    ext = _ext()
+    ext = FASTSCAN
     if ext is not None:
         return [(int(i), int(j)) for i, j in ext.near(_pack(fps), max_distance, True)]
     out: list[tuple[int, int]] = _near_py(fps, max_distance, True)
@@ -321,7 +314,7 @@ def nearest_earlier(fps: Sequence[int], max_distance: int = TEXT_LOOP_MAX_DISTAN
     Linear in the number of fingerprints even when thousands repeat (the index stops at the
     first match), which is what a text-loop check needs.
     """
-    ext = _ext()
+    ext = FASTSCAN
     if ext is not None:
         return [int(x) for x in ext.near(_pack(fps), max_distance, False)]
     out: list[int] = _near_py(fps, max_distance, False)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import did_you_mean, load_config
-from pipeline.errors import ConfigError, ForgedMessageError
+from pipeline.config import load_config
+from pipeline.errors import ConfigError, ForgedMessageError, did_you_mean
 from pipeline.security import signing
 from workers.cli import main
 

@@ -201,7 +201,7 @@ def test_no_module_level_import_cycles() -> None:
 @pytest.mark.parametrize(
     "pair",
     [
-        # the compiled scanner is pipeline.text._fastscan
+        # the compiled scanner is pipeline.text.compiled's
         ("pipeline.text.simhash", "pipeline.contract"),
         # the injection scan is pipeline.security.injection
         ("pipeline.loop.pitfalls", "pipeline.critics.llm"),
@@ -222,3 +222,43 @@ def test_no_function_level_import_cycles() -> None:
     top, nested = import_graphs()
     graph = {m: top[m] | nested[m] for m in top}
     assert cycles(graph) == []
+
+
+def _unexplained_nested_imports(path: Path) -> list[str]:
+    """``file:line`` of each import of a project module inside a function of ``path`` with no
+    ``# lazy:`` note among the comments and imports right above it (or on its line)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    out = []
+    for fn in ast.walk(ast.parse("\n".join(lines), str(path))):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Import | ast.ImportFrom):
+                continue
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if not any(n.split(".")[0] in PACKAGES for n in names):
+                continue
+            at = node.lineno - 1
+            explained = "# lazy:" in lines[at]
+            while not explained and at > 0:
+                at -= 1
+                above = lines[at].strip()
+                if not above.startswith(("#", "from ", "import ")) and above not in ("", "try:"):
+                    break
+                explained = above.startswith("# lazy:")
+            if not explained:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return out
+
+
+def test_every_function_level_import_says_why_it_is_lazy() -> None:
+    """An import of the project's own module inside a function carries a ``# lazy:`` note
+    (what stays unloaded, and for whom); any other belongs at the top of the module, where the
+    circle test sees it."""
+    unexplained = [
+        where
+        for path in _modules(ROOT, PACKAGES).values()
+        for where in _unexplained_nested_imports(path)
+    ]
+    assert unexplained == []

@@ -24,10 +24,10 @@ from pipeline.contract._scan import (
     PLACEHOLDERS,
     WANT_ALL,
     ScanResult,
-    _ext,
     scan,
     scan_py,
 )
+from pipeline.text.compiled import FASTSCAN
 
 pytestmark = pytest.mark.fastscan
 
@@ -77,7 +77,8 @@ DOCUMENT = st.lists(LINE, max_size=25).map("\n".join)
 
 def raw_compiled(text: str, mode: int, want: int, min_words: int, max_hits: int) -> ScanResult:
     """The extension's own scan, without the disguised-placeholder pass of :func:`scan`."""
-    hits, total, paras, heads, delims = _ext().scan(text, mode, want, min_words, max_hits)
+    assert FASTSCAN is not None
+    hits, total, paras, heads, delims = FASTSCAN.scan(text, mode, want, min_words, max_hits)
     return ScanResult(hits, total, paras, heads, tuple(delims))
 
 

@@ -86,6 +86,7 @@ def service_guard(command: str, body: Callable[[], int]) -> int:
     except UnknownRunError as exc:
         error, code = CommandError(str(exc)), EXIT_USAGE
     except unreachable_errors() as exc:  # a StoreUnavailableError names its URL already
+        # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
 
         error, code = unreachable_redis(runtime.store_url(), exc), EXIT_UNAVAILABLE

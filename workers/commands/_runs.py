@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import did_you_mean
+from pipeline.errors import did_you_mean
 from pipeline.models import UNCHECKED_LINE, CritiqueResult, check_identifier
 from pipeline.records.archive_file import RunRecord, archive_dir, iso
 from pipeline.text.escaping import escape_controls

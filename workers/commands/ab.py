@@ -303,6 +303,7 @@ def _failure(exc: BaseException) -> CommandError:
     if isinstance(exc, CritiqueTimeout):
         return CommandError(str(exc), EXIT_UNAVAILABLE)
     if is_unreachable(exc):
+        # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
 
         return unreachable_redis(runtime.store_url(), exc)

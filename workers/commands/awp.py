@@ -34,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        # lazy: the awp extra may not be installed; ImportError says which to install
         from awp.cli import main as awp_main
 
         from workers.adapters.awp import install

@@ -100,6 +100,7 @@ def _read_output(
                     raise ValueError(f"{path} is not a paper: not valid JSON ({exc})") from None
                 markdown = True  # not JSON at all: read it as a Markdown paper
         if markdown:
+            # lazy: the Markdown reader loads only for a Markdown paper
             from pipeline.text.paper_markdown import MarkdownPaperError, paper_from_markdown
 
             try:

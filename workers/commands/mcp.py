@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        # lazy: the mcp extra may not be installed; ImportError says which to install
         from workers.adapters.mcp_server import build_server, serve
     except ImportError as exc:
         print(

@@ -337,13 +337,16 @@ def _submit(args: argparse.Namespace) -> int:
     from workers.unreachable import BrokerUnavailableError, unreachable_errors
 
     try:
+        # lazy: configuration, store and client load only for a submit, not `critique --help`
         from pipeline.config import load_config
 
         load_config()  # this process's own configuration: CRITIQUE_CONFIG, CRITIQUE_* variables
+        # lazy: as above
         from pipeline.store.redis_common import check_redis_urls
 
         check_redis_urls()  # a sentinel:// URL parses and has CRITIQUE_REDIS_MASTER
         overrides = build_overrides(args.config, args.settings)
+        # lazy: as above
         from workers import runtime
         from workers.client import CritiqueClient
 

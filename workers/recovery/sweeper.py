@@ -457,8 +457,6 @@ class SweeperThread(threading.Thread):
         """This thread's view of the Redis broker (opened on first use), None when the broker
         is not Redis."""
         if self._broker is None and not self._no_redis_broker:
-            from workers.app import app
-
             self._broker = open_broker(app)
             self._no_redis_broker = self._broker is None
         return self._broker
@@ -474,8 +472,6 @@ class SweeperThread(threading.Thread):
         """This thread's view of a RabbitMQ broker and the store of its census (opened on first
         use, the store over a client of its own), None when the broker is not RabbitMQ."""
         if self._amqp is None and not self._no_amqp:
-            from workers.app import app
-
             self._amqp = open_amqp(app)
             self._no_amqp = self._amqp is None
         if self._amqp is None:
