@@ -435,7 +435,8 @@ def replay(task: PipelineTask, stage: str, before: Step) -> Step | None:
     # cannot have a record yet: no read; nor can a decide after a step this task holds.
     # Any other token-free stage runs without one: its record (or, when the pass ends in
     # this task, its result) is first-wins, so a duplicate replays there and a pass that
-    # has its result by then (cancelled while the message waited) writes nothing.
+    # has its result by then (cancelled while the message waited) writes nothing; a result
+    # writes no events of a held step that another delivery recorded (and traced) meanwhile.
     if before.fresh and (stage == "decide" or not before.held):
         return None
     context = runtime.context_for(before.overrides)
@@ -501,7 +502,9 @@ def record(task: PipelineTask, stage: str, ran: Step) -> Step:
     next record this task makes, in the same script (each step first-wins in turn: at one
     recorded already, the output recorded first is replayed and the held steps after it are
     dropped); when the pass ends in this task, its result is the record and the held steps'
-    trace events go with it (their records would be deleted with the result). A task that
+    trace events go with it (their records would be deleted with the result), those of a step
+    another delivery recorded excepted (its record wrote them: a delivery that ran the step
+    too, then failed, and whose message this task's was not known to repeat). A task that
     ends any other way (a failure included) writes what it holds first (:func:`write_held`),
     so every task's steps are recorded before it ends, as the stall rule assumes."""
     if holds(task, stage, ran):
@@ -593,8 +596,7 @@ def finish_here(task: PipelineTask, step: Step) -> dict[str, Any]:
     task's id (the one the client's signature was sent with, kept by every replacement), the
     summary in Celery's result backend, as the gate task stores its own, so any Celery
     client's ``AsyncResult`` of it returns it."""
-    held = [event for record in step.held for event in record.events]
-    summary, first = _finish(task, step.out, step.state, held)
+    summary, first = _finish(task, step.out, step.state, step.held)
     request = task.request
     if not request.is_eager and request.id:
         store_summary(task.backend, str(request.id), summary, request, first=first)
@@ -700,10 +702,12 @@ def store_summary(
 
 
 def _finish(
-    task: Task, msg: dict[str, Any], state: LoopState, before: Sequence[str] = ()
+    task: Task, msg: dict[str, Any], state: LoopState, held: Sequence[StepRecord] = ()
 ) -> tuple[dict[str, Any], bool]:
     """:func:`finish_pass`, and whether this call stored the pass's result (the first);
-    ``before``: trace events of steps this task ran and holds, written with the result."""
+    ``held``: the steps this task ran and holds, whose trace events are written with the
+    result (those of a step another delivery recorded meanwhile are not: its record wrote
+    them)."""
     pass_id = _pass_id(task, msg, state, "gate")
     sub = state.submission
     _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
@@ -715,7 +719,7 @@ def _finish(
         event = result.trace_event(round=state.round, stage="gate")
         runs = runtime.stores().runs
         # The pass leaves the pending index in the same step: it can no longer stall.
-        first = runs.put_result(result, pass_id=pass_id, events=[*before, encode_event(event)])
+        first = runs.put_result(result, pass_id=pass_id, events=[encode_event(event)], steps=held)
         if first:
             _count_result(result)
             runtime.metrics().observe("gate", time.monotonic() - began)

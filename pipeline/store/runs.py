@@ -138,6 +138,23 @@ return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
 """
 
 
+# A Lua function both scripts below start with: append ``count`` encoded trace events whose
+# arguments start at ARGV[at] (per event its packed form and its tag, '' unsigned; the field
+# 'sig' is keys.TRACE_SIG_FIELD) to the stream ``stream``, trimmed to about ``maxlen``, each
+# event under the field ``field``.
+_APPEND_EVENTS = """
+local function append_events(stream, maxlen, field, at, count)
+  for e = at, at + 2 * count - 2, 2 do
+    if ARGV[e + 1] == '' then
+      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', field, ARGV[e])
+    else
+      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, '*', field, ARGV[e], 'sig', ARGV[e + 1])
+    end
+  end
+end
+"""
+
+
 # KEYS[1] the step-record hash (the pass's own, or the run's for a completion gate), KEYS[2]
 # trace stream, KEYS[3] pending sorted set, KEYS[4] results:pass; ARGV: TTL of KEYS[1] (ms),
 # stream maxlen, event field, the pass's member ("" for none), now (s), TTL of the trace (ms),
@@ -149,7 +166,9 @@ return tonumber(redis.call('HGET', KEYS[1], 'rejected') or '0')
 # recorded, "" when the pass has its result already (nothing is written).
 # A first record is the pass's progress: its pending score (if it is still pending, XX) moves
 # to now, which is what the stall sweeper (workers.recovery) measures.
-_RECORD_STEPS = """
+_RECORD_STEPS = (
+    _APPEND_EVENTS
+    + """
 if ARGV[4] ~= '' and redis.call('HEXISTS', KEYS[4], ARGV[4]) == 1 then
   return ''
 end
@@ -162,14 +181,8 @@ while i <= #ARGV do
     break
   end
   wrote = true
-  for e = i + 3, i + 2 + 2 * count, 2 do
-    traced = true
-    if ARGV[e + 1] == '' then
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[e])
-    else
-      redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', ARGV[3], ARGV[e], 'sig', ARGV[e + 1])
-    end
-  end
+  traced = traced or count > 0
+  append_events(KEYS[2], ARGV[2], ARGV[3], i + 3, count)
   i = i + 3 + 2 * count
 end
 if traced then redis.call('PEXPIRE', KEYS[2], ARGV[6]) end
@@ -181,24 +194,37 @@ if wrote then
 end
 return stood
 """
+)
 
 
 # KEYS[1] results:pass, KEYS[2] passes, KEYS[3] pending, KEYS[4] trace, KEYS[5] the pass's
 # step records, KEYS[6] messages, KEYS[7] suspects, KEYS[8] resumes. ARGV: submission field,
 # pass field (= the pending member), pass id, the packed result, TTL (ms), stream maxlen,
 # event field, the steps' grace (ms: 0 deletes them now), the run's ``done`` channel, then per
-# encoded event its packed form and its tag ('' unsigned; the field 'sig' is
-# keys.TRACE_SIG_FIELD). The first gate of a pass stores its result (and records the pass as
-# the submission's latest when none was: a chain sent without the client), appends its events,
-# releases what only the live chain needed: the pass's step records, its first message and the
-# sweeper's notes on it, and announces the pass on the channel (returns 1); a repeat writes
-# nothing (returns 0).
-_PUT_RESULT = """
+# group of encoded events, in order: the id of the step they are the events of ("" for the
+# result's own), their number N, then per event its packed form and its tag ('' unsigned).
+# The first gate of a pass stores its result (and records the pass as the submission's latest
+# when none was: a chain sent without the client), appends its events (a step's only while no
+# record of that step is there: a step some delivery recorded was traced with its record, and
+# a step record is never written once the result is), releases what only the live chain
+# needed: the pass's step records, its first message and the sweeper's notes on it, and
+# announces the pass on the channel (returns 1); a repeat writes nothing (returns 0).
+_PUT_RESULT = (
+    _APPEND_EVENTS
+    + """
 if redis.call('HSETNX', KEYS[1], ARGV[2], ARGV[4]) == 0 then
   return 0
 end
 redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[3])
 redis.call('ZREM', KEYS[3], ARGV[2])
+local i = 10
+while i <= #ARGV do
+  local count = tonumber(ARGV[i + 1])
+  if ARGV[i] == '' or redis.call('HEXISTS', KEYS[5], ARGV[i]) == 0 then
+    append_events(KEYS[4], ARGV[6], ARGV[7], i + 2, count)
+  end
+  i = i + 2 + 2 * count
+end
 if tonumber(ARGV[8]) > 0 then
   redis.call('PEXPIRE', KEYS[5], ARGV[8])
 else
@@ -207,19 +233,13 @@ end
 redis.call('HDEL', KEYS[6], ARGV[2])
 redis.call('HDEL', KEYS[7], ARGV[2])
 redis.call('HDEL', KEYS[8], ARGV[2])
-for i = 10, #ARGV, 2 do
-  if ARGV[i + 1] == '' then
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i])
-  else
-    redis.call('XADD', KEYS[4], 'MAXLEN', '~', ARGV[6], '*', ARGV[7], ARGV[i], 'sig', ARGV[i + 1])
-  end
-end
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('PEXPIRE', KEYS[4], ARGV[5])
 redis.call('PUBLISH', ARGV[9], ARGV[2])
 return 1
 """
+)
 
 # KEYS[1] submitted, KEYS[2] messages, KEYS[3] results:pass, KEYS[4] failures. ARGV: submission
 # field, the record (JSON), TTL (ms), pass field ("" for none), the first message ("" for
@@ -500,6 +520,15 @@ class RedisRunStore:
             out += [pack_event(e, binary=self._binary), tag]
         return out
 
+    def _grouped(self, run_id: str, steps: Sequence[StepRecord], *, outputs: bool) -> list[Any]:
+        """Steps as the scripts take them: per step its id, its output (with ``outputs``), its
+        number of events, then the events (:meth:`_packed`)."""
+        out: list[Any] = []
+        for s in steps:
+            out += [s.step, *([s.output] if outputs else []), len(s.events)]
+            out += self._packed(run_id, s.events)
+        return out
+
     def _steps_key(self, run_id: str, pass_field: str) -> str:
         """The step records of one pass; the run's ``steps`` hash for a step outside a pass
         (a completion gate's)."""
@@ -740,7 +769,12 @@ class RedisRunStore:
         return None if raw is None else text(raw)
 
     def put_result(
-        self, result: CritiqueResult, *, pass_id: str | None = None, events: Sequence[str] = ()
+        self,
+        result: CritiqueResult,
+        *,
+        pass_id: str | None = None,
+        events: Sequence[str] = (),
+        steps: Sequence[StepRecord] = (),
     ) -> bool:
         """Store a submission pass's final result once, with its trace ``events`` (encoded).
 
@@ -748,9 +782,14 @@ class RedisRunStore:
         ``results`` at it while it is the latest pass, takes the pass off the pending index (it
         can no longer stall), appends the events and deletes the pass's step records and first
         message (only the live chain needed them); a repeated call (a re-run gate) writes
-        nothing and returns False. Without ``pass_id``: ``results`` is written (idempotently) with
-        the events.
+        nothing and returns False. ``steps``: steps of the pass that the caller ran and did not
+        record (their outputs are not written), whose events go before ``events``, each step's
+        only while no record of it is there: a step another delivery recorded (one that ran it
+        too, then failed, say) was traced with that record, so it is traced once. Without
+        ``pass_id``: ``results`` is written (idempotently) with the events (no ``steps``).
         """
+        if steps and not pass_id:
+            raise ValueError("the steps of a result without a pass id have no records to check")
         if pass_id and result.pass_id != pass_id:
             if result.pass_id:
                 raise ValueError(f"result of pass {result.pass_id!r} put as pass {pass_id!r}")
@@ -799,7 +838,9 @@ class RedisRunStore:
                     keys.TRACE_EVENT_FIELD,
                     self._grace_ms,
                     self._key(result.run_id, keys.DONE),
-                    *self._packed(result.run_id, events),
+                    *self._grouped(
+                        result.run_id, [*steps, StepRecord("", "", tuple(events))], outputs=False
+                    ),
                 ],
             )
         return bool(int(got))
@@ -1292,9 +1333,8 @@ class RedisRunStore:
             pass_field,
             repr(time.time()),
             self._ttl_ms,
+            *self._grouped(run_id, steps, outputs=True),
         ]
-        for s in steps:
-            args += [s.step, s.output, len(s.events), *self._packed(run_id, s.events)]
         with store_errors(self._r):
             got = self._record_steps(
                 keys=[

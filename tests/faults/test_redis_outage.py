@@ -5,6 +5,7 @@ processes. Nothing is mocked; submissions need no LLM (the heuristic critic)."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import time
 import uuid
@@ -27,6 +28,9 @@ from tests.support.workers import WorkerStarter
 
 RECOVERY_SLA_S = 60.0
 """The issue's bound: every submission has its result within this of Redis coming back."""
+BACK_S = 5.0
+"""A worker answers a ping within this of Redis coming back: its consumer's next try at most
+2 s after, and the rest for its reconnect (its channels, events, remote control)."""
 
 
 def _through_an_outage(
@@ -38,11 +42,12 @@ def _through_an_outage(
     how: str,
     pools: tuple[str, ...],
     n: int = 300,
-) -> tuple[list[dict[str, Any]], float]:
+) -> tuple[list[dict[str, Any]], float, list[float]]:
     """Submit ``n`` submissions, take Redis down once some results are in (``kill``: SIGKILL;
     ``nosave``: ``SHUTDOWN NOSAVE``; ``stop``: SIGTERM), keep it down ``down_s`` seconds,
-    restart it on the same port and data (AOF), and check the run. Returns the resume events
-    and the seconds from the restart to the last result."""
+    restart it on the same port and data (AOF), and check the run. Returns the resume events,
+    the seconds from the restart to the last result, and per worker the seconds from the
+    restart until it answered a remote-control ping (consuming again)."""
     from workers.client import CritiqueClient
 
     concurrency = {"threads": 4, "prefork": 2}
@@ -59,11 +64,15 @@ def _through_an_outage(
     time.sleep(down_s)
     server.start()
     restarted = time.monotonic()
+    back_s = [
+        math.inf if w.answers_within(RECOVERY_SLA_S) is None else time.monotonic() - restarted
+        for w in workers
+    ]
     results = wait_for_results(run_id, n, RECOVERY_SLA_S + 30)
     took = time.monotonic() - restarted
     resumes = check_run(run_id, subs, results, workers, pids)
     assert took <= RECOVERY_SLA_S, f"the last result came {took:.1f} s after the restart"
-    return resumes, took
+    return resumes, took, back_s
 
 
 @pytest.mark.faults
@@ -76,7 +85,7 @@ def test_300_submissions_through_a_redis_sigkill_and_restart(
     failed, within a minute of the restart — what the kill lost (a message popped but not yet
     registered as unacknowledged) is proved lost and re-driven by the sweeper in seconds, and
     only what was lost (the stall time, 600 s here, never acts)."""
-    resumes, took = _through_an_outage(
+    resumes, took, _ = _through_an_outage(
         redis_server, start_worker, fault_env, down_s=5, how="kill", pools=("threads", "prefork")
     )
     assert {e.get("reason") for e in resumes} <= {"lost"}
@@ -92,7 +101,7 @@ def test_300_submissions_through_a_shutdown_nosave_and_restart(
     every submission ends with its normal result within a minute of the restart; the messages
     the workers held when their connections closed (no longer acknowledgeable) are restored
     by the workers' orphan sweep, not after the visibility timeout (900 s here)."""
-    resumes, took = _through_an_outage(
+    resumes, took, _ = _through_an_outage(
         redis_server, start_worker, fault_env, down_s=5, how="nosave", pools=("threads",)
     )
     assert {e.get("reason") for e in resumes} <= {"lost"}
@@ -110,14 +119,26 @@ def test_300_submissions_through_a_30_second_redis_outage(
     """Redis shut down mid-run for 32 s, then started again: the worker rides it out (its
     publishes wait, it reconnects within 2 s of the restart) and every submission ends with its
     normal result within a minute of the restart; its consumer retried the connection at most
-    2 s apart."""
-    resumes, took = _through_an_outage(
+    2 s apart.
+
+    Whether the consumer meets the outage while it lasts depends on what its event loop is
+    doing when Redis goes (it may see the loss only once Redis is back, and then connect at
+    the first try: no wait to log). So the waits Celery logs ("Trying again in N seconds") must
+    all be 2 s or less, and, logged or not, the worker must answer a remote-control ping, which
+    only a consumer connected again does, within 2 s of the restart plus its reconnect's own
+    cost (:data:`BACK_S`): with Celery's own waits, 2, 4, 6 … up to 30 s, its next try after
+    a 32 s outage comes about 10 s after the restart."""
+    resumes, took, back_s = _through_an_outage(
         redis_server, start_worker, fault_env, down_s=32, how="stop", pools=("threads",)
     )
     log = (tmp_path / "worker-threads0.log").read_text(errors="replace")
     waits = [float(w) for w in re.findall(r"Trying again in ([0-9.]+) seconds?", log)]
-    assert waits and max(waits) <= 2.0, waits  # Celery's own waits grow to 30 s
-    print(f"32 s outage: all results {took:.1f} s after the restart, {len(resumes)} re-driven")
+    assert max(waits, default=0.0) <= 2.0, waits
+    assert max(back_s) <= BACK_S, f"consuming again {back_s} s after the restart"
+    print(
+        f"32 s outage: consuming again {max(back_s):.1f} s and all results {took:.1f} s after "
+        f"the restart ({len(waits)} reconnect waits logged), {len(resumes)} re-driven"
+    )
 
 
 @pytest.mark.timeout(120)

@@ -266,6 +266,40 @@ def test_a_gate_delivered_twice_writes_one_result_and_one_event(worker: WorkerPr
     assert stored.status == "accepted"
 
 
+def test_a_step_a_failed_delivery_recorded_is_traced_once_by_the_delivery_that_finishes(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two deliveries of one l0 message, neither marked as a repeat (a Sentinel failover hands
+    out again a message the old master had given a worker; a sweeper re-drives a pass whose
+    message it proved lost): the first runs Layer-0, holding its step, and its critic fails
+    (the store away mid-failover), so it writes the step it held before it raises; the second
+    reads no step record (its message is no known repeat) and runs the whole pass, holding
+    every step until the gate. Every step's trace events are written once, whichever delivery
+    wrote them: the result writes a held step's events only if no delivery recorded it."""
+    from pipeline.errors import StoreUnavailableError
+    from pipeline.loop import stages
+    from workers import protocol, runtime, tasks
+    from workers.client import CritiqueClient
+
+    run_id = _run_id("held")
+    sub = make_sub(run_id, "w1", 1, "clean")
+    msg = runtime.encode(start(sub, runtime.new_pass_id()), CONFIG)
+    pass_id = runtime.decode(msg)[0].pass_id
+
+    def away(state: Any, ctx: Any) -> Any:
+        raise StoreUnavailableError("the store is away (a failover)")
+
+    with monkeypatch.context() as patched:
+        patched.setitem(stages.STAGES, "critic", away)
+        with pytest.raises(StoreUnavailableError):
+            protocol.drive(tasks.l0, msg, "l0")
+    latest = runtime.stores().runs.latest_step(run_id, 1, "w1", pass_id)
+    assert latest is not None and latest[0].endswith(":l0")  # written as the task failed
+    assert protocol.drive(tasks.l0, msg, "l0")["status"] == "accepted"
+    events = [(e["type"], e.get("stage")) for e in CritiqueClient(CONFIG).trace(run_id)]
+    assert events == [("stage", "l0"), ("stage", "critic"), ("round", "decide"), ("result", "gate")]
+
+
 def test_store_keeps_the_latest_pass_in_results(env: dict[str, str]) -> None:
     """A pass resubmitted before the first finished: the first's late result is kept under its
     pass only; ``results`` shows the latest pass's; a repeated put writes nothing."""

@@ -508,6 +508,33 @@ def test_record_steps_writes_in_order_and_stops_at_the_first_step_recorded_alrea
     assert [e["n"] for e in trace.read("rb1")] == [0, 1, 4, 5]
 
 
+def test_a_result_writes_the_events_of_the_steps_it_holds_that_no_delivery_recorded(
+    redis_client: redis.Redis,
+) -> None:
+    """A result written with the steps its task ran and holds appends each step's events only
+    while no record of that step is there (the delivery that recorded it traced it), then its
+    own events; a repeat writes nothing."""
+    runs = RedisRunStore(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+    trace = RedisTraceSink(redis_client, prefix=PREFIX, ttl_s=TTL_S)
+
+    def ev(n: int) -> tuple[str, ...]:
+        return (json.dumps({"type": "stage", "n": n}),)
+
+    p = "1:w1:s"
+    runs.record_step("rh1", f"{p}:1:0:l0", "l0 first", ev(0))
+    held = [
+        StepRecord(f"{p}:1:0:l0", "l0 again", ev(1)),
+        StepRecord(f"{p}:1:0:critic", "critic", ev(2)),
+        StepRecord(f"{p}:1:0:decide", "decide", ev(3)),
+    ]
+    result = accepted_result("rh1")
+    assert runs.put_result(result, pass_id="s", events=ev(4), steps=held)
+    assert not runs.put_result(result, pass_id="s", events=ev(5), steps=held)
+    assert [e["n"] for e in trace.read("rh1")] == [0, 2, 3, 4]
+    with pytest.raises(ValueError, match="pass id"):
+        runs.put_result(accepted_result("rh2"), steps=held)
+
+
 def test_open_pass_records_the_pass_and_withdraw_takes_back_an_unsent_one(
     redis_client: redis.Redis,
 ) -> None:

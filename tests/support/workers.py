@@ -131,20 +131,30 @@ class WorkerProcess:
         return host_format(self.name_pattern)
 
     def _wait_ready(self, timeout: float) -> None:
-        """Ready when the worker answers a remote-control ping: its event loop is running, so
-        it is consuming its queues (a reply is handled by the same loop as the tasks)."""
+        if self.answers_within(timeout) is None:
+            raise RuntimeError(f"worker {self.nodename} did not answer a ping within {timeout} s")
+
+    def answers_within(self, timeout: float) -> float | None:
+        """Seconds until the worker answers a remote-control ping (asked every 0.25 s), None
+        if it did not within ``timeout``: then its event loop is running and connected to the
+        broker, so it is consuming its queues (a reply is handled by the same loop as the
+        tasks). ``RuntimeError`` if the process exits meanwhile. A connection of this process
+        that the broker closed (a restart) fails one ping, and the next one reconnects."""
         probe = self._probe_app()
-        deadline = time.monotonic() + timeout
+        began = time.monotonic()
         try:
-            while time.monotonic() < deadline:
+            while time.monotonic() - began < timeout:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"worker exited early with code {self.proc.returncode}")
-                if probe.control.ping(destination=[self.nodename], timeout=0.25, limit=1):
-                    return
+                try:
+                    if probe.control.ping(destination=[self.nodename], timeout=0.25, limit=1):
+                        return time.monotonic() - began
+                except redis.exceptions.ConnectionError:
+                    continue
         finally:
             probe.close()
-        raise RuntimeError(f"worker {self.nodename} did not answer a ping within {timeout} s")
+        return None
 
     def _probe_app(self) -> Any:
         """The Celery app that pings this worker (a client of its broker)."""
