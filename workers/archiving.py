@@ -27,7 +27,7 @@ from pathlib import Path
 from pipeline import settings
 from pipeline.errors import ConfigError, CritiqueError, PathEscapeError
 from pipeline.models import CritiqueResult
-from pipeline.records import archive_file as archive
+from pipeline.records import archive_file
 from pipeline.records.archive_file import ArchiveError, RunRecord
 from pipeline.store import keys
 from pipeline.store.archive_index import RedisArchiveIndex, RunState
@@ -112,8 +112,9 @@ def collect(
     submitted = stores.runs.submitted(run_id)
     latest = stores.runs.results(run_id)
     passes = stores.runs.pass_results(run_id)
-    held = {archive.pass_key(r) for r in passes}
-    passes += [r for r in latest if archive.pass_key(r) not in held]  # stored without a pass id
+    held = {archive_file.pass_key(r) for r in passes}
+    # and the latest results stored without a pass id (in no pass's record)
+    passes += [r for r in latest if archive_file.pass_key(r) not in held]
     failures = {m: dataclasses.asdict(f) for m, f in stores.runs.failures(run_id).items()}
     trace = stores.trace.read(run_id)
     if not (submitted or passes or failures or trace):
@@ -125,7 +126,7 @@ def collect(
         signed_store=bool(runtime.secrets()),
         submitted={k: {f: v for f, v in d.items() if f != "message"} for k, d in submitted.items()},
         passes=tuple(passes),
-        latest=archive.latest_members(latest),
+        latest=archive_file.latest_members(latest),
         failures=failures,
         completions=stores.runs.completions(run_id),
         rejections=stores.runs.rejections(run_id),
@@ -160,8 +161,8 @@ def archive_run(
             f"Redis at {runtime.store_url()} holds nothing of run {run_id!r} to archive "
             f"(a mistyped run id, another {runtime.store_setting()}, or the run's keys expired)"
         )
-    folder = archive.archive_dir() if directory is None else directory
-    path = archive.write(folder, record, runtime.secrets())
+    folder = archive_file.archive_dir() if directory is None else directory
+    path = archive_file.write(folder, record, runtime.secrets())
     doc = {"token": state.token, "path": str(path.absolute()), "host": socket.gethostname()}
     idx.mark(run_id, {**doc, "at": now}, state.lives_s)
     return Archived(run_id, path, why, record)
@@ -273,10 +274,10 @@ def read_archived(run_id: str, directory: Path | None = None) -> tuple[Path, Run
     :func:`pipeline.records.archive_file.archive_dir`), or None when there is none; ``ArchiveError``
     when it exists but cannot be trusted or read (with ``CRITIQUE_SECRET``: it must verify), or is
     older than the run's last archive the archive index knows of."""
-    folder = archive.archive_dir() if directory is None else directory
-    got = archive.read(folder, run_id, runtime.secrets())
+    folder = archive_file.archive_dir() if directory is None else directory
+    got = archive_file.read(folder, run_id, runtime.secrets())
     if got is not None:
-        archive.check_not_older(got[1], _latest_archived_at(run_id), str(got[0]))
+        archive_file.check_not_older(got[1], _latest_archived_at(run_id), str(got[0]))
     return got
 
 
