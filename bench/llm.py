@@ -252,7 +252,7 @@ def wait_ready(r: Any, proc: subprocess.Popen[Any], timeout: float = 120.0) -> N
 def run_pipeline(
     client: Any, r: Any, n: int, run_id: str
 ) -> tuple[float, list[float], dict[str, int]]:
-    from pipeline.models import Submission
+    from pipeline.models import PassRef, Submission
 
     subs = [
         Submission(
@@ -267,7 +267,8 @@ def run_pipeline(
     latencies: list[float] = []
     rkey = f"critique:{{{run_id}}}:results:pass"  # "<iteration>:<worker>:<pass>" per result
     while pending:
-        done = {k.decode().split(":")[1] for k in r.hkeys(rkey)} & pending
+        refs = (PassRef.parse(run_id, k.decode()) for k in r.hkeys(rkey))
+        done = {ref.worker_id for ref in refs if ref is not None} & pending
         now = time.perf_counter()
         latencies += [now - t0] * len(done)
         pending -= done

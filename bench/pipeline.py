@@ -263,6 +263,7 @@ def run_real(
 ) -> tuple[float, list[float]]:
     """Submit every submission, wait for every result; returns wall seconds and each output's
     latency (``timing["enqueue_s"]``: how long submitting them all took)."""
+    from pipeline.models import PassRef
     from pipeline.store.keys import PASS_RESULTS, run_key
 
     run_id = subs[0].run_id
@@ -277,7 +278,8 @@ def run_real(
     pending = set(sent)
     rkey = run_key(run_id, PASS_RESULTS)  # "<iteration>:<worker>:<pass>" -> the pass's result
     while pending:
-        done = {k.decode().split(":")[1] for k in r.hkeys(rkey)} & pending
+        refs = (PassRef.parse(run_id, k.decode()) for k in r.hkeys(rkey))
+        done = {ref.worker_id for ref in refs if ref is not None} & pending
         now = time.perf_counter()
         latencies += [now - sent[wid] for wid in done]
         pending -= done

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import (
@@ -304,6 +305,60 @@ class Submission(Frozen):
                 raise ValueError(f"file {f.path!r} is listed twice")
             seen.add(f.path)
         return self
+
+
+@dataclass(frozen=True, slots=True)
+class PassRef:
+    """One submission pass's identity: its run, iteration, worker and pass id.
+
+    Its two string forms are the run's hash fields: :attr:`field` (``"<iteration>:<worker_id>"``,
+    the submission's field in ``submitted``, ``passes`` and ``results``) and :attr:`member`
+    (``"<iteration>:<worker_id>:<pass_id>"``, the pass's field in ``results:pass``,
+    ``messages``, ``failures``, ``pending``…); :meth:`parse` is the one way back. A worker id is
+    an identifier (:func:`~pipeline.models.check_identifier`: no ``:``) and a pass id is hex
+    (``workers.runtime.new_pass_id``), so a member splits back into the same parts; a ref whose
+    parts do hold a ``:`` (a forged message's pass id) makes a member :meth:`parse` refuses,
+    never one it reads as another pass."""
+
+    run_id: str
+    iteration: int
+    worker_id: str
+    pass_id: str
+
+    @classmethod
+    def of(cls, sub: Submission, pass_id: str) -> PassRef:
+        """The ref of pass ``pass_id`` of submission ``sub``."""
+        return cls(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+
+    @staticmethod
+    def field_of(iteration: int, worker_id: str) -> str:
+        """A submission's hash field ``"<iteration>:<worker_id>"`` (the one place it is written)."""
+        return f"{iteration}:{worker_id}"
+
+    @staticmethod
+    def member_of(field: str, pass_id: str) -> str:
+        """The member of pass ``pass_id`` of the submission whose field is ``field`` (the one
+        place ``"<iteration>:<worker_id>:<pass_id>"`` is written)."""
+        return f"{field}:{pass_id}"
+
+    @property
+    def field(self) -> str:
+        """This pass's submission field, ``"<iteration>:<worker_id>"``."""
+        return PassRef.field_of(self.iteration, self.worker_id)
+
+    @property
+    def member(self) -> str:
+        """This pass's field, ``"<iteration>:<worker_id>:<pass_id>"``."""
+        return PassRef.member_of(self.field, self.pass_id)
+
+    @classmethod
+    def parse(cls, run_id: str, member: str) -> PassRef | None:
+        """The ref of a pass ``member`` of run ``run_id``; None when malformed (not three parts,
+        or an iteration that is not ASCII digits)."""
+        parts = member.split(":")
+        if len(parts) != 3 or not (parts[0].isascii() and parts[0].isdigit()):
+            return None
+        return cls(run_id, int(parts[0]), parts[1], parts[2])
 
 
 def defect_id(category: str, location: str | None, description: str) -> str:

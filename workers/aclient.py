@@ -32,7 +32,7 @@ from pipeline.errors import StoreUnavailableError, SubmissionError
 from pipeline.models import CritiqueResult, Submission
 from pipeline.store import keys
 from pipeline.store.redis_common import is_unavailable, sentinel_kwargs, store_socket_options
-from pipeline.store.runs import Failure, pass_member
+from pipeline.store.runs import Failure
 from pipeline.store.urls import (
     cannot_reach,
     is_cluster_url,
@@ -237,7 +237,7 @@ class AsyncCritiqueClient:
             by_run[h.run_id].append(h)
         found = 0
         for run_id, handles in by_run.items():
-            fields = [pass_member(h.iteration, h.worker_id, h.pass_id) for h in handles]
+            fields = [h.ref.member for h in handles]
             try:
                 async with self._redis.pipeline(transaction=False) as pipe:
                     pipe.hmget(runs.key(run_id, keys.PASS_RESULTS), fields)
@@ -251,7 +251,7 @@ class AsyncCritiqueClient:
                     hint=f"start Redis there, or point {runtime.store_setting()} at a running one",
                 ) from exc
             for h, field, raw, failed in zip(handles, fields, results, failures, strict=True):
-                got = runs.decode_outcome(run_id, h.pass_id, field, raw, failed)
+                got = runs.decode_outcome(run_id, field, raw, failed)
                 if got is None:
                     continue
                 outcome: Outcome = (

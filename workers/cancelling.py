@@ -25,11 +25,9 @@ from typing import Any
 from pipeline import settings
 from pipeline.errors import ConfigError, ForgedMessageError, SubmissionError
 from pipeline.loop.stages import pass_lease_prefix
-from pipeline.models import CritiqueResult, cancelled_result
+from pipeline.models import CritiqueResult, PassRef, cancelled_result
 from pipeline.security import signing
 from pipeline.store.base import encode_event
-from pipeline.store.pending import parse_member
-from pipeline.store.runs import member, pass_member
 from workers import runtime
 
 log = logging.getLogger(__name__)
@@ -71,8 +69,10 @@ class CancelReport:
 
 
 def _pass_json(pass_field: str) -> dict[str, Any]:
-    iteration, worker_id, pass_id = parse_member(pass_field) or (0, pass_field, "")
-    return {"iteration": iteration, "worker_id": worker_id, "pass_id": pass_id}
+    ref = PassRef.parse("", pass_field)
+    if ref is None:
+        return {"iteration": 0, "worker_id": pass_field, "pass_id": ""}
+    return {"iteration": ref.iteration, "worker_id": ref.worker_id, "pass_id": ref.pass_id}
 
 
 def who(by: str | None, default: str) -> str:
@@ -107,7 +107,7 @@ def cancel_pass(
     run_id: str, iteration: int, worker_id: str, pass_id: str, *, by: str
 ) -> CancelReport:
     """Cancel one pass (a handle's), unless it has finished: then it is reported as such."""
-    field = pass_member(iteration, worker_id, pass_id)
+    field = PassRef(run_id, iteration, worker_id, pass_id).member
     if runtime.stores().runs.pass_outcome(run_id, iteration, worker_id, pass_id) is not None:
         return CancelReport(
             run_id, by, finished=(field,), released=_release_waiting(run_id, [field])
@@ -127,20 +127,21 @@ def _narrowed(
     """The pass members of ``fields`` of the given workers and iteration; with ``check``, a
     worker or iteration that names no pass of the run (in ``fields`` or ``others``) is a
     ``SubmissionError``."""
-    parsed = {f: parse_member(f) for f in fields}
+    parsed = {f: PassRef.parse(run_id, f) for f in fields}
     if check:
-        known = [p for p in (*parsed.values(), *map(parse_member, others)) if p is not None]
-        unknown = sorted(set(workers or ()) - {p[1] for p in known})
+        others_parsed = (PassRef.parse(run_id, f) for f in others)
+        known = [p for p in (*parsed.values(), *others_parsed) if p is not None]
+        unknown = sorted(set(workers or ()) - {p.worker_id for p in known})
         if unknown:
             raise SubmissionError(f"run {run_id!r} has no submission from {unknown}")
-        if iteration is not None and all(p[0] != iteration for p in known):
+        if iteration is not None and all(p.iteration != iteration for p in known):
             raise SubmissionError(f"run {run_id!r} has no submission in iteration {iteration}")
     return [
         f
         for f, p in parsed.items()
         if p is not None
-        and (not workers or p[1] in workers)
-        and (iteration is None or p[0] == iteration)
+        and (not workers or p.worker_id in workers)
+        and (iteration is None or p.iteration == iteration)
     ]
 
 
@@ -153,21 +154,25 @@ def _cancel(run_id: str, open_: list[str], finished: list[str], by: str) -> Canc
     done: list[CritiqueResult] = []
     raced: list[str] = []
     for field in open_:
-        iteration, worker_id, pass_id = parse_member(field) or (0, "", "")
+        ref = PassRef.parse(run_id, field) or PassRef(run_id, 0, "", "")
         result = cancelled_result(
-            run_id=run_id, iteration=iteration, worker_id=worker_id, pass_id=pass_id, by=by
+            run_id=run_id,
+            iteration=ref.iteration,
+            worker_id=ref.worker_id,
+            pass_id=ref.pass_id,
+            by=by,
         )
         events = [
             encode_event(_event(result, by)),
             encode_event(result.trace_event(round=0, stage="cancel")),
         ]
-        if runs.put_result(result, pass_id=pass_id, events=events):
+        if runs.put_result(result, pass_id=ref.pass_id, events=events):
             done.append(result)
         else:
             raced.append(field)
     if done:
         _release(run_id, done)
-    cancelled = tuple(pass_member(r.iteration, r.worker_id, r.pass_id) for r in done)
+    cancelled = tuple(PassRef(run_id, r.iteration, r.worker_id, r.pass_id).member for r in done)
     ended = (*finished, *raced)
     return CancelReport(run_id, by, cancelled, ended, _release_waiting(run_id, ended))
 
@@ -201,8 +206,12 @@ def _release_waiting(run_id: str, fields: Sequence[str]) -> tuple[str, ...]:
     runs = runtime.stores().runs
     released = []
     for field in fields:
-        iteration, worker_id, pass_id = parse_member(field) or (0, "", "")
-        result = runs.pass_result(run_id, iteration, worker_id, pass_id) if pass_id else None
+        ref = PassRef.parse(run_id, field)
+        result = (
+            runs.pass_result(run_id, ref.iteration, ref.worker_id, ref.pass_id)
+            if ref is not None and ref.pass_id
+            else None
+        )
         if result is not None and release_worker_repair(result):
             released.append(field)
     return tuple(released)
@@ -234,7 +243,7 @@ def _store_summaries(run_id: str, done: list[CritiqueResult]) -> None:
 
     submitted = runtime.stores().runs.submitted(run_id)
     for result in done:
-        doc = submitted.get(member(result.iteration, result.worker_id)) or {}
+        doc = submitted.get(PassRef.field_of(result.iteration, result.worker_id)) or {}
         task_id = str(doc.get("task_id") or "")
         if not task_id or doc.get("sid") != result.pass_id:
             continue  # a superseded pass: its submission's task id is the newer pass's
@@ -248,9 +257,9 @@ def _first_message(run_id: str, open_: list[str]) -> dict[str, Any] | None:
     """The first stage message of the first pass of ``open_`` the store still holds one of."""
     runs = runtime.stores().runs
     for field in open_[:MESSAGE_TRIES]:
-        iteration, worker_id, pass_id = parse_member(field) or (0, "", "")
-        doc = runs.submission(run_id, iteration, worker_id) or {}
-        if doc.get("sid") == pass_id and isinstance(doc.get("message"), dict):
+        ref = PassRef.parse(run_id, field) or PassRef(run_id, 0, "", "")
+        doc = runs.submission(run_id, ref.iteration, ref.worker_id) or {}
+        if doc.get("sid") == ref.pass_id and isinstance(doc.get("message"), dict):
             message: dict[str, Any] = doc["message"]
             return message
     return None

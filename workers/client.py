@@ -28,7 +28,7 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipeline import settings
@@ -38,14 +38,14 @@ from pipeline.loop.admission import admit
 from pipeline.loop.gates import CompletionDecision, mean_best_score, redundancy_guard
 from pipeline.loop.pitfalls import render_pitfalls
 from pipeline.loop.stages import start
-from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, Pattern, Submission
+from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, PassRef, Pattern, Submission
 from pipeline.records.artifacts import manager_summary
 from pipeline.security import signing
 from pipeline.security.posture import refusal
 from pipeline.store import keys
 from pipeline.store.base import BudgetSnapshot
 from pipeline.store.fleet import RedisFleetPosture
-from pipeline.store.runs import DoneListener, Failure, announces, member, pass_member
+from pipeline.store.runs import DoneListener, Failure, announces
 from pipeline.store.urls import cannot_reach, check_urls, new_lookalike_warnings
 from workers import cancelling, riding, runtime, telemetry
 from workers.app import app
@@ -63,7 +63,7 @@ def _check_secret_matches(subs: Sequence[Submission]) -> None:
     messages too, and the new pass would supersede that result with one no worker will run."""
     by_run: dict[str, list[str]] = {}
     for sub in subs:
-        by_run.setdefault(sub.run_id, []).append(member(sub.iteration, sub.worker_id))
+        by_run.setdefault(sub.run_id, []).append(PassRef.field_of(sub.iteration, sub.worker_id))
     for run_id, fields in by_run.items():
         bad = runtime.stores().runs.unverifiable(run_id, list(dict.fromkeys(fields)))
         if bad:
@@ -106,6 +106,11 @@ class Handle:
     worker_id: str
     task_id: str
     pass_id: str = ""
+
+    @property
+    def ref(self) -> PassRef:
+        """The pass this handle names (its ``pass_id`` empty for a handle without one)."""
+        return PassRef(self.run_id, self.iteration, self.worker_id, self.pass_id)
 
 
 class CritiqueTimeout(TimeoutError):
@@ -248,14 +253,8 @@ class CritiqueClient:
         latest, pending from now, re-drivable from ``msg``); a send that fails withdraws it."""
         pass_id = str(msg["sid"])
         task_id = str(chain.freeze().id)  # the id the chain's result lands under
-        runtime.stores().runs.open_pass(
-            sub.run_id,
-            sub.iteration,
-            sub.worker_id,
-            pass_id,
-            task_id=task_id,
-            signature=sub.subtask_signature,
-            message=msg,
+        runtime.stores().runs.open_submission(
+            sub, pass_id, task_id=task_id, message=msg
         )  # a store that cannot be reached names Redis itself: nothing was sent
         try:
             with telemetry.span(
@@ -293,7 +292,7 @@ class CritiqueClient:
         """Withdraw a pass whose send failed (:meth:`RedisRunStore.withdraw`); False when the
         store could not be reached either (then the pass stays recorded)."""
         try:
-            runtime.stores().runs.withdraw(sub.run_id, sub.iteration, sub.worker_id, pass_id)
+            runtime.stores().runs.withdraw(PassRef.of(sub, pass_id))
         except StoreUnavailableError as exc:
             log.warning("could not withdraw %s's unsent pass %s: %s", sub.worker_id, pass_id, exc)
             return False
@@ -331,7 +330,7 @@ class CritiqueClient:
                 None if got is not None else runs.latest_pass(h.run_id, h.iteration, h.worker_id)
             )
             if pass_id:
-                got = runs.failure(h.run_id, pass_member(h.iteration, h.worker_id, pass_id))
+                got = runs.failure(h.run_id, replace(h.ref, pass_id=pass_id).member)
         if isinstance(got, Failure):
             return SubmissionError(
                 f"submission {h.worker_id} of run {h.run_id} {failure_text(got)}"

@@ -55,14 +55,14 @@ from pipeline.loop.stages import (
     finish,
     is_token_free,
 )
-from pipeline.models import CritiqueResult, check_identifier
+from pipeline.models import CritiqueResult, PassRef, check_identifier
 from pipeline.security.redaction import scrub
 from pipeline.store import keys
 from pipeline.store.base import encode_event
 from pipeline.store.memory import BufferedTraceSink
 from pipeline.store.metrics import refusal_reason
 from pipeline.store.redis_common import fenced_writes
-from pipeline.store.runs import PassFinished, StepRecord, completion_member, pass_member
+from pipeline.store.runs import PassFinished, StepRecord, completion_member
 from workers import routing, runtime, telemetry
 from workers.app import app, task_events_off
 
@@ -391,7 +391,7 @@ def take(task: PipelineTask, msg: dict[str, Any], stage: str) -> Step:
     if state.pass_id != pass_id:
         state = state.model_copy(update={"pass_id": pass_id})
     sub = state.submission
-    _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), stage)
+    _attribute(task, sub.run_id, PassRef.of(sub, pass_id).member, stage)
     boundary_config(task, overrides, stage, sub.run_id, sub.iteration, sub.worker_id, sub.model)
     _check_stage(task, state, stage)
     return Step(msg, state, overrides)
@@ -403,8 +403,7 @@ def run_step(task: PipelineTask, stage: str, before: Step) -> Step:
     lease the run reserved and the output that stands does not hold is refunded
     (:func:`refund`). Returns the step that stands."""
     sub = before.state.submission
-    member = pass_member(sub.iteration, sub.worker_id, before.state.pass_id)
-    _attribute(task, sub.run_id, member, stage)
+    _attribute(task, sub.run_id, PassRef.of(sub, before.state.pass_id).member, stage)
     replayed = replay(task, stage, before)
     if replayed is not None:
         return replayed
@@ -420,8 +419,7 @@ def run_step(task: PipelineTask, stage: str, before: Step) -> Step:
 
 def _step_id(state: LoopState, stage: str) -> str:
     """The id ``stage`` run on ``state`` is recorded under (:func:`keys.step_id`)."""
-    sub = state.submission
-    member = pass_member(sub.iteration, sub.worker_id, state.pass_id)
+    member = PassRef.of(state.submission, state.pass_id).member
     return keys.step_id(member, state.round, state.attempt, stage)
 
 
@@ -710,7 +708,7 @@ def _finish(
     them)."""
     pass_id = _pass_id(task, msg, state, "gate")
     sub = state.submission
-    _attribute(task, sub.run_id, pass_member(sub.iteration, sub.worker_id, pass_id), "gate")
+    _attribute(task, sub.run_id, PassRef.of(sub, pass_id).member, "gate")
     if state.pass_id != pass_id:
         state = state.model_copy(update={"pass_id": pass_id})
     began = time.monotonic()

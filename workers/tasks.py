@@ -274,15 +274,7 @@ def submit(self: EntryTask, msg: Any) -> dict[str, Any]:
             start(sub, pass_id), overrides, pass_id=pass_id, task=keys.TASK_L0, task_id=task_id
         )
         if first or runs.latest_pass(sub.run_id, sub.iteration, sub.worker_id) is None:
-            runs.open_pass(
-                sub.run_id,
-                sub.iteration,
-                sub.worker_id,
-                pass_id,
-                task_id=task_id,
-                signature=sub.subtask_signature,
-                message=first_msg,
-            )
+            runs.open_submission(sub, pass_id, task_id=task_id, message=first_msg)
         runtime.metrics().observe("submit", time.monotonic() - began)
         replaced: dict[str, Any] = self.replace(submission_signature(first_msg, config, sub))
         return replaced

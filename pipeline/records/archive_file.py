@@ -46,7 +46,7 @@ from typing import Any
 
 from pipeline import settings
 from pipeline.errors import ForgedMessageError, PermanentError
-from pipeline.models import CritiqueResult, Lesson, Pattern, check_identifier
+from pipeline.models import CritiqueResult, Lesson, PassRef, Pattern, check_identifier
 from pipeline.security import signing
 
 SCHEMA = 1
@@ -119,7 +119,7 @@ class RunRecord:
 
 def pass_key(result: CritiqueResult) -> str:
     """``"<iteration>:<worker>:<pass id>"``: which pass a result is of."""
-    return f"{result.iteration}:{result.worker_id}:{result.pass_id}"
+    return PassRef(result.run_id, result.iteration, result.worker_id, result.pass_id).member
 
 
 def latest_members(latest: Sequence[CritiqueResult]) -> frozenset[str]:

@@ -103,14 +103,6 @@ return 1
 """
 
 
-def parse_member(member: str) -> tuple[int, str, str] | None:
-    """``"<iteration>:<worker_id>:<sid>"`` → its parts; None when malformed."""
-    parts = member.split(":")
-    if len(parts) != 3 or not parts[0].isdigit():
-        return None
-    return int(parts[0]), parts[1], parts[2]
-
-
 class RedisPendingIndex:
     """Pending submission passes by last progress, the sweep lock, and queue-drain probes."""
 

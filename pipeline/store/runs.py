@@ -51,7 +51,7 @@ import redis
 import redis.cluster
 
 from pipeline.errors import ForgedMessageError, SubmissionError
-from pipeline.models import CritiqueResult
+from pipeline.models import CritiqueResult, PassRef, Submission
 from pipeline.security import signing
 from pipeline.store import keys
 from pipeline.store.packing import pack_event, pack_record, unpack
@@ -339,21 +339,6 @@ def _step_order(step: str, pass_field: str) -> tuple[int, int, int] | None:
     return parsed.round, parsed.attempt, _STAGE_RANK[parsed.stage]
 
 
-def member(iteration: int, worker_id: str) -> str:
-    """The hash field of one submission."""
-    return f"{iteration}:{worker_id}"
-
-
-def pass_member(iteration: int, worker_id: str, pass_id: str) -> str:
-    """The ``pending`` sorted-set member of one submission pass."""
-    return f"{iteration}:{worker_id}:{pass_id}"
-
-
-def pass_member_of(field: str, pass_id: str) -> str:
-    """The pass member of submission ``field`` (``"<iteration>:<worker_id>"``) and pass id."""
-    return f"{field}:{pass_id}"
-
-
 def _pass_of_step(step: str) -> str:
     """The pass member a chain step id belongs to (``""`` for a step outside a pass, such as a
     completion gate's): ``"<iteration>:<worker>:<sid>"`` of ``"…:<round>:<attempt>:<stage>"``."""
@@ -450,7 +435,7 @@ def _lenient_text(value: bytes | str) -> str:
 def announces(member: str, iteration: int, worker_id: str) -> bool:
     """Whether an announced ``member`` (a pass member, or a submission field for a result
     written without a pass) is about submission (``iteration``, ``worker_id``)."""
-    field = f"{iteration}:{worker_id}"
+    field = PassRef.field_of(iteration, worker_id)
     return member == field or member.startswith(field + ":")
 
 
@@ -563,10 +548,10 @@ class RedisRunStore:
                     for s in (keys.SUBMITTED, keys.MESSAGES, keys.PASS_RESULTS, keys.FAILURES)
                 ],
                 args=[
-                    member(iteration, worker_id),
+                    PassRef.field_of(iteration, worker_id),
                     json.dumps(doc),
                     self._ttl_ms,
-                    pass_member(iteration, worker_id, pass_id) if pass_id else "",
+                    PassRef(run_id, iteration, worker_id, pass_id).member if pass_id else "",
                     pack_record(json.dumps(message), binary=self._binary)
                     if pass_id and message is not None
                     else "",
@@ -596,14 +581,15 @@ class RedisRunStore:
         """One submission's ``mark_submitted`` record (the latest pass's), or None; with its
         first ``message`` while that pass is live (until its result lands)."""
         with store_errors(self._r):
-            raw = self._r.hget(self._key(run_id, keys.SUBMITTED), member(iteration, worker_id))
+            field = PassRef.field_of(iteration, worker_id)
+            raw = self._r.hget(self._key(run_id, keys.SUBMITTED), field)
             if raw is None:
                 return None
             doc = dict(json.loads(text(raw)))
             pass_id = str(doc.get("sid") or "")
             if pass_id:
                 message = self._r.hget(
-                    self._key(run_id, keys.MESSAGES), pass_member(iteration, worker_id, pass_id)
+                    self._key(run_id, keys.MESSAGES), PassRef.member_of(field, pass_id)
                 )
                 unpacked = None if message is None else unpack(message)
                 if unpacked is not None:
@@ -620,7 +606,7 @@ class RedisRunStore:
         step-record hash: meant for recovery and status, not for every stage. None too once
         the pass has its result (its steps are released then).
         """
-        field = pass_member(iteration, worker_id, pass_id)
+        field = PassRef(run_id, iteration, worker_id, pass_id).member
         best: tuple[tuple[int, int, int], str, str] | None = None
         with store_errors(self._r):
             rows = self._r.hgetall(self._steps_key(run_id, field))
@@ -641,23 +627,27 @@ class RedisRunStore:
         """Record ``pass_id`` as the submission's latest pass (call before its chain is sent): the
         previous pass's result leaves ``results`` (it stays under its own pass), and only this
         pass's gate will write there."""
-        field = member(iteration, worker_id)
+        field = PassRef.field_of(iteration, worker_id)
         with store_errors(self._r):
             self._begin_pass(
                 keys=[self._key(run_id, keys.PASSES), self._key(run_id, keys.RESULTS)],
                 args=[field, pass_id, self._ttl_ms],
             )
 
+    def open_submission(
+        self, sub: Submission, pass_id: str, *, task_id: str, message: dict[str, Any]
+    ) -> None:
+        """:meth:`open_pass` for pass ``pass_id`` of ``sub``, signed by its subtask signature: what
+        the client and the entry task write before they send a pass's first ``message``."""
+        self.open_pass(
+            PassRef.of(sub, pass_id),
+            task_id=task_id,
+            signature=sub.subtask_signature,
+            message=message,
+        )
+
     def open_pass(
-        self,
-        run_id: str,
-        iteration: int,
-        worker_id: str,
-        pass_id: str,
-        *,
-        task_id: str,
-        signature: str,
-        message: dict[str, Any],
+        self, ref: PassRef, *, task_id: str, signature: str, message: dict[str, Any]
     ) -> None:
         """What a submit writes before its first message is sent, in one script (two in a
         Redis Cluster, where the index of runs with pending passes is another slot):
@@ -666,7 +656,7 @@ class RedisRunStore:
         :meth:`mark_submitted`'s record with the first ``message`` (sent under ``task_id``),
         from which a lost pass is re-driven. A send that fails calls :meth:`withdraw`."""
         now = time.time()
-        field, pending = member(iteration, worker_id), pass_member(iteration, worker_id, pass_id)
+        run_id, pass_id = ref.run_id, ref.pass_id
         doc = {"task_id": task_id, "signature": signature, "at": now, "sid": pass_id}
         runs_index = keys.shared_key(keys.PENDING_RUNS, self._prefix)
         script_keys = [
@@ -677,10 +667,10 @@ class RedisRunStore:
         if not clustered:
             script_keys.append(runs_index)
         args: list[Any] = [
-            field,
+            ref.field,
             pass_id,
             self._ttl_ms,
-            pending,
+            ref.member,
             repr(now),
             run_id,
             json.dumps(doc),
@@ -696,19 +686,15 @@ class RedisRunStore:
                 pipe.execute()
         self._index_for_archive(run_id, now)
 
-    def withdraw(self, run_id: str, iteration: int, worker_id: str, pass_id: str) -> None:
+    def withdraw(self, ref: PassRef) -> None:
         """Undo :meth:`open_pass`'s record of a pass whose first message was not sent: its
         submission record (while it is that pass's) and first message go, so the sweeper never
         re-drives it; like a pass whose submit died before recording it, it leaves the pending
         index after the sweeper's grace."""
         with store_errors(self._r):
             self._withdraw(
-                keys=[self._key(run_id, keys.SUBMITTED), self._key(run_id, keys.MESSAGES)],
-                args=[
-                    member(iteration, worker_id),
-                    pass_member(iteration, worker_id, pass_id),
-                    pass_id,
-                ],
+                keys=[self._key(ref.run_id, s) for s in (keys.SUBMITTED, keys.MESSAGES)],
+                args=[ref.field, ref.member, ref.pass_id],
             )
 
     def claim_entry(
@@ -765,7 +751,9 @@ class RedisRunStore:
     def latest_pass(self, run_id: str, iteration: int, worker_id: str) -> str | None:
         """The submission's latest pass id, or None (never submitted through the client)."""
         with store_errors(self._r):
-            raw = self._r.hget(self._key(run_id, keys.PASSES), member(iteration, worker_id))
+            raw = self._r.hget(
+                self._key(run_id, keys.PASSES), PassRef.field_of(iteration, worker_id)
+            )
         return None if raw is None else text(raw)
 
     def put_result(
@@ -794,7 +782,7 @@ class RedisRunStore:
             if result.pass_id:
                 raise ValueError(f"result of pass {result.pass_id!r} put as pass {pass_id!r}")
             result = result.model_copy(update={"pass_id": pass_id})  # filed under its pass
-        field = member(result.iteration, result.worker_id)
+        field = PassRef.field_of(result.iteration, result.worker_id)
         raw = pack_record(self._seal(RESULT_KIND, result.model_dump_json()), binary=self._binary)
         if not pass_id:
             key = self._key(result.run_id, keys.RESULTS)
@@ -814,7 +802,7 @@ class RedisRunStore:
                 self._announce(pipe, result.run_id, field)
                 pipe.execute()
             return True
-        pass_field = pass_member(result.iteration, result.worker_id, pass_id)
+        pass_field = PassRef.member_of(field, pass_id)
         script_keys = [
             self._key(result.run_id, s)
             for s in (keys.PASS_RESULTS, keys.PASSES, keys.PENDING, keys.TRACE)
@@ -847,7 +835,7 @@ class RedisRunStore:
 
     def result(self, run_id: str, iteration: int, worker_id: str) -> CritiqueResult | None:
         """The latest pass's result, or None while it is not there yet (or not verifiable)."""
-        field = member(iteration, worker_id)
+        field = PassRef.field_of(iteration, worker_id)
         with store_errors(self._r):
             pipe = self._r.pipeline(transaction=False)
             pipe.hget(self._key(run_id, keys.PASSES), field)
@@ -862,15 +850,15 @@ class RedisRunStore:
         from ``results:pass`` in one round trip), else a record in ``results`` (written by a
         gate without a pass); what does not verify is left out."""
         named = {text(f): text(pass_id) for f, pass_id in passes.items() if pass_id is not None}
-        wanted = [(f, pass_member_of(f, pass_id), pass_id) for f, pass_id in named.items()]
+        wanted = [(f, PassRef.member_of(f, pass_id)) for f, pass_id in named.items()]
         out: dict[str, CritiqueResult] = {}
         if wanted:
             with store_errors(self._r):
                 got = self._r.hmget(self._key(run_id, keys.PASS_RESULTS), [w[1] for w in wanted])
-            for (field, pass_field, pass_id), raw in zip(wanted, got, strict=True):
+            for (field, pass_field), raw in zip(wanted, got, strict=True):
                 if raw is None:
                     continue
-                result = self._result(raw, run_id, keys.PASS_RESULTS, pass_field, pass_id)
+                result = self._result(raw, run_id, keys.PASS_RESULTS, pass_field, by_pass=True)
                 if result is not None:
                     out[field] = result
         for name, raw in unpassed.items():
@@ -885,7 +873,7 @@ class RedisRunStore:
     def pass_finished(self, run_id: str, iteration: int, worker_id: str, pass_id: str) -> bool:
         """Whether the pass has its result stored (it finished, or was cancelled): one cheap
         lookup, what a stage in flight asks before its next model call."""
-        field = pass_member(iteration, worker_id, pass_id)
+        field = PassRef(run_id, iteration, worker_id, pass_id).member
         with store_errors(self._r):
             return bool(self._r.hexists(self._key(run_id, keys.PASS_RESULTS), field))
 
@@ -899,7 +887,7 @@ class RedisRunStore:
             pipe.hgetall(self._key(run_id, keys.PASSES))
             pipe.zrange(self._key(run_id, keys.PENDING), 0, -1)
             latest, pending = pipe.execute()
-            members = [pass_member_of(text(f), text(p)) for f, p in latest.items()]
+            members = [PassRef.member_of(text(f), text(p)) for f, p in latest.items()]
             members = list(dict.fromkeys([*members, *(text(m) for m in pending)]))
             if not members:
                 return [], []
@@ -926,19 +914,18 @@ class RedisRunStore:
     ) -> CritiqueResult | Failure | None:
         """What one pass ended in, in one round trip: its result, else (with ``failure``) the
         failure a worker recorded for it, else None (still running, or nothing verifiable)."""
-        field = pass_member(iteration, worker_id, pass_id)
+        field = PassRef(run_id, iteration, worker_id, pass_id).member
         with store_errors(self._r):
             pipe = self._r.pipeline(transaction=False)
             pipe.hget(self._key(run_id, keys.PASS_RESULTS), field)
             if failure:
                 pipe.hget(self._key(run_id, keys.FAILURES), field)
             got = pipe.execute()
-        return self.decode_outcome(run_id, pass_id, field, got[0], got[1] if failure else None)
+        return self.decode_outcome(run_id, field, got[0], got[1] if failure else None)
 
     def decode_outcome(
         self,
         run_id: str,
-        pass_id: str,
         field: str,
         raw_result: bytes | str | None,
         raw_failure: bytes | str | None,
@@ -947,7 +934,7 @@ class RedisRunStore:
         anyone, e.g. an asyncio client): the result if it verifies, else the failure, else None.
         No I/O."""
         if raw_result is not None:
-            result = self._result(raw_result, run_id, keys.PASS_RESULTS, field, pass_id)
+            result = self._result(raw_result, run_id, keys.PASS_RESULTS, field, by_pass=True)
             if result is not None:
                 return result
         if raw_failure is not None:
@@ -985,7 +972,7 @@ class RedisRunStore:
             pipe.hmget(self._key(run_id, keys.RESULTS), list(fields))
             pass_ids, unpassed = pipe.execute()
             named = [
-                (f, pass_member_of(f, text(pass_id)))
+                (f, PassRef.member_of(f, text(pass_id)))
                 for f, pass_id in zip(fields, pass_ids, strict=True)
                 if pass_id
             ]
@@ -1022,8 +1009,7 @@ class RedisRunStore:
             raw = self._r.hgetall(self._key(run_id, keys.PASS_RESULTS))
         out = []
         for field, value in raw.items():
-            name = text(field)
-            result = self._result(value, run_id, keys.PASS_RESULTS, name, name.split(":")[-1])
+            result = self._result(value, run_id, keys.PASS_RESULTS, text(field), by_pass=True)
             if result is not None:
                 out.append(result)
         return sorted(out, key=lambda r: (r.iteration, r.worker_id, r.pass_id))
@@ -1040,7 +1026,7 @@ class RedisRunStore:
         refused: bool,
         task_id: str = "",
     ) -> bool:
-        """Record that a pass (its :func:`pass_member`) or a completion-gate request (its
+        """Record that a pass (its :attr:`PassRef.member`) or a completion-gate request (its
         :func:`completion_member`) failed for good; a worker calls it only for a failure it can
         attribute (a message that verified and was addressed to the failing task). The first
         record wins (a repeat writes nothing: False); the pass leaves the pending index."""
@@ -1208,10 +1194,10 @@ class RedisRunStore:
         return doc
 
     def _result(
-        self, raw: str | bytes, run_id: str, hash_: str, field: str, pass_id: str | None = None
+        self, raw: str | bytes, run_id: str, hash_: str, field: str, *, by_pass: bool = False
     ) -> CritiqueResult | None:
         """A stored result, if it verifies and belongs where it is filed: its run, submission
-        (``field`` of ``results``) or pass (``field`` of ``results:pass``, ``pass_id``)."""
+        (``field`` of ``results``) or, ``by_pass``, pass (``field`` of ``results:pass``)."""
         where = (run_id, hash_, field)
         unpacked = unpack(raw)
         if unpacked is None:
@@ -1225,9 +1211,8 @@ class RedisRunStore:
         except ValueError:
             self._note(where, "not a valid result")
             return None
-        filed = member(result.iteration, result.worker_id)
-        if pass_id is not None:
-            filed = pass_member(result.iteration, result.worker_id, result.pass_id)
+        ref = PassRef(run_id, result.iteration, result.worker_id, result.pass_id)
+        filed = ref.member if by_pass else ref.field
         if result.run_id != run_id or filed != field:
             self._note(where, "a result filed under another run, submission or pass")
             return None

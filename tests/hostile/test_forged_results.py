@@ -18,10 +18,9 @@ from celery.result import AsyncResult
 
 from pipeline.errors import SubmissionError
 from pipeline.loop.stages import start
-from pipeline.models import CritiqueResult
+from pipeline.models import CritiqueResult, PassRef
 from pipeline.security import signing
 from pipeline.store import keys
-from pipeline.store.runs import pass_member
 from tests.support import run_steps, wait_until
 from tests.support.hostile import (
     ENABLED,
@@ -58,7 +57,7 @@ def registered_pass(run_id: str, worker_id: str = "victim") -> Any:
     gate_id = uuid.uuid4().hex
     runs = runtime.stores().runs
     runs.begin_pass(run_id, 1, worker_id, pass_id)
-    register(run_id, 1, worker_id, pass_id)
+    register(PassRef(run_id, 1, worker_id, pass_id))
     runs.mark_submitted(
         run_id, 1, worker_id, gate_id, sub.subtask_signature, pass_id=pass_id, message=msg
     )
@@ -241,7 +240,7 @@ def test_unsigned_or_misfiled_records_in_the_store_are_not_trusted(
     handle = registered_pass(new_run("store"))
     run_id, pass_id = handle.run_id, handle.pass_id
     r = redis.Redis.from_url(hostile_url)
-    field, pass_field = "1:victim", pass_member(1, "victim", pass_id)
+    field, pass_field = "1:victim", PassRef(run_id, 1, "victim", pass_id).member
     forged = forged_result(run_id, "victim", pass_id)
     failure = {"run_id": run_id, "member": pass_field, "stage": "gate", "error": "X"}
     failure.update({"reason": "forged refusal", "refused": True, "task_id": "", "at": 0})
@@ -306,7 +305,7 @@ def test_a_refusal_of_the_clients_own_submission_is_recorded_and_reported(
     _forget_configs(runtime)
     with pytest.raises(SubmissionError, match="was refused by the worker: submission may not"):
         client.wait(handle, timeout=30)
-    member = pass_member(1, "w1", handle.pass_id)
+    member = PassRef(run_id, 1, "w1", handle.pass_id).member
     failure = runtime.stores().runs.failure(run_id, member)
     assert isinstance(failure, Failure) and failure.refused and failure.stage == "l0"
     assert "max_repair_attempts" in failure.reason

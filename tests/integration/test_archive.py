@@ -14,13 +14,12 @@ import pytest
 import redis
 
 from pipeline import settings
-from pipeline.models import CritiqueEnvelope, CritiqueResult, ReusablePattern
+from pipeline.models import CritiqueEnvelope, CritiqueResult, PassRef, ReusablePattern
 from pipeline.records import archive_file
 from pipeline.store import keys
 from pipeline.store.archive_index import RedisArchiveIndex
 from pipeline.store.base import encode_event
 from pipeline.store.pending import RedisPendingIndex
-from pipeline.store.runs import pass_member
 from tests.support.workers import client_on
 from workers import archiving
 from workers.cli import main
@@ -60,7 +59,9 @@ def _submit(run_id: str, worker: str, pass_id: str) -> None:
 
     runs = runtime.stores().runs
     runs.begin_pass(run_id, 1, worker, pass_id)
-    RedisPendingIndex(runtime.client()).add(run_id, pass_member(1, worker, pass_id), time.time())
+    RedisPendingIndex(runtime.client()).add(
+        run_id, PassRef(run_id, 1, worker, pass_id).member, time.time()
+    )
     runs.mark_submitted(
         run_id,
         1,
@@ -96,7 +97,12 @@ def _seed(run_id: str) -> None:
     _finish(run_id, "w2", "s2")
     _submit(run_id, "w3", "s3")
     runtime.stores().runs.put_failure(
-        run_id, pass_member(1, "w3", "s3"), stage="critic", error="E", reason="r", refused=False
+        run_id,
+        PassRef(run_id, 1, "w3", "s3").member,
+        stage="critic",
+        error="E",
+        reason="r",
+        refused=False,
     )
     runtime.stores().runs.record_completion(run_id, "req-1", {"verdict": "reject", "n": 1})
 
@@ -118,7 +124,7 @@ def test_archive_run_writes_every_verified_record(env: Path) -> None:
     assert [(r.worker_id, r.pass_id) for r in record.results] == [("w1", "s1"), ("w2", "s2")]
     assert sorted(r.pass_id for r in record.passes) == ["s0", "s1", "s2"]
     assert record.results[0].notes == ("note of s1",)
-    assert list(record.failures) == [pass_member(1, "w3", "s3")]
+    assert list(record.failures) == [PassRef("run-a", 1, "w3", "s3").member]
     assert record.completions == {"req-1": {"verdict": "reject", "n": 1}}
     assert [e.get("sid") for e in record.trace if e.get("type") == "result"] == ["s0", "s1", "s2"]
     assert record.patterns[0].frequency == 3 and record.signed_store is True
@@ -131,7 +137,7 @@ def test_a_forged_record_in_the_store_is_not_archived(env: Path, redis_url: str)
     _seed("run-f")
     forged = _result("run-f", "w9", "s9", 1.0).model_dump_json()
     r = redis.Redis.from_url(redis_url)
-    r.hset(keys.run_key("run-f", keys.PASS_RESULTS), pass_member(1, "w9", "s9"), forged)
+    r.hset(keys.run_key("run-f", keys.PASS_RESULTS), PassRef("run-f", 1, "w9", "s9").member, forged)
     r.hset(keys.run_key("run-f", keys.RESULTS), "1:w9", forged)
     record = archiving.archive_run("run-f").record
     assert record is not None
@@ -160,7 +166,9 @@ def test_a_run_with_a_pending_pass_is_archived_before_it_expires(env: Path) -> N
     assert archiving.archive_due_runs(time.time() + 10**4, quiet_s=60, lock_s=0) == []
     done = archiving.archive_due_runs(time.time() + 10**5, quiet_s=60, margin_s=10**9, lock_s=0)
     assert [(d.run_id, d.why) for d in done] == [("run-p", "expiring")]
-    assert done[0].record is not None and done[0].record.pending == (pass_member(1, "w4", "s4"),)
+    assert done[0].record is not None and done[0].record.pending == (
+        PassRef("run-p", 1, "w4", "s4").member,
+    )
 
 
 def test_a_run_that_changed_after_its_archive_is_archived_again(env: Path) -> None:

@@ -20,9 +20,9 @@ import pytest
 import redis
 
 from pipeline import settings
-from pipeline.models import CritiqueEnvelope, CritiqueResult
+from pipeline.models import CritiqueEnvelope, CritiqueResult, PassRef
 from pipeline.store import keys
-from pipeline.store.runs import PassFinished, RedisRunStore, pass_member
+from pipeline.store.runs import PassFinished, RedisRunStore
 from tests.support import run_steps, wait_until
 from tests.support.submissions import CONFIG, operator_sub
 from tests.support.workers import WorkerProcess, WorkerSpec, client_on, worker_db_url
@@ -96,7 +96,9 @@ def test_a_result_is_stored_once_packed_and_read_through_the_latest_pass(
     run_id = _run("once")
     runs.begin_pass(run_id, 1, "w1", "s1")
     runs.put_result(_result(run_id, "w1", "s1"), pass_id="s1")
-    raw = redis_client.hget(keys.run_key(run_id, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
+    raw = redis_client.hget(
+        keys.run_key(run_id, keys.PASS_RESULTS), PassRef(run_id, 1, "w1", "s1").member
+    )
     assert raw is not None and not raw.startswith(b"{")  # packed
     assert len(raw) < len(_result(run_id, "w1", "s1").model_dump_json()) / 2
     assert not redis_client.exists(keys.run_key(run_id, keys.RESULTS))

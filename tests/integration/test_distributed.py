@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from pipeline.loop.stages import start
-from pipeline.models import Submission
+from pipeline.models import PassRef, Submission
 from pipeline.store import keys
 from tests.support import wait_until
 from tests.support.submissions import CONFIG, KINDS, LOOP, make_sub, reference
@@ -373,7 +373,6 @@ def test_critique_resume_leaves_a_failed_chain_alone_unless_asked(
     it, and wait() gets its result."""
     import json as _json
 
-    from pipeline.store.runs import pass_member
     from workers import runtime
     from workers.cli import main
     from workers.client import CritiqueClient
@@ -382,7 +381,7 @@ def test_critique_resume_leaves_a_failed_chain_alone_unless_asked(
     handle = _lose_l0_successor(worker, env, make_sub(run_id, "w1", 1, "looping"))
     runtime.stores().runs.put_failure(
         run_id,
-        pass_member(1, "w1", handle.pass_id),
+        PassRef(run_id, 1, "w1", handle.pass_id).member,
         stage="critic",
         error="ConfigError",
         reason="the worker refused the message",
@@ -400,7 +399,10 @@ def test_critique_resume_leaves_a_failed_chain_alone_unless_asked(
     doc = _json.loads(capsys.readouterr().out)
     assert doc["resumed"] == [{"iteration": 1, "worker_id": "w1", "stage": "critic"}]
     # The failure record is gone with the re-drive: wait() waits for the new outcome.
-    assert runtime.stores().runs.failure(run_id, pass_member(1, "w1", handle.pass_id)) is None
+    assert (
+        runtime.stores().runs.failure(run_id, PassRef(run_id, 1, "w1", handle.pass_id).member)
+        is None
+    )
     assert CritiqueClient(CONFIG).wait(handle, timeout=60).status == "repaired"
 
 

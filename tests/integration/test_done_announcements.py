@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from pipeline.models import CritiqueEnvelope, CritiqueResult
+from pipeline.models import CritiqueEnvelope, CritiqueResult, PassRef
 from pipeline.store import keys
-from pipeline.store.runs import announces, pass_member
+from pipeline.store.runs import announces
 from tests.support.workers import client_on, worker_db_url
 
 pytestmark = pytest.mark.integration
@@ -88,7 +88,12 @@ def test_a_result_and_a_failure_are_announced_and_a_repeat_is_not(env: dict[str,
         runs.put_result(_result(run_id, "w2", ""))
         assert listener.wait(5.0) == {(run_id, "1:w2")}
         runs.put_failure(
-            run_id, pass_member(1, "w3", "p3"), stage="l0", error="E", reason="r", refused=False
+            run_id,
+            PassRef(run_id, 1, "w3", "p3").member,
+            stage="l0",
+            error="E",
+            reason="r",
+            refused=False,
         )
         assert listener.wait(5.0) == {(run_id, "1:w3:p3")}
 

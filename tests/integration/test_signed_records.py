@@ -9,10 +9,10 @@ import json
 import pytest
 import redis
 
-from pipeline.models import CritiqueEnvelope, CritiqueResult
+from pipeline.models import CritiqueEnvelope, CritiqueResult, PassRef
 from pipeline.store import keys
 from pipeline.store.packing import unpack
-from pipeline.store.runs import Failure, RedisRunStore, pass_member
+from pipeline.store.runs import Failure, RedisRunStore
 
 pytestmark = pytest.mark.integration
 
@@ -46,14 +46,18 @@ def test_a_signed_result_reads_back_and_an_altered_one_does_not(
     runs = signed_store(redis_client)
     runs.begin_pass(RUN, 1, "w1", "s1")
     runs.put_result(result("s1"), pass_id="s1")
-    packed = redis_client.hget(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
+    packed = redis_client.hget(
+        keys.run_key(RUN, keys.PASS_RESULTS), PassRef(RUN, 1, "w1", "s1").member
+    )
     assert packed is not None
     raw = unpack(packed)
     assert raw is not None and json.loads(raw)["sig"].startswith("hmac-sha256:")
     assert runs.pass_result(RUN, 1, "w1", "s1") == result("s1")
     assert runs.result(RUN, 1, "w1") == runs.results(RUN)[0] == result("s1")
     altered = json.dumps({**json.loads(raw), "best_score": 1.0})
-    redis_client.hset(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"), altered)
+    redis_client.hset(
+        keys.run_key(RUN, keys.PASS_RESULTS), PassRef(RUN, 1, "w1", "s1").member, altered
+    )
     redis_client.hset(keys.run_key(RUN, keys.RESULTS), "1:w1", altered)
     assert runs.pass_result(RUN, 1, "w1", "s1") is None
     assert runs.result(RUN, 1, "w1") is None and runs.results(RUN) == []
@@ -64,7 +68,9 @@ def test_without_secrets_results_are_stored_as_before(redis_client: redis.Redis)
     """Development: a result is stored as its JSON (no signature), packed, and read back."""
     runs = RedisRunStore(redis_client)
     runs.put_result(result("s1"), pass_id="s1")
-    raw = redis_client.hget(keys.run_key(RUN, keys.PASS_RESULTS), pass_member(1, "w1", "s1"))
+    raw = redis_client.hget(
+        keys.run_key(RUN, keys.PASS_RESULTS), PassRef(RUN, 1, "w1", "s1").member
+    )
     assert raw is not None and unpack(raw) == result("s1").model_dump_json()
     assert runs.pass_result(RUN, 1, "w1", "s1") == result("s1")
 
@@ -73,7 +79,7 @@ def test_a_failure_is_recorded_once_and_a_result_outranks_it(redis_client: redis
     """put_failure records the first failure of a pass (signed), takes the pass off the
     pending index, and pass_outcome answers it until a result is stored, which then wins."""
     runs = signed_store(redis_client)
-    member = pass_member(1, "w1", "s1")
+    member = PassRef(RUN, 1, "w1", "s1").member
     redis_client.zadd(keys.run_key(RUN, keys.PENDING), {member: 1.0})
     assert runs.put_failure(RUN, member, stage="l0", error="E", reason="first", refused=True)
     assert not runs.put_failure(RUN, member, stage="gate", error="F", reason="later", refused=False)
@@ -95,7 +101,7 @@ def test_a_cleared_failure_leaves_the_pass_pending_and_the_next_failure_is_recor
     """clear_failure (resume --failed) forgets a pass's failure: no outcome until the re-driven
     pass ends, and a new failure is recorded in place of the first (not refused as a repeat)."""
     runs = signed_store(redis_client)
-    member = pass_member(1, "w1", "s1")
+    member = PassRef(RUN, 1, "w1", "s1").member
     runs.put_failure(RUN, member, stage="l0", error="E", reason="first", refused=True)
     assert runs.clear_failure(RUN, member)
     assert not runs.clear_failure(RUN, member)  # nothing left to clear
@@ -113,15 +119,15 @@ def test_records_filed_under_another_pass_or_run_are_not_trusted(
     runs = signed_store(redis_client)
     runs.put_result(result("s1"), pass_id="s1")
     runs.put_failure(
-        RUN, pass_member(1, "w2", "s1"), stage="l0", error="E", reason="r", refused=True
+        RUN, PassRef(RUN, 1, "w2", "s1").member, stage="l0", error="E", reason="r", refused=True
     )
     pass_results = keys.run_key(RUN, keys.PASS_RESULTS)
     failures = keys.run_key(RUN, keys.FAILURES)
-    good = redis_client.hget(pass_results, pass_member(1, "w1", "s1"))
-    failed = redis_client.hget(failures, pass_member(1, "w2", "s1"))
+    good = redis_client.hget(pass_results, PassRef(RUN, 1, "w1", "s1").member)
+    failed = redis_client.hget(failures, PassRef(RUN, 1, "w2", "s1").member)
     assert good is not None and failed is not None
-    redis_client.hset(pass_results, pass_member(1, "w1", "s2"), good)
-    redis_client.hset(failures, pass_member(1, "w1", "s2"), failed)
+    redis_client.hset(pass_results, PassRef(RUN, 1, "w1", "s2").member, good)
+    redis_client.hset(failures, PassRef(RUN, 1, "w1", "s2").member, failed)
     redis_client.hset(keys.run_key("run2", keys.RESULTS), "1:w1", good)
     assert runs.pass_outcome(RUN, 1, "w1", "s2") is None
     assert runs.results("run2") == []

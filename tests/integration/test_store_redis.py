@@ -15,7 +15,7 @@ import redis
 
 from pipeline import settings
 from pipeline.errors import ConfigError, StoreUnavailableError
-from pipeline.models import ReusablePattern
+from pipeline.models import PassRef, ReusablePattern
 from pipeline.store import keys
 from pipeline.store.blobs import RedisBlobStore, blob_ref
 from pipeline.store.pending import RedisPendingIndex
@@ -88,7 +88,9 @@ def exercise_every_store(
     runs = RedisRunStore(client, prefix=prefix, ttl_s=ttl_s)
     runs.mark_submitted(run_id, 1, "w1", "task-1", "sig")
     runs.begin_pass(run_id, 1, "w1", "sid")
-    runs.open_pass(run_id, 1, "w4", "sid4", task_id="t4", signature="sig", message={"m": 4})
+    runs.open_pass(
+        PassRef(run_id, 1, "w4", "sid4"), task_id="t4", signature="sig", message={"m": 4}
+    )
     runs.record_step(run_id, "1:w1:sid:1:0:l0", "{}")  # released below with the pass's result
     # A second pass still live: its first message and a step record stay.
     runs.mark_submitted(run_id, 1, "w3", "task-3", "sig", pass_id="live", message={"m": 1})
@@ -546,7 +548,7 @@ def test_open_pass_records_the_pass_and_withdraw_takes_back_an_unsent_one(
     pending = RedisPendingIndex(redis_client, prefix=PREFIX, ttl_s=TTL_S)
     redis_client.hset(keys.run_key("op1", keys.RESULTS, PREFIX), "1:w1", "earlier pass's")
     before = time.time()
-    runs.open_pass("op1", 1, "w1", "sid2", task_id="t2", signature="sig", message={"m": 2})
+    runs.open_pass(PassRef("op1", 1, "w1", "sid2"), task_id="t2", signature="sig", message={"m": 2})
     assert runs.latest_pass("op1", 1, "w1") == "sid2"
     assert not redis_client.hexists(keys.run_key("op1", keys.RESULTS, PREFIX), "1:w1")
     [(member, at)] = pending.stale("op1", time.time(), 10)
@@ -555,9 +557,9 @@ def test_open_pass_records_the_pass_and_withdraw_takes_back_an_unsent_one(
     doc = runs.submission("op1", 1, "w1")
     assert doc is not None
     assert (doc["task_id"], doc["sid"], doc["message"]) == ("t2", "sid2", {"m": 2})
-    runs.withdraw("op1", 1, "w1", "other-pass")  # not the recorded pass: its record stays
+    runs.withdraw(PassRef("op1", 1, "w1", "other-pass"))  # not the recorded pass: its record stays
     assert runs.submission("op1", 1, "w1") is not None
-    runs.withdraw("op1", 1, "w1", "sid2")
+    runs.withdraw(PassRef("op1", 1, "w1", "sid2"))
     assert runs.submission("op1", 1, "w1") is None
 
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.models import PassRef
 from pipeline.store import keys
-from pipeline.store.runs import completion_member, pass_member
+from pipeline.store.runs import completion_member
 
 
 def test_a_step_id_parses_back_to_its_parts() -> None:
     """parse_step_id(step_id(...)) gives back the pass, round, attempt and stage it was built of."""
-    member = pass_member(3, "w-1", "abc123")
+    member = PassRef("r1", 3, "w-1", "abc123").member
     step = keys.step_id(member, 2, 1, "critic")
     assert step == "3:w-1:abc123:2:1:critic"
     assert keys.parse_step_id(step) == keys.StepId(member, 2, 1, "critic")

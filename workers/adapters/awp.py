@@ -38,7 +38,7 @@ from awp.runtime.critique import CritiqueEngine
 from awp.runtime.critique.models import CritiqueEnvelope, Defect, Pattern, RepairAttempt
 
 from pipeline.errors import CritiqueError, SubmissionError
-from pipeline.models import CritiqueResult, Submission
+from pipeline.models import CritiqueResult, PassRef, Submission
 from workers.adapters import verdicts
 from workers.client import CritiqueClient, CritiqueTimeout, Handle
 
@@ -424,7 +424,7 @@ class FleetCritiqueEngine(CritiqueEngine):  # type: ignore[misc]  # awp ships no
         summary: dict[str, Any] = super().get_summary()
         with self._lock:
             statuses = {
-                f"{it}:{wid}": f"{r.status} ({r.stop_reason})"
+                PassRef.field_of(it, wid): f"{r.status} ({r.stop_reason})"
                 for (it, wid), (_, r) in sorted(self._verdicts.items())
             }
         summary["fleet"] = {"run_id": self.fleet_run_id, "verdicts": statuses}

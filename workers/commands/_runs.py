@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipeline.errors import did_you_mean
-from pipeline.models import UNCHECKED_LINE, CritiqueResult, check_identifier
+from pipeline.models import UNCHECKED_LINE, CritiqueResult, PassRef, check_identifier
 from pipeline.records.archive_file import RunRecord, archive_dir, iso
 from pipeline.text.escaping import escape_controls
 from workers.commands._common import UnknownRunError
@@ -23,11 +23,6 @@ if TYPE_CHECKING:
 
 REASON_LIMIT = 300
 """Longest failure reason shown (characters)."""
-
-
-def key_of(iteration: int, worker_id: str) -> str:
-    """``"<iteration>:<worker_id>"``, the form the run registry keys submissions by."""
-    return f"{iteration}:{worker_id}"
 
 
 def split_key(key: str) -> tuple[int, str]:
@@ -60,7 +55,7 @@ class RunSnapshot:
 
     @property
     def finished(self) -> set[str]:
-        return {key_of(r.iteration, r.worker_id) for r in self.results}
+        return {PassRef.field_of(r.iteration, r.worker_id) for r in self.results}
 
     @property
     def failed(self) -> list[str]:
@@ -198,13 +193,9 @@ def failure_lines(
 ) -> dict[str, str]:
     """The one-line reason of each unfinished submission (key -> registry record) whose
     latest pass has a failure among ``recorded`` (pass member -> failure)."""
-    # lazy: pipeline.store.runs loads redis; `critique --help` imports this module
-    from pipeline.store.runs import pass_member
-
     out: dict[str, str] = {}
     for key, doc in unfinished.items():
-        iteration, worker_id = split_key(key)
-        got = recorded.get(pass_member(iteration, worker_id, str(doc.get("sid") or "")))
+        got = recorded.get(PassRef.member_of(key, str(doc.get("sid") or "")))
         if got is not None:
             text = f"{got.error}: {got.reason}"
             if got.refused:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from pipeline.models import PassRef
 from workers.commands._common import (
     CommandError,
     add_iteration_argument,
@@ -49,9 +50,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     def body() -> int:
-        # lazy: pipeline.store.runs loads redis; `critique --help` imports this module
-        from pipeline.store.runs import pass_member
-
         # lazy: workers.runtime loads celery; `critique --help` imports this module
         from workers import runtime
 
@@ -85,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             task_id = str(snap.submitted[key].get("task_id", ""))
             if key in retried:  # asked for (--failed): pending again, until its new outcome
                 pass_id = str(snap.submitted[key].get("sid") or "")
-                runs.clear_failure(args.run_id, pass_member(iteration, worker, pass_id))
+                runs.clear_failure(args.run_id, PassRef.member_of(key, pass_id))
             stage = client.resume(Handle(args.run_id, iteration, worker, task_id))
             resumed.append({"iteration": iteration, "worker_id": worker, "stage": stage})
         if args.json:

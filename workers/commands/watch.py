@@ -28,12 +28,12 @@ from collections import Counter
 from typing import Any
 
 from pipeline.errors import StoreUnavailableError
-from pipeline.models import UNCHECKED_LINE, UNSCORED
+from pipeline.models import UNCHECKED_LINE, UNSCORED, PassRef
 from pipeline.text.escaping import escape_controls
 from workers import riding
 from workers.commands._common import above, add_json_argument, add_run_argument, service_guard
 from workers.commands._progress import Progress
-from workers.commands._runs import chain_failures, key_of, load_snapshot, split_key
+from workers.commands._runs import chain_failures, load_snapshot, split_key
 from workers.commands._text import json_line, printable
 from workers.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK
 
@@ -120,7 +120,7 @@ class _Watch:
         self.records = dict(snap.submitted)
         self.stored = snap.finished
         self.statuses: dict[str, str] = {
-            key_of(r.iteration, r.worker_id): r.status for r in snap.results
+            PassRef.field_of(r.iteration, r.worker_id): r.status for r in snap.results
         }
         self.passes_seen: dict[str, set[str]] = {}
         """Key -> the passes whose result event was shown (``""``: an event naming none); a
@@ -166,7 +166,9 @@ class _Watch:
         self.submitted = set(snap.submitted)
         self.records.update(snap.submitted)
         self.stored = snap.finished
-        self.statuses.update({key_of(r.iteration, r.worker_id): r.status for r in snap.results})
+        self.statuses.update(
+            {PassRef.field_of(r.iteration, r.worker_id): r.status for r in snap.results}
+        )
         unfinished = {k: self.records[k] for k in self.pending if k in self.records}
         for key, reason in sorted(chain_failures(unfinished, self.run_id).items()):
             self.failed[key] = reason
@@ -209,7 +211,7 @@ class _Watch:
         from workers import runtime
 
         iteration, worker_id = int(event.get("iteration", 1)), str(event.get("worker_id"))
-        key, pass_id = key_of(iteration, worker_id), str(event.get("pass_id") or "")
+        key, pass_id = PassRef.field_of(iteration, worker_id), str(event.get("pass_id") or "")
         self.passes_seen.setdefault(key, set()).add(pass_id)
         if not self.is_current(key, pass_id):
             latest = runtime.stores().runs.latest_pass(self.run_id, iteration, worker_id)

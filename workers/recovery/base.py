@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass
 
 from pipeline import settings
+from pipeline.models import PassRef
 from pipeline.store.pending import RedisPendingIndex
 from pipeline.store.redis import RedisTraceSink
 from pipeline.store.redis_common import StoreClient
-from pipeline.store.runs import RedisRunStore, pass_member
+from pipeline.store.runs import RedisRunStore
 from workers import runtime
 
 # The variables (CRITIQUE_STALL_S, CRITIQUE_SWEEP_S, CRITIQUE_STALL_MAX_RESUMES): pipeline.settings.
@@ -93,7 +94,6 @@ def default_stores() -> RecoveryStores:
     return stores_on(runtime.client())
 
 
-def register(run_id: str, iteration: int, worker_id: str, pass_id: str) -> None:
+def register(ref: PassRef) -> None:
     """Index a pass as pending from now (call before its chain is sent)."""
-    member = pass_member(iteration, worker_id, pass_id)
-    default_stores().pending.add(run_id, member, time.time())
+    default_stores().pending.add(ref.run_id, ref.member, time.time())

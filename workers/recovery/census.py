@@ -61,6 +61,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.models import PassRef
 from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, resolve_prefix, store_errors, text
 from workers.recovery.base import LOST_GRACE_S, LOST_MARGIN_S
@@ -212,7 +213,8 @@ def judge_census(
     ``"suspect"`` (record it with ``census.at``: its queue, if quiet now, is checked when it is
     confirmed), ``"wait"`` (a suspect that may be confirmed by a later census), or
     ``"confirm"`` (lost, once the pass's queue is known to have been quiet at the suspicion)."""
-    if member.rpartition(":")[2] in census.held():
+    ref = PassRef.parse("", member)
+    if ref is not None and ref.pass_id in census.held():
         return "alive"
     if census.at - last_progress < LOST_MARGIN_S or not census.fresh_after(last_progress):
         return "young"

@@ -45,9 +45,9 @@ from typing import Any
 
 from pipeline.errors import PermanentError, SubmissionError
 from pipeline.loop.stages import LoopState
+from pipeline.models import PassRef
 from pipeline.store import keys
-from pipeline.store.pending import RedisPendingIndex, parse_member
-from pipeline.store.runs import pass_member
+from pipeline.store.pending import RedisPendingIndex
 from workers import runtime, telemetry
 from workers.recovery.base import (
     LOST_GRACE_S,
@@ -186,7 +186,8 @@ def redrive(
     if pass_id and stores.runs.pass_result(run_id, iteration, worker_id, pass_id) is not None:
         return FINISHED
     plan = _plan(stores, run_id, iteration, worker_id, doc)
-    stores.pending.touch(run_id, pass_member(iteration, worker_id, plan.pass_id), time.time())
+    member = PassRef(run_id, iteration, worker_id, plan.pass_id).member
+    stores.pending.touch(run_id, member, time.time())
     return _publish(stores, run_id, iteration, worker_id, plan, by)
 
 
@@ -301,18 +302,17 @@ def is_stalled(
 
 def _examine(
     ctx: RedriveContext, run_id: str, member: str, last_progress: float
-) -> tuple[_Plan, dict[str, Any]] | None:
-    """The re-drive plan of one pending pass and its submission record, or None when it can
+) -> tuple[PassRef, _Plan, dict[str, Any]] | None:
+    """One pending pass's ref, re-drive plan and submission record, or None when it can
     no longer be re-driven: superseded by a resubmission, not registered (yet), its run
     expired, or its chain failed (then it leaves the index). Remembers the plan's queue."""
     s = ctx.stores
-    parsed = parse_member(member)
-    if parsed is None:
+    ref = PassRef.parse(run_id, member)
+    if ref is None:
         s.pending.drop(run_id, member)
         return None
-    iteration, worker_id, pass_id = parsed
-    doc = s.runs.submission(run_id, iteration, worker_id)
-    if doc is None or str(doc.get("sid", "")) != pass_id or "message" not in doc:
+    doc = s.runs.submission(run_id, ref.iteration, ref.worker_id)
+    if doc is None or str(doc.get("sid", "")) != ref.pass_id or "message" not in doc:
         # Superseded by a resubmission (only the latest pass's first message is kept), or not
         # registered (yet: its submit may still be publishing; or its run expired).
         if doc is not None or ctx.now - last_progress >= max(10 * ctx.stall_s, 3600.0):
@@ -325,33 +325,32 @@ def _examine(
         s.pending.drop(run_id, member)
         return None
     try:
-        plan = _plan(s, run_id, iteration, worker_id, doc)
+        plan = _plan(s, run_id, ref.iteration, ref.worker_id, doc)
     except PermanentError as exc:
         log.error("cannot re-drive %s of run %s: %s", member, run_id, exc)
         s.pending.drop(run_id, member)
         return None
     ctx.queues.remember(run_id, member, last_progress, plan.queue)
-    return plan, doc
+    return ref, plan, doc
 
 
-def _give_up(ctx: RedriveContext, run_id: str, member: str, plan: _Plan, reason: str) -> None:
+def _give_up(ctx: RedriveContext, ref: PassRef, plan: _Plan, reason: str) -> None:
     """Log and trace that the pass is given up on after :func:`max_resumes` re-drives."""
-    iteration, worker_id, _ = parse_member(member) or (0, "", "")
     log.error(
         "giving up on %s of run %s: %s again after %d re-drives",
-        member,
-        run_id,
+        ref.member,
+        ref.run_id,
         reason,
         max_resumes(),
     )
     ctx.stores.trace.emit(
-        run_id,
+        ref.run_id,
         {
             "type": "stalled",
             "by": ctx.by,
             "stage": plan.state.next,
-            "worker_id": worker_id,
-            "iteration": iteration,
+            "worker_id": ref.worker_id,
+            "iteration": ref.iteration,
             "after_step": plan.after_step,
             "resumes": max_resumes(),
             "gave_up": True,
@@ -360,18 +359,18 @@ def _give_up(ctx: RedriveContext, run_id: str, member: str, plan: _Plan, reason:
 
 
 def _claim_and_publish(
-    ctx: RedriveContext, run_id: str, member: str, last_progress: float, plan: _Plan, reason: str
+    ctx: RedriveContext, ref: PassRef, last_progress: float, plan: _Plan, reason: str
 ) -> str | None:
     """Claim the pass for one re-drive (atomically: two sweepers never both re-drive it) and
     publish its plan; None when someone else claimed it or it progressed, or when it was
     re-driven :func:`max_resumes` times already (then it is given up on, with a ``stalled``
     trace event)."""
-    iteration, worker_id, _ = parse_member(member) or (0, "", "")
+    run_id, member = ref.run_id, ref.member
     claimed = ctx.stores.pending.claim(run_id, member, last_progress, ctx.now, max_resumes())
     if claimed < 0:
         return None
     if claimed == 0:
-        _give_up(ctx, run_id, member, plan, reason)
+        _give_up(ctx, ref, plan, reason)
         return None
     log.warning(
         "re-driving %s of run %s at %s: %s, no progress for %.0f s",
@@ -384,8 +383,8 @@ def _claim_and_publish(
     return _publish(
         ctx.stores,
         run_id,
-        iteration,
-        worker_id,
+        ref.iteration,
+        ref.worker_id,
         plan,
         ctx.by,
         reason=reason,
@@ -408,10 +407,10 @@ def redrive_if_stalled(
     examined = _examine(ctx, run_id, member, last_progress)
     if examined is None:
         return None
-    plan, _ = examined
+    ref, plan, _ = examined
     if not is_stalled(ctx.view, plan.queue, last_progress, ctx.now, ctx.stall_s):
         return None
-    return _claim_and_publish(ctx, run_id, member, last_progress, plan, "stalled")
+    return _claim_and_publish(ctx, ref, last_progress, plan, "stalled")
 
 
 # --- the proof that a pass is lost (Redis broker) ----------------------------------------------
@@ -437,7 +436,8 @@ def judge(
     ``"young"`` (progress too recent to judge), ``"suspect"`` (no message of it seen now: record
     it with ``snap.after``), or ``"confirm"`` (none seen now either, and it was a suspect with the
     same progress at least :data:`LOST_GRACE_S` ago: check its queue drained past that time)."""
-    if member.rpartition(":")[2] in snap.pass_ids:
+    ref = PassRef.parse("", member)
+    if ref is not None and ref.pass_id in snap.pass_ids:
         return "alive"
     if snap.before - last_progress < LOST_MARGIN_S:
         return "young"
@@ -469,12 +469,12 @@ def redrive_if_lost(
     examined = _examine(ctx, run_id, member, last_progress)
     if examined is None:
         return None
-    plan, doc = examined
+    ref, plan, doc = examined
     if not drained_for_proof(ctx.view, plan.queue, since, snap.before):
         return None
     if float(doc.get("at") or 0.0) >= since:
         return None  # its first message may have been sent after the suspicion: not proven
-    return _claim_and_publish(ctx, run_id, member, last_progress, plan, "lost")
+    return _claim_and_publish(ctx, ref, last_progress, plan, "lost")
 
 
 # --- the proof that a pass is lost (RabbitMQ broker) -------------------------------------------
@@ -501,9 +501,9 @@ def redrive_if_lost_on_census(
     examined = _examine(ctx, run_id, member, last_progress)
     if examined is None:
         return None
-    plan, doc = examined
+    ref, plan, doc = examined
     if plan.queue not in quiet:
         return None
     if float(doc.get("at") or 0.0) >= since:
         return None  # its first message may have been sent after the census: not proven
-    return _claim_and_publish(ctx, run_id, member, last_progress, plan, "lost")
+    return _claim_and_publish(ctx, ref, last_progress, plan, "lost")
