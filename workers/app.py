@@ -1,8 +1,8 @@
 """The Celery app: ``celery -A workers.app worker -Q critique.cpu,critique.llm``.
 
 Configuration comes from :mod:`celeryconfig` (JSON only, acks late, reject on worker loss,
-task events on, routes per queue). The tasks live in :mod:`workers.tasks` (their protocol in
-:mod:`workers.protocol`, their routing in :mod:`workers.routing`); fault recovery (the
+task events on, routes per queue). The tasks live in :mod:`workers.tasks` (how they run in
+:mod:`workers.steps`, their routing in :mod:`workers.routing`); fault recovery (the
 connection-loss guard, the stall sweeper and its probe task) in the mechanism modules of
 :mod:`workers.recovery`.
 """

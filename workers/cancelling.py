@@ -237,9 +237,9 @@ def _store_summaries(run_id: str, done: list[CritiqueResult]) -> None:
     # workers.cancelling does not
     from workers.app import app
 
-    # lazy: workers.protocol imports workers.app, which configures Celery, logging and os.environ on
+    # lazy: workers.steps imports workers.app, which configures Celery, logging and os.environ on
     # import; importing workers.cancelling does not
-    from workers.protocol import pass_summary
+    from workers.steps import pass_summary
 
     submitted = runtime.stores().runs.submitted(run_id)
     for result in done:

@@ -88,7 +88,7 @@ def _arity(task: Any) -> tuple[int, int]:
 def max_own_delay_s(conf: Any) -> float:
     """The longest countdown the product gives its own messages: a retry's backoff (at most
     ``retry_backoff_max``, :data:`workers.tasks.RETRY`) or a repair's wait for budget tokens
-    (at most half the soft time limit, ``workers.protocol._budget_wait_cap``)."""
+    (at most half the soft time limit, ``workers.steps._budget_wait_cap``)."""
     backoff: Any = RETRY["retry_backoff_max"]
     limit = conf.task_soft_time_limit or conf.task_time_limit or 120
     return max(float(backoff), float(limit) / 2.0)

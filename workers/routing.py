@@ -78,7 +78,7 @@ def repair_queue_here(task: Task, state: LoopState, overrides: dict[str, Any]) -
 
 FIRST_ATTEMPT = "critique_first_attempt"
 """The request attribute holding the repair attempt of the state a task took off the broker
-(set by :func:`workers.protocol.take`): a task whose state is still at it has run
+(set by :func:`workers.steps.take`): a task whose state is still at it has run
 no repair yet."""
 
 

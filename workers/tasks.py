@@ -1,6 +1,6 @@
 """The Celery tasks, each a declaration over the pure stages, all on one base
-(:class:`workers.protocol.PipelineTask`): what a stage task does with its message (take,
-replay, run, record, refund) is :mod:`workers.protocol`; where a stage runs and what is sent
+(:class:`workers.steps.PipelineTask`): what a stage task does with its message (take,
+replay, run, record, refund) is :mod:`workers.steps`; where a stage runs and what is sent
 next, :mod:`workers.routing`.
 
 A submission is sent as one task, ``critique.l0``, on its critic's queue. A task runs its stage
@@ -36,7 +36,8 @@ from pipeline.store import keys
 from pipeline.store.runs import EntryIdTaken, RunOwnedError
 from workers import entry, runtime, telemetry
 from workers.app import app
-from workers.protocol import (
+from workers.routing import submission_signature
+from workers.steps import (
     PipelineTask,
     boundary_config,
     drive,
@@ -50,7 +51,6 @@ from workers.protocol import (
     settle,
     take,
 )
-from workers.routing import submission_signature
 
 RETRY = {
     # OperationalError: a publish (Task.replace, an event) that still failed after

@@ -7,7 +7,7 @@ someone else's task). Such text reaches a manager through a failure reason (``wa
 HTTP status and a short provider message with anything key-like replaced by ``***``
 (:func:`provider_error`, :func:`scrub_provider`); :func:`scrub`, the lighter pass that leaves
 ids and digests alone, covers any other error text a manager can read (a failed task's reason,
-``workers.protocol.one_line``).
+``workers.steps.one_line``).
 
 What counts as key-like: the values of the worker's own credentials (every variable
 :func:`pipeline.security.model_policy.held_keys` names, the signing secrets, and the key a call

@@ -477,7 +477,7 @@ class RedisRunStore:
     def keeps_steps(self) -> bool:
         """Whether a pass's step records outlive its result (``CRITIQUE_STEPS_GRACE_S``, for
         inspection): then every step is recorded as it runs (none is held for the next
-        record, ``workers.protocol``)."""
+        record, ``workers.steps``)."""
         return self._grace_ms > 0
 
     def _key(self, run_id: str, suffix: str) -> str:

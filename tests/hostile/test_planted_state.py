@@ -139,7 +139,7 @@ def test_unsigned_refusals_claiming_a_run_are_capped_in_its_trace(
     `capped` note to its trace; every one is still counted."""
     from tests.support.hostile import send_raw
     from workers import runtime
-    from workers.protocol import UNVERIFIED_REFUSALS_TRACED
+    from workers.steps import UNVERIFIED_REFUSALS_TRACED
 
     run_id = f"victim-{uuid.uuid4().hex[:8]}"
     for _ in range(40):

@@ -238,14 +238,14 @@ def test_a_signed_run_is_not_cancelled_without_the_workers_secret(
 def test_a_worker_stage_asks_its_own_pass_before_the_model_call(
     env: dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A critic stage run as a worker runs it (protocol.run_stage, this process, the real
+    """A critic stage run as a worker runs it (steps.run_stage, this process, the real
     store): once its pass was cancelled the stage raises PassCancelled before its LLM critic
     is called; another pass of the same submission, not cancelled, is critiqued."""
     from pipeline.loop.stages import PassCancelled, start
     from pipeline.wiring import make_context
     from tests.unit.test_runner import SpendingCritic
     from workers import cancelling, runtime, tasks
-    from workers.protocol import Step, run_stage
+    from workers.steps import Step, run_stage
 
     critic = SpendingCritic()
     ctx = make_context(runtime.config_for({"enabled": True}), critic=critic)

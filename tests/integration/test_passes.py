@@ -278,7 +278,7 @@ def test_a_step_a_failed_delivery_recorded_is_traced_once_by_the_delivery_that_f
     wrote them: the result writes a held step's events only if no delivery recorded it."""
     from pipeline.errors import StoreUnavailableError
     from pipeline.loop import stages
-    from workers import protocol, runtime, tasks
+    from workers import runtime, steps, tasks
     from workers.client import CritiqueClient
 
     run_id = _run_id("held")
@@ -292,10 +292,10 @@ def test_a_step_a_failed_delivery_recorded_is_traced_once_by_the_delivery_that_f
     with monkeypatch.context() as patched:
         patched.setitem(stages.STAGES, "critic", away)
         with pytest.raises(StoreUnavailableError):
-            protocol.drive(tasks.l0, msg, "l0")
+            steps.drive(tasks.l0, msg, "l0")
     latest = runtime.stores().runs.latest_step(run_id, 1, "w1", pass_id)
     assert latest is not None and latest[0].endswith(":l0")  # written as the task failed
-    assert protocol.drive(tasks.l0, msg, "l0")["status"] == "accepted"
+    assert steps.drive(tasks.l0, msg, "l0")["status"] == "accepted"
     events = [(e["type"], e.get("stage")) for e in CritiqueClient(CONFIG).trace(run_id)]
     assert events == [("stage", "l0"), ("stage", "critic"), ("round", "decide"), ("result", "gate")]
 

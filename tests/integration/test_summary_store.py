@@ -32,7 +32,7 @@ def _gets(url: str) -> int:
 def test_the_first_store_writes_the_summary_without_reading_it(backend: object) -> None:
     """first=True: one write (no GET); ``AsyncResult`` of the task id returns the summary."""
     from workers.app import app
-    from workers.protocol import store_summary
+    from workers.steps import store_summary
 
     task_id = uuid.uuid4().hex
     url = str(app.conf.result_backend)
@@ -47,7 +47,7 @@ def test_a_repeat_keeps_the_summary_stored_first(backend: object) -> None:
     """first=False (a redelivered gate): Celery's store_result reads the key and leaves a
     stored SUCCESS as it is; with none stored it writes."""
     from workers.app import app
-    from workers.protocol import store_summary
+    from workers.steps import store_summary
 
     task_id = uuid.uuid4().hex
     store_summary(backend, task_id, {"status": "accepted"}, None, first=True)

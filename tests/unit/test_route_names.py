@@ -19,7 +19,7 @@ WIRING = (
     "celeryconfig.py",
     "workers/app.py",
     "workers/tasks.py",
-    "workers/protocol.py",
+    "workers/steps.py",
     "workers/routing.py",
 )
 
