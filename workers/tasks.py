@@ -211,15 +211,15 @@ def _store_entry_failure(task: PipelineTask, exc: BaseException, task_id: str) -
         log.warning("could not store the failure of entry task %s: %s", task_id, store_exc)
 
 
-def _check_owner(task: PipelineTask, sub: Any, signer: str | None) -> None:
-    """Bind the run to the identity that signed its first entry message, and refuse an entry
-    signed by another identity (``RunOwnedError``, one line naming the run only) before any
-    pass record is written. Unsigned fleets (no key) enforce no owner. The refusal is logged
+def _check_owner(task: PipelineTask, run_id: str, signer: str | None) -> None:
+    """Bind run ``run_id`` to the identity that signed its first entry message, and refuse an
+    entry signed by another identity (``RunOwnedError``, one line naming the run only) before
+    any pass record is written. Unsigned fleets (no key) enforce no owner. The refusal is logged
     and counted, not traced: the run is someone else's."""
     if signer is None:
         return
     try:
-        runtime.stores().runs.enter_run(sub.run_id, signer)
+        runtime.stores().runs.enter_run(run_id, signer)
     except RunOwnedError as exc:
         record_refusal(task, "submit", exc, None, exc.message, verified=True)
         raise
@@ -253,7 +253,7 @@ def submit(self: EntryTask, msg: Any) -> dict[str, Any]:
     with telemetry.span(
         "critique submit", run_id=sub.run_id, iteration=sub.iteration, worker_id=sub.worker_id
     ) as traced:
-        _check_owner(self, sub, signer)
+        _check_owner(self, sub.run_id, signer)
         config = boundary_config(
             self, overrides, "submit", sub.run_id, sub.iteration, sub.worker_id, sub.model
         )
