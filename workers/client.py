@@ -48,7 +48,6 @@ from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.runs import DoneListener, Failure, announces
 from pipeline.store.urls import cannot_reach, check_urls, new_lookalike_warnings
 from workers import cancelling, riding, runtime, telemetry
-from workers.app import app
 from workers.archiving import results_if_expired
 from workers.cancelling import CancelReport
 from workers.recovery.redriving import redrive
@@ -272,6 +271,10 @@ class CritiqueClient:
                 raise refused from exc
             if not is_unreachable(exc):
                 raise
+            # lazy: workers.app configures Celery, logging and os.environ on import; importing
+            # workers.client does not
+            from workers.app import app
+
             broker = str(app.conf.broker_url or runtime.redis_url())
             hint = (
                 "start the broker there, or point CELERY_BROKER_URL (or REDIS_URL, which it "

@@ -31,6 +31,17 @@ def test_version_and_help_stay_light() -> None:
     assert out.strip().splitlines()[-1] == "[]"
 
 
+def test_importing_the_client_leaves_the_managers_process_as_it_was() -> None:
+    """A manager that imports ``workers.client`` (or the asyncio client) gets no Celery app:
+    ``workers.app`` configures Celery, logging and ``os.environ`` on import, and is loaded only
+    where a worker, a submit's signature or a broker error needs it."""
+    probe = "import sys, workers.client, workers.aclient\nprint('workers.app' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout
+    assert out.strip().splitlines()[-1] == "False"
+
+
 def test_help_lists_the_commands_without_importing_celery() -> None:
     """`critique --help` knows demo, worker and submit, and building it imports no Celery."""
     text = build_parser().format_help()
