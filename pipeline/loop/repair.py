@@ -28,8 +28,8 @@ from typing import Any
 
 from pydantic import Field
 
+from pipeline.critics.llm_prompts import pitfalls_block
 from pipeline.llm.tokens import estimate_tokens, text_of
-from pipeline.loop.pitfalls import pitfalls_block
 from pipeline.models import (
     CritiqueEnvelope,
     Frozen,
@@ -152,8 +152,8 @@ def build_repair_prompt(
 
     Carries the original task (always), the previous output (delimited as data), only the
     critical and warning defects, the prescriptions, the known pitfalls (in a block marked as
-    data, :func:`pipeline.loop.pitfalls.pitfalls_block`), the history of earlier attempts, and the
-    sentence "Fix ONLY these defects. Keep everything else unchanged."
+    data, :func:`pipeline.critics.llm_prompts.pitfalls_block`), the history of earlier attempts,
+    and the sentence "Fix ONLY these defects. Keep everything else unchanged."
     """
     defects = envelope.actionable
     defect_lines = (

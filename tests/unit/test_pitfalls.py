@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline.loop.pitfalls import (
-    PITFALLS_FOOTER,
-    patterns_from_envelope,
-    render_lessons,
-    render_pitfalls,
-)
+from pipeline.critics.llm_prompts import PITFALLS_FOOTER
+from pipeline.loop.pitfalls import patterns_from_envelope, render_lessons, render_pitfalls
 from pipeline.models import CritiqueEnvelope, Defect, Pattern, ReusablePattern
 
 
@@ -357,8 +353,7 @@ def test_pitfalls_enter_prompts_inside_a_block_marked_as_data() -> None:
     """The repair and critic prompts carry the pitfalls between markers the text cannot
     contain, introduced as data observed in earlier outputs, not instructions."""
     from pipeline.config import CritiqueConfig
-    from pipeline.critics.llm_prompts import build_critic_messages
-    from pipeline.loop.pitfalls import pitfalls_block
+    from pipeline.critics.llm_prompts import build_critic_messages, pitfalls_block
     from pipeline.loop.repair import build_repair_prompt
     from pipeline.models import Submission
 
