@@ -353,8 +353,11 @@ def test_pitfalls_enter_prompts_inside_a_block_marked_as_data() -> None:
     """The repair and critic prompts carry the pitfalls between markers the text cannot
     contain, introduced as data observed in earlier outputs, not instructions."""
     from pipeline.config import CritiqueConfig
-    from pipeline.critics.llm_prompts import build_critic_messages, pitfalls_block
-    from pipeline.loop.repair import build_repair_prompt
+    from pipeline.critics.llm_prompts import (
+        build_critic_messages,
+        build_repair_prompt,
+        pitfalls_block,
+    )
     from pipeline.models import Submission
 
     text = render_pitfalls([_pattern("missing_data", "Always include the 'summary' field", 2)])
