@@ -10,7 +10,7 @@ JSON Lines file outside Redis, signed; the archiver that writes it is ``workers.
 its Redis index ``pipeline.store.archive_index``). It builds on the foundations
 (``pipeline.errors``, ``models``, ``settings``), on :mod:`pipeline.text` and
 :mod:`pipeline.security`, and reads one helper from elsewhere (the critics' clipping); it must
-not import the loop's stages (but for type annotations), the LLM calls, the store or the wiring
+not import the loop (but for type annotations), the LLM calls, the store or the wiring
 (``tests/unit/test_rooms.py``), nor redis, celery, kombu or litellm
 (``tests/unit/test_layering.py``): it does no I/O but through what it is handed, and writes
 files only where a caller names the directory. Each name is imported from its module: this
