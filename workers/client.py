@@ -35,11 +35,12 @@ from pipeline import settings
 from pipeline.config import check_submission_model
 from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
 from pipeline.loop.admission import admit
-from pipeline.loop.gates import CompletionDecision, mean_best_score, redundancy_guard
+from pipeline.loop.gates import CompletionDecision, redundancy_guard
 from pipeline.loop.pitfalls import render_pitfalls
 from pipeline.loop.stages import start
 from pipeline.models import CritiqueResult, FileRef, GateEvent, Lesson, PassRef, Pattern, Submission
 from pipeline.records.artifacts import manager_summary
+from pipeline.records.run_scores import mean_best_score
 from pipeline.security import signing
 from pipeline.security.posture import refusal
 from pipeline.store import keys

@@ -16,8 +16,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pipeline.llm.tokens import text_of
-from pipeline.loop.gates import not_counted
 from pipeline.models import UNCHECKED_LINE, CritiqueResult, DefectRef, Pattern, RoundTrace, Status
+from pipeline.records.run_scores import not_counted
 
 TOP_DEFECTS = 15
 TOP_PRESCRIPTIONS = 10

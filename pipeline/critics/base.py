@@ -159,8 +159,8 @@ class Planner(Protocol):
 @runtime_checkable
 class PromptedReviser(Protocol):
     """A reviser that sends the repair prompt to a model: the runner renders the
-    prompt once per round (:func:`pipeline.loop.repair.build_repair_prompt`), sizes the call with
-    :meth:`repair_bound` and hands the same prompt to ``revise(..., prompt=...)``."""
+    prompt once per round (:func:`pipeline.critics.llm_prompts.build_repair_prompt`), sizes the
+    call with :meth:`repair_bound` and hands the same prompt to ``revise(..., prompt=...)``."""
 
     def repair_bound(
         self,

@@ -24,12 +24,12 @@ as a required heading (a Markdown ``#`` heading or a LaTeX ``\\section``-family 
 field case-insensitively, underscores read as spaces); absent −0.2 critical ``missing_data``.
 
 Names in findings: a field or section name appears in a defect's location and description
-only as :func:`pipeline.loop.pitfalls.name_token` gives it (a plain name of at most 40 characters as
-written, anything else a stand-in such as ``field#3f2a0c1d``), and a rule names only a plain
-name (any other gets the generic rule of its kind, so twenty odd keys are one pattern, not
-twenty). An output key therefore never carries its text into pattern memory, lessons or a
-repair prompt; an ``error`` field's text is not quoted either. Only a prescription may name a
-required field as the manager wrote it.
+only as :func:`pipeline.security.pattern_text.name_token` gives it (a plain name of at most 40
+characters as written, anything else a stand-in such as ``field#3f2a0c1d``), and a rule names
+only a plain name (any other gets the generic rule of its kind, so twenty odd keys are one
+pattern, not twenty). An output key therefore never carries its text into pattern memory,
+lessons or a repair prompt; an ``error`` field's text is not quoted either. Only a prescription
+may name a required field as the manager wrote it.
 
 The reviser (:class:`HeuristicReviser`) invents nothing: of these defects it fixes
 only a numeric-string ``confidence`` ("0.8" → 0.8) and, in text outputs, the Layer-0 defects
@@ -45,7 +45,6 @@ from typing import Any
 
 from pipeline.critics.base import Refusal, RevisionResult, clamp_score
 from pipeline.critics.edits import numeric_confidence, revise_text
-from pipeline.loop.pitfalls import name_token
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -53,6 +52,7 @@ from pipeline.models import (
     ReusablePattern,
     Submission,
 )
+from pipeline.security.pattern_text import name_token
 from pipeline.text.textnorm import looks_blank
 
 MISSING_CONFIDENCE = 0.3

@@ -37,6 +37,7 @@ from pipeline.critics.llm_prompts import (
     REPAIR_SYSTEM,
     build_adjudicator_messages,
     build_critic_messages,
+    build_repair_prompt,
     reask_message,
 )
 from pipeline.critics.llm_reply import (
@@ -57,8 +58,12 @@ from pipeline.llm.completion import (
     complete_within,
     count_prompt_tokens,
 )
-from pipeline.llm.tokens import CHARS_PER_TOKEN, text_of
-from pipeline.loop.repair import build_repair_prompt, grown_output_tokens, repair_reply_tokens
+from pipeline.llm.tokens import (
+    CHARS_PER_TOKEN,
+    grown_output_tokens,
+    repair_reply_tokens,
+    text_of,
+)
 from pipeline.models import CritiqueEnvelope, Defect, RepairAttempt, Submission, Usage
 from pipeline.security.injection import INJECTION_MARK, apply_injections, submission_injections
 

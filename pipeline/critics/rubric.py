@@ -9,7 +9,8 @@ figure_refs: [], cites: []}]}``. Five dimensions, each 0–10:
     methodology   9 if a section whose title starts with "method" has a body, else 4
     related_work  9 if a section titled "related work" has a body, else 4
 
-Score = weighted mean over the configured dimensions / 10. Every dimension below the target
+Score = weighted mean over the configured dimensions / 10 (:func:`weighted_mean`, which the
+loop's rubric rules read too: the plateau compares rounds' means). Every dimension below the target
 yields one :class:`Suggestion` and one ``warning`` defect; the reviser applies each suggestion
 as an append-style edit, so a revised draft scores higher on exactly that dimension.
 
@@ -32,7 +33,6 @@ from pipeline.config import RUBRIC_DIMENSIONS, RubricConfig
 from pipeline.critics.base import RevisionResult, clamp_score
 from pipeline.errors import ConfigError, SubmissionError
 from pipeline.llm.tokens import text_of
-from pipeline.loop.convergence import weighted_mean
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,
@@ -45,6 +45,15 @@ from pipeline.models import (
 Originality = Literal["low", "medium", "high"]
 NOVELTY: dict[str, float] = {"low": 3.0, "medium": 6.0, "high": 9.0}
 _NEXT_ORIGINALITY: dict[str, Originality] = {"low": "medium", "medium": "high", "high": "high"}
+
+
+def weighted_mean(scores: Mapping[str, float], rubric: RubricConfig) -> float:
+    """Weighted mean (0–10) over the configured dimensions that ``scores`` has."""
+    dims = [d for d in rubric.dimensions if d in scores]
+    total = sum(rubric.weight(d) for d in dims)
+    if total <= 0:
+        return 0.0
+    return round(sum(rubric.weight(d) * scores[d] for d in dims) / total, 6)
 
 
 class PaperSection(BaseModel):

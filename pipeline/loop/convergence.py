@@ -92,15 +92,6 @@ def verdict_for(stop: StopReason | None) -> Verdict:
     return "continue" if stop is None else STOP_VERDICT[stop]
 
 
-def weighted_mean(scores: Mapping[str, float], rubric: RubricConfig) -> float:
-    """Weighted mean (0–10) over the configured dimensions that ``scores`` has."""
-    dims = [d for d in rubric.dimensions if d in scores]
-    total = sum(rubric.weight(d) for d in dims)
-    if total <= 0:
-        return 0.0
-    return round(sum(rubric.weight(d) * scores[d] for d in dims) / total, 6)
-
-
 def target_met(scores: Mapping[str, float], rubric: RubricConfig) -> bool:
     """Every configured dimension ≥ the target (a high mean with one weak dimension is not)."""
     return all(scores.get(d, float("-inf")) >= rubric.target_score for d in rubric.dimensions)

@@ -8,11 +8,8 @@ critic configuration and the critic that serves it), never who sent it.
 the envelope; of several concurrent identical critiques the first
 claims the key and the others poll for its envelope. Where the envelopes live (memory, Redis)
 is the store's side: :class:`~pipeline.store.base.CritiqueCache`,
-:mod:`pipeline.store.critique_entries`.
-
-A hit becomes a verdict the worker signs, so a shared store's entry is sealed like a record
-(:func:`seal_entry`: signed under :data:`CACHE_KIND` with the key it is filed under) and served
-only when it opens (:func:`open_entry`).
+:mod:`pipeline.store.critique_entries` (which seals each shared entry like a record, since a hit
+becomes a verdict the worker signs).
 """
 
 from __future__ import annotations
@@ -20,14 +17,12 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pipeline.config import CacheConfig, CritiqueConfig
 from pipeline.critics.base import Critic, resolve_for
-from pipeline.errors import ForgedMessageError
 from pipeline.models import CritiqueEnvelope, Submission, Usage
-from pipeline.security import signing
 from pipeline.store.base import CritiqueCache
 
 CacheUse = Literal["hit", "miss", ""]
@@ -35,40 +30,6 @@ CacheUse = Literal["hit", "miss", ""]
 
 CACHE_POLL_S = 0.05
 """How often a critique waiting on another's claim looks for the cached envelope."""
-CACHE_KIND = "critique-cache"
-"""The record kind a cache entry is signed as: it never verifies as a result or a message."""
-
-
-class CacheEntryRefused(Exception):
-    """A stored cache entry that cannot be trusted (the reason never quotes it)."""
-
-
-def seal_entry(key: str, envelope_json: str, secrets: Sequence[bytes]) -> str:
-    """The stored form of ``envelope_json`` under ``key``: both in one JSON object, signed as
-    :data:`CACHE_KIND` with the first of ``secrets`` (unsigned without)."""
-    record = {"key": key, "envelope": envelope_json}
-    return json.dumps(signing.sign_record(CACHE_KIND, record, secrets), ensure_ascii=False)
-
-
-def open_entry(key: str, raw: str, secrets: Sequence[bytes]) -> str:
-    """The envelope JSON of a stored entry read under ``key``; ``CacheEntryRefused`` when it is
-    not a sealed entry, does not verify under ``secrets`` (when there are any) or was sealed
-    under another key (a valid entry copied onto this one)."""
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict) or not isinstance(doc.get("envelope"), str):
-        raise CacheEntryRefused("not a critique-cache entry")
-    if secrets:
-        try:
-            signing.verify_record(CACHE_KIND, doc, secrets)
-        except ForgedMessageError as exc:
-            raise CacheEntryRefused(exc.message) from None
-    if doc.get("key") != key:
-        raise CacheEntryRefused("an entry sealed under another key")
-    envelope: str = doc["envelope"]
-    return envelope
 
 
 def critique_cache_key(

@@ -13,11 +13,9 @@ broken evaluation hook). After ``max_rejected_completions`` the answer is ``part
 from __future__ import annotations
 
 import json
-import math
 import re
 import struct
-from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import PurePosixPath
@@ -25,8 +23,9 @@ from typing import Any, Literal
 
 from pipeline.config import CritiqueConfig, OutputContractConfig
 from pipeline.errors import SubmissionError
-from pipeline.models import UNSCORED, ClaimedFormat, CritiqueResult, FileRef, Frozen, GateEvent
+from pipeline.models import ClaimedFormat, CritiqueResult, FileRef, Frozen, GateEvent
 from pipeline.records.files import FileReader, file_text, inline_bytes, read_file
+from pipeline.records.run_scores import latest_per_worker, mean_best_score, not_counted
 
 DELIVERABLE_MIN_BYTES = 512
 # A mean exactly at the threshold passes even when float arithmetic lands a hair below it.
@@ -370,39 +369,6 @@ def scan_placeholders(text: str, where: str) -> list[PlaceholderHit]:
     ]
 
 
-def latest_per_worker(results: Sequence[CritiqueResult]) -> list[CritiqueResult]:
-    """Each worker's latest result: its highest iteration, and of one iteration the last one
-    given (a run store hands back only each submission's latest pass)."""
-    latest: dict[str, CritiqueResult] = {}
-    for r in results:
-        seen = latest.get(r.worker_id)
-        if seen is None or r.iteration >= seen.iteration:
-            latest[r.worker_id] = r
-    return list(latest.values())
-
-
-def mean_best_score(results: Sequence[CritiqueResult]) -> float | None:
-    """Mean ``best_score`` over the run's workers (each worker's latest result), or None.
-
-    ``unchecked`` and ``cancelled`` results (:data:`~pipeline.models.UNSCORED`) have no score and
-    are not counted: an output nobody checked never raises or lowers the mean."""
-    scores = [r.best_score for r in latest_per_worker(results) if r.best_score is not None]
-    return math.fsum(scores) / len(scores) if scores else None
-
-
-def not_counted(results: Sequence[CritiqueResult]) -> str:
-    """`` (1 cancelled, 2 unchecked, not counted)`` for the workers whose latest result has no
-    score, or ``""`` when every one was checked."""
-    return not_counted_text(Counter(r.status for r in latest_per_worker(results)))
-
-
-def not_counted_text(counts: Mapping[str, int]) -> str:
-    """`` (1 cancelled, 2 unchecked, not counted)`` from counts by status (only the unscored
-    statuses are named), or ``""`` when there are none."""
-    parts = ", ".join(f"{counts[s]} {s}" for s in sorted(UNSCORED) if counts.get(s))
-    return f" ({parts}, not counted)" if parts else ""
-
-
 def _final_text(final_result: str | dict[str, Any]) -> TextItem:
     if isinstance(final_result, dict):
         text = json.dumps(final_result, indent=2, sort_keys=True, ensure_ascii=False)
@@ -545,7 +511,8 @@ class Completion:
     valid: tuple[FileRef, ...]
     """Those of :attr:`big` that look like real deliverables."""
     mean: float | None
-    """Mean best score over the run's workers (:func:`mean_best_score`)."""
+    """Mean best score over the run's workers
+    (:func:`~pipeline.records.run_scores.mean_best_score`)."""
 
     @cached_property
     def placeholder_hits(self) -> tuple[PlaceholderHit, ...]:

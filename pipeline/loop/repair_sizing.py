@@ -6,8 +6,8 @@ prompt once (only for a token-spending reviser), and sizes the round's
 :class:`~pipeline.loop.repair.RepairBound`: the repair call plus the re-critique of its output, each
 part from the reviser or critic that serves the submission. The decide stage reserves that
 bound in the repair budget; the repair stage hands the same pitfalls and prompt to the
-reviser, so what was sized is what is sent. The policy's pieces (the prompt, the estimates)
-are :mod:`pipeline.loop.repair`'s.
+reviser, so what was sized is what is sent. The policy's pieces (the estimates) are
+:mod:`pipeline.loop.repair`'s, the prompt :func:`pipeline.critics.llm_prompts.build_repair_prompt`.
 
 Given what the run's committed repairs used (a :class:`~pipeline.store.base.RepairUsage`), the
 round is sized tighter when it can be: the repaired output's bound (the repair call's
@@ -26,10 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pipeline.critics.base import Critic, PromptedReviser, Reviser, SizedCritic, resolve_for
+from pipeline.critics.llm_prompts import build_repair_prompt
 from pipeline.loop.repair import (
     RepairBound,
     RepairOrder,
-    build_repair_prompt,
     estimated_critique_tokens,
     estimated_output_tokens,
     estimated_repair_tokens,

@@ -58,6 +58,7 @@ from pipeline.critics.base import (
     resolve_for,
 )
 from pipeline.critics.heuristic import HeuristicCritic
+from pipeline.critics.rubric import weighted_mean
 from pipeline.critics.worker import WorkerReviser
 from pipeline.errors import SubmissionError, TransientError
 from pipeline.llm.completion import token_allowance
@@ -70,7 +71,6 @@ from pipeline.loop.convergence import (
     decide_round,
     target_met,
     verdict_for,
-    weighted_mean,
 )
 from pipeline.loop.critique_cache import CacheUse, critique_cache_key, critique_through_cache
 from pipeline.loop.defect_diff import defect_diff, defect_refs, sorted_refs

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PathEscapeError, SubmissionError
-from pipeline.loop.gates import mean_best_score, not_counted
 from pipeline.models import (
     SCHEMA_VERSION,
     UNCHECKED_LINE,
@@ -32,6 +31,7 @@ from pipeline.models import (
     Pattern,
     check_identifier,
 )
+from pipeline.records.run_scores import mean_best_score, not_counted
 from pipeline.text.escaping import md_cell
 
 TOP_PRESCRIPTIONS = 10

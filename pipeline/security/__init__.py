@@ -4,7 +4,8 @@ This room holds what stands between hostile bytes and a verdict: :mod:`~.signing
 signatures on broker messages and stored records, ``CRITIQUE_SECRET``), :mod:`~.message_checks`
 (what a task message must look like before kombu or Celery reads it: the broker door's
 checks), :mod:`~.posture` (which keys the fleet requires, so a sender is refused at the door),
-:mod:`~.injection` (the prompt-injection scan), :mod:`~.redaction` (secrets out of error text),
+:mod:`~.injection` (the prompt-injection scan), :mod:`~.pattern_text` (what pattern memory may
+store: structure, never the worker's words), :mod:`~.redaction` (secrets out of error text),
 :mod:`~.model_policy` (which models a submission may name, where the product's key may go) and
 :mod:`~.sandbox` (the command critic's confinement). It builds only on the foundations
 (``pipeline.errors``, ``models``, ``settings``), on :mod:`pipeline.text` and on one leaf (the

@@ -13,9 +13,9 @@ memory.
 Used by the runner on every critic's envelope (:func:`pipeline.loop.stages.checked_envelope`: the
 heuristic, rubric and command critics and the Layer-0 path are capped too), by the LLM critic
 (:mod:`pipeline.critics.llm`, on the output and its file names; applying the hits twice adds
-them once) and by pattern memory (:mod:`pipeline.loop.pitfalls`, which drops lessons that would
-carry an instruction into later prompts). It depends only on :mod:`pipeline.text.textnorm` and
-:mod:`pipeline.models`.
+them once) and by pattern memory (:mod:`pipeline.security.pattern_text`, which drops lessons
+that would carry an instruction into later prompts). It depends only on
+:mod:`pipeline.text.textnorm` and :mod:`pipeline.models`.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ critiques run while the others wait for its envelope instead of calling the LLM 
 
 A hit becomes a verdict that the worker signs, so an entry is a record like a result: with
 secrets (``CRITIQUE_SECRET``) it is stored signed together with the key it is filed under
-(:func:`~pipeline.loop.critique_cache.seal_entry`), and a reader serves only an entry that
-verifies and names its own key (:func:`~pipeline.loop.critique_cache.open_entry`). Anything else
+(:func:`seal_entry`: signed under :data:`CACHE_KIND`), and a reader serves only an entry that
+verifies and names its own key (:func:`open_entry`). Anything else
 (unsigned, altered, copied from another key, not JSON) is a miss, logged and counted
 (``cache_refused``), and the critique that follows overwrites it. Without secrets
 (development) entries are stored and read unsigned.
@@ -15,15 +15,52 @@ verifies and names its own key (:func:`~pipeline.loop.critique_cache.open_entry`
 
 from __future__ import annotations
 
+import json
 import logging
 import uuid
 from collections.abc import Callable, Sequence
 
-from pipeline.loop.critique_cache import CacheEntryRefused, open_entry, seal_entry
+from pipeline.errors import ForgedMessageError
+from pipeline.security import signing
 from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, store_errors, text
 
 log = logging.getLogger(__name__)
+
+CACHE_KIND = "critique-cache"
+"""The record kind a cache entry is signed as: it never verifies as a result or a message."""
+
+
+class CacheEntryRefused(Exception):
+    """A stored cache entry that cannot be trusted (the reason never quotes it)."""
+
+
+def seal_entry(key: str, envelope_json: str, secrets: Sequence[bytes]) -> str:
+    """The stored form of ``envelope_json`` under ``key``: both in one JSON object, signed as
+    :data:`CACHE_KIND` with the first of ``secrets`` (unsigned without)."""
+    record = {"key": key, "envelope": envelope_json}
+    return json.dumps(signing.sign_record(CACHE_KIND, record, secrets), ensure_ascii=False)
+
+
+def open_entry(key: str, raw: str, secrets: Sequence[bytes]) -> str:
+    """The envelope JSON of a stored entry read under ``key``; ``CacheEntryRefused`` when it is
+    not a sealed entry, does not verify under ``secrets`` (when there are any) or was sealed
+    under another key (a valid entry copied onto this one)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not isinstance(doc.get("envelope"), str):
+        raise CacheEntryRefused("not a critique-cache entry")
+    if secrets:
+        try:
+            signing.verify_record(CACHE_KIND, doc, secrets)
+        except ForgedMessageError as exc:
+            raise CacheEntryRefused(exc.message) from None
+    if doc.get("key") != key:
+        raise CacheEntryRefused("an entry sealed under another key")
+    envelope: str = doc["envelope"]
+    return envelope
 
 
 class RedisCritiqueCache:

@@ -26,8 +26,8 @@ from pipeline.critics.command import (
 )
 from pipeline.critics.heuristic import HeuristicCritic, HeuristicReviser
 from pipeline.critics.llm import LLMReviser
+from pipeline.critics.llm_prompts import build_repair_prompt
 from pipeline.errors import ConfigError
-from pipeline.loop.repair import build_repair_prompt
 from pipeline.loop.stages import run_submission
 from pipeline.models import FileRef, Submission
 from pipeline.security.sandbox import NO_ISOLATION

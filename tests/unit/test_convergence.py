@@ -9,13 +9,13 @@ import pytest
 
 from pipeline.config import RUBRIC_DIMENSIONS, CritiqueConfig, RubricConfig
 from pipeline.critics.base import RevisionResult
+from pipeline.critics.rubric import weighted_mean
 from pipeline.loop.convergence import (
     RoundDecision,
     RoundFacts,
     decide_round,
     plateau_detected,
     target_met,
-    weighted_mean,
 )
 from pipeline.loop.stages import L0Outcome, run_submission
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission, Suggestion

@@ -11,14 +11,10 @@ import pytest
 
 from pipeline.config import CritiqueConfig
 from pipeline.critics.heuristic import HeuristicCritic
-from pipeline.loop.critique_cache import (
-    CacheEntryRefused,
-    critique_cache_key,
-    open_entry,
-    seal_entry,
-)
+from pipeline.loop.critique_cache import critique_cache_key
 from pipeline.loop.stages import L0Outcome, run_submission
 from pipeline.models import CritiqueEnvelope, Submission, Usage
+from pipeline.store.critique_entries import CacheEntryRefused, open_entry, seal_entry
 from pipeline.store.memory import MemoryCritiqueCache
 from pipeline.wiring import make_context
 

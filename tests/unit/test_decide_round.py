@@ -8,8 +8,9 @@ from typing import Any
 import pytest
 
 from pipeline.config import CritiqueConfig, RubricConfig
+from pipeline.critics.llm_prompts import pitfalls_block
 from pipeline.loop.convergence import STOP_TEXT, Ask, RoundDecision, RoundFacts, decide_round
-from pipeline.loop.pitfalls import pitfalls_block, render_pitfalls
+from pipeline.loop.pitfalls import render_pitfalls
 from pipeline.loop.stages import critic_stage, decide_stage, repair_stage, start
 from pipeline.models import ReusablePattern
 from pipeline.store.memory import MemoryPatternStore

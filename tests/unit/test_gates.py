@@ -19,13 +19,12 @@ from pipeline.loop.gates import (
     evaluate_completion,
     implies_deliverable,
     is_deliverable_file,
-    mean_best_score,
-    not_counted,
     redundancy_guard,
     scan_placeholders,
     validate_deliverable,
 )
 from pipeline.models import CritiqueEnvelope, CritiqueResult, FileRef, GateEvent, Status
+from pipeline.records.run_scores import mean_best_score, not_counted
 
 CFG = CritiqueConfig(enabled=True)
 

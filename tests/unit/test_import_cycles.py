@@ -173,15 +173,17 @@ def test_a_circle_closed_inside_a_function_is_found(tmp_path: Path) -> None:
 
 
 def test_the_graph_sees_function_level_and_package_edges() -> None:
-    """Known edges are read: pitfalls imports the injection scan and (through
-    ``pipeline.store.keys``) runs the store package's ``__init__``; the Redis blob store loads
+    """Known edges are read: pitfalls imports pattern memory's text rules (which import the
+    injection scan) and (through ``pipeline.store.keys``) runs the store package's
+    ``__init__``; the Redis blob store loads
     its Redis helpers inside a function; a store module reaching a sibling through its own
     package depends on the sibling only; ``workers`` modules are read, with their edges into
     ``pipeline`` and into ``workers.commands``, ``workers.recovery`` and ``workers.adapters``."""
     top, nested = import_graphs()
-    assert {"pipeline.security.injection", "pipeline.store", "pipeline.store.keys"} <= top[
+    assert {"pipeline.security.pattern_text", "pipeline.store", "pipeline.store.keys"} <= top[
         "pipeline.loop.pitfalls"
     ]
+    assert "pipeline.security.injection" in top["pipeline.security.pattern_text"]
     assert "pipeline.store.redis_common" in nested["pipeline.store.blobs"]
     assert "pipeline.store.keys" in top["pipeline.store.blobs"]
     assert "pipeline.store" not in top["pipeline.store.blobs"]

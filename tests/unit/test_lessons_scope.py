@@ -11,8 +11,9 @@ import pytest
 from pipeline import settings
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
-from pipeline.loop.pitfalls import MAX_RULE_CHARS, render_lessons
+from pipeline.loop.pitfalls import render_lessons
 from pipeline.models import Lesson
+from pipeline.security.pattern_text import MAX_RULE_CHARS
 from pipeline.store import keys
 
 

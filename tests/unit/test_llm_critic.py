@@ -10,11 +10,10 @@ import pytest
 
 from pipeline.config import CritiqueConfig, LLMConfig
 from pipeline.critics.llm import NO_MODEL_REASON, LLMCritic, LLMReviser, PairedCritic
-from pipeline.critics.llm_prompts import build_critic_messages
+from pipeline.critics.llm_prompts import REPAIR_INSTRUCTION, build_critic_messages
 from pipeline.critics.llm_reply import EnvelopeParseError, parse_envelope
 from pipeline.errors import LLMPermanentError, LLMTransientError
 from pipeline.llm.completion import LLMReply, LLMRequest
-from pipeline.loop.repair import REPAIR_INSTRUCTION
 from pipeline.models import (
     CritiqueEnvelope,
     Defect,

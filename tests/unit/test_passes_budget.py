@@ -25,8 +25,8 @@ from pipeline.llm.completion import (
     estimate_prompt_tokens,
     token_allowance,
 )
+from pipeline.llm.tokens import repair_reply_tokens
 from pipeline.loop.pitfalls import render_pitfalls
-from pipeline.loop.repair import repair_reply_tokens
 from pipeline.loop.stages import (
     LoopState,
     budget_wait_s,

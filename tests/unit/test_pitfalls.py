@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from pipeline.loop.pitfalls import (
-    PITFALLS_FOOTER,
-    patterns_from_envelope,
-    render_lessons,
-    render_pitfalls,
-)
+from pipeline.critics.llm_prompts import PITFALLS_FOOTER
+from pipeline.loop.pitfalls import patterns_from_envelope, render_lessons, render_pitfalls
 from pipeline.models import CritiqueEnvelope, Defect, Pattern, ReusablePattern
 
 
@@ -266,7 +262,7 @@ def _carries_hostile_text(text: str) -> bool:
 def test_plain_names_are_kept_and_anything_else_becomes_a_stand_in() -> None:
     """A plain name (≤ 40 characters of letters, digits, _ . - and single spaces) is kept; a
     longer or odd one, or one the injection scan flags, becomes a stable hash stand-in."""
-    from pipeline.loop.pitfalls import name_token
+    from pipeline.security.pattern_text import name_token
 
     assert name_token("summary") == "summary"
     assert name_token("Related Work", "section") == "Related Work"
@@ -284,8 +280,8 @@ def test_heuristic_findings_never_quote_a_hostile_key() -> None:
     """The reproduction's key reaches no defect, prescription or pattern text: its defect
     names the stand-in, its rule is the generic one that every odd key shares."""
     from pipeline.critics.heuristic import HeuristicCritic
-    from pipeline.loop.pitfalls import name_token
     from pipeline.models import Submission
+    from pipeline.security.pattern_text import name_token
 
     output = {"summary": "TODO", "confidence": 0.9, HOSTILE_KEY: ""}
     sub = Submission(run_id="r", worker_id="e", task="t", output=output)
@@ -334,7 +330,7 @@ def test_heuristic_does_not_quote_the_error_field() -> None:
 def test_critic_patterns_are_cleaned_capped_and_dropped_when_they_copy_a_long_key() -> None:
     """A critic's free-text pattern is stored without control characters and cut to 200
     characters; one that copies a long output key (even cut short) is dropped."""
-    from pipeline.loop.pitfalls import MAX_RULE_CHARS
+    from pipeline.security.pattern_text import MAX_RULE_CHARS
 
     long_rule = "Always cite \x1b[31mthe\u200b source\x07 " + "and check it " * 40
     copying = f"Never leave the '{HOSTILE_KEY[:60]}…' field empty"  # even cut short
@@ -357,9 +353,11 @@ def test_pitfalls_enter_prompts_inside_a_block_marked_as_data() -> None:
     """The repair and critic prompts carry the pitfalls between markers the text cannot
     contain, introduced as data observed in earlier outputs, not instructions."""
     from pipeline.config import CritiqueConfig
-    from pipeline.critics.llm_prompts import build_critic_messages
-    from pipeline.loop.pitfalls import pitfalls_block
-    from pipeline.loop.repair import build_repair_prompt
+    from pipeline.critics.llm_prompts import (
+        build_critic_messages,
+        build_repair_prompt,
+        pitfalls_block,
+    )
     from pipeline.models import Submission
 
     text = render_pitfalls([_pattern("missing_data", "Always include the 'summary' field", 2)])

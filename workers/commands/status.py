@@ -45,8 +45,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from pipeline.loop.gates import not_counted_text
 from pipeline.models import CritiqueResult, score_text
+from pipeline.records.run_scores import not_counted_text
 from pipeline.text.escaping import escape_controls
 from workers import riding
 from workers.commands._common import (
