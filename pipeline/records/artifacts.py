@@ -6,7 +6,7 @@ prescriptions, known patterns, repair history); the same facts land on disk unde
 ``delegations/<worker-id>/{critique,repairs}.json``. Writes are atomic, never follow a symlink
 under the artifacts root, and the JSON is deterministic (sorted keys, indent 2, trailing
 newline) so reruns produce identical bytes. Every worker-made string in ``CRITIQUE.md`` is
-escaped for Markdown (:mod:`pipeline.mdtext`): raw HTML in an output shows as text.
+escaped for Markdown (:mod:`pipeline.text.escaping`): raw HTML in an output shows as text.
 """
 
 from __future__ import annotations

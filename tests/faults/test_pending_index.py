@@ -1,5 +1,5 @@
 """The pending index, its claims and the queue-drain probes on a real Redis (a private server),
-and the stall rule built on them (``workers.recovery.is_stalled``)."""
+and the stall rule built on them (``workers.recovery.redriving.is_stalled``)."""
 
 from __future__ import annotations
 
