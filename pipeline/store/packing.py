@@ -27,6 +27,10 @@ UNPACK_MAX = 64 * 1024 * 1024
 decompression bomb) is treated as unreadable."""
 _TEXT_PREFIX = "z:"
 """What a packed value stored as text starts with (a client that decodes responses)."""
+_EVENT_MEM_LEVEL = 4
+"""zlib's memory level for packing an event: its hash table (memLevel 9: 256 KiB allocated and
+cleared per event, ~45 µs) is far larger than an event and the dictionary need; 4 packs the
+same bytes in ~7 µs. Not part of the format: inflating does not depend on it."""
 _EVENT_V1 = b"\x01"
 """The version byte of an event packed with :data:`_EVENT_DICT_V1`."""
 _JSON_START = (b"{", b"[", b" ", b"\n", b"\t", b"\r")
@@ -70,7 +74,9 @@ def pack_event(raw: str, *, binary: bool = True) -> bytes | str:
     """One encoded trace event (compact JSON) as stored: deflated with the event dictionary
     when that is shorter, else as it is."""
     data = raw.encode("utf-8")
-    deflate = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_DEFAULT_STRATEGY, _EVENT_DICT_V1)
+    deflate = zlib.compressobj(
+        9, zlib.DEFLATED, -15, _EVENT_MEM_LEVEL, zlib.Z_DEFAULT_STRATEGY, _EVENT_DICT_V1
+    )
     return _smaller(raw, len(data), _EVENT_V1 + deflate.compress(data) + deflate.flush(), binary)
 
 

@@ -262,3 +262,72 @@ def test_warm_up_never_raises_on_a_model_litellm_cannot_call(litellm: Any) -> No
     """A model without a provider prefix (litellm refuses it) leaves that part cold: the
     warm-up returns; a worker's start never fails on it."""
     warm_up(["no-provider-model"])
+
+
+def _in_a_thread(work: Callable[[], Any]) -> Any:
+    """``work()``'s answer, run on a fresh non-main thread (as a worker pool's thread runs it)."""
+    import threading
+
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(work()))
+    thread.start()
+    thread.join(timeout=60)
+    assert out, "the thread did not finish"
+    return out[0]
+
+
+@pytest.fixture
+def loops_built(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Every event loop asyncio's policy builds (``asyncio.run`` builds one per call)."""
+    import asyncio
+
+    built: list[object] = []
+    policy = type(asyncio.get_event_loop_policy())
+    real = policy.new_event_loop
+
+    def counted(self: Any) -> Any:
+        loop = real(self)
+        built.append(loop)
+        return loop
+
+    monkeypatch.setattr(policy, "new_event_loop", counted)
+    return built
+
+
+def test_a_pool_thread_builds_one_event_loop_not_one_per_call(
+    litellm: Any, fake_llm: FakeOpenAIServer, loops_built: list[object]
+) -> None:
+    """litellm's timing hook after a synchronous call runs on the thread's own loop: three
+    calls from one non-main thread build one loop (``asyncio.run`` per call built three), and
+    that loop is closed when the thread ends."""
+    fake_llm.script(*(reply('{"score": 1.0, "defects": []}') for _ in range(3)))
+    complete = completer(fake_llm)
+
+    def three_calls() -> list[str]:
+        return [complete(ask()).text for _ in range(3)]
+
+    assert _in_a_thread(three_calls) == ['{"score": 1.0, "defects": []}'] * 3
+    assert len(loops_built) == 1
+    import gc
+
+    gc.collect()
+    assert loops_built[0].is_closed()  # type: ignore[attr-defined]
+
+
+def test_a_thread_keeps_the_event_loop_it_has(litellm: Any, fake_llm: FakeOpenAIServer) -> None:
+    """A thread that set its own event loop before a call still has that loop after it."""
+    import asyncio
+
+    fake_llm.script(reply('{"score": 1.0, "defects": []}'))
+    complete = completer(fake_llm)
+
+    def call_with_own_loop() -> bool:
+        own = asyncio.new_event_loop()
+        asyncio.set_event_loop(own)
+        try:
+            complete(ask())
+            return asyncio.get_event_loop_policy().get_event_loop() is own
+        finally:
+            own.close()
+
+    assert _in_a_thread(call_with_own_loop)

@@ -73,6 +73,19 @@ def test_a_trace_event_packs_to_under_half_and_unpacks_to_the_same_json() -> Non
     assert isinstance(as_text, str) and unpack(as_text) == EVENT
 
 
+def test_an_event_packs_to_the_bytes_of_the_largest_deflate_memory() -> None:
+    """The packer's small zlib memory level costs no byte: the same packed event as memLevel
+    9, zlib's largest (what earlier versions allocated per event)."""
+    from pipeline.store.packing import _EVENT_DICT_V1
+
+    for event in (EVENT, EVENT.replace('"defects":1', '"defects":12,"note":"' + "x y " * 60 + '"')):
+        deflate = zlib.compressobj(
+            9, zlib.DEFLATED, -15, 9, zlib.Z_DEFAULT_STRATEGY, _EVENT_DICT_V1
+        )
+        data = event.encode()
+        assert pack_event(event) == b"\x01" + deflate.compress(data) + deflate.flush()
+
+
 def test_an_event_that_would_not_shrink_is_stored_as_it_is() -> None:
     """A tiny event: the JSON itself."""
     assert pack_event('{"a":1}') == '{"a":1}'
