@@ -3,11 +3,12 @@ stalled chain. One module per mechanism, each name imported from its own module 
 re-exports nothing):
 
 - :mod:`workers.recovery.redriving`: re-driving a pass from its last recorded step, by the stall
-  rule (any broker) or by the proof that its message is lost (Redis and RabbitMQ brokers),
-  claimed atomically and given up on after a few tries. Also what ``CritiqueClient.resume`` calls
+  rule (any broker) or by the one rule that proves its message lost, on the broker's evidence
+  (Redis: its ``unacked`` hash; RabbitMQ: a census), claimed atomically and given up on after a
+  few tries. Also what ``CritiqueClient.resume`` calls
   (a client's ``wait`` only waits).
-- :mod:`workers.recovery.census`: the proof on RabbitMQ: the workers' reports of what they hold
-  and the queues' ready and consumer counts (a census), and the rule that proves a pass lost.
+- :mod:`workers.recovery.census`: the evidence on RabbitMQ: the workers' reports of what they
+  hold and the queues' ready and consumer counts (a census), and how it judges a pass.
 - :mod:`workers.recovery.sweeper`: the thread in every worker process that reports the messages
   it holds, restores those a dead worker held, sends the queue-drain probes and sweeps the
   pending passes (the :class:`~workers.recovery.sweeper.Sweeper` bootstep starts it).

@@ -59,12 +59,15 @@ import hashlib
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.models import PassRef
 from pipeline.store import keys
 from pipeline.store.redis_common import StoreClient, resolve_prefix, store_errors, text
 from workers.recovery.base import LOST_GRACE_S, LOST_MARGIN_S
+
+if TYPE_CHECKING:
+    from workers.recovery.redriving import RedriveContext
 
 REPORTS_KEPT_S = 600.0
 """A report older than this (or 20 of its intervals, if longer) is deleted when read."""
@@ -312,3 +315,37 @@ class CensusLook:
         if got is None:
             got = self._quiet[at] = self.store.quiet_at(at)
         return got
+
+
+@dataclass(frozen=True)
+class CensusEvidence:
+    """A RabbitMQ broker's evidence for :func:`~workers.recovery.redriving.redrive_if_lost`:
+    one sweep's census (:func:`judge_census`) and the quiet queues of the censuses its suspects
+    were made at."""
+
+    look: CensusLook
+
+    @property
+    def at(self) -> float:
+        return self.look.census.at
+
+    def judge(self, member: str, last_progress: float, prior: tuple[float, float] | None) -> str:
+        return judge_census(member, last_progress, prior, self.look.census)
+
+    def proves(self, ctx: RedriveContext, queue: str, since: float) -> bool:
+        return queue in self.look.quiet_at(since)
+
+    def may_prove(self, ctx: RedriveContext, since: float) -> bool:
+        return True  # the pass's queue is learnt by examining it (for :meth:`unproven`)
+
+    def unproven(
+        self, ctx: RedriveContext, run_id: str, member: str, last_progress: float, queue: str
+    ) -> None:
+        """A pass suspected while its own queue was busy is suspected afresh at this census if
+        its queue is quiet now (the rule holds at any census), else forgotten: its suspicion
+        would never move past a busy queue otherwise."""
+        census = self.look.census
+        if queue in census.quiet():
+            ctx.stores.pending.update_suspects(run_id, {member: (last_progress, census.at)}, [])
+        else:
+            ctx.stores.pending.update_suspects(run_id, {}, [member])

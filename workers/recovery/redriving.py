@@ -1,20 +1,27 @@
 """Re-driving a pass: sending the rest of its chain again, from its last recorded step.
 
-A pass's chain can stop moving in two ways (lost, stalled), and each has its rule here:
+A pass's chain can stop moving in two ways (lost, stalled), and each has one rule here:
 
-- **Lost** (Redis broker). kombu's Redis transport pops a message (``BRPOP``) and only
-  then writes it to its ``unacked`` hash, so a Redis restart between the two leaves the message
-  nowhere. With late acknowledgement every message a worker holds (reserved, scheduled or
-  running) stays in ``unacked`` until its task ends, and a stage sends its next message before
-  acknowledging its own. So a pass with no message in ``unacked`` on two looks at least
-  :data:`~workers.recovery.base.LOST_GRACE_S` apart (:func:`judge`), whose queue was drained
-  past the first look in between (:func:`drained_for_proof`), has no message anywhere: it is
-  re-driven at once (:func:`redrive_if_lost`, ``reason: lost``).
-- **Lost** (RabbitMQ broker). RabbitMQ counts each queue's ready messages and consumers, and
-  every worker reports the passes it holds: a pass no live worker holds on two censuses, whose
-  queue had nothing ready and no consumer unaccounted for at the first, while every consumer
-  stayed connected across it, has no message anywhere (:mod:`workers.recovery.census`,
-  :func:`redrive_if_lost_on_census`, ``reason: lost``).
+- **Lost**: no message of the pass is anywhere, proved within seconds by one rule on the
+  broker's evidence (:class:`LostEvidence`): a pass the evidence finds absent on two looks at
+  least :data:`~workers.recovery.base.LOST_GRACE_S` apart (a *suspect*, then *confirmed*),
+  whose next stage's queue proves that no message of it was queued at the suspicion nor taken
+  since, is re-driven at once (:func:`redrive_if_lost`, ``reason: lost``). The evidence is
+  the broker's:
+
+  - Redis (:class:`UnackedEvidence`): kombu's Redis transport pops a message (``BRPOP``) and
+    only then writes it to its ``unacked`` hash, so a Redis restart between the two leaves the
+    message nowhere. With late acknowledgement every message a worker holds (reserved,
+    scheduled or running) stays in ``unacked`` until its task ends, and a stage sends its next
+    message before acknowledging its own: a pass with no message in ``unacked``
+    (:func:`judge`) whose queue was drained past the suspicion (:func:`drained_for_proof`,
+    the sweeper's probes) has no message anywhere.
+  - RabbitMQ (:class:`~workers.recovery.census.CensusEvidence`): RabbitMQ counts each queue's
+    ready messages and consumers, and every worker reports the passes it holds: a pass no live
+    worker holds on two censuses, whose queue had nothing ready and no consumer unaccounted
+    for at the first, while every consumer stayed connected across it, has no message
+    anywhere (:mod:`workers.recovery.census`).
+
 - **Stalled** (any broker; the backstop). No step of the pass was recorded for the
   stall time, and the queue of its next stage was drained past its last progress long enough
   ago that its message, had there been one, would have run (:func:`is_stalled`,
@@ -41,7 +48,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pipeline.errors import PermanentError, SubmissionError
 from pipeline.loop.stages import LoopState
@@ -413,7 +420,7 @@ def redrive_if_stalled(
     return _claim_and_publish(ctx, ref, last_progress, plan, "stalled")
 
 
-# --- the proof that a pass is lost (Redis broker) ----------------------------------------------
+# --- the proof that a pass is lost ----------------------------------------------------------------
 
 
 def drained_for_proof(view: DrainView, queue: str, since: float, read_at: float) -> bool:
@@ -446,6 +453,65 @@ def judge(
     return "confirm" if snap.before - prior[1] >= LOST_GRACE_S else "wait"
 
 
+class LostEvidence(Protocol):
+    """One look at the broker, as the rule that proves a pass lost reads it: the unacknowledged
+    messages of a Redis broker (:class:`UnackedEvidence`) or a census of a RabbitMQ broker
+    (:class:`~workers.recovery.census.CensusEvidence`). The sweeper suspects, confirms and
+    re-drives with :func:`redrive_if_lost` whichever it has: the rule is one, its evidence
+    comes from the broker."""
+
+    @property
+    def at(self) -> float:
+        """When the look was made: a pass found absent in it is a suspect since then."""
+        ...
+
+    def judge(self, member: str, last_progress: float, prior: tuple[float, float] | None) -> str:
+        """One pending pass on this look (``prior``: ``(last progress, suspected at)`` when it
+        is a suspect): ``"alive"``, ``"young"``, ``"suspect"``, ``"wait"`` or ``"confirm"``."""
+        ...
+
+    def proves(self, ctx: RedriveContext, queue: str, since: float) -> bool:
+        """Whether ``queue`` held no message of a pass absent since ``since`` that no worker
+        took since (then, with the pass confirmed absent, its message is nowhere)."""
+        ...
+
+    def may_prove(self, ctx: RedriveContext, since: float) -> bool:
+        """Whether any queue could prove a suspicion of ``since`` (if not, nothing is read)."""
+        ...
+
+    def unproven(
+        self, ctx: RedriveContext, run_id: str, member: str, last_progress: float, queue: str
+    ) -> None:
+        """What follows a confirmation that its queue, ``queue``, did not prove."""
+        ...
+
+
+@dataclass(frozen=True)
+class UnackedEvidence:
+    """A Redis broker's evidence: one snapshot of its ``unacked`` hash (:func:`judge`) and the
+    queues' probes (:func:`drained_for_proof`)."""
+
+    snap: Snapshot
+
+    @property
+    def at(self) -> float:
+        return self.snap.after
+
+    def judge(self, member: str, last_progress: float, prior: tuple[float, float] | None) -> str:
+        return judge(member, last_progress, prior, self.snap)
+
+    def proves(self, ctx: RedriveContext, queue: str, since: float) -> bool:
+        return drained_for_proof(ctx.view, queue, since, self.snap.before)
+
+    def may_prove(self, ctx: RedriveContext, since: float) -> bool:
+        return any(self.proves(ctx, q, since) for q in keys.QUEUES)
+
+    def unproven(
+        self, ctx: RedriveContext, run_id: str, member: str, last_progress: float, queue: str
+    ) -> None:
+        """Nothing: the suspicion stands until a probe drains its queue."""
+
+
 def redrive_if_lost(
     ctx: RedriveContext,
     run_id: str,
@@ -453,57 +519,29 @@ def redrive_if_lost(
     last_progress: float,
     *,
     since: float,
-    snap: Snapshot,
+    evidence: LostEvidence,
 ) -> str | None:
-    """Re-drive a suspect pass (:func:`judge` said ``confirm``; a suspect since ``since``) once
-    its queue was drained past that time (:func:`drained_for_proof`, checked on ``snap``'s read
-    time): any message of it that was queued then has been taken since and would now be in
-    ``unacked``, and none is. Claimed atomically, like :func:`redrive_if_stalled`; returns the
-    stage it resumed at."""
+    """Re-drive a suspect pass that ``evidence`` confirmed (a suspect since ``since``) once the
+    queue of its next stage proves it (:meth:`LostEvidence.proves`): no message of it was there
+    at ``since`` nor in any worker's hands since, and none is now. A pass whose first message
+    may have been sent after the suspicion is not proven. Claimed atomically, like
+    :func:`redrive_if_stalled`; returns the stage it resumed at. A pass whose queue
+    ``ctx.queues`` knows is checked without reading its steps; every examined pass's queue is
+    remembered there."""
     known = ctx.queues.get(run_id, member, last_progress)
     if known is not None:
-        if not drained_for_proof(ctx.view, known, since, snap.before):
+        if not evidence.proves(ctx, known, since):
+            evidence.unproven(ctx, run_id, member, last_progress, known)
             return None
-    elif not any(drained_for_proof(ctx.view, q, since, snap.before) for q in keys.QUEUES):
+    elif not evidence.may_prove(ctx, since):
         return None  # no queue could prove it yet: read nothing
     examined = _examine(ctx, run_id, member, last_progress)
     if examined is None:
         return None
     ref, plan, doc = examined
-    if not drained_for_proof(ctx.view, plan.queue, since, snap.before):
+    if not evidence.proves(ctx, plan.queue, since):
+        evidence.unproven(ctx, run_id, member, last_progress, plan.queue)
         return None
     if float(doc.get("at") or 0.0) >= since:
         return None  # its first message may have been sent after the suspicion: not proven
-    return _claim_and_publish(ctx, ref, last_progress, plan, "lost")
-
-
-# --- the proof that a pass is lost (RabbitMQ broker) -------------------------------------------
-
-
-def redrive_if_lost_on_census(
-    ctx: RedriveContext,
-    run_id: str,
-    member: str,
-    last_progress: float,
-    *,
-    since: float,
-    quiet: frozenset[str],
-) -> str | None:
-    """Re-drive a pass the census rule confirmed (:func:`~workers.recovery.census.judge_census`
-    said ``confirm``; a suspect since the census of ``since``, whose quiet queues were
-    ``quiet``) once its next stage's queue is one of them: then no message of it was in that
-    queue at ``since`` nor in any worker's hands since. Claimed atomically, like
-    :func:`redrive_if_lost`; returns the stage it resumed at. The pass's queue is remembered in
-    ``ctx.queues`` either way (the sweeper suspects it afresh when its queue was not quiet)."""
-    known = ctx.queues.get(run_id, member, last_progress)
-    if known is not None and known not in quiet:
-        return None
-    examined = _examine(ctx, run_id, member, last_progress)
-    if examined is None:
-        return None
-    ref, plan, doc = examined
-    if plan.queue not in quiet:
-        return None
-    if float(doc.get("at") or 0.0) >= since:
-        return None  # its first message may have been sent after the census: not proven
     return _claim_and_publish(ctx, ref, last_progress, plan, "lost")

@@ -31,13 +31,12 @@ a consumer unaccounted for). The thread is started by the :class:`Sweeper` worke
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from celery import bootsteps, shared_task
@@ -56,25 +55,24 @@ from workers.recovery.base import (
     LOST_MARGIN_S,
     SWEEP_BATCH,
     RecoveryStores,
-    Snapshot,
     default_stores,
     stores_on,
     sweep_interval_s,
 )
 from workers.recovery.census import (
     Census,
+    CensusEvidence,
     CensusLook,
     CensusStore,
     ConsumerReport,
     broker_id,
-    judge_census,
 )
 from workers.recovery.redriving import (
+    LostEvidence,
     QueueCache,
     RedriveContext,
-    judge,
+    UnackedEvidence,
     redrive_if_lost,
-    redrive_if_lost_on_census,
     redrive_if_stalled,
 )
 from workers.recovery.transport import (
@@ -96,16 +94,14 @@ def sweep(
     ctx: RedriveContext, broker: RedisBroker | None = None, look: CensusLook | None = None
 ) -> list[tuple[str, str, str]]:
     """One sweep over every run with pending passes: re-drive the lost and the stalled ones and
-    forget runs with none left. With ``broker`` (a Redis broker) a pass is proved lost within
-    seconds (:func:`~workers.recovery.redriving.judge`,
-    :func:`~workers.recovery.redriving.redrive_if_lost`), and so it is with ``look`` (a census
-    of a RabbitMQ broker: :func:`~workers.recovery.census.judge_census`,
-    :func:`~workers.recovery.redriving.redrive_if_lost_on_census`); without either, only the
-    stall time applies. A pass is examined in full (its steps read) at most
+    forget runs with none left. With ``broker`` (a Redis broker: :class:`UnackedEvidence`) or
+    ``look`` (a census of a RabbitMQ broker: :class:`CensusEvidence`) a pass is proved lost
+    within seconds (:func:`~workers.recovery.redriving.redrive_if_lost`); without either, only
+    the stall time applies. A pass is examined in full (its steps read) at most
     :data:`SWEEP_BATCH` times per sweep; one whose queue ``ctx.queues`` knows costs no Redis
     read. Returns what was re-driven as ``(run_id, member, stage)``."""
     s = ctx.stores
-    snap: Snapshot | None = None
+    evidence: LostEvidence | None = None
     examined = 0
     done: list[tuple[str, str, str]] = []
     proving = broker is not None or look is not None
@@ -119,13 +115,13 @@ def sweep(
                 s.pending.clear_suspects(run_id)
             continue
         lost: list[tuple[str, float, float]] = []
-        if broker is not None:
-            if snap is None:
-                snap = broker.snapshot()
-            lost = _suspects(ctx, run_id, stale, snap.after, functools.partial(judge, snap=snap))
-        elif look is not None:
-            by_census = functools.partial(judge_census, census=look.census)
-            lost = _suspects(ctx, run_id, stale, look.census.at, by_census)
+        if evidence is None:  # one look per sweep, made only when a pass may need it
+            if broker is not None:
+                evidence = UnackedEvidence(broker.snapshot())
+            elif look is not None:
+                evidence = CensusEvidence(look)
+        if evidence is not None:
+            lost = _suspects(ctx, run_id, stale, evidence)
         work: list[tuple[str, float, float | None]] = [
             (m, seen, None) for m, seen in stale if ctx.now - seen >= ctx.stall_s
         ]
@@ -135,7 +131,7 @@ def sweep(
                 if examined >= SWEEP_BATCH:
                     continue  # the next sweep gets to it
                 examined += 1
-            stage = _redrive_one(ctx, run_id, member, seen, since, snap, look)
+            stage = _redrive_one(ctx, run_id, member, seen, since, evidence)
             if stage is not None:
                 done.append((run_id, member, stage))
     return done
@@ -147,20 +143,16 @@ def _redrive_one(
     member: str,
     seen: float,
     since: float | None,
-    snap: Snapshot | None,
-    look: CensusLook | None = None,
+    evidence: LostEvidence | None,
 ) -> str | None:
     """Re-drive one pass by the stall rule (``since`` None) or the lost proof (a suspect since
-    ``since``, judged on ``snap`` or on ``look``'s census). A permanent error drops the pass
-    from the index; any other (the store is unavailable) ends the sweep, which the next tick
-    retries."""
+    ``since``, on ``evidence``). A permanent error drops the pass from the index; any other
+    (the store is unavailable) ends the sweep, which the next tick retries."""
     try:
         if since is None:
             return redrive_if_stalled(ctx, run_id, member, seen)
-        if look is not None:
-            return _redrive_on_census(ctx, run_id, member, seen, since, look)
-        assert snap is not None
-        return redrive_if_lost(ctx, run_id, member, seen, since=since, snap=snap)
+        assert evidence is not None
+        return redrive_if_lost(ctx, run_id, member, seen, since=since, evidence=evidence)
     except CritiqueError as exc:
         if not isinstance(exc, PermanentError):
             raise  # the store is unavailable: the whole sweep waits for the next
@@ -173,12 +165,10 @@ def _suspects(
     ctx: RedriveContext,
     run_id: str,
     stale: list[tuple[str, float]],
-    at: float,
-    judge_one: Callable[[str, float, tuple[float, float] | None], str],
+    evidence: LostEvidence,
 ) -> list[tuple[str, float, float]]:
-    """Judge the run's passes younger than the stall time (``judge_one``: :func:`judge` on a
-    snapshot, or :func:`judge_census` on a census, either made at ``at``), update its suspects,
-    and return the ones to confirm: ``(member, last progress, suspected at)``."""
+    """Judge the run's passes younger than the stall time on ``evidence``, update its
+    suspects, and return the ones to confirm: ``(member, last progress, suspected at)``."""
     prior = ctx.stores.pending.suspects(run_id)
     add: dict[str, tuple[float, float]] = {}
     keep: set[str] = set()
@@ -187,9 +177,9 @@ def _suspects(
         if ctx.now - seen >= ctx.stall_s:
             continue  # the stall rule's
         was = prior.get(member)
-        verdict = judge_one(member, seen, was)
+        verdict = evidence.judge(member, seen, was)
         if verdict == "suspect":
-            add[member] = (seen, at)
+            add[member] = (seen, evidence.at)
         elif verdict in ("wait", "confirm"):
             keep.add(member)
             if verdict == "confirm" and was is not None:
@@ -197,25 +187,6 @@ def _suspects(
     drop = [m for m in prior if m not in keep and m not in add]
     ctx.stores.pending.update_suspects(run_id, add, drop)
     return confirm
-
-
-def _redrive_on_census(
-    ctx: RedriveContext, run_id: str, member: str, seen: float, since: float, look: CensusLook
-) -> str | None:
-    """Re-drive a pass the census rule confirmed, if its queue was quiet at its suspicion
-    (:func:`redrive_if_lost_on_census`). One that was suspected while its own queue was busy is
-    suspected afresh at this census if its queue is quiet now (the census rule holds at any
-    census), else forgotten: its suspicion never moves past a busy queue otherwise."""
-    quiet = look.quiet_at(since)
-    stage = redrive_if_lost_on_census(ctx, run_id, member, seen, since=since, quiet=quiet)
-    queue = ctx.queues.get(run_id, member, seen)
-    if stage is None and queue is not None and queue not in quiet:
-        census = look.census
-        if queue in census.quiet():
-            ctx.stores.pending.update_suspects(run_id, {member: (seen, census.at)}, [])
-        else:
-            ctx.stores.pending.update_suspects(run_id, {}, [member])
-    return stage
 
 
 def take_census(store: CensusStore, amqp: AmqpBroker, queues: Iterable[str]) -> CensusLook:
