@@ -30,12 +30,10 @@ Where it is checked:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import importlib
 import logging
 import os
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -223,63 +221,10 @@ def call_scope(litellm: Any | None) -> contextlib.AbstractContextManager[Any]:
     """
     if litellm is None:  # a test's completion: litellm is not even loaded
         return contextlib.nullcontext()
-    _give_thread_a_loop()
     scope = _quiet_scope()
     if scope is None or success_callbacks_configured(litellm):
         return contextlib.nullcontext()
     return scope()
-
-
-class _OwnLoop:
-    """An event loop this module gave a thread, closed when the thread ends (its thread-local
-    reference is the only one kept)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-
-    def __del__(self) -> None:
-        if not self.loop.is_closed():
-            self.loop.close()
-
-
-class _ThreadLoop(threading.local):
-    """Per thread: whether :func:`_give_thread_a_loop` looked, and the loop it gave."""
-
-    checked = False
-    own: _OwnLoop | None = None
-
-
-_THREAD_LOOP = _ThreadLoop()
-
-
-def _give_thread_a_loop() -> None:
-    """Give a worker thread without an event loop one of its own, once.
-
-    litellm's synchronous ``completion`` reports its timing through an async hook after every
-    call: on a thread with an event loop it runs the hook there; on one without (every thread
-    but the main one, so every thread of a worker's pool) it runs ``asyncio.run``, which
-    builds and closes a whole event loop (a selector and a socket pair) per call, ~70-100 µs
-    of CPU. A thread that already has a loop, or runs one, keeps it; the main thread gets one
-    from asyncio on demand. The hook does nothing else with the loop.
-    """
-    state = _THREAD_LOOP
-    if state.checked:
-        return
-    state.checked = True
-    if threading.current_thread() is threading.main_thread():
-        return
-    try:
-        asyncio.get_running_loop()
-        return
-    except RuntimeError:
-        pass
-    try:
-        asyncio.get_event_loop_policy().get_event_loop()
-        return
-    except RuntimeError:  # none set on this thread
-        pass
-    state.own = _OwnLoop()
-    asyncio.set_event_loop(state.own.loop)
 
 
 _QUIET_SCOPE: list[Callable[[], contextlib.AbstractContextManager[Any]] | None] = []

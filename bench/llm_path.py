@@ -1,0 +1,127 @@
+"""The model-call path alone: CPU per call of the worker's completer, from one thread and from
+a worker pool's many (issue 39).
+
+    python bench/llm_path.py [--calls 1200] [--threads 32] [--latency-ms 200] [--rounds 3]
+
+No Celery, no Redis: :class:`pipeline.llm.completion.LiteLLMCompleter`, as a worker builds it,
+calls the fake OpenAI-compatible server (bench/_fake_llm.py, in a process of its own) with a
+critic-sized prompt in JSON mode. Rows, each ``--calls`` calls after a few warm-up calls:
+
+* **1 thread**: the calls one after another from one thread (the server answers at once);
+* **N threads** (``--threads``, a worker process's pool): N threads each making its share,
+  the server answering after ``--latency-ms``, as an LLM would.
+
+The ratio of the two is what the pool's threads add to each call (the GIL passed between
+them around every socket operation, and the kernel's switches between them): what a worker
+pays on top of the call itself, before any pipeline work.
+
+``cpu ms/call`` is this process's CPU (user + system, every thread; the server is another
+process) over the timed calls. The rows swap places every round; the summary is the median
+over rounds. The VM's CPU time per call moves from run to run: compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import sys
+import threading
+import time
+from importlib.metadata import version as dist_version
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench._fake_llm import ServerProcess, serve
+from bench._provenance import git_commit
+
+VERDICT = '{"score": 0.9, "defects": []}'
+WARMUP = 5
+
+
+def serve_main(latency_s: float) -> int:
+    """The fake server alone (``--serve``): every request answered after ``latency_s``."""
+    from tests.fakes.openai_server import reply
+
+    return serve(lambda body: reply(VERDICT, delay_s=latency_s), backlog=1024)
+
+
+def cpu_s() -> float:
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return used.ru_utime + used.ru_stime
+
+
+def run_row(api_base: str, calls: int, threads: int) -> tuple[float, float]:
+    """``(cpu ms per call, wall s)`` of ``calls`` calls from ``threads`` threads."""
+    from pipeline.config import LLMConfig
+    from pipeline.llm.completion import ChatMessage, LiteLLMCompleter, LLMRequest
+
+    complete = LiteLLMCompleter(LLMConfig(api_base=api_base, max_retries=0), api_key="sk-bench")
+    request = LLMRequest(
+        model="openai/bench-critic",
+        messages=(
+            ChatMessage(role="system", content="You are the critic. Return JSON. " * 40),
+            ChatMessage(role="user", content="The worker's output to critique. " * 120),
+        ),
+        json_mode=True,
+        max_tokens=512,
+    )
+    for _ in range(WARMUP):
+        complete(request)
+    share = calls // threads
+
+    def work() -> None:
+        for _ in range(share):
+            complete(request)
+
+    pool = [threading.Thread(target=work) for _ in range(threads)]
+    c0, w0 = cpu_s(), time.perf_counter()
+    if threads == 1:
+        work()
+    else:
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    c1, w1 = cpu_s(), time.perf_counter()
+    return 1000.0 * (c1 - c0) / (share * threads), w1 - w0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=1200, help="timed calls per row")
+    ap.add_argument("--threads", type=int, default=32, help="threads of the pool rows")
+    ap.add_argument("--latency-ms", type=float, default=200.0, help="the pool rows' latency")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--serve-latency-ms", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return serve_main(args.serve_latency_ms / 1000.0)
+    libs = ", ".join(f"{n} {dist_version(n)}" for n in ("litellm", "openai", "httpx"))
+    print(f"versions: Python {sys.version.split()[0]}, {libs}; commit {git_commit()}")
+    instant = ServerProcess(__file__, ["--serve-latency-ms", "0"])
+    slow = ServerProcess(__file__, ["--serve-latency-ms", str(args.latency_ms)])
+    rows = [("1 thread", instant, 1), (f"{args.threads} threads", slow, args.threads)]
+    got: dict[str, list[float]] = {name: [] for name, *_ in rows}
+    print(f"{'round':>5} {'row':<30} {'calls':>6} {'wall s':>7} {'cpu ms/call':>11}")
+    try:
+        for rnd in range(1, args.rounds + 1):
+            for name, server, threads in rows if rnd % 2 else rows[::-1]:
+                ms, wall = run_row(server.api_base, args.calls, threads)
+                got[name].append(ms)
+                print(f"{rnd:>5} {name:<30} {args.calls:>6} {wall:>7.2f} {ms:>11.2f}")
+    finally:
+        instant.stop()
+        slow.stop()
+    one, pool = (statistics.median(got[name]) for name, *_ in rows)
+    print(
+        f"median cpu ms/call: 1 thread {one:.2f}, {args.threads} threads {pool:.2f} "
+        f"({pool / one:.2f}x)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
