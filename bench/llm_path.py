@@ -11,9 +11,9 @@ critic-sized prompt in JSON mode. Rows, each ``--calls`` calls after a few warm-
 * **N threads** (``--threads``, a worker process's pool): N threads each making its share,
   the server answering after ``--latency-ms``, as an LLM would.
 
-The ratio of the two is what the pool's threads add to each call (the GIL passed between
-them around every socket operation, and the kernel's switches between them): what a worker
-pays on top of the call itself, before any pipeline work.
+The ratio of the two is what the pool's threads add to each call: what a worker pays on top
+of the call itself, before any pipeline work. What that is made of is not measured here (the
+GIL passed between the threads around every socket operation is the likely part).
 
 ``cpu ms/call`` is this process's CPU (user + system, every thread; the server is another
 process) over the timed calls. The rows swap places every round; the summary is the median
@@ -75,11 +75,11 @@ def run_row(api_base: str, calls: int, threads: int) -> tuple[float, float]:
         for _ in range(share):
             complete(request)
 
-    pool = [threading.Thread(target=work) for _ in range(threads)]
     c0, w0 = cpu_s(), time.perf_counter()
     if threads == 1:
         work()
     else:
+        pool = [threading.Thread(target=work) for _ in range(threads)]
         for t in pool:
             t.start()
         for t in pool:
@@ -99,6 +99,8 @@ def main() -> int:
     args = ap.parse_args()
     if args.serve:
         return serve_main(args.serve_latency_ms / 1000.0)
+    if args.threads < 1 or args.calls < args.threads or args.rounds < 1:
+        ap.error("--threads and --rounds must be at least 1, --calls at least --threads")
     libs = ", ".join(f"{n} {dist_version(n)}" for n in ("litellm", "openai", "httpx"))
     print(f"versions: Python {sys.version.split()[0]}, {libs}; commit {git_commit()}")
     instant = ServerProcess(__file__, ["--serve-latency-ms", "0"])
