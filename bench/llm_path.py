@@ -9,11 +9,18 @@ critic-sized prompt in JSON mode. Rows, each ``--calls`` calls after a few warm-
 
 * **1 thread**: the calls one after another from one thread (the server answers at once);
 * **N threads** (``--threads``, a worker process's pool): N threads each making its share,
-  the server answering after ``--latency-ms``, as an LLM would.
+  the server answering after ``--latency-ms``, as an LLM would;
+* **N threads, one loop**: the same N threads, each call handed to one event loop thread of
+  the process (``litellm.acompletion`` with the completer's arguments, in the same
+  :func:`~pipeline.llm.providers.call_scope`, awaited through
+  ``asyncio.run_coroutine_threadsafe``): what making the model calls from one event loop per
+  worker process would cost, beside the threads' own calls.
 
-The ratio of the two is what the pool's threads add to each call: what a worker pays on top
-of the call itself, before any pipeline work. What that is made of is not measured here (the
-GIL passed between the threads around every socket operation is the likely part).
+The ratio of the first two is what the pool's threads add to each call: what a worker pays on
+top of the call itself, before any pipeline work. What that is made of is not measured here
+(the GIL passed between the threads around every socket operation is the likely part).
+``calls/s`` beside it: the pool rows can reach at most N / latency (160 calls/s at 32 and
+200 ms).
 
 ``cpu ms/call`` is this process's CPU (user + system, every thread; the server is another
 process) over the timed calls. The rows swap places every round; the summary is the median
@@ -23,13 +30,16 @@ over rounds. The VM's CPU time per call moves from run to run: compare rows of o
 from __future__ import annotations
 
 import argparse
+import asyncio
 import resource
 import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from importlib.metadata import version as dist_version
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -52,8 +62,36 @@ def cpu_s() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def run_row(api_base: str, calls: int, threads: int) -> tuple[float, float]:
-    """``(cpu ms per call, wall s)`` of ``calls`` calls from ``threads`` threads."""
+def on_one_loop(complete: Any, request: Any) -> tuple[Callable[[], Any], Callable[[], None]]:
+    """``(call, stop)``: ``call()`` makes ``request``'s call as ``litellm.acompletion`` on one
+    event loop thread (started here) and waits for it from the calling thread."""
+    import litellm
+
+    from pipeline.llm.providers import call_scope
+
+    kwargs = complete.kwargs_for(request)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="llm-loop", daemon=True)
+    thread.start()
+
+    async def one() -> Any:
+        with call_scope(litellm):
+            return await litellm.acompletion(**kwargs)
+
+    def call() -> Any:
+        return asyncio.run_coroutine_threadsafe(one(), loop).result()
+
+    def stop() -> None:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+    return call, stop
+
+
+def run_row(api_base: str, calls: int, threads: int, loop: bool = False) -> tuple[float, float]:
+    """``(cpu ms per call, wall s)`` of ``calls`` calls from ``threads`` threads; ``loop``:
+    each handed to one event loop thread (:func:`on_one_loop`)."""
     from pipeline.config import LLMConfig
     from pipeline.llm.completion import ChatMessage, LiteLLMCompleter, LLMRequest
 
@@ -67,13 +105,17 @@ def run_row(api_base: str, calls: int, threads: int) -> tuple[float, float]:
         json_mode=True,
         max_tokens=512,
     )
+    stop: Callable[[], None] = lambda: None  # noqa: E731
+    call: Callable[[], Any] = lambda: complete(request)  # noqa: E731
+    if loop:
+        call, stop = on_one_loop(complete, request)
     for _ in range(WARMUP):
-        complete(request)
+        call()
     share = calls // threads
 
     def work() -> None:
         for _ in range(share):
-            complete(request)
+            call()
 
     c0, w0 = cpu_s(), time.perf_counter()
     if threads == 1:
@@ -85,6 +127,7 @@ def run_row(api_base: str, calls: int, threads: int) -> tuple[float, float]:
         for t in pool:
             t.join()
     c1, w1 = cpu_s(), time.perf_counter()
+    stop()
     return 1000.0 * (c1 - c0) / (share * threads), w1 - w0
 
 
@@ -105,22 +148,28 @@ def main() -> int:
     print(f"versions: Python {sys.version.split()[0]}, {libs}; commit {git_commit()}")
     instant = ServerProcess(__file__, ["--serve-latency-ms", "0"])
     slow = ServerProcess(__file__, ["--serve-latency-ms", str(args.latency_ms)])
-    rows = [("1 thread", instant, 1), (f"{args.threads} threads", slow, args.threads)]
+    rows = [
+        ("1 thread", instant, 1, False),
+        (f"{args.threads} threads", slow, args.threads, False),
+        (f"{args.threads} threads, one loop", slow, args.threads, True),
+    ]
     got: dict[str, list[float]] = {name: [] for name, *_ in rows}
-    print(f"{'round':>5} {'row':<30} {'calls':>6} {'wall s':>7} {'cpu ms/call':>11}")
+    print(f"{'round':>5} {'row':<30} {'calls':>6} {'wall s':>7} {'calls/s':>7} {'cpu ms/call':>11}")
     try:
         for rnd in range(1, args.rounds + 1):
-            for name, server, threads in rows if rnd % 2 else rows[::-1]:
-                ms, wall = run_row(server.api_base, args.calls, threads)
+            for name, server, threads, loop in rows if rnd % 2 else rows[::-1]:
+                ms, wall = run_row(server.api_base, args.calls, threads, loop)
                 got[name].append(ms)
-                print(f"{rnd:>5} {name:<30} {args.calls:>6} {wall:>7.2f} {ms:>11.2f}")
+                made = args.calls // threads * threads
+                print(f"{rnd:>5} {name:<30} {made:>6} {wall:>7.2f} {made / wall:>7.1f} {ms:>11.2f}")
     finally:
         instant.stop()
         slow.stop()
-    one, pool = (statistics.median(got[name]) for name, *_ in rows)
+    one, pool, looped = (statistics.median(got[name]) for name, *_ in rows)
     print(
         f"median cpu ms/call: 1 thread {one:.2f}, {args.threads} threads {pool:.2f} "
-        f"({pool / one:.2f}x)"
+        f"({pool / one:.2f}x), {args.threads} threads on one loop {looped:.2f} "
+        f"({looped / one:.2f}x)"
     )
     return 0
 
