@@ -370,7 +370,8 @@ def worker_slots(args: argparse.Namespace) -> int:
     from workers.commands import worker as cmd
 
     ns = argparse.Namespace(processes=args.processes, concurrency=args.concurrency, pool="threads")
-    return cmd.processes(ns, list(cmd.KNOWN_QUEUES)) * cmd._concurrency(ns)
+    count, threads = cmd.sizing(ns, list(cmd.KNOWN_QUEUES))
+    return count * threads
 
 
 def bound(row: dict[str, Any], cores: int, cpus: int) -> str:

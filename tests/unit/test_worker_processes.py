@@ -10,7 +10,7 @@ import os
 import pytest
 
 from pipeline import settings
-from workers.cli import main
+from workers.cli import build_parser, main
 from workers.commands import worker
 
 
@@ -89,6 +89,32 @@ def test_auto_on_a_small_host_is_one_process_per_cpu(
     argvs = _dry_run(capsys)
     assert len(argvs) == nodes
     assert {_option(a, "-Q") for a in argvs} == {"critique.cpu,critique.llm,critique.llm.critic"}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [(), ("--processes", "3"), ("-c", "8"), ("--processes", "1", "-c", "4"), ("-P", "prefork")],
+)
+@pytest.mark.parametrize("cpus", [2, 4])
+def test_sizing_is_the_processes_and_threads_the_command_starts(
+    argv: tuple[str, ...],
+    cpus: int,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``worker.sizing`` (what bench/llm.py reports as the calls in flight) is the node count and
+    the ``-c`` of the command lines `critique worker` starts: on 2 CPUs by default 2 x 32, not
+    the 2 x 16 a caller that leaves out the auto sizing would compute."""
+    monkeypatch.setattr(worker, "available_cpus", lambda: cpus)
+    for name in (settings.PROCESSES.name, settings.CONCURRENCY.name, "CRITIQUE_QUEUES"):
+        monkeypatch.delenv(name, raising=False)
+    argvs = _dry_run(capsys, *argv)
+    ns = build_parser().parse_args(["worker", *argv])
+    count, threads = worker.sizing(ns, list(worker.KNOWN_QUEUES))
+    assert count == len(argvs)
+    assert {_option(a, "-c") for a in argvs} == {str(threads)}
+    if not argv and cpus == 2:
+        assert (count, threads) == (2, 32)
 
 
 def test_processes_from_the_environment_and_the_option_wins(

@@ -333,6 +333,14 @@ def available_cpus() -> int:
     return max(1, min(count, limit) if limit else count)
 
 
+def sizing(args: argparse.Namespace, queues: list[str]) -> tuple[int, int]:
+    """``(processes, concurrency per process)`` this command starts for ``queues``: the
+    calls in flight are their product (bench/llm.py reports it). ``ValueError`` for a bad
+    ``--processes`` or ``$CRITIQUE_CONCURRENCY``."""
+    count = processes(args, queues)
+    return count, _concurrency(args, count if _sized_per_cpu(args, queues) else None)
+
+
 def processes(args: argparse.Namespace, queues: list[str]) -> int:
     """How many worker processes: ``--processes``, else ``$CRITIQUE_PROCESSES``, else auto
     (:data:`PROCESSES_PER_CPU` x :func:`available_cpus` for a threads/gevent/eventlet worker
@@ -447,7 +455,7 @@ def _start(args: argparse.Namespace) -> int:
         raise CommandError(f"{what}; the pipeline's queues are {', '.join(KNOWN_QUEUES)}")
     count = processes(args, queues)  # a bad value: ValueError, exit 2
     try:
-        concurrency = _concurrency(args, count if _sized_per_cpu(args, queues) else None)
+        _, concurrency = sizing(args, queues)
     except ValueError:
         raise CommandError("CRITIQUE_CONCURRENCY must be an integer") from None
     if concurrency < 1:
