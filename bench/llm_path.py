@@ -1,26 +1,28 @@
 """The model-call path alone: CPU per call of the worker's completer, from one thread and from
-a worker pool's many (issue 39).
+a worker pool's many, with and without the model's latency between calls (issue 39).
 
     python bench/llm_path.py [--calls 1200] [--threads 32] [--latency-ms 200] [--rounds 3]
 
 No Celery, no Redis: :class:`pipeline.llm.completion.LiteLLMCompleter`, as a worker builds it,
 calls the fake OpenAI-compatible server (bench/_fake_llm.py, in a process of its own) with a
-critic-sized prompt in JSON mode. Rows, each ``--calls`` calls after a few warm-up calls:
+critic-sized prompt in JSON mode. Rows, each after a few warm-up calls:
 
-* **1 thread**: the calls one after another from one thread (the server answers at once);
-* **N threads** (``--threads``, a worker process's pool): N threads each making its share,
-  the server answering after ``--latency-ms``, as an LLM would;
-* **N threads, one loop**: the same N threads, each call handed to one event loop thread of
-  the process (``litellm.acompletion`` with the completer's arguments, in the same
+* **1 thread, no wait**: ``--calls`` calls one after another, the server answering at once:
+  the process never idles, the cheapest a call gets;
+* **1 thread, L ms** (``--latency-ms``): one pool thread's share (``--calls`` / N) alone, the
+  server answering after L ms as an LLM would: the process idles between calls;
+* **N threads, L ms** (``--threads``, a worker process's pool): N threads each making its
+  share of ``--calls``;
+* **N threads, one loop, L ms**: the same N threads, each call handed to one event loop thread
+  of the process (``litellm.acompletion`` with the completer's arguments, in the same
   :func:`~pipeline.llm.providers.call_scope`, awaited through
   ``asyncio.run_coroutine_threadsafe``): what making the model calls from one event loop per
-  worker process would cost, beside the threads' own calls.
+  worker process would cost.
 
-The ratio of the first two is what the pool's threads add to each call: what a worker pays on
-top of the call itself, before any pipeline work. What that is made of is not measured here
-(the GIL passed between the threads around every socket operation is the likely part).
-``calls/s`` beside it: the pool rows can reach at most N / latency (160 calls/s at 32 and
-200 ms).
+The second row over the first is what waiting between calls adds to each (caches gone cold,
+the CPU woken from idle: not broken down here); the third over the second what the pool's
+threads add on top. ``calls/s`` beside them: the pool rows can reach at most N / latency (160
+calls/s at 32 and 200 ms).
 
 ``cpu ms/call`` is this process's CPU (user + system, every thread; the server is another
 process) over the timed calls. The rows swap places every round; the summary is the median
@@ -148,28 +150,32 @@ def main() -> int:
     print(f"versions: Python {sys.version.split()[0]}, {libs}; commit {git_commit()}")
     instant = ServerProcess(__file__, ["--serve-latency-ms", "0"])
     slow = ServerProcess(__file__, ["--serve-latency-ms", str(args.latency_ms)])
+    lat = f"{args.latency_ms:g} ms"
+    share = args.calls // args.threads
     rows = [
-        ("1 thread", instant, 1, False),
-        (f"{args.threads} threads", slow, args.threads, False),
-        (f"{args.threads} threads, one loop", slow, args.threads, True),
+        ("1 thread, no wait", instant, 1, False, args.calls),
+        (f"1 thread, {lat}", slow, 1, False, share),
+        (f"{args.threads} threads, {lat}", slow, args.threads, False, args.calls),
+        (f"{args.threads} threads, one loop, {lat}", slow, args.threads, True, args.calls),
     ]
     got: dict[str, list[float]] = {name: [] for name, *_ in rows}
-    print(f"{'round':>5} {'row':<30} {'calls':>6} {'wall s':>7} {'calls/s':>7} {'cpu ms/call':>11}")
+    print(f"{'round':>5} {'row':<32} {'calls':>6} {'wall s':>7} {'calls/s':>7} {'cpu ms/call':>11}")
     try:
         for rnd in range(1, args.rounds + 1):
-            for name, server, threads, loop in rows if rnd % 2 else rows[::-1]:
-                ms, wall = run_row(server.api_base, args.calls, threads, loop)
+            for name, server, threads, loop, calls in rows if rnd % 2 else rows[::-1]:
+                ms, wall = run_row(server.api_base, calls, threads, loop)
                 got[name].append(ms)
-                made = args.calls // threads * threads
-                print(f"{rnd:>5} {name:<30} {made:>6} {wall:>7.2f} {made / wall:>7.1f} {ms:>11.2f}")
+                made = calls // threads * threads
+                print(f"{rnd:>5} {name:<32} {made:>6} {wall:>7.2f} {made / wall:>7.1f} {ms:>11.2f}")
     finally:
         instant.stop()
         slow.stop()
-    one, pool, looped = (statistics.median(got[name]) for name, *_ in rows)
+    hot, idle, pool, looped = (statistics.median(got[name]) for name, *_ in rows)
     print(
-        f"median cpu ms/call: 1 thread {one:.2f}, {args.threads} threads {pool:.2f} "
-        f"({pool / one:.2f}x), {args.threads} threads on one loop {looped:.2f} "
-        f"({looped / one:.2f}x)"
+        f"median cpu ms/call: 1 thread no wait {hot:.2f}; 1 thread at {lat} {idle:.2f} "
+        f"({idle / hot:.2f}x: the wait's part); {args.threads} threads {pool:.2f} "
+        f"({pool / idle:.2f}x of one thread at {lat}: the threads' part); "
+        f"on one loop {looped:.2f}"
     )
     return 0
 
