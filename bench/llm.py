@@ -370,8 +370,9 @@ def worker_slots(args: argparse.Namespace) -> int:
     from workers.commands import worker as cmd
 
     ns = argparse.Namespace(processes=args.processes, concurrency=args.concurrency, pool="threads")
-    count, threads = cmd.sizing(ns, list(cmd.KNOWN_QUEUES))
-    return count * threads
+    queues = list(cmd.KNOWN_QUEUES)
+    count = cmd.processes(ns, queues)
+    return count * cmd.threads_per_process(ns, queues, count)
 
 
 def bound(row: dict[str, Any], cores: int, cpus: int) -> str:

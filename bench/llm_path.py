@@ -17,7 +17,8 @@ critic-sized prompt in JSON mode. Rows, each after a few warm-up calls:
   of the process (``litellm.acompletion`` with the completer's arguments, in the same
   :func:`~pipeline.llm.providers.call_scope`, awaited through
   ``asyncio.run_coroutine_threadsafe``): what making the model calls from one event loop per
-  worker process would cost.
+  worker process would cost (the completer's own reply handling is left out of this row,
+  which favours it slightly).
 
 The second row over the first is what waiting between calls adds to each (caches gone cold,
 the CPU woken from idle: not broken down here); the third over the second what the pool's

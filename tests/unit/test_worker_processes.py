@@ -96,21 +96,24 @@ def test_auto_on_a_small_host_is_one_process_per_cpu(
     [(), ("--processes", "3"), ("-c", "8"), ("--processes", "1", "-c", "4"), ("-P", "prefork")],
 )
 @pytest.mark.parametrize("cpus", [2, 4])
-def test_sizing_is_the_processes_and_threads_the_command_starts(
+def test_threads_per_process_is_the_concurrency_the_command_starts(
     argv: tuple[str, ...],
     cpus: int,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``worker.sizing`` (what bench/llm.py reports as the calls in flight) is the node count and
-    the ``-c`` of the command lines `critique worker` starts: on 2 CPUs by default 2 x 32, not
-    the 2 x 16 a caller that leaves out the auto sizing would compute."""
+    """``worker.processes`` and ``worker.threads_per_process`` (whose product bench/llm.py
+    reports as the calls in flight) are the node count and the ``-c`` of the command lines
+    `critique worker` starts: on 2 CPUs by default 2 x 32, not the 2 x 16 a caller that leaves
+    out the auto sizing would compute."""
     monkeypatch.setattr(worker, "available_cpus", lambda: cpus)
     for name in (settings.PROCESSES.name, settings.CONCURRENCY.name, "CRITIQUE_QUEUES"):
         monkeypatch.delenv(name, raising=False)
     argvs = _dry_run(capsys, *argv)
     ns = build_parser().parse_args(["worker", *argv])
-    count, threads = worker.sizing(ns, list(worker.KNOWN_QUEUES))
+    queues = list(worker.KNOWN_QUEUES)
+    count = worker.processes(ns, queues)
+    threads = worker.threads_per_process(ns, queues, count)
     assert count == len(argvs)
     assert {_option(a, "-c") for a in argvs} == {str(threads)}
     if not argv and cpus == 2:

@@ -333,12 +333,11 @@ def available_cpus() -> int:
     return max(1, min(count, limit) if limit else count)
 
 
-def sizing(args: argparse.Namespace, queues: list[str]) -> tuple[int, int]:
-    """``(processes, concurrency per process)`` this command starts for ``queues``: the
-    calls in flight are their product (bench/llm.py reports it). ``ValueError`` for a bad
-    ``--processes`` or ``$CRITIQUE_CONCURRENCY``."""
-    count = processes(args, queues)
-    return count, _concurrency(args, count if _sized_per_cpu(args, queues) else None)
+def threads_per_process(args: argparse.Namespace, queues: list[str], count: int) -> int:
+    """The concurrency each of the ``count`` processes (:func:`processes`) this command starts
+    for ``queues`` gets; the calls in flight are ``count`` times it (bench/llm.py reports
+    them). ``ValueError`` for a ``$CRITIQUE_CONCURRENCY`` that is not a whole number."""
+    return _concurrency(args, count if _sized_per_cpu(args, queues) else None)
 
 
 def processes(args: argparse.Namespace, queues: list[str]) -> int:
@@ -455,7 +454,7 @@ def _start(args: argparse.Namespace) -> int:
         raise CommandError(f"{what}; the pipeline's queues are {', '.join(KNOWN_QUEUES)}")
     count = processes(args, queues)  # a bad value: ValueError, exit 2
     try:
-        _, concurrency = sizing(args, queues)
+        concurrency = threads_per_process(args, queues, count)
     except ValueError:
         raise CommandError("CRITIQUE_CONCURRENCY must be an integer") from None
     if concurrency < 1:
