@@ -1,18 +1,19 @@
 """LLM-bound throughput: `critique worker` (its defaults) against a CPU-bound asyncio peer.
 
     python bench/llm.py [--n 600] [--latency-ms 200] [--slow-n 200] [--slow-latency-ms 2000]
-                        [--processes N] [--concurrency N] [--peer-in-flight 256]
+                        [--processes N] [--concurrency N] [--no-pin] [--peer-in-flight 256]
                         [--server-backlog 1024] [--rounds N] [--quick] [--redis URL]
 
 Per row (one fake-server latency), in one run, side by side:
 
 * **pipeline**: a fake OpenAI-compatible server (``tests/fakes/openai_server.py``, in its own
   process, every answer after the latency) and one ``critique worker`` command with its defaults
-  (every queue, its default pool and concurrency; ``--processes`` / ``--concurrency`` are passed
-  on when given). N outputs are submitted at once with the LLM critic: the critic finds a
-  critical defect in half of them (first critique), each of those gets one LLM repair and an LLM
-  re-critique that accepts it; the other half is accepted at once. 2·N calls in all (N/2 × 1 +
-  N/2 × 3), checked against what the server counted.
+  (every queue, its default pool, concurrency and CPU pinning; ``--processes`` /
+  ``--concurrency`` / ``--no-pin`` are passed on when given). N outputs are submitted at once
+  with the LLM critic: the critic finds a critical defect in half of them (first critique),
+  each of those gets one LLM repair and an LLM re-critique that accepts it; the other half is
+  accepted at once. 2·N calls in all (N/2 × 1 + N/2 × 3), checked against what the server
+  counted.
 * **peer**: what a user would write instead (bench/peer.py): one fresh process, one asyncio
   event loop, ``litellm.acompletion`` with its defaults, every output at once (each output's
   calls in sequence) with at most ``--peer-in-flight`` (256) calls in flight (at the slow
@@ -203,6 +204,8 @@ def start_worker(env: dict[str, str], args: argparse.Namespace, log: Path) -> su
         argv += ["--processes", str(args.processes)]
     if args.concurrency is not None:
         argv += ["-c", str(args.concurrency)]
+    if args.no_pin:
+        argv += ["--no-pin"]
     out = open(log, "ab")  # noqa: SIM115 - closed with the process
     return subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
 
@@ -321,7 +324,7 @@ def profile(args: argparse.Namespace, pid: int, latency_s: float) -> subprocess.
     return subprocess.Popen(
         [str(Path(sys.executable).with_name("py-spy")), "record", "--pid", str(pid),
          "--subprocesses", "--nonblocking", "--gil", "--duration", str(args.profile_s),
-         "--rate", "100", "--format", "raw", "-o", out],
+         "--rate", str(args.profile_rate), "--format", "raw", "-o", out],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -483,6 +486,7 @@ def main() -> int:
     ap.add_argument("--slow-latency-ms", type=float, default=2000.0)
     ap.add_argument("--processes", type=int, help="passed on to `critique worker --processes`")
     ap.add_argument("--concurrency", type=int, help="passed on to `critique worker -c`")
+    ap.add_argument("--no-pin", action="store_true", help="passed on to `critique worker`")
     ap.add_argument(
         "--peer-in-flight",
         type=int,
@@ -501,6 +505,7 @@ def main() -> int:
     ap.add_argument("--redis", default=os.environ.get("REDIS_URL"), help="flushed before each row")
     ap.add_argument("--profile", help="py-spy the worker into PROFILE-<latency>ms.txt (raw)")
     ap.add_argument("--profile-s", type=int, default=10, help="seconds of py-spy")
+    ap.add_argument("--profile-rate", type=int, default=100, help="py-spy samples per second")
     ap.add_argument(
         "--server-backlog",
         type=int,
@@ -529,6 +534,7 @@ def main() -> int:
         "critique worker"
         + (f" --processes {args.processes}" if args.processes is not None else "")
         + (f" -c {args.concurrency}" if args.concurrency is not None else "")
+        + (" --no-pin" if args.no_pin else "")
         + f" (defaults: {worker_slots(args)} calls in flight)"
     )
     cap = f"at most {args.peer_in_flight}" if args.peer_in_flight > 0 else "no cap on"

@@ -1,5 +1,6 @@
 """``critique worker --processes 2`` with real Celery nodes on the test Redis: both nodes
-consume the queue, a killed one is reported and comes back, SIGTERM stops both cleanly."""
+consume the queue, each on a CPU of its own, a killed one is reported and comes back, SIGTERM
+stops both cleanly."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def _until(what: str, probe: Callable[[], Any], proc: subprocess.Popen[bytes], l
 def test_processes_2_runs_two_consuming_nodes_restarts_a_killed_one_and_stops_on_sigterm(
     redis_url: str, tmp_path: Path
 ) -> None:
-    """Two nodes (<name>-1, <name>-2) answer and consume critique.cpu; SIGKILL to one is
+    """Two nodes (<name>-1, <name>-2) answer and consume critique.cpu, each on a CPU of its own
+    (on a host with two); SIGKILL to one is
     reported on stderr (process, node, pid, signal) and the node comes back with a new pid;
     SIGTERM to the command stops both (warm shutdown) and it exits 0."""
     name = f"procs{uuid.uuid4().hex[:6]}"
@@ -68,6 +70,9 @@ def test_processes_2_runs_two_consuming_nodes_restarts_a_killed_one_and_stops_on
             pids = {n: s["pid"] for n, s in _until("both nodes", stats, proc, log).items()}
             assert queues() == {n: ["critique.cpu"] for n in nodes}
             assert len(set(pids.values())) == 2 and all(pid_alive(p) for p in pids.values())
+            if len(os.sched_getaffinity(0)) >= 2:  # each node on a CPU of its own
+                cpus = [os.sched_getaffinity(pids[n]) for n in nodes]
+                assert all(len(c) == 1 for c in cpus) and cpus[0] != cpus[1], cpus
 
             victim = pids[nodes[1]]
             os.kill(victim, signal.SIGKILL)
@@ -130,7 +135,13 @@ def test_help_says_how_to_size_processes_and_threads() -> None:
 class Supervisor:
     """``supervise()`` in its own process over ``count`` stand-in children in ``folder``."""
 
-    def __init__(self, folder: Path, count: int, max_restarts: int = worker.MAX_RESTARTS):
+    def __init__(
+        self,
+        folder: Path,
+        count: int,
+        max_restarts: int = worker.MAX_RESTARTS,
+        cpus: list[int] | None = None,
+    ):
         self.folder = folder
         self.script = folder / "child.py"
         self.script.write_text(CHILD, encoding="utf-8")
@@ -139,7 +150,8 @@ class Supervisor:
         ]
         code = (
             "import json, sys; from workers.commands.worker import supervise; "
-            f"sys.exit(supervise(json.loads(sys.argv[1]), max_restarts={max_restarts}))"
+            f"sys.exit(supervise(json.loads(sys.argv[1]), max_restarts={max_restarts}, "
+            f"cpus={cpus!r}))"
         )
         self.stderr = folder / "stderr.txt"
         with open(self.stderr, "wb") as err:
@@ -214,6 +226,32 @@ def test_supervisor_reports_and_restarts_a_killed_child(
     sup.proc.send_signal(signal.SIGTERM)
     assert sup.wait() == 0
     assert not pid_alive(sibling)
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="pinning needs two CPUs this process may run on",
+)
+def test_each_child_and_its_restart_run_on_the_cpu_given_to_it(
+    tmp_path: Path, supervisors: list[Supervisor]
+) -> None:
+    """With ``cpus`` each child (every thread it starts inherits it) runs on its own CPU only,
+    a restarted child on the same one, and the supervisor names them."""
+    mask = sorted(os.sched_getaffinity(0))
+    cpus = [mask[-1], mask[0]]
+    sup = Supervisor(tmp_path, 2, cpus=cpus)
+    supervisors.append(sup)
+    sup.wait_for("two children", lambda: len(sup.files("ready")) == 2)
+    (c1,), (c2,) = sup.pids("c1"), sup.pids("c2")
+    assert (os.sched_getaffinity(c1), os.sched_getaffinity(c2)) == ({cpus[0]}, {cpus[1]})
+    assert f"on CPU {cpus[0]}, " in sup.text() and "(--no-pin: any CPU)" in sup.text()
+    os.kill(c2, signal.SIGKILL)
+    sup.wait_for("a new c2", lambda: len(sup.pids("c2")) == 2)
+    (again,) = set(sup.pids("c2")) - {c2}
+    assert os.sched_getaffinity(again) == {cpus[1]}
+    assert os.sched_getaffinity(0) == set(mask)  # the supervisor itself stays free
+    sup.proc.send_signal(signal.SIGTERM)
+    assert sup.wait() == 0
 
 
 def test_supervisor_stops_the_rest_and_exits_1_on_a_crash_loop(

@@ -5,6 +5,7 @@ Celery, no Redis); tests/integration/test_worker_processes.py runs it with real 
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -148,3 +149,56 @@ def test_bad_processes_exit_2_naming_the_value(
 def test_available_cpus_is_within_the_affinity_mask() -> None:
     """The automatic count is at least 1 and never more than the CPUs this process may run on."""
     assert 1 <= worker.available_cpus() <= len(os.sched_getaffinity(0))
+
+
+# --- which CPU each process runs on ------------------------------------------------------------
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["worker", *argv])
+
+
+@pytest.mark.parametrize(
+    ("mask", "quota", "argv", "count", "expected"),
+    [
+        ({0, 1}, None, (), 2, [0, 1]),  # the small-host default: one process per CPU
+        ({3, 5}, None, (), 2, [3, 5]),  # the mask's CPUs, whatever their numbers
+        ({0, 1, 2, 3}, None, (), 2, [0, 2]),  # fewer processes than CPUs: spread out
+        ({0, 1, 2, 3}, None, (), 4, [0, 1, 2, 3]),
+        ({0, 1}, None, (), 4, None),  # two per CPU: no gain measured, left free
+        ({0, 1, 2, 3}, 2, (), 2, None),  # a quota below the mask: which CPUs is not ours
+        ({0, 1}, 2, (), 2, [0, 1]),  # a quota the size of the mask changes nothing
+        ({0, 1}, None, (), 1, None),  # one process: nothing to keep apart
+        ({0, 1}, None, ("--no-pin",), 2, None),
+        ({0, 1}, None, ("-P", "prefork"), 2, None),  # its forked children would share a CPU
+        ({0, 1}, None, ("-P", "solo"), 2, None),
+    ],
+)
+def test_cpu_slots_pins_one_threads_process_per_cpu_of_the_mask_or_none(
+    monkeypatch: pytest.MonkeyPatch,
+    mask: set[int],
+    quota: int | None,
+    argv: tuple[str, ...],
+    count: int,
+    expected: list[int] | None,
+) -> None:
+    """Each of N threads-pool processes gets a CPU of the affinity mask to itself (spread when
+    N < CPUs); none is pinned with --no-pin, one process, more processes than CPUs, a cgroup
+    quota below the mask, or a pool that forks."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask))
+    monkeypatch.setattr(worker, "_cgroup_cpu_limit", lambda: quota)
+    assert worker.cpu_slots(_args(*argv), count) == expected
+
+
+def test_dry_run_says_which_cpu_each_process_runs_on(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--dry-run names each node's CPU on stderr (stdout stays one command line per process),
+    and says nothing of it with --no-pin."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(worker, "_cgroup_cpu_limit", lambda: None)
+    monkeypatch.setattr(worker, "available_cpus", lambda: 2)
+    assert main(["worker", "--dry-run"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 2
+    assert "critique-1@" in out.err and "on CPU 0" in out.err and "on CPU 1" in out.err
+    assert main(["worker", "--dry-run", "--no-pin"]) == 0
+    assert "CPU" not in capsys.readouterr().err

@@ -32,7 +32,9 @@ With N = 1 the command replaces itself with ``celery worker`` (as it always did)
 it becomes a small supervisor (like gunicorn's arbiter) of N ``celery worker`` processes, each
 its own node (``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>@<host>``),
 announced in one line (nodes, threads, the supervisor's pid) followed by one Celery banner, the
-first node's (the others start with ``celery --quiet``: the same banner N times is noise):
+first node's (the others start with ``celery --quiet``: the same banner N times is noise).
+Each node of a threads pool runs on a CPU of its own when there are enough
+(:func:`cpu_slots`; ``--no-pin``: any CPU), said in a second line. The supervisor:
 
 * SIGTERM, SIGINT and SIGQUIT are forwarded to every child (SIGHUP as SIGTERM), so Ctrl-C or a
   service manager's stop is Celery's warm shutdown in every process (twice: cold); the
@@ -165,7 +167,9 @@ in flight; keep --processes at about twice the CPU count on bigger hosts. A crit
 or prefork/solo worker defaults to 1 process (prefork forks one child per CPU itself). With
 --processes N > 1 this command supervises N `celery worker` nodes (<name>-1@<host> ...
 <name>-N@<host>, name from -n, else "critique"), says so in one line and shows one Celery
-banner (the first node's; the others start --quiet): SIGTERM/SIGINT reach all of them (warm
+banner (the first node's; the others start --quiet); with at least N CPUs each node of a
+threads pool runs on a CPU of its own (one process runs one core's worth of Python: kept on
+one core it spends less CPU per call; --no-pin: any CPU): SIGTERM/SIGINT reach all of them (warm
 shutdown), a child that dies is reported on stderr and restarted (more than 5 in 60 s: the
 others are stopped, exit 1). A --logfile or --pidfile after -- needs %n in it (the node name)
 to be one file per process.
@@ -233,6 +237,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hostname",
         help="node name, e.g. llm1@%%h (Celery's default); with --processes N > 1 each "
         "process is <name>-<i>@<host> (default critique-<i>@%%h)",
+    )
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave the worker processes free to run on any CPU (default: with --processes N "
+        "> 1 of a threads pool and at least N usable CPUs, each process runs on a CPU of its "
+        "own)",
     )
     parser.add_argument(
         "--dry-run",
@@ -360,6 +372,31 @@ def processes(args: argparse.Namespace, queues: list[str]) -> int:
     return n
 
 
+def cpu_slots(args: argparse.Namespace, count: int) -> list[int] | None:
+    """The CPU each of the ``count`` worker processes is pinned to (process i: the i-th), or
+    None when they are left free: ``--no-pin``, one process, a pool that is not threads-like
+    (a prefork node forks its own children, which would all share its one CPU), fewer CPUs in
+    the affinity mask than processes, or a cgroup CPU quota below the mask (the quota, not the
+    mask, says how much may run: which CPUs is the host's business).
+
+    Why (bench/README.md, "One process per CPU, pinned"): a process runs one core's worth of
+    Python (the GIL), and its threads, scheduled across every core, hand the GIL to one another
+    from core to core; kept on one core, each process spent ~10 % less CPU per model call and
+    the fleet made ~10 % more calls/s (bench/llm.py, 2 processes x 32 threads on 2 CPUs). Two
+    processes per CPU gained nothing from it, so a process never shares its CPU with another
+    pinned one: with fewer processes than CPUs they are spread over the mask."""
+    if not getattr(args, "pin", True) or count < 2 or args.pool not in THREAD_POOLS:
+        return None
+    try:
+        mask = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return None
+    quota = _cgroup_cpu_limit()
+    if len(mask) < count or (quota is not None and quota < len(mask)):
+        return None
+    return [mask[i * len(mask) // count] for i in range(count)]
+
+
 def node_names(hostname: str | None, n: int) -> list[str]:
     """The node names of ``n`` processes: ``<name>-<i>@<host>`` (i = 1..n) from ``-n
     <name>@<host>`` (Celery's reading: a name without ``@`` is the host), else
@@ -470,8 +507,11 @@ def _start(args: argparse.Namespace) -> int:
         parse_named_secrets(settings.raw(settings.ENTRY_SECRET))  # too short: exit 2
     except ConfigError as exc:
         raise CommandError(one_line(exc)) from None
+    pinned = cpu_slots(args, count)
     if args.dry_run:
         print("\n".join(" ".join(argv) for argv in argvs))
+        if pinned:
+            print(f"critique worker: {_pinning(argvs, pinned)}", file=sys.stderr)
         return EXIT_OK
     if not signed:
         print(f"critique worker: warning: {UNSIGNED_WARNING}", file=sys.stderr)
@@ -490,6 +530,8 @@ def _start(args: argparse.Namespace) -> int:
     # A lean supervisor: a fresh interpreter that imports only the standard library and this
     # module, so what the checks imported (pydantic, redis, maybe litellm) is not kept in memory.
     supervisor = [sys.executable, "-m", "workers.commands.worker", "--supervise", json.dumps(argvs)]
+    if pinned:
+        supervisor.append(json.dumps(pinned))
     os.execv(sys.executable, supervisor)
     return EXIT_OK  # pragma: no cover - execv does not return
 
@@ -547,13 +589,36 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return preexec
 
 
+def _pinning(argvs: list[list[str]], cpus: list[int]) -> str:
+    """What the supervisor says of ``cpus`` (:func:`cpu_slots`), the nodes named."""
+    each = ", ".join(f"{_node(argv)} on CPU {cpu}" for argv, cpu in zip(argvs, cpus, strict=True))
+    return f"each process on a CPU of its own: {each} (--no-pin: any CPU)"
+
+
+def _child_setup(preexec: Callable[[], None] | None, cpu: int | None) -> Callable[[], None] | None:
+    """The ``preexec_fn`` of a child: ``preexec`` (:func:`_parent_death_signal`), then its CPU
+    (``cpu``, :func:`cpu_slots`; every thread it starts inherits it)."""
+    if cpu is None:
+        return preexec
+
+    def setup() -> None:
+        if preexec is not None:
+            preexec()
+        with contextlib.suppress(OSError):  # the CPU went away (a cpuset changed): run free
+            os.sched_setaffinity(0, {cpu})
+
+    return setup
+
+
 def supervise(
     argvs: list[list[str]],
     *,
+    cpus: list[int] | None = None,
     max_restarts: int = MAX_RESTARTS,
     window_s: float = RESTART_WINDOW_S,
 ) -> int:
     """Run one child per command line until every child has exited; returns the exit status.
+    ``cpus``: the CPU each child (and its restarts) is pinned to (:func:`cpu_slots`).
 
     Forwards SIGTERM, SIGINT and SIGQUIT to every child (SIGHUP as SIGTERM) and from then on
     restarts nothing. A child that exits 0 on its own is not restarted. A child that dies
@@ -581,7 +646,8 @@ def supervise(
 
     def spawn(index: int) -> None:
         # Own session: a terminal's Ctrl-C reaches the children once, through forward().
-        proc = subprocess.Popen(argvs[index], start_new_session=True, preexec_fn=preexec)
+        setup = _child_setup(preexec, cpus[index] if cpus else None)
+        proc = subprocess.Popen(argvs[index], start_new_session=True, preexec_fn=setup)
         children[proc.pid] = (index, proc, time.monotonic())
         if stopping:  # a signal came while it was starting
             os.kill(proc.pid, signal.SIGTERM)
@@ -589,6 +655,8 @@ def supervise(
     nodes = [_node(argv) for argv in argvs]
     _say(f"{count} processes{_threads(argvs[0])}: {', '.join(nodes)} (pid {os.getpid()} "
          f"supervises them; the banner below is {nodes[0]}'s, the others start quiet)")  # fmt: skip
+    if cpus:
+        _say(_pinning(argvs, cpus))
     for index in range(count):
         spawn(index)
     while children:
@@ -630,6 +698,8 @@ def supervise(
 
 
 if __name__ == "__main__":  # the supervisor run() execs into (--processes N > 1)
-    if sys.argv[1:2] != ["--supervise"] or len(sys.argv) != 3:
-        sys.exit("usage: python -m workers.commands.worker --supervise JSON_LIST_OF_ARGVS")
-    sys.exit(supervise(json.loads(sys.argv[2])))
+    if sys.argv[1:2] != ["--supervise"] or len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m workers.commands.worker --supervise ARGVS_JSON [CPUS_JSON]")
+    sys.exit(
+        supervise(json.loads(sys.argv[2]), cpus=json.loads(sys.argv[3]) if sys.argv[3:] else None)
+    )
