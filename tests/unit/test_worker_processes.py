@@ -161,8 +161,8 @@ def _args(*argv: str) -> argparse.Namespace:
     [
         ({0, 1}, None, (), 2, [0, 1]),  # the small-host default: one process per CPU
         ({3, 5}, None, (), 2, [3, 5]),  # the mask's CPUs, whatever their numbers
-        ({0, 1, 2, 3}, None, (), 2, [0, 2]),  # fewer processes than CPUs: spread out
-        ({0, 1, 2, 3}, None, (), 4, [0, 1, 2, 3]),
+        ({0, 1, 2, 3}, None, (), 4, [0, 1, 2, 3]),  # as many asked for as the mask has
+        ({0, 1, 2, 3}, None, (), 2, None),  # fewer: a second command must not stack on them
         ({0, 1}, None, (), 4, None),  # two per CPU: no gain measured, left free
         ({0, 1, 2, 3}, 2, (), 2, None),  # a quota below the mask: which CPUs is not ours
         ({0, 1}, 2, (), 2, [0, 1]),  # a quota the size of the mask changes nothing
@@ -180,9 +180,9 @@ def test_cpu_slots_pins_one_threads_process_per_cpu_of_the_mask_or_none(
     count: int,
     expected: list[int] | None,
 ) -> None:
-    """Each of N threads-pool processes gets a CPU of the affinity mask to itself (spread when
-    N < CPUs); none is pinned with --no-pin, one process, more processes than CPUs, a cgroup
-    quota below the mask, or a pool that forks."""
+    """N threads-pool processes on a mask of exactly N CPUs get one CPU each; none is pinned
+    with --no-pin, one process, fewer or more processes than CPUs, a cgroup quota below the
+    mask, or a prefork/solo pool."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(mask))
     monkeypatch.setattr(worker, "_cgroup_cpu_limit", lambda: quota)
     assert worker.cpu_slots(_args(*argv), count) == expected

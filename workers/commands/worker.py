@@ -33,8 +33,8 @@ it becomes a small supervisor (like gunicorn's arbiter) of N ``celery worker`` p
 its own node (``critique-<i>@<host>``, or ``<name>-<i>@<host>`` from ``-n <name>@<host>``),
 announced in one line (nodes, threads, the supervisor's pid) followed by one Celery banner, the
 first node's (the others start with ``celery --quiet``: the same banner N times is noise).
-Each node of a threads pool runs on a CPU of its own when there are enough
-(:func:`cpu_slots`; ``--no-pin``: any CPU), said in a second line. The supervisor:
+When the nodes of a threads pool are one per CPU of the affinity mask, each runs on its CPU
+only (:func:`cpu_slots`; ``--no-pin``: any CPU), said in a second line. The supervisor:
 
 * SIGTERM, SIGINT and SIGQUIT are forwarded to every child (SIGHUP as SIGTERM), so Ctrl-C or a
   service manager's stop is Celery's warm shutdown in every process (twice: cold); the
@@ -167,12 +167,13 @@ in flight; keep --processes at about twice the CPU count on bigger hosts. A crit
 or prefork/solo worker defaults to 1 process (prefork forks one child per CPU itself). With
 --processes N > 1 this command supervises N `celery worker` nodes (<name>-1@<host> ...
 <name>-N@<host>, name from -n, else "critique"), says so in one line and shows one Celery
-banner (the first node's; the others start --quiet); with at least N CPUs each node of a
-threads pool runs on a CPU of its own (one process runs one core's worth of Python: kept on
-one core it spends less CPU per call; --no-pin: any CPU): SIGTERM/SIGINT reach all of them (warm
-shutdown), a child that dies is reported on stderr and restarted (more than 5 in 60 s: the
-others are stopped, exit 1). A --logfile or --pidfile after -- needs %n in it (the node name)
-to be one file per process.
+banner (the first node's; the others start --quiet); when the N nodes of a threads pool are
+one per CPU of the affinity mask (auto on 1-2 CPUs), each runs on its CPU only (one process
+runs one core's worth of Python: kept on one core it spends less CPU per call; --no-pin: any
+CPU; several such commands on one host share the CPUs evenly): SIGTERM/SIGINT reach all of
+them (warm shutdown), a child that dies is reported on stderr and restarted (more than 5 in
+60 s: the others are stopped, exit 1). A --logfile or --pidfile after -- needs %n in it (the
+node name) to be one file per process.
 
 checks before it starts (exit 2 naming what to fix): the workflow file ($CRITIQUE_CONFIG),
 every CRITIQUE_* variable, CRITIQUE_SECRET, and on an LLM queue the provider key of every
@@ -242,9 +243,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-pin",
         dest="pin",
         action="store_false",
-        help="leave the worker processes free to run on any CPU (default: with --processes N "
-        "> 1 of a threads pool and at least N usable CPUs, each process runs on a CPU of its "
-        "own)",
+        help="leave the worker processes free to run on any CPU (default: N > 1 processes of "
+        "a threads pool on exactly N CPUs, as auto gives a host of 2, run one per CPU)",
     )
     parser.add_argument(
         "--dry-run",
@@ -373,18 +373,22 @@ def processes(args: argparse.Namespace, queues: list[str]) -> int:
 
 
 def cpu_slots(args: argparse.Namespace, count: int) -> list[int] | None:
-    """The CPU each of the ``count`` worker processes is pinned to (process i: the i-th), or
-    None when they are left free: ``--no-pin``, one process, a pool that is not threads-like
-    (a prefork node forks its own children, which would all share its one CPU), fewer CPUs in
-    the affinity mask than processes, or a cgroup CPU quota below the mask (the quota, not the
-    mask, says how much may run: which CPUs is the host's business).
+    """The CPU each of the ``count`` worker processes is pinned to (process i: the i-th CPU of
+    the affinity mask), or None when they are left free. Pinned only when the processes are
+    exactly one per CPU of the mask (the ``--processes auto`` of a host of one or two CPUs, or
+    as many asked for as the mask has) and a threads-like pool: not with ``--no-pin``, one
+    process, a prefork/solo pool (a prefork node forks its own children, which would all share
+    its one CPU), fewer or more processes than CPUs, or a cgroup CPU quota below the mask (the
+    quota, not the mask, says how much may run: which CPUs is the host's business). Fewer
+    processes than CPUs stay free so that a second command on the same host (another queue, a
+    scale-out) never stacks its nodes onto the CPUs this one took while others idle; two
+    commands of one process per CPU each share every CPU evenly.
 
-    Why (bench/README.md, "One process per CPU, pinned"): a process runs one core's worth of
+    Why (bench/README.md, "One node per CPU, pinned"): a process runs one core's worth of
     Python (the GIL), and its threads, scheduled across every core, hand the GIL to one another
-    from core to core; kept on one core, each process spent ~10 % less CPU per model call and
+    from core to core; kept on one core, each process spent ~7 % less CPU per model call and
     the fleet made ~10 % more calls/s (bench/llm.py, 2 processes x 32 threads on 2 CPUs). Two
-    processes per CPU gained nothing from it, so a process never shares its CPU with another
-    pinned one: with fewer processes than CPUs they are spread over the mask."""
+    processes per CPU gained nothing from it."""
     if not getattr(args, "pin", True) or count < 2 or args.pool not in THREAD_POOLS:
         return None
     try:
@@ -392,9 +396,9 @@ def cpu_slots(args: argparse.Namespace, count: int) -> list[int] | None:
     except (AttributeError, OSError):  # not Linux
         return None
     quota = _cgroup_cpu_limit()
-    if len(mask) < count or (quota is not None and quota < len(mask)):
+    if len(mask) != count or (quota is not None and quota < len(mask)):
         return None
-    return [mask[i * len(mask) // count] for i in range(count)]
+    return mask
 
 
 def node_names(hostname: str | None, n: int) -> list[str]:
