@@ -165,6 +165,7 @@ def _args(*argv: str) -> argparse.Namespace:
         ({0, 1, 2, 3}, None, (), 2, None),  # fewer: a second command must not stack on them
         ({0, 1}, None, (), 4, None),  # two per CPU: no gain measured, left free
         ({0, 1, 2, 3}, 2, (), 2, None),  # a quota below the mask: which CPUs is not ours
+        ({0, 1}, 1, (), 2, None),  # the same with as many processes as the mask has CPUs
         ({0, 1}, 2, (), 2, [0, 1]),  # a quota the size of the mask changes nothing
         ({0, 1}, None, (), 1, None),  # one process: nothing to keep apart
         ({0, 1}, None, ("--no-pin",), 2, None),
