@@ -23,6 +23,9 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pipeline.text.escaping import one_line
 
 
 class CritiqueError(Exception):
@@ -112,3 +115,23 @@ def did_you_mean(word: str, choices: Mapping[str, str] | Sequence[str], cutoff: 
     lowered = {k.lower(): v for k, v in named.items()}
     close = difflib.get_close_matches(word.lower(), list(lowered), n=1, cutoff=cutoff)
     return f"did you mean {lowered[close[0]]}? " if close else ""
+
+
+def error_line(exc: BaseException, limit: int | None = 500) -> str:
+    """What ``exc`` says, on one line of at most ``limit`` characters (None: all of it): a
+    :class:`CritiqueError`'s own message (without its hint), another error's ``str``; its
+    type's name when that is empty."""
+    message = exc.message if isinstance(exc, CritiqueError) else exc
+    return one_line(message, limit) or type(exc).__name__
+
+
+def validation_problems(exc: Any, shown: int = 3) -> str:
+    """A pydantic ``ValidationError`` in one line: the first ``shown`` problems as ``field
+    'a.b': <message>`` and how many more, never the input values (a payload is not echoed)."""
+    errors = exc.errors(include_input=False, include_url=False)
+    parts = [
+        f"field '{'.'.join(str(p) for p in e['loc']) or 'submission'}': {one_line(e['msg'], 200)}"
+        for e in errors[:shown]
+    ]
+    more = len(errors) - len(parts)
+    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")

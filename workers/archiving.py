@@ -32,6 +32,7 @@ from pipeline.records.archive_file import ArchiveError, RunRecord
 from pipeline.store import keys
 from pipeline.store.archive_index import RedisArchiveIndex, RunState
 from pipeline.store.base import MAX_LESSONS, MAX_PATTERNS_PER_RUN
+from pipeline.text.escaping import one_line
 from pipeline.wiring import RedisStores
 from workers import runtime
 
@@ -230,7 +231,7 @@ def archive_due_runs(
             idx.forget(run_id)  # only keys without a record are left (a budget, a lease)
             continue
         except (OSError, PathEscapeError, ArchiveError) as exc:
-            reason = " ".join(str(exc).split())[:300]
+            reason = one_line(exc, 300)
             log.error("cannot archive run %s: %s (tried again in %.0f s)", run_id, reason, RETRY_S)
             done.append(Archived(run_id, None, f"failed: {reason}"))
             idx.later(run_id, now + RETRY_S)

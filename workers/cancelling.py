@@ -28,6 +28,7 @@ from pipeline.loop.stages import pass_lease_prefix
 from pipeline.models import CritiqueResult, PassRef, cancelled_result
 from pipeline.security import signing
 from pipeline.store.base import encode_event
+from pipeline.text.escaping import one_line
 from workers import runtime
 
 log = logging.getLogger(__name__)
@@ -77,7 +78,7 @@ def _pass_json(pass_field: str) -> dict[str, Any]:
 
 def who(by: str | None, default: str) -> str:
     """``by`` on one line, at most :data:`BY_CHARS` characters; ``default`` when empty."""
-    line = " ".join(str(by or "").split())[:BY_CHARS]
+    line = one_line(by or "", BY_CHARS)
     return "".join(c for c in line if c.isprintable()) or default
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pipeline import __version__
 from pipeline.errors import ConfigError
 from pipeline.store.urls import check_urls, new_lookalike_warnings
+from pipeline.text.escaping import one_line
 from workers.commands._common import number_problem
 from workers.exit_codes import EXIT_BROKEN_PIPE, EXIT_CODES, EXIT_INTERRUPTED, EXIT_USAGE
 
@@ -56,7 +57,7 @@ def url_problem() -> str | None:
     try:
         check_urls()
     except ConfigError as exc:
-        return " ".join(str(exc).split())
+        return one_line(exc)
     return None
 
 

@@ -33,7 +33,14 @@ from typing import Any
 
 from pipeline import settings
 from pipeline.config import check_submission_model
-from pipeline.errors import ConfigError, CritiqueError, StoreUnavailableError, SubmissionError
+from pipeline.errors import (
+    ConfigError,
+    CritiqueError,
+    StoreUnavailableError,
+    SubmissionError,
+    error_line,
+    validation_problems,
+)
 from pipeline.loop.admission import admit
 from pipeline.loop.gates import CompletionDecision, redundancy_guard
 from pipeline.loop.pitfalls import render_pitfalls
@@ -48,6 +55,7 @@ from pipeline.store.base import BudgetSnapshot
 from pipeline.store.fleet import RedisFleetPosture
 from pipeline.store.runs import DoneListener, Failure, announces
 from pipeline.store.urls import cannot_reach, check_urls, new_lookalike_warnings
+from pipeline.text.escaping import one_line
 from workers import cancelling, riding, runtime, telemetry
 from workers.archiving import results_if_expired
 from workers.cancelling import CancelReport
@@ -758,7 +766,7 @@ class _Listener:
 def failure_text(failure: Failure) -> str:
     """A recorded failure in one line, as :func:`_failure_reason` words an exception: "was
     refused by the worker: …" for a refusal, else "failed: <Error>: …"."""
-    line = " ".join(failure.reason.split())[:500] or failure.error
+    line = one_line(failure.reason, 500) or failure.error
     if failure.refused:
         return f"was refused by the worker: {line}"
     return f"failed: {failure.error}: {line}"
@@ -767,8 +775,7 @@ def failure_text(failure: Failure) -> str:
 def _failure_reason(exc: Any) -> str:
     """Why a chain failed, in one line: "was refused by the worker: …" when the submission or
     its configuration was refused (``SubmissionError``, ``ConfigError``), else "failed: …"."""
-    message = exc.message if isinstance(exc, CritiqueError) else str(exc)
-    line = " ".join(str(message).split())[:500] or type(exc).__name__
+    line = error_line(exc)
     if isinstance(exc, (SubmissionError, ConfigError)):
         return f"was refused by the worker: {line}"
     return f"failed: {type(exc).__name__}: {line}"
@@ -803,11 +810,11 @@ def _as_submission(value: Submission | Mapping[str, Any], index: int = 0) -> Sub
     except ValidationError as exc:
         worker = _worker_of(value)
         raise SubmissionError(
-            f"submission {index}{worker} is malformed: {_problems(exc)}", hint=_FIX_HINT
+            f"submission {index}{worker} is malformed: {validation_problems(exc)}", hint=_FIX_HINT
         ) from None
     except (TypeError, ValueError) as exc:
         raise SubmissionError(
-            f"submission {index}{_worker_of(value)} is malformed: {_one_line(exc)}"
+            f"submission {index}{_worker_of(value)} is malformed: {error_line(exc, 300)}"
         ) from None
 
 
@@ -824,21 +831,6 @@ def _worker_of(value: Any) -> str:
     return f" (worker_id {worker[:80]!r})"
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split())[:300] or type(exc).__name__
-
-
-def _problems(exc: Any) -> str:
-    """A validation error in one line, without the input values (never echo a payload)."""
-    errors = exc.errors(include_input=False, include_url=False)
-    parts = [
-        f"field '{'.'.join(str(p) for p in e['loc']) or 'submission'}': {_one_line(e['msg'])}"
-        for e in errors[:3]
-    ]
-    more = len(errors) - len(parts)
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")
-
-
 def _naming(exc: BaseException, index: int, worker_id: str) -> SubmissionError:
     """``exc`` as a :class:`SubmissionError` whose message starts with the submission it is
     about; a ``SubmissionError`` (or subclass) keeps its class and fields."""
@@ -850,5 +842,5 @@ def _naming(exc: BaseException, index: int, worker_id: str) -> SubmissionError:
     if isinstance(exc, CritiqueError):
         return SubmissionError(f"{what}: {exc.message}", hint=exc.hint or _FIX_HINT)
     return SubmissionError(
-        f"{what} cannot be serialised for the broker: {_one_line(exc)}", hint=_FIX_HINT
+        f"{what} cannot be serialised for the broker: {error_line(exc, 300)}", hint=_FIX_HINT
     )

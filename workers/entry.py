@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 from pydantic import ValidationError
 
-from pipeline.errors import SubmissionError
+from pipeline.errors import SubmissionError, validation_problems
 from pipeline.models import MAX_OUTPUT_DEPTH, Submission
 from pipeline.security import signing
 from pipeline.store import keys
@@ -112,7 +112,8 @@ def decode_entry(msg: Any, *, task_name: str, task_id: str) -> Entry:
     try:
         sub = Submission.model_validate(doc)
     except ValidationError as exc:
-        raise SubmissionError(f"entry message: malformed submission: {_problems(exc)}") from None
+        problems = validation_problems(exc)
+        raise SubmissionError(f"entry message: malformed submission: {problems}") from None
     return Entry(sub, dict(config), signer)
 
 
@@ -129,15 +130,3 @@ def _check_depth(msg: dict[str, Any]) -> None:
             )
         children = node.values() if isinstance(node, dict) else node
         stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
-
-
-def _problems(exc: ValidationError) -> str:
-    """A validation error in one line, without the input values (never echo a payload)."""
-    errors = exc.errors(include_input=False, include_url=False)
-    parts = [
-        f"field '{'.'.join(str(p) for p in e['loc']) or 'submission'}': "
-        f"{' '.join(str(e['msg']).split())[:200]}"
-        for e in errors[:3]
-    ]
-    more = len(errors) - len(parts)
-    return "; ".join(parts) + (f" (and {more} more)" if more > 0 else "")

@@ -29,6 +29,7 @@ from celery.signals import after_setup_logger, task_postrun, task_prerun
 
 from pipeline.store import keys
 from pipeline.store.blobs import parse_ref
+from pipeline.text.escaping import one_line
 
 log = logging.getLogger("critique.stages")
 
@@ -107,7 +108,7 @@ def message_ids(msg: Any) -> dict[str, Any]:
 
 
 def _one_line(text: str) -> str:
-    line = " ".join(text.split())
+    line = one_line(text)
     return line if len(line) <= REASON_LIMIT else line[: REASON_LIMIT - 1] + "…"
 
 

@@ -44,7 +44,13 @@ from celery.backends.base import Backend, BaseKeyValueStoreBackend
 from celery.utils.log import get_task_logger
 
 from pipeline.config import CritiqueConfig, check_submission_model
-from pipeline.errors import ConfigError, CritiqueError, PermanentError, SubmissionError
+from pipeline.errors import (
+    ConfigError,
+    CritiqueError,
+    PermanentError,
+    SubmissionError,
+    error_line,
+)
 from pipeline.loop.gates import evaluate_completion
 from pipeline.loop.stages import (
     STAGES,
@@ -146,13 +152,12 @@ def _attribute(task: Task, run_id: str, field: str, stage: str) -> None:
         setattr(task.request, _CLAIM, (run_id, field, stage))
 
 
-def one_line(exc: BaseException) -> str:
-    """An error's message on one line (at most 500 characters), else its type's name, with
-    anything key-like hidden (:func:`pipeline.security.redaction.scrub`): managers read it (a
-    failure reason, an entry task's ``FAILURE``), and an error from a library may quote a
-    provider."""
-    message = exc.message if isinstance(exc, CritiqueError) else str(exc)
-    return scrub(" ".join(str(message).split()))[:500] or type(exc).__name__
+def scrubbed_line(exc: BaseException) -> str:
+    """An error's line (:func:`pipeline.errors.error_line`) with anything key-like hidden
+    (:func:`pipeline.security.redaction.scrub`, before the cut to 500 characters): managers
+    read it (a failure reason, an entry task's ``FAILURE``), and an error from a library may
+    quote a provider."""
+    return scrub(error_line(exc, None))[:500]
 
 
 def _record_failure(task: Task, exc: BaseException) -> None:
@@ -169,7 +174,7 @@ def _record_failure(task: Task, exc: BaseException) -> None:
             field,
             stage=stage,
             error=type(exc).__name__,
-            reason=one_line(exc),
+            reason=scrubbed_line(exc),
             refused=isinstance(exc, (SubmissionError, ConfigError)),
             task_id=str(task.request.id or ""),
         )
@@ -542,7 +547,7 @@ def write_held(task: PipelineTask, step: Step) -> None:
     except PassFinished:
         log.info("steps %s belong to a finished pass: not recorded", task.request.id)
     except Exception as exc:  # the stage's own error is the one raised
-        log.warning("could not record the steps %s held: %s", task.request.id, one_line(exc))
+        log.warning("could not record the steps %s held: %s", task.request.id, scrubbed_line(exc))
 
 
 def refund(stage: str, ran: Step, stood: Step | None) -> None:

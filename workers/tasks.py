@@ -43,11 +43,11 @@ from workers.steps import (
     drive,
     finish_pass,
     from_broker,
-    one_line,
     record_refusal,
     refuse,
     run_completion_gate,
     run_step,
+    scrubbed_line,
     settle,
     take,
 )
@@ -205,7 +205,7 @@ def _store_entry_failure(task: PipelineTask, exc: BaseException, task_id: str) -
         if meta.get("status") == states.SUCCESS:
             log.warning("entry task %s failed after its pass stored an outcome: kept", task_id)
             return
-        exc.args = (one_line(exc),)
+        exc.args = (scrubbed_line(exc),)
         task.backend.store_result(task_id, exc, states.FAILURE, traceback=None, request=None)
     except Exception as store_exc:  # never mask the task's own failure
         log.warning("could not store the failure of entry task %s: %s", task_id, store_exc)

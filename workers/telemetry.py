@@ -53,6 +53,7 @@ from pipeline.loop.stages import BudgetWait, LoopState, PassCancelled
 from pipeline.models import CritiqueResult, defect_line
 from pipeline.security.model_policy import provider_of
 from pipeline.store import keys
+from pipeline.text.escaping import one_line
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +293,7 @@ def _safe_message(exc: BaseException) -> str:
     (a library's message may quote its input)."""
     if isinstance(exc, CritiqueError) or _state.content:
         text = exc.message if isinstance(exc, CritiqueError) else str(exc)
-        return " ".join(str(text).split())[:TEXT_CHARS]
+        return one_line(text, TEXT_CHARS)
     return type(exc).__name__
 
 

@@ -39,13 +39,12 @@ from pipeline.security.pattern_text import (
     MAX_RULE_CHARS,
     long_keys,
     name_token,
-    one_line,
     safe_pattern,
     stored_text,
 )
 from pipeline.store.base import MAX_PATTERNS_PER_CRITIQUE
 from pipeline.store.keys import pattern_key
-from pipeline.text.escaping import md_text
+from pipeline.text.escaping import md_text, one_line
 
 
 def render_pitfalls(patterns: Sequence[Pattern]) -> str:

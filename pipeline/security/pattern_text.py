@@ -22,6 +22,7 @@ from typing import Any
 
 from pipeline.models import ReusablePattern
 from pipeline.security.injection import detect_injection
+from pipeline.text.escaping import one_line
 
 MAX_NAME_CHARS = 40
 """Longest field, section or location name a stored pattern quotes as written."""
@@ -32,11 +33,6 @@ MAX_DESCRIPTION_CHARS = 200
 
 _PLAIN_NAME = re.compile(r"\w[\w.\-]*(?: [\w.\-]+)*")
 """A plain name: letters, digits, ``_``, ``.``, ``-`` and single spaces between words."""
-
-
-def one_line(text: str) -> str:
-    """``text`` on one line: every run of whitespace (line breaks included) one space."""
-    return " ".join(text.split())
 
 
 def stored_text(text: str, limit: int) -> str:

@@ -7,7 +7,7 @@ someone else's task). Such text reaches a manager through a failure reason (``wa
 HTTP status and a short provider message with anything key-like replaced by ``***``
 (:func:`provider_error`, :func:`scrub_provider`); :func:`scrub`, the lighter pass that leaves
 ids and digests alone, covers any other error text a manager can read (a failed task's reason,
-``workers.steps.one_line``).
+``workers.steps.scrubbed_line``).
 
 What counts as key-like: the values of the worker's own credentials (every variable
 :func:`pipeline.security.model_policy.held_keys` names, the signing secrets, and the key a call
@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 
 from pipeline import settings
 from pipeline.security.model_policy import held_keys
+from pipeline.text.escaping import one_line
 
 SHOWN = "***"
 MAX_PROVIDER_MESSAGE = 200
@@ -103,7 +104,7 @@ def provider_error(exc: BaseException, known: Iterable[str | None] = ()) -> str:
     key the call carried, when the caller knows it."""
     status = getattr(exc, "status_code", None)
     where = f" (HTTP {status})" if isinstance(status, int) else ""
-    text = scrub_provider(" ".join(str(exc).split()), known)
+    text = scrub_provider(one_line(exc), known)
     if len(text) > MAX_PROVIDER_MESSAGE:
         text = text[: MAX_PROVIDER_MESSAGE - 3] + "..."
     return f"{type(exc).__name__}{where}: {text}" if text else f"{type(exc).__name__}{where}"

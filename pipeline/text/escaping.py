@@ -8,6 +8,8 @@ must stay text.
   controls, bidi overrides, zero-width characters, lone surrogates) becomes a visible escape
   such as ``\\x1b``, so a terminal never runs it; all other Unicode is kept. The CLI prints
   worker-made text through it (:mod:`workers.commands._text`).
+- :func:`one_line`: any text on one line (every run of whitespace one space), optionally cut:
+  the one way an error, a reason or a rule is folded onto a line anywhere in the product.
 - :func:`md_text` / :func:`md_cell`: text placed in ``CRITIQUE.md``, ``lessons.md`` or an
   escalation file shows literally: one line, ``&``, ``<`` and ``>`` as HTML entities (no raw
   HTML, no autolink), ``\\``, `````, ``[``, ``]`` and ``|`` backslash-escaped (no code span,
@@ -53,15 +55,22 @@ def escape_controls(text: str) -> str:
     )
 
 
+def one_line(value: object, limit: int | None = None) -> str:
+    """``str(value)`` on one line: every run of whitespace (line breaks included) one space;
+    at most ``limit`` characters when given."""
+    line = " ".join(str(value).split())
+    return line if limit is None else line[:limit]
+
+
 def md_text(value: object) -> str:
     """``value`` as one line of Markdown that renders as exactly its text (see the module)."""
-    return escape_controls(" ".join(str(value).split())).translate(_MARKDOWN)
+    return escape_controls(one_line(value)).translate(_MARKDOWN)
 
 
 def md_cell(value: object, limit: int = MD_CELL_MAX) -> str:
     """:func:`md_text` cut to ``limit`` characters of the raw text (``…`` marks the cut), so an
     escape is never cut in half; fit for a table cell."""
-    text = " ".join(str(value).split())
+    text = one_line(value)
     if len(text) > limit:
         text = text[: limit - 1] + "…"
     return md_text(text)

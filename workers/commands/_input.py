@@ -16,7 +16,7 @@ import stat
 import sys
 from typing import Any
 
-from pipeline.text.escaping import escape_controls
+from pipeline.text.escaping import escape_controls, one_line
 
 CONFIG_LIMIT = 1024 * 1024
 """Largest configuration file (``--config``) the commands read, in bytes."""
@@ -26,10 +26,10 @@ class InputError(Exception):
     """An input cannot be used; the message names where and why (one line)."""
 
 
-def one_line(message: object) -> str:
+def terminal_line(message: object) -> str:
     """``message`` on one line (newlines and runs of spaces folded), for stderr; control
     characters (a file name's ESC sequence) shown as escapes (:mod:`workers.commands._text`)."""
-    return escape_controls(" ".join(str(message).split()))
+    return escape_controls(one_line(message))
 
 
 def label_of(path: str) -> str:

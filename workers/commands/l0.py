@@ -21,7 +21,7 @@ from pipeline.config import load_config
 from pipeline.errors import CritiqueError
 from pipeline.text.escaping import escape_controls
 from workers.commands._common import CommandError, add_json_argument, at_least, service_guard
-from workers.commands._input import InputError, check_config_file, one_line, read_text
+from workers.commands._input import InputError, check_config_file, read_text, terminal_line
 from workers.commands._text import json_line
 from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
@@ -82,7 +82,7 @@ def _check(args: argparse.Namespace) -> int:
     except (CritiqueError, InputError, RecursionError) as exc:
         deep = f"--config {args.config}: nested too deeply to parse"
         why = deep if isinstance(exc, RecursionError) else exc
-        raise CommandError(one_line(why)) from None
+        raise CommandError(terminal_line(why)) from None
     for path, text in texts:
         label = "<stdin>" if path == "-" else path
         items.append(

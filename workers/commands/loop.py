@@ -24,7 +24,7 @@ from pipeline.config import load_config
 from pipeline.errors import CritiqueError
 from pipeline.models import Submission
 from workers.commands._common import CommandError, add_json_argument, service_guard
-from workers.commands._input import InputError, check_config_file, loads, one_line, read_text
+from workers.commands._input import InputError, check_config_file, loads, read_text, terminal_line
 from workers.exit_codes import EXIT_OK
 
 HELP = "run the critique loop on one file (deterministic rubric or heuristic pair)"
@@ -175,7 +175,7 @@ def _loop(args: argparse.Namespace) -> int:
     except RecursionError:
         raise CommandError(f"--config {args.config}: nested too deeply to parse") from None
     except (ValueError, CritiqueError, InputError) as exc:
-        raise CommandError(one_line(exc)) from None
+        raise CommandError(terminal_line(exc)) from None
     try:
         config = load_config(args.config, overrides=_overrides(args))
         task = args.task or (
@@ -193,7 +193,7 @@ def _loop(args: argparse.Namespace) -> int:
         )
         result = run_submission(submission, make_context(config))
     except (CritiqueError, ValueError) as exc:
-        raise CommandError(one_line(exc)) from None
+        raise CommandError(terminal_line(exc)) from None
     if args.json:
         print(json.dumps(result.model_dump(mode="json"), ensure_ascii=False, indent=2))
     else:

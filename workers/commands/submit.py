@@ -62,10 +62,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import read_workflow
-from pipeline.errors import CritiqueError, SubmissionError
+from pipeline.errors import CritiqueError, SubmissionError, validation_problems
 from pipeline.models import Submission, check_json_value
 from pipeline.store.urls import redact_url
-from pipeline.text.escaping import escape_controls
+from pipeline.text.escaping import escape_controls, one_line
 from workers.commands._common import (
     CommandError,
     above,
@@ -80,8 +80,8 @@ from workers.commands._input import (
     check_config_file,
     label_of,
     loads,
-    one_line,
     read_text,
+    terminal_line,
 )
 from workers.commands._progress import Progress
 from workers.commands._runs import fallbacks, tally, why_lines
@@ -187,14 +187,7 @@ def validate(where: str, value: Any) -> Any:
     try:
         return Submission.model_validate(value)
     except ValidationError as exc:
-        problems = []
-        errors = exc.errors(include_input=False, include_url=False)
-        for e in errors[:3]:
-            field = ".".join(str(p) for p in e["loc"]) or "submission"
-            problems.append(f"field {field!r}: {one_line(e['msg'])[:300]}")
-        more = len(errors) - len(problems)
-        extra = f" (and {more} more)" if more > 0 else ""
-        raise InputError(f"{where}: {'; '.join(problems)}{extra}") from None
+        raise InputError(f"{where}: {escape_controls(validation_problems(exc))}") from None
 
 
 def read_submissions(paths: list[str], limit: int = DEFAULT_LIMIT) -> list[Any]:
@@ -356,14 +349,15 @@ def _submit(args: argparse.Namespace) -> int:
     except RecursionError:
         raise CommandError("CRITIQUE_CONFIG: nested too deeply to parse") from None
     except (InputError, CritiqueError) as exc:
-        raise CommandError(one_line(exc)) from None
+        raise CommandError(terminal_line(exc)) from None
     if not args.no_key_check:
         try:
             check_keys_for(subs, config)
         except CritiqueError as exc:
             raise CommandError(
-                f"{one_line(exc)}\ncritique submit: checked against this process's environment, "
-                "the best a client can see; if only the workers hold the key, pass --no-key-check"
+                f"{terminal_line(exc)}\ncritique submit: checked against this process's "
+                "environment, the best a client can see; if only the workers hold the key, "
+                "pass --no-key-check"
             ) from None
 
     store, broker = runtime.store_url(), broker_url()
@@ -377,7 +371,7 @@ def _submit(args: argparse.Namespace) -> int:
             raise unreachable_redis(broker, exc, "the broker") from None
         raise unreachable_redis(store, exc) from None
     except CritiqueError as exc:  # e.g. an output over max_output_bytes: nothing was enqueued
-        raise CommandError(one_line(exc)) from None
+        raise CommandError(terminal_line(exc)) from None
     try:
         for h in handles:
             if args.json:
@@ -581,7 +575,7 @@ def interrupted_note(pending: list[Any]) -> str:
 
 def _reason(h: Any, error: Any) -> str:
     """The one-line reason of a failed chain, without the client's "submission … of run …"."""
-    message = " ".join(str(getattr(error, "message", error)).split())
+    message = one_line(getattr(error, "message", error))
     prefix = f"submission {h.worker_id} of run {h.run_id} "
     if message.startswith(prefix):
         message = message[len(prefix) :]

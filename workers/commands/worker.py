@@ -103,7 +103,7 @@ from pipeline.security.signing import parse_named_secrets, parse_secrets
 from pipeline.store.keys import QUEUE_CRITIC, QUEUE_LLM, QUEUES
 from pipeline.store.urls import DEFAULT_REDIS_URL, store_url
 from workers.commands._common import CommandError, check_redis, service_guard
-from workers.commands._input import one_line
+from workers.commands._input import terminal_line
 from workers.exit_codes import EXIT_FAILED, EXIT_OK
 
 HELP = "start a Celery worker for the pipeline's queues (critique.cpu, critique.llm, ...)"
@@ -508,7 +508,7 @@ def _start(args: argparse.Namespace) -> int:
         signed = bool(parse_secrets(settings.raw(settings.SECRET)))
         parse_named_secrets(settings.raw(settings.ENTRY_SECRET))  # too short: exit 2
     except ConfigError as exc:
-        raise CommandError(one_line(exc)) from None
+        raise CommandError(terminal_line(exc)) from None
     pinned = cpu_slots(args, count)
     if args.dry_run:
         print("\n".join(" ".join(argv) for argv in argvs))
