@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from workers.commands._samples import demo_samples
 from workers.embedded import ping
-from workers.samples import demo_samples
 
 pytestmark = pytest.mark.e2e
 

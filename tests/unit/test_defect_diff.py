@@ -166,7 +166,7 @@ def test_status_shows_a_compact_line_per_repaired_round() -> None:
 
 def test_html_report_shows_what_each_repair_fixed_or_introduced() -> None:
     """The worker's figure lists, per repair, the defects fixed, introduced and regressed."""
-    from workers.report_html import render_report_html
+    from workers.commands._report_html import render_report_html
 
     ctx = make_context(
         CritiqueConfig(enabled=True, max_repair_attempts=3),

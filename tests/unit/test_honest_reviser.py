@@ -294,7 +294,7 @@ def test_quickstart_default_configuration_invents_nothing() -> None:
 def test_rubric_demo_reviser_says_its_text_is_stock_text() -> None:
     """The rubric demo pair still reaches its target, and its notes say the added text is the
     demo reviser's stock text, not the author's."""
-    from workers.samples import PAPER_DRAFT, overrides_for
+    from workers.commands._samples import PAPER_DRAFT, overrides_for
 
     ctx = make_context(load_config(env={}, overrides=overrides_for("rubric")))
     result = run_submission(_sub(PAPER_DRAFT, claimed="json"), ctx)

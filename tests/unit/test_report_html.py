@@ -15,7 +15,7 @@ from pipeline.models import (
     Usage,
     cancelled_result,
 )
-from workers.report_html import render_report_html, trajectory_svg
+from workers.commands._report_html import render_report_html, trajectory_svg
 
 EVIL = '<script>alert("x")</script>'
 

@@ -154,13 +154,16 @@ def test_nothing_in_pipeline_imports_the_wiring() -> None:
     assert users == set()
 
 
-def test_the_layout_tree_names_every_module() -> None:
-    """docs/development.md's tree has a line for every module of pipeline/ (and the C
-    scanner), so a module added or moved is drawn where it is."""
+def test_the_layout_trees_name_every_module() -> None:
+    """docs/development.md's trees have a line for every module of pipeline/ (and the C
+    scanner) and of workers/, so a module added or moved is drawn where it is."""
     page = (ROOT / "docs/development.md").read_text(encoding="utf-8")
     tree = page[page.index("## The layout") : page.index("## Layering")]
     drawn = {word for line in tree.splitlines() for word in line.replace(",", " ").split()}
     files = {p.name for p in PIPELINE.rglob("*.py") if p.name != "__init__.py"}
     files |= {p.name for p in PIPELINE.rglob("*.c")}
     files |= {f"{room}/" for room in ROOMS}
+    workers = ROOT / "workers"
+    files |= {p.name for p in workers.rglob("*.py") if p.name != "__init__.py"}
+    files |= {f"{p.name}/" for p in workers.iterdir() if (p / "__init__.py").exists()}
     assert sorted(files - drawn) == []

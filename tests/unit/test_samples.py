@@ -14,7 +14,7 @@ from pipeline.loop.stages import run_submission
 from pipeline.models import CritiqueEnvelope, RepairAttempt, Submission
 from pipeline.store.memory import MemoryPatternStore
 from pipeline.wiring import make_context
-from workers.samples import (
+from workers.commands._samples import (
     DEMO_TOTAL_TOKENS,
     Sample,
     demo_samples,

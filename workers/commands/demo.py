@@ -9,7 +9,7 @@ consuming it; ``CRITIQUE_STORE_URL`` without ``REDIS_URL`` is refused (exit 2).
 :mod:`workers.commands._pipeline` starts either. The embedded run signs its stage messages as a
 deployment does: with ``CRITIQUE_SECRET``, or a random one for this process.
 
-It submits the sample run of :mod:`workers.samples` (two dozen worker outputs over three
+It submits the sample run of :mod:`workers.commands._samples` (two dozen worker outputs over three
 iterations, heuristic and rubric critics, deterministic revisers: no API key), one iteration
 after the other so the Known Pitfalls of earlier iterations reach later repairs, prints one
 progress line per finished submission, then a table per worker, the run's Known Pitfalls, the
@@ -55,7 +55,7 @@ from workers.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 if TYPE_CHECKING:
     from pipeline.models import CritiqueResult
     from workers.client import CritiqueClient, Handle
-    from workers.samples import Sample
+    from workers.commands._samples import Sample
 
 HELP = "run a sample critique run end to end (embedded Redis and worker when REDIS_URL is unset)"
 
@@ -186,9 +186,9 @@ def _run_samples(
     # lazy: workers.client loads celery; `critique --help` imports this module
     from workers.client import CritiqueClient
 
-    # lazy: workers.samples is not loaded by `critique --help`, which imports this module and stays
-    # fast
-    from workers.samples import iterations, overrides_for
+    # lazy: workers.commands._samples is not loaded by `critique --help`, which imports this
+    # module and stays fast
+    from workers.commands._samples import iterations, overrides_for
 
     clients = {
         critic: CritiqueClient(overrides_for(critic)) for critic in {s.critic for s in samples}
@@ -238,9 +238,9 @@ def _demo(args: argparse.Namespace, stack: contextlib.ExitStack, say: Callable[[
     # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
-    # lazy: workers.samples is not loaded by `critique --help`, which imports this module and stays
-    # fast
-    from workers.samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
+    # lazy: workers.commands._samples is not loaded by `critique --help`, which imports this
+    # module and stays fast
+    from workers.commands._samples import DEMO_TOTAL_TOKENS, demo_samples, iterations, overrides_for
 
     # lazy: workers.unreachable is not loaded by `critique --help`, which imports this module and
     # stays fast

@@ -82,9 +82,9 @@ def write_report(
     # lazy: workers.runtime loads celery; `critique --help` imports this module
     from workers import runtime
 
-    # lazy: workers.report_html is not loaded by `critique --help`, which imports this module and
-    # stays fast
-    from workers.report_html import render_report_html
+    # lazy: workers.commands._report_html is not loaded by `critique --help`, which imports this
+    # module and stays fast
+    from workers.commands._report_html import render_report_html
 
     root = Path(out_dir) if out_dir is not None else default_root()
     snap = snapshot if snapshot is not None else load_snapshot(run_id)
