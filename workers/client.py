@@ -27,7 +27,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -367,47 +367,19 @@ class CritiqueClient:
         (:mod:`workers.riding`): ``StoreUnavailableError``, saying for how long the store was
         away, only when it outlasts the timeout (or ``CRITIQUE_OUTAGE_S`` with no timeout).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        delay = 0.01
-        outage = riding.Outage()
-        listener = _Listener(handle.run_id)
+        answers = self.as_completed([handle], timeout)
         try:
-            while True:
-                began = time.monotonic()
-                try:
-                    got = self._outcome(handle)
-                    outage.ok()
-                    listener.answered()
-                    if got is None and listener.due():
-                        # Subscribe, then read again: a result landing after that read is
-                        # announced to us (a verdict already there costs no subscription).
-                        listener.open()
-                        continue
-                except StoreUnavailableError as exc:
-                    listener.lost()
-                    outage.back_off(exc, deadline, riding.gave_up("wait", timeout), began)
-                    continue
-                if isinstance(got, SubmissionError):
-                    raise got
-                if got is not None:
-                    return got
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise CritiqueTimeout(
-                        f"no result for {handle.worker_id} of run {handle.run_id} after "
-                        f"{timeout} s (is a worker consuming critique.cpu and critique.llm?)"
-                    )
-                if listener.listening:  # woken by its announcement; the poll only a backstop
-                    nap = (
-                        BACKSTOP_POLL_S
-                        if deadline is None
-                        else min(BACKSTOP_POLL_S, max(0.0, deadline - time.monotonic()))
-                    )
-                    listener.sleep(nap, [handle])
-                else:
-                    time.sleep(delay)
-                    delay = min(delay * 2, 0.25)
+            _, got = next(answers)
+        except CritiqueTimeout:
+            raise CritiqueTimeout(
+                f"no result for {handle.worker_id} of run {handle.run_id} after "
+                f"{timeout} s (is a worker consuming critique.cpu and critique.llm?)"
+            ) from None
         finally:
-            listener.close()
+            answers.close()  # its subscription with it
+        if isinstance(got, SubmissionError):
+            raise got
+        return got
 
     def resume(self, handle: Handle) -> str:
         """Re-drive a submission from its last recorded step (or from the start).
@@ -463,7 +435,7 @@ class CritiqueClient:
         timeout: float | None = 300.0,
         *,
         on_poll: Callable[[], None] | None = None,
-    ) -> Iterator[tuple[Handle, CritiqueResult | SubmissionError]]:
+    ) -> Generator[tuple[Handle, CritiqueResult | SubmissionError], None, None]:
         """Yield every handle once, as soon as it has an answer: its result, or the
         :class:`SubmissionError` saying why its chain failed (refused by a worker, a stage that
         raised: as a worker recorded it for the pass, as in :meth:`wait`). One failure never
@@ -484,8 +456,8 @@ class CritiqueClient:
         try:
             while left:
                 full = due is None
+                began = time.monotonic()
                 try:
-                    listener.open()  # before the reads: what lands after them wakes us
                     for i in list(left) if due is None else [i for i in due if i in left]:
                         h = left[i]
                         got = self._outcome(h)
@@ -497,10 +469,16 @@ class CritiqueClient:
                 except StoreUnavailableError as exc:  # ridden out: the round starts again
                     listener.lost()
                     due = None
-                    outage.back_off(exc, deadline, riding.gave_up("wait", timeout))
+                    outage.back_off(exc, deadline, riding.gave_up("wait", timeout), began)
                     continue
                 if not left:
                     return
+                if listener.due():
+                    # Subscribe, then read again: a result landing after that read is
+                    # announced to us (verdicts already there cost no subscription).
+                    listener.open()
+                    due = None
+                    continue
                 if on_poll is not None:
                     on_poll()
                 now = time.monotonic()
@@ -701,8 +679,9 @@ announcement lost to a reconnect costs at most this much."""
 
 class _Listener:
     """A wait's subscription to its runs' ``done`` announcements
-    (:class:`pipeline.store.runs.DoneListener`), opened before the wait's first read and again
-    after an outage once the store answers (a broken one falls back to polling)."""
+    (:class:`pipeline.store.runs.DoneListener`), opened after a wait's first read found some
+    answers missing (then read again), and again after an outage once the store answers (a
+    broken one falls back to polling)."""
 
     def __init__(self, *run_ids: str) -> None:
         self.run_ids = run_ids
