@@ -34,7 +34,6 @@ from pydantic import ValidationError
 from pipeline.errors import SubmissionError, validation_problems
 from pipeline.models import MAX_OUTPUT_DEPTH, Submission
 from pipeline.security import signing
-from pipeline.store import keys
 from workers import runtime
 
 ENTRY_VERSION = 1
@@ -58,19 +57,6 @@ class Entry(NamedTuple):
     signer: str | None
     """The identity of the key that verified it (:func:`workers.runtime.entry_keys`: ``fleet``,
     ``entry`` or ``entry:<name>``); None when the workers hold no key (nothing is checked)."""
-
-
-def entry_message(
-    submission: Submission | dict[str, Any],
-    task_id: str,
-    config: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The entry message for ``submission`` sent as task id ``task_id``, signed with the
-    managers' key when one is set (:func:`workers.runtime.sign_entry`): the reference for the
-    other languages' builders in docs/entry.md."""
-    doc = submission.model_dump(mode="json") if isinstance(submission, Submission) else submission
-    msg: dict[str, Any] = {"v": ENTRY_VERSION, "submission": doc, "config": dict(config or {})}
-    return runtime.sign_entry(signing.address(msg, keys.TASK_SUBMIT, task_id))
 
 
 def decode_entry(msg: Any, *, task_name: str, task_id: str) -> Entry:
