@@ -125,12 +125,13 @@ def error_line(exc: BaseException, limit: int | None = 500) -> str:
     return one_line(message, limit) or type(exc).__name__
 
 
-def validation_problems(exc: Any, shown: int = 3) -> str:
+def validation_problems(exc: Any, shown: int = 3, whole: str = "submission") -> str:
     """A pydantic ``ValidationError`` in one line: the first ``shown`` problems as ``field
-    'a.b': <message>`` and how many more, never the input values (a payload is not echoed)."""
+    'a.b': <message>`` (``whole``: the name of a problem with the value itself) and how many
+    more, never the input values (a payload is not echoed)."""
     errors = exc.errors(include_input=False, include_url=False)
     parts = [
-        f"field '{'.'.join(str(p) for p in e['loc']) or 'submission'}': {one_line(e['msg'], 200)}"
+        f"field '{'.'.join(str(p) for p in e['loc']) or whole}': {one_line(e['msg'], 200)}"
         for e in errors[:shown]
     ]
     more = len(errors) - len(parts)

@@ -36,7 +36,7 @@ from pydantic import Field
 
 from pipeline import settings
 from pipeline.config import CritiqueConfig, check_submission_overrides, load_config
-from pipeline.errors import ForgedMessageError, SubmissionError
+from pipeline.errors import ForgedMessageError, SubmissionError, validation_problems
 from pipeline.loop.stages import LoopState, StageContext
 from pipeline.models import FileRef, Frozen
 from pipeline.records.state_refs import compact_state, expand_state
@@ -49,6 +49,7 @@ from pipeline.store.redis_common import STORE_TIMEOUTS, StoreClient, store_clien
 from pipeline.store.urls import DEFAULT_REDIS_URL
 from pipeline.store.urls import store_setting as store_setting_of
 from pipeline.store.urls import store_url as store_url_of
+from pipeline.text.escaping import one_line
 from pipeline.wiring import (
     RedisStores,
     contract_l0,
@@ -444,13 +445,8 @@ def _errors(exc: ValueError) -> str:
     from pydantic import ValidationError
 
     if isinstance(exc, ValidationError):
-        parts = [
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}"
-            for e in exc.errors(include_input=False, include_url=False)[:5]
-        ]
-        more = exc.error_count() - len(parts)
-        return "; ".join(parts) + (f" (+{more} more)" if more > 0 else "")
-    return str(exc)[:200]
+        return validation_problems(exc, shown=5, whole="message")
+    return one_line(exc, 200)
 
 
 class GateRequest(Frozen):
