@@ -267,11 +267,13 @@ def test_unknown_run_and_unreachable_redis(
     env: dict[str, str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An unknown run exits 2 with a clear message; an unreachable Redis exits 3 naming
-    REDIS_URL."""
+    REDIS_URL (after riding out the outage for CRITIQUE_OUTAGE_S: 1 s here, not the default
+    120)."""
     for cmd in ("status", "watch", "report"):
         rc, _, err = _cli(capsys, cmd, "never-submitted")
         assert rc == 2 and "no submission of run 'never-submitted'" in err
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("CRITIQUE_OUTAGE_S", "1")
     _reset_clients()
     try:
         for cmd in ("status", "watch", "report"):

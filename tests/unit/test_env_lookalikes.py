@@ -60,10 +60,12 @@ def test_a_command_warns_once_on_stderr_and_goes_on(
     fresh: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """`critique status` with REDIS_ULR set: one `critique status: warning: …` line, then the
-    command runs as before (here against an unreachable REDIS_URL: exit 3)."""
+    command runs as before (here against an unreachable REDIS_URL: exit 3, after riding out
+    the outage for CRITIQUE_OUTAGE_S, 1 s here rather than the default 120)."""
     for setting in urls.URL_SETTINGS:
         fresh.delenv(setting.env, raising=False)
     fresh.setenv("REDIS_URL", DEAD)
+    fresh.setenv("CRITIQUE_OUTAGE_S", "1")
     fresh.setenv("REDIS_ULR", "redis://127.0.0.1:6390/0")
     from workers import runtime
 
