@@ -12,6 +12,13 @@ Workers: every Celery worker a test needs comes from one of two fixtures here, b
 ``start_worker(name, env, ...)`` for workers of one test, stopped when it ends, and ``worker``,
 a module's shared worker as its ``WORKER = WorkerSpec(...)`` declares, stopped after the module.
 
+**In parallel** (the README's test command runs ``pytest -n 3``, pytest-xdist):
+each xdist worker process has its own Redis server (or, with ``$CRITIQUE_TEST_REDIS_URL=.../N``,
+the database pair ``N + 2k`` and ``N + 2k - 1`` for worker ``gwk``); a test file's tests run in
+one process, so a module's shared worker starts once; and every test of ``tests/faults`` runs in
+one process, one after another, as each kills, restarts and partitions servers of its own and
+times its recovery: two of them at once on a small machine would time each other.
+
 Tests marked ``fastscan`` need the compiled scanner: skipped when it is not built, failed when
 ``CRITIQUE_TEST_REQUIRE_FASTSCAN=1`` (see :func:`tests.support.require_fastscan`).
 """
@@ -21,6 +28,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +50,48 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``-n N``: a test file's tests go to one xdist worker (a module's shared worker
+    process starts once), and every test of tests/faults to one worker, one after another (they
+    kill, restart and partition servers and time their recovery: two at once on a small
+    machine would time each other; the RabbitMQ ones stop the one broker they share)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileFaultsTogether(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _xdist_scope(nodeid)
+
+    return ByFileFaultsTogether(config, log)
+
+
+def _xdist_scope(nodeid: str) -> str:
+    """The unit of work a test belongs to under ``-n``: its file, or ``tests/faults``."""
+    path = nodeid.split("::", 1)[0]
+    return "tests/faults" if path.startswith("tests/faults/") else path
+
+
+def _xdist_index() -> int:
+    """This xdist worker's number (``gw2`` → 2); 0 outside xdist."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
+
+
+def _shared_db(url: str, index: int) -> str:
+    """``url`` (``redis://host:port/N``) moved to database ``N + 2 * index``: each xdist worker
+    its own pair of databases on a shared Redis."""
+    base, _, db = url.rstrip("/").rpartition("/")
+    if not db.isdigit():
+        raise pytest.UsageError(f"{TEST_REDIS_ENV} must end in /N (a database number): {url}")
+    moved = int(db) + 2 * index
+    if moved > 15:
+        raise pytest.UsageError(
+            f"{TEST_REDIS_ENV}={url}: xdist worker {index} would need database {moved}; "
+            "name a lower N or run fewer workers (-n)"
+        )
+    return f"{base}/{moved}"
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.get_closest_marker("fastscan") is not None:
         require_fastscan()
@@ -53,7 +103,7 @@ def redis_url() -> Iterator[str]:
     :data:`TEST_DB` of a redis-server of this session's own."""
     url = os.environ.get(TEST_REDIS_ENV)
     if url:
-        yield url
+        yield _shared_db(url, _xdist_index())
         return
     server = EmbeddedRedis().start()
     try:
