@@ -47,13 +47,12 @@ from urllib.parse import urlsplit
 from celery.exceptions import Ignore, TaskPredicate
 
 from pipeline import __version__
-from pipeline.errors import CritiqueError
+from pipeline.errors import CritiqueError, error_line
 from pipeline.llm.completion import Completer, LLMReply, LLMRequest
 from pipeline.loop.stages import BudgetWait, LoopState, PassCancelled
 from pipeline.models import CritiqueResult, defect_line
 from pipeline.security.model_policy import provider_of
 from pipeline.store import keys
-from pipeline.text.escaping import one_line
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +288,10 @@ def _critique(attributes: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _safe_message(exc: BaseException) -> str:
-    """What a span says of an error: the product's own one-line message, else only its type
-    (a library's message may quote its input)."""
+    """What a span says of an error: the product's own one-line message (or, with content
+    captured, any error's), else only its type (a library's message may quote its input)."""
     if isinstance(exc, CritiqueError) or _state.content:
-        text = exc.message if isinstance(exc, CritiqueError) else str(exc)
-        return one_line(text, TEXT_CHARS)
+        return error_line(exc, TEXT_CHARS)
     return type(exc).__name__
 
 

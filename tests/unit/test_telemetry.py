@@ -153,3 +153,20 @@ def test_metric_fields_add_up_to_cumulative_histograms_and_foreign_fields_are_sk
     fast, seconds = durations[("openai", "")]
     assert dict(fast)["0.04"] == 0 and dict(fast)["0.08"] == 1
     assert seconds == pytest.approx(0.05)
+
+
+def test_a_span_names_an_errors_type_unless_the_message_is_ours_or_content_is_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A span's error message: the product's own message on one line (its type's name when it
+    is empty), any other error only by its type (its text may quote input) unless content
+    capture is on."""
+    from pipeline.errors import ConfigError
+
+    monkeypatch.setattr(t._state, "content", False)
+    assert t._safe_message(ConfigError("no key\nset X", hint="set it")) == "no key set X"
+    assert t._safe_message(ConfigError("")) == "ConfigError"
+    assert t._safe_message(ValueError("the secret input")) == "ValueError"
+    monkeypatch.setattr(t._state, "content", True)
+    assert t._safe_message(ValueError("the input\nquoted")) == "the input quoted"
+    assert t._safe_message(ValueError()) == "ValueError"
