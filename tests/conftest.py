@@ -14,10 +14,11 @@ a module's shared worker as its ``WORKER = WorkerSpec(...)`` declares, stopped a
 
 **In parallel** (the README's test command runs ``pytest -n 3``, pytest-xdist):
 each xdist worker process has its own Redis server (or, with ``$CRITIQUE_TEST_REDIS_URL=.../N``,
-the database pair ``N + 2k`` and ``N + 2k - 1`` for worker ``gwk``); a test file's tests run in
-one process, so a module's shared worker starts once; and every test of ``tests/faults`` runs in
-one process, one after another, as each kills, restarts and partitions servers of its own and
-times its recovery: two of them at once on a small machine would time each other.
+the database pair ``N + 2k`` and ``N + 2k - 1`` for worker ``gwk``; from N = 0: 0/1, 3/2, 5/4);
+a test file's tests run in one process, so a module's shared worker starts once; and every test
+of ``tests/faults`` runs in one process, one after another, as each kills, restarts and
+partitions servers of its own and times its recovery: two of them at once on a small machine
+would time each other.
 
 Tests marked ``fastscan`` need the compiled scanner: skipped when it is not built, failed when
 ``CRITIQUE_TEST_REQUIRE_FASTSCAN=1`` (see :func:`tests.support.require_fastscan`).
@@ -34,7 +35,14 @@ import pytest
 
 from tests.fakes.openai_server import FakeOpenAIServer
 from tests.support import require_fastscan
-from tests.support.workers import WorkerProcess, WorkerSpec, WorkerStarter
+from tests.support.workers import (
+    WorkerProcess,
+    WorkerSpec,
+    WorkerStarter,
+    url_db,
+    with_db,
+    worker_db,
+)
 from workers.embedded import EmbeddedRedis
 
 TEST_REDIS_ENV = "CRITIQUE_TEST_REDIS_URL"
@@ -78,18 +86,20 @@ def _xdist_index() -> int:
 
 
 def _shared_db(url: str, index: int) -> str:
-    """``url`` (``redis://host:port/N``) moved to database ``N + 2 * index``: each xdist worker
-    its own pair of databases on a shared Redis."""
-    base, _, db = url.rstrip("/").rpartition("/")
-    if not db.isdigit():
+    """``url`` (``redis://host:port/N``) moved so that each xdist worker has a pair of databases
+    (its tests' and its workers', :func:`tests.support.workers.worker_db`) of its own on a shared
+    Redis: worker 0 keeps N, worker k takes the k-th pair above N's (N + 2k; from database 0,
+    whose workers use 1, 1 + 2k)."""
+    n = url_db(url)
+    if n is None:
         raise pytest.UsageError(f"{TEST_REDIS_ENV} must end in /N (a database number): {url}")
-    moved = int(db) + 2 * index
+    moved = n if index == 0 else max(n, worker_db(n)) + 2 * index
     if moved > 15:
         raise pytest.UsageError(
             f"{TEST_REDIS_ENV}={url}: xdist worker {index} would need database {moved}; "
             "name a lower N or run fewer workers (-n)"
         )
-    return f"{base}/{moved}"
+    return with_db(url, moved)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -27,14 +27,27 @@ DEFAULT_QUEUES = "critique.cpu,critique.llm"
 """The queues a worker consumes unless told otherwise (every stage's default queue)."""
 
 
-def worker_db_url(test_url: str) -> str:
+def url_db(url: str) -> int | None:
+    """The database number a ``redis://`` URL names (its path), None when it names none."""
+    db = urlsplit(url).path.strip("/")
+    return int(db) if db.isdigit() else None
+
+
+def with_db(url: str, db: int) -> str:
+    """``url`` naming database ``db`` instead."""
+    return urlunsplit(urlsplit(url)._replace(path=f"/{db}"))
+
+
+def worker_db(test_db: int) -> int:
     """The database worker tests use: the one below the test database (1 → 0 on the session's
     own server; N → N-1 with ``CRITIQUE_TEST_REDIS_URL=.../N``; db 1 when the test database is
     0), so the two never collide, nor sessions that share one Redis with different databases."""
-    u = urlsplit(test_url)
-    db = u.path.strip("/")
-    n = int(db) if db.isdigit() else 0
-    return urlunsplit(u._replace(path=f"/{n - 1 if n > 0 else 1}"))
+    return test_db - 1 if test_db > 0 else 1
+
+
+def worker_db_url(test_url: str) -> str:
+    """``test_url`` moved to its workers' database (:func:`worker_db`)."""
+    return with_db(test_url, worker_db(url_db(test_url) or 0))
 
 
 @contextlib.contextmanager

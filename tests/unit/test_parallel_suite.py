@@ -37,6 +37,16 @@ def test_each_xdist_worker_takes_its_own_pair_of_shared_databases() -> None:
     ]
 
 
+def test_from_database_0_no_two_xdist_workers_share_a_database() -> None:
+    """Database 0's workers use 1, so gw1 takes 3 (workers 2), gw2 5 (workers 4)."""
+    from tests.support.workers import url_db, worker_db
+
+    dbs = [url_db(_shared_db("redis://127.0.0.1:6379/0", k)) for k in range(3)]
+    assert dbs == [0, 3, 5]
+    pairs = [{db, worker_db(db)} for db in dbs if db is not None]
+    assert len(set().union(*pairs)) == 6
+
+
 def test_a_shared_url_without_room_or_without_a_database_is_a_usage_error() -> None:
     """Database 15 is the last of a default Redis; a URL with no /N names none to move."""
     with pytest.raises(pytest.UsageError, match="would need database 17"):
